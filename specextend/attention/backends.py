@@ -1,0 +1,131 @@
+"""Attention kernels behind one call: attend(q, k, v, mask, scale, need_lse) -> (out, lse).
+
+mask is None (every query sees every key), CAUSAL (square causal block) or a bool tensor [T, S].
+Backends:
+  eager  plain math (attention_eager): the reference, any device and dtype;
+  torch  PyTorch's fused SDPA kernels; where a log-sum-exp is needed, the LSE-returning ATen ops
+         (flash on CPU and on CUDA half types, memory-efficient on CUDA float32), wrapped below;
+  flash  flash-attn 2 (CUDA, when importable); masks it cannot express go to `torch`.
+GQA never repeats the prefix K/V: with no mask, the H/G query heads of a group are folded into
+the query-length axis so one [G, (H/G)*T, D] call covers them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from specextend.attention.eager import attention_eager
+
+CAUSAL = "causal"
+Mask = Union[None, str, torch.Tensor]
+
+
+def causal_mask(t: int, s: int, device) -> torch.Tensor:
+    """[T, S] bool, bottom-right aligned (query i sees keys up to S - T + i)."""
+    return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
+
+
+def _fold_gqa(q: torch.Tensor, g: int) -> torch.Tensor:
+    h, t, d = q.shape
+    return q.reshape(g, (h // g) * t, d)  # [G, (H/G)*T, D]
+
+
+def _sdpa_lse(q4, k4, v4, is_causal: bool, scale: float):
+    """LSE-returning fused SDPA, q4 [1, Hq, T, D], k4/v4 [1, Hq, S, D] -> out [1,Hq,T,D], lse [1,Hq,T]."""
+    if q4.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, is_causal, scale=scale)[:2]
+        return out, lse
+    if q4.dtype in (torch.float16, torch.bfloat16):
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, is_causal, False, scale=scale)
+        return r[0], r[1]
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q4, k4, v4, None, True, 0.0, is_causal, scale=scale)
+    return r[0], r[1][..., : q4.shape[2]]
+
+
+class AttentionBackend:
+    name = "base"
+
+    def attend(self, q, k, v, mask: Mask, scale: float, need_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        raise NotImplementedError
+
+
+class EagerBackend(AttentionBackend):
+    name = "eager"
+
+    def attend(self, q, k, v, mask, scale, need_lse):
+        if isinstance(mask, str):
+            mask = causal_mask(q.shape[1], k.shape[1], q.device)
+        return attention_eager(q, k, v, mask, scale)
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def attend(self, q, k, v, mask, scale, need_lse):
+        h, t, d = q.shape
+        g = k.shape[0]
+        if isinstance(mask, torch.Tensor):
+            if need_lse:
+                return attention_eager(q, k, v, mask, scale)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+            return out[0], None
+        if not need_lse:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=mask == CAUSAL,
+                                                 scale=scale, enable_gqa=True)
+            return out[0], None
+        if mask is None:
+            out, lse = _sdpa_lse(_fold_gqa(q, g)[None], k[None], v[None], False, scale)
+            return out.reshape(h, t, d), lse.reshape(h, t).float()
+        r = h // g  # causal block: repeat only the (small) new keys
+        kr = k.repeat_interleave(r, dim=0)
+        vr = v.repeat_interleave(r, dim=0)
+        out, lse = _sdpa_lse(q[None], kr[None], vr[None], True, scale)
+        return out[0], lse[0].float()
+
+
+class FlashBackend(AttentionBackend):
+    name = "flash"
+
+    def __init__(self):
+        from flash_attn import flash_attn_func  # noqa: F401  (import error = backend unavailable)
+
+        self._fn = flash_attn_func
+        self._fallback = TorchBackend()
+
+    def attend(self, q, k, v, mask, scale, need_lse):
+        if isinstance(mask, torch.Tensor) or q.dtype not in (torch.float16, torch.bfloat16):
+            return self._fallback.attend(q, k, v, mask, scale, need_lse)
+        out, lse, _ = self._fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                               softmax_scale=scale, causal=mask == CAUSAL, return_attn_probs=True)
+        return out[0].transpose(0, 1), lse[0].float()
+
+
+def flash_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    device = torch.device(device)
+    if name == "auto":
+        name = "flash" if device.type == "cuda" and flash_available() else "torch"
+    if name == "eager":
+        return EagerBackend()
+    if name == "torch":
+        return TorchBackend()
+    if name == "flash":
+        if not flash_available():
+            raise ValueError("attention_backend=flash needs CUDA and the flash-attn package (extra 'flash')")
+        return FlashBackend()
+    raise ValueError(f"unknown attention backend {name!r}")

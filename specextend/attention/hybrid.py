@@ -1,0 +1,59 @@
+"""One layer's attention of T new queries over a cache prefix of L keys plus the T new keys.
+
+Two compositions (both exact):
+  hybrid  (Hybrid Tree Attention, DESIGN 3.3) prefix part with no mask through the backend's
+          LSE-returning kernel, new part with its mask (causal block through the kernel, tree
+          mask in explicit float32 math), merged by log-sum-exp;
+  plain   one masked attention over the L + T keys (the standard verification baseline).
+`window` > 0 restricts every query to the last `window` positions (draft prefill).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from specextend.attention.backends import CAUSAL, AttentionBackend, Mask, causal_mask
+from specextend.attention.eager import attention_eager, merge_attention
+
+
+def layer_attention(
+    backend: AttentionBackend,
+    q: torch.Tensor,  # [H, T, D]
+    k: torch.Tensor,  # [G, >= L+T, D] cache view, new keys already staged at [L, L+T)
+    v: torch.Tensor,  # [G, >= L+T, D]
+    prefix_len: int,  # L
+    new_mask: Mask,  # CAUSAL or [T, T] bool among the new tokens
+    scale: float,
+    hybrid: bool = True,
+    need_lse: bool = False,
+    window: int = 0,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Returns out [H, T, D] and, if need_lse, the merged lse [H, T]."""
+    t = q.shape[1]
+    L = prefix_len
+    if window > 0 and new_mask == CAUSAL:
+        lo = max(0, L - window + 1)
+        pos_q = torch.arange(L, L + t, device=q.device)[:, None]  # [T, 1]
+        pos_k = torch.arange(lo, L + t, device=q.device)[None, :]  # [1, S]
+        mask = (pos_k <= pos_q) & (pos_k > pos_q - window)  # [T, S]
+        return backend.attend(q, k[:, lo:L + t], v[:, lo:L + t], mask, scale, need_lse)
+    if new_mask == CAUSAL:
+        if t == 1:  # decode: one query sees everything
+            return backend.attend(q, k[:, :L + 1], v[:, :L + 1], None, scale, need_lse)
+        if L == 0:
+            return backend.attend(q, k[:, :t], v[:, :t], CAUSAL, scale, need_lse)
+        if not hybrid:
+            mask = causal_mask(t, L + t, q.device)
+            return backend.attend(q, k[:, :L + t], v[:, :L + t], mask, scale, need_lse)
+        out_p, lse_p = backend.attend(q, k[:, :L], v[:, :L], None, scale, True)
+        out_n, lse_n = backend.attend(q, k[:, L:L + t], v[:, L:L + t], CAUSAL, scale, True)
+        return merge_attention(out_p, lse_p, out_n, lse_n)
+    # tree mask among the new tokens
+    if not hybrid or L == 0:
+        full = torch.cat([torch.ones(t, L, dtype=torch.bool, device=q.device), new_mask], dim=1)  # [T, L+T]
+        return backend.attend(q, k[:, :L + t], v[:, :L + t], full, scale, need_lse)
+    out_p, lse_p = backend.attend(q, k[:, :L], v[:, :L], None, scale, True)
+    out_t, lse_t = attention_eager(q, k[:, L:L + t], v[:, L:L + t], new_mask, scale)
+    return merge_attention(out_p, lse_p, out_t, lse_t)

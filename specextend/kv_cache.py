@@ -1,0 +1,65 @@
+"""KV cache of one sequence, preallocated, with named operations only.
+
+Layout: data [layers, 2, G, S_max, D] (k = data[:, 0], v = data[:, 1]). Slots [0, length) hold
+committed tokens. A forward `stage`s its T new tokens into [length, length + T); the caller then
+either `advance`s (prefill / decode: keep them all) or `commit`s a subset (tree verification:
+gather the accepted nodes into contiguous slots, drop the rest).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheFull(RuntimeError):
+    pass
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.capacity = capacity
+        self.data = torch.zeros(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [G, S_max, D] views of layer i."""
+        return self.data[i, 0], self.data[i, 1]
+
+    def stage(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write T new tokens' k, v [G, T, D] after the committed prefix (not yet committed)."""
+        t = k.shape[1]
+        if self.length + t > self.capacity:
+            raise CacheFull(f"KV cache full: {self.length} + {t} > {self.capacity}")
+        self.data[layer, 0, :, self.length:self.length + t] = k
+        self.data[layer, 1, :, self.length:self.length + t] = v
+
+    def advance(self, t: int) -> None:
+        """Commit all T staged tokens (append)."""
+        self.length += t
+
+    def commit(self, staged_index: torch.Tensor) -> None:
+        """Keep staged tokens staged_index [m] (offsets from `length`, increasing), in order."""
+        m = staged_index.numel()
+        src = staged_index.to(self.data.device) + self.length  # [m]
+        # one gather over all layers and both k/v
+        self.data[:, :, :, self.length:self.length + m] = self.data.index_select(3, src)
+        self.length += m
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} to {length}")
+        self.length = length
+
+    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the whole content by k, v [layers, G, W, D] (draft working-cache rebuild)."""
+        w = k.shape[2]
+        if w > self.capacity:
+            raise CacheFull(f"KV cache full: {w} > {self.capacity}")
+        self.data[:, 0, :, :w] = k
+        self.data[:, 1, :, :w] = v
+        self.length = w

@@ -1,0 +1,147 @@
+"""Compact decoder for the Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3), batch of one sequence.
+
+One forward takes T new tokens at explicit positions, stages their K/V in the cache after its
+committed prefix and attends with a mask among the new tokens (causal for prefill/decode, the
+tree mask for verification and drafting). The caller commits what it keeps (see kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from specextend.attention.backends import AttentionBackend, Mask
+from specextend.attention.hybrid import layer_attention
+from specextend.kv_cache import KVCache
+from specextend.models.args import ModelArgs
+from specextend.models.rope import Rope, apply_rope
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor  # [(H + 2G) * D, E]
+    qkv_bias: Optional[torch.Tensor]  # [(H + 2G) * D]
+    o: torch.Tensor  # [E, H * D]
+    q_norm: Optional[torch.Tensor]  # [D] (Qwen3)
+    k_norm: Optional[torch.Tensor]  # [D]
+    gate_up: torch.Tensor  # [2 * I, E]
+    down: torch.Tensor  # [E, I]
+    input_norm: torch.Tensor  # [E]
+    post_norm: torch.Tensor  # [E]
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # [V, E]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [E]
+    lm_head: torch.Tensor  # [V, E] (may be the same tensor as embed)
+
+    def to(self, device=None, dtype=None) -> "Weights":
+        def cv(x):
+            return None if x is None else x.to(device=device, dtype=dtype)
+
+        tied = self.lm_head is self.embed
+        embed = cv(self.embed)
+        layers = [LayerWeights(**{k: cv(getattr(lw, k)) for k in LayerWeights.__dataclass_fields__})
+                  for lw in self.layers]
+        return Weights(embed, layers, cv(self.norm), embed if tied else cv(self.lm_head))
+
+
+@dataclass
+class Captured:
+    """Last layer's post-RoPE queries and merged LSE of a forward (for cross-model retrieval)."""
+
+    q: torch.Tensor  # [H, T, D]
+    lse: torch.Tensor  # [H, T] float32
+
+
+@dataclass
+class ForwardOptions:
+    hybrid: bool = True  # Hybrid Tree Attention composition (else plain masked attention)
+    window: int = 0  # sliding window for every query (0 = off)
+    capture_last: bool = False  # keep last layer's q and lse
+    logits_rows: Optional[torch.Tensor] = None  # rows of T to compute logits for (None = all)
+    store: Optional[KVCache] = field(default=None)  # also stage pre-RoPE K (and V) here
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(cd)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+class Decoder:
+    def __init__(self, args: ModelArgs, weights: Weights, rope: Rope, backend: AttentionBackend):
+        self.args = args
+        self.w = weights
+        self.rope = rope.to(weights.embed.device)
+        self.backend = backend
+        self.scale = 1.0 / math.sqrt(args.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w.embed.dtype
+
+    def new_cache(self, capacity: int) -> KVCache:
+        a = self.args
+        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, capacity, self.dtype, self.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        cache: KVCache,
+        new_mask: Mask,  # CAUSAL or [T, T] bool
+        opts: ForwardOptions = ForwardOptions(),
+    ) -> tuple[torch.Tensor, Optional[Captured]]:
+        """Returns logits [T' , V] (float32; T' = len(logits_rows) or T) and the captured last layer."""
+        a = self.args
+        t = input_ids.shape[0]
+        h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
+        L = cache.length
+        cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, D]
+        x = F.embedding(input_ids, self.w.embed)  # [T, E]
+        captured = None
+        for i, lw in enumerate(self.w.layers):
+            last = i == a.num_layers - 1
+            hs = rms_norm(x, lw.input_norm, a.rms_norm_eps)
+            qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
+            q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+            q = q.view(t, h, d).transpose(0, 1)  # [H, T, D]
+            k = k.view(t, g, d).transpose(0, 1)  # [G, T, D]
+            v = v.view(t, g, d).transpose(0, 1)  # [G, T, D]
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, a.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, a.rms_norm_eps)
+            if opts.store is not None:
+                opts.store.stage(i, k, v)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            cache.stage(i, k, v)
+            kc, vc = cache.layer(i)
+            need_lse = last and opts.capture_last
+            attn, lse = layer_attention(self.backend, q, kc, vc, L, new_mask, self.scale,
+                                        hybrid=opts.hybrid, need_lse=need_lse, window=opts.window)
+            if need_lse:
+                captured = Captured(q=q, lse=lse.float())
+            x = x + F.linear(attn.transpose(0, 1).reshape(t, h * d), lw.o)
+            hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
+            gate, up = F.linear(hs, lw.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.down)
+        if opts.logits_rows is not None:
+            x = x[opts.logits_rows]
+        x = rms_norm(x, self.w.norm, a.rms_norm_eps)
+        logits = F.linear(x, self.w.lm_head)  # [T', V]
+        if logits.dtype != torch.float64:
+            logits = logits.float()
+        return logits, captured

@@ -1,0 +1,115 @@
+"""`random:<preset>` model specs: real geometries with seeded random weights, and tiny test models.
+
+The tiny pair: `llama-tiny` (target) and `llama-tiny-draft`, a *correlated* copy of the target
+(its first layers plus small noise, sharing embeddings and head) so that acceptance is substantial
+and every acceptance length occurs (DESIGN 3.6). The target's later layers are scaled down so the
+draft, which lacks them, agrees with it most of the time but not always.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, Qwen2Config
+
+from specextend.models.args import ModelArgs
+from specextend.models.decoder import LayerWeights, Weights
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131072,
+                         rope_parameters={**_LLAMA3_ROPE, "factor": 8.0, "rope_theta": 500000.0}),
+    "llama-3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         max_position_embeddings=131072, tie_word_embeddings=True,
+                         rope_parameters={**_LLAMA3_ROPE, "factor": 32.0, "rope_theta": 500000.0}),
+    "llama-68m": dict(arch="llama", vocab_size=32000, hidden_size=768, intermediate_size=3072,
+                      num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=12,
+                      max_position_embeddings=2048),
+    "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2.5-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6),
+    "llama-tiny": dict(arch="llama", vocab_size=259, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=8192, tie_word_embeddings=True),
+}
+TINY_DRAFT = "llama-tiny-draft"
+TINY_DRAFT_LAYERS = 2
+TINY_LATE_LAYER_SCALE = 0.35  # output projections of the target's layers the draft lacks
+TINY_DRAFT_NOISE = 0.004
+PRESET_NAMES = tuple(PRESETS) + (TINY_DRAFT,)
+SEED = 1234
+
+
+def hf_config(preset: str, vocab_size: int | None = None):
+    if preset == TINY_DRAFT:
+        preset = "llama-tiny"
+    if preset not in PRESETS:
+        raise ValueError(f"unknown random preset {preset!r}; known: {', '.join(PRESET_NAMES)}")
+    kw = dict(PRESETS[preset])
+    arch = kw.pop("arch")
+    if vocab_size is not None:
+        kw["vocab_size"] = vocab_size
+    if "rope_theta" in kw:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
+    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    return cls(eos_token_id=256, bos_token_id=None, pad_token_id=256, **kw)
+
+
+def random_weights(args: ModelArgs, seed: int, dtype: torch.dtype, device, embed_std: float = 0.02,
+                   layer_scales: list[float] | None = None) -> Weights:
+    """Seeded normal weights, generated directly on `device` in float32 then cast."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    e, i, d = args.hidden_size, args.intermediate_size, args.head_dim
+    h, g = args.num_heads, args.num_kv_heads
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    layers = []
+    for li in range(args.num_layers):
+        s = 1.0 if layer_scales is None else layer_scales[li]
+        layers.append(LayerWeights(
+            qkv=rnd((h + 2 * g) * d, e), qkv_bias=rnd((h + 2 * g) * d) if args.qkv_bias else None,
+            o=rnd(e, h * d, std=0.02 * s), q_norm=ones(d) if args.qk_norm else None,
+            k_norm=ones(d) if args.qk_norm else None, gate_up=rnd(2 * i, e), down=rnd(e, i, std=0.02 * s),
+            input_norm=ones(e), post_norm=ones(e)))
+    embed = rnd(args.vocab_size, e, std=embed_std)
+    head = embed if args.tie_word_embeddings else rnd(args.vocab_size, e)
+    return Weights(embed=embed, layers=layers, norm=ones(e), lm_head=head)
+
+
+def tiny_target_weights(args: ModelArgs, dtype, device) -> Weights:
+    scales = [1.0 if li < TINY_DRAFT_LAYERS else TINY_LATE_LAYER_SCALE for li in range(args.num_layers)]
+    # Large embeddings (tied head) make the logits peaky, as a trained model's are.
+    w = random_weights(args, SEED, torch.float64, "cpu", embed_std=1.0, layer_scales=scales)
+    for lw in w.layers:  # larger attention/MLP weights so each layer matters
+        lw.qkv.mul_(10)
+        lw.gate_up.mul_(10)
+    return w.to(device=device, dtype=dtype)
+
+
+def tiny_draft_weights(target: Weights, dtype, device, noise: float = TINY_DRAFT_NOISE) -> Weights:
+    """First TINY_DRAFT_LAYERS layers of the tiny target plus seeded noise; embeddings/head shared."""
+    gen = torch.Generator().manual_seed(SEED + 1)
+    src = target.to(device="cpu", dtype=torch.float64)
+    layers = []
+    for lw in src.layers[:TINY_DRAFT_LAYERS]:
+        fields = {}
+        for k in LayerWeights.__dataclass_fields__:
+            x = getattr(lw, k)
+            if x is not None and x.dim() == 2:
+                x = x + torch.randn(x.shape, generator=gen, dtype=torch.float64) * noise * x.std()
+            fields[k] = x
+        layers.append(LayerWeights(**fields))
+    w = Weights(embed=src.embed, layers=layers, norm=src.norm, lm_head=src.lm_head)
+    return w.to(device=device, dtype=dtype)

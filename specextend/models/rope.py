@@ -1,0 +1,48 @@
+"""Rotary position embeddings (HF "rotate half" layout), including llama3/yarn/linear scaling.
+
+Inverse frequencies come from transformers' own RoPE initialisers, so every scaling type that
+transformers supports is computed exactly as it computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inv_freq_from_config(config) -> tuple[torch.Tensor, float]:
+    """Returns inv_freq [D/2] (float32) and the attention scaling factor for cos/sin."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(dim * params.get("partial_rotary_factor", 1.0))
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv.float(), float(scaling)
+
+
+class Rope:
+    def __init__(self, inv_freq: torch.Tensor, scaling: float = 1.0):
+        self.inv_freq = inv_freq  # [D/2] float32
+        self.scaling = scaling
+
+    def to(self, device) -> "Rope":
+        return Rope(self.inv_freq.to(device), self.scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> cos, sin [T, D] in `dtype` (computed in float32/float64)."""
+        cd = torch.float64 if dtype == torch.float64 else torch.float32
+        ang = positions.to(cd)[:, None] * self.inv_freq.to(positions.device, cd)[None, :]  # [T, D/2]
+        emb = torch.cat([ang, ang], dim=-1)  # [T, D]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
