@@ -1,0 +1,167 @@
+"""gRPC client side of the draft: the DraftBackend the target's (synchronous) decode loop calls.
+
+Every call carries a deadline; failures become DraftError subclasses (errors.py), on which the
+engine falls back to plain decoding. A Step that hit DEADLINE_EXCEEDED or UNAVAILABLE is sent
+once more with the same step number: the server applies a step number once (base.py's contract),
+so a first attempt that did reach the draft is not applied twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import grpc
+
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval
+from specextend.rpc.errors import RETRYABLE, error_from_rpc
+from specextend.v1 import draft_pb2 as pb
+from specextend.v1 import draft_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# Messages are small (a step is well under 1 KB; TCP_NODELAY is gRPC's default), so latency is
+# all that matters: no gRPC-level retries (Step retries itself, once), keepalive pings to notice a
+# dead draft node between steps, and a short reconnect backoff so a restarted server is found soon.
+CHANNEL_OPTIONS = (
+    ("grpc.enable_retries", 0),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+
+@dataclass(frozen=True)
+class DraftHealth:
+    ok: bool
+    sessions: int  # sessions open on the server
+    model: str  # the draft model's name
+
+
+def params_to_proto(params: DraftSessionParams) -> pb.DraftConfig:
+    tree, retrieval = params.tree, params.retrieval
+    return pb.DraftConfig(
+        tree_nodes=tree.nodes,
+        tree_depth=tree.depth,
+        tree_topk=tree.topk,
+        retrieval_enabled=retrieval.enabled,
+        retrieval_chunk_size=retrieval.chunk_size,
+        retrieval_top_k=retrieval.top_k,
+        retrieval_every=retrieval.every,
+        retrieval_sink_chunks=retrieval.sink_chunks,
+        retrieval_recent_chunks=retrieval.recent_chunks,
+        draft_prefill_window=retrieval.draft_prefill_window,
+        max_new_tokens=params.max_new_tokens,
+    )
+
+
+def tree_from_proto(tree: pb.DraftTree) -> DraftTree:
+    return DraftTree(
+        step=tree.step, tokens=tuple(tree.tokens), parents=tuple(tree.parents),
+        draft_cache_tokens=tree.draft_cache_tokens,
+    )
+
+
+class GrpcDraftBackend(DraftBackend):
+    """DraftBackend over DraftService at `address` ("host:port"); safe to share between threads.
+
+    timeout_s bounds Step, CloseSession and Health; open_timeout_s bounds OpenSession, which
+    includes the draft's prefill of the whole prompt."""
+
+    def __init__(
+        self, address: str, timeout_s: float = 10.0, open_timeout_s: float = 300.0
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.open_timeout_s = open_timeout_s
+        self._lock = threading.Lock()  # guards the (address, channel, stub) triple
+        self._address = address
+        self._channel: Optional[grpc.Channel] = None
+        self._stub: Optional[draft_pb2_grpc.DraftServiceStub] = None
+        self.reconnect(address)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def reconnect(self, address: str) -> None:
+        """Dials `address` (e.g. a restarted draft actor's); calls in flight on the old one fail."""
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        with self._lock:
+            old, self._channel = self._channel, channel
+            self._address, self._stub = address, draft_pb2_grpc.DraftServiceStub(channel)
+        if old is not None:
+            old.close()
+
+    def shutdown(self) -> None:
+        """Closes the channel; later calls raise DraftError (close() still does not)."""
+        with self._lock:
+            old, self._channel, self._stub = self._channel, None, None
+        if old is not None:
+            old.close()
+
+    def _call(self, method: str, request, timeout_s: float, attempts: int = 1):
+        with self._lock:
+            stub, address = self._stub, self._address
+        if stub is None:
+            raise DraftError(f"the draft client for {address} is shut down")
+        for attempt in range(1, attempts + 1):
+            try:
+                return getattr(stub, method)(request, timeout=timeout_s)
+            except grpc.RpcError as err:
+                if attempt < attempts and err.code() in RETRYABLE:
+                    logger.warning("draft %s at %s: %s, retrying", method, address, err.code().name)
+                    continue
+                raise error_from_rpc(err, method, address, timeout_s) from err
+            except ValueError as err:  # the channel was closed under us by reconnect()/shutdown()
+                raise DraftError(f"draft {method} at {address}: {err}") from err
+
+    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
+        request = pb.OpenSessionRequest(
+            session_id=session_id, prompt_ids=prompt_ids, config=params_to_proto(params)
+        )
+        reply = self._call("OpenSession", request, self.open_timeout_s)
+        if reply.prompt_tokens != len(prompt_ids):
+            raise DraftError(
+                f"draft received {reply.prompt_tokens} of {len(prompt_ids)} prompt tokens"
+            )
+
+    def step(
+        self,
+        session_id: str,
+        step: int,
+        accepted_tokens: Sequence[int],
+        retrieval: Optional[Retrieval] = None,
+    ) -> DraftTree:
+        request = pb.StepRequest(session_id=session_id, step=step, accepted_tokens=accepted_tokens)
+        if retrieval is not None:  # present even with no chunk ids: "keep none but sink/recent"
+            request.retrieval.SetInParent()
+            request.retrieval.chunk_ids.extend(retrieval.chunk_ids)  # [K]
+            request.retrieval.chunk_size = retrieval.chunk_size
+        tree = tree_from_proto(self._call("Step", request, self.timeout_s, attempts=2))
+        if tree.step != step:
+            raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")
+        return tree
+
+    def close(self, session_id: str) -> None:
+        """Best effort, never raises: a failure is logged and the engine carries on."""
+        try:
+            request = pb.CloseSessionRequest(session_id=session_id)
+            self._call("CloseSession", request, self.timeout_s)
+        except DraftError as exc:
+            logger.warning("closing draft session %s failed: %s", session_id, exc)
+
+    def server_health(self) -> DraftHealth:
+        reply = self._call("Health", pb.HealthRequest(), self.timeout_s)
+        return DraftHealth(ok=reply.ok, sessions=reply.sessions, model=reply.model)
+
+    def health(self) -> bool:
+        try:
+            return self.server_health().ok
+        except DraftError as exc:
+            logger.warning("draft health check failed: %s", exc)
+            return False

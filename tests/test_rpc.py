@@ -1,0 +1,258 @@
+"""GrpcDraftBackend <-> DraftServicer over a real gRPC server on 127.0.0.1, with a fake draft."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+import grpc
+import pytest
+
+from specextend.config import RetrievalConfig, TreeConfig
+from specextend.draft.base import (
+    DraftBackend,
+    DraftError,
+    DraftSessionNotFound,
+    DraftSessionParams,
+    DraftStepOutOfOrder,
+    DraftTree,
+    Retrieval,
+)
+from specextend.rpc import DraftServerThread, GrpcDraftBackend
+from specextend.v1 import draft_pb2 as pb
+from specextend.v1 import draft_pb2_grpc
+
+PARENTS = (-1, 0, 0, 1, 1)  # [N] a fixed 5-node tree shape
+
+
+def expected_tree(session_id: str, step: int, accepted: Sequence[int]) -> DraftTree:
+    """Deterministic in (session, step, accepted tokens), so any cross-talk changes the tree."""
+    base = accepted[-1] + zlib.crc32(session_id.encode())
+    return DraftTree(
+        step=step,
+        tokens=tuple((base + i) % 2**31 for i in range(len(PARENTS))),
+        parents=PARENTS,
+        draft_cache_tokens=7 * step + len(accepted),
+    )
+
+
+class FakeDraft(DraftBackend):
+    """base.py's step contract: last+1 applies, last again = cached tree, else out of order."""
+
+    def __init__(self) -> None:
+        self.open_delay_s = self.step_delay_s = 0.0
+        self.slow_once: dict[int, float] = {}  # step number -> seconds slept when first applied
+        self.sessions: dict[str, dict] = {}
+        self.applied: list[tuple[str, int, Optional[Retrieval]]] = []
+        self.active = self.max_active = 0  # concurrent backend calls (the servicer serializes them)
+
+    @contextmanager
+    def _call(self):
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    def open(self, session_id, prompt_ids, params):
+        with self._call():
+            if not prompt_ids:
+                raise ValueError("empty prompt")
+            if prompt_ids[0] < 0:
+                raise RuntimeError("boom")
+            time.sleep(self.open_delay_s)
+            self.sessions[session_id] = dict(
+                prompt=tuple(prompt_ids), params=params, last=-1, tree=None
+            )
+
+    def step(self, session_id, step, accepted_tokens, retrieval=None):
+        with self._call():
+            if session_id not in self.sessions:
+                raise DraftSessionNotFound(f"no draft session {session_id!r}")
+            state = self.sessions[session_id]
+            if step == state["last"]:
+                return state["tree"]
+            if step != state["last"] + 1:
+                raise DraftStepOutOfOrder(f"step {step} after {state['last']}")
+            time.sleep(self.slow_once.pop(step, self.step_delay_s))
+            state.update(last=step, tree=expected_tree(session_id, step, accepted_tokens))
+            self.applied.append((session_id, step, retrieval))
+            return state["tree"]
+
+    def close(self, session_id):
+        with self._call():
+            self.sessions.pop(session_id, None)
+
+
+PARAMS = DraftSessionParams(
+    tree=TreeConfig(nodes=8, depth=4, topk=2),
+    retrieval=RetrievalConfig(
+        enabled=True, chunk_size=16, top_k=8, every=2, sink_chunks=1, recent_chunks=2,
+        draft_prefill_window=128,
+    ),
+    max_new_tokens=99,
+)
+
+
+@pytest.fixture
+def fake():
+    return FakeDraft()
+
+
+@pytest.fixture
+def server(fake):
+    with DraftServerThread(fake, model="fake-draft") as server:
+        yield server
+
+
+@pytest.fixture
+def client(server):
+    client = GrpcDraftBackend(server.address, timeout_s=2.0, open_timeout_s=5.0)
+    yield client
+    client.shutdown()
+
+
+def test_round_trip_preserves_everything(fake, server, client):
+    prompt = [0, 1, 151_643, 2**31 - 1] * 100
+    client.open("s", prompt, PARAMS)
+    assert fake.sessions["s"]["prompt"] == tuple(prompt)
+    assert fake.sessions["s"]["params"] == PARAMS
+    health = client.server_health()
+    assert (health.ok, health.sessions, health.model) == (True, 1, "fake-draft")
+
+    retrievals = [None, Retrieval((0, 3, 7, 2**31 - 1), 16), Retrieval((), 16)]
+    for step, retrieval in enumerate(retrievals):
+        accepted = [step + 10, 2**31 - 2][: step + 1]
+        assert client.step("s", step, accepted, retrieval) == expected_tree("s", step, accepted)
+    assert [r for _, _, r in fake.applied] == retrievals  # None stays absent; () stays present
+
+    client.close("s")
+    assert fake.sessions == {} and client.server_health().sessions == 0
+
+
+def test_errors_map_to_draft_errors(server, client):
+    with pytest.raises(DraftSessionNotFound, match="nope"):
+        client.step("nope", 0, [1])
+    client.open("s", [1, 2], PARAMS)
+    client.step("s", 0, [3])
+    with pytest.raises(DraftStepOutOfOrder, match="step 5 after 0"):
+        client.step("s", 5, [4])
+    with pytest.raises(DraftError, match="INVALID_ARGUMENT: empty prompt") as bad:
+        client.open("t", [], PARAMS)
+    with pytest.raises(DraftError, match="INTERNAL: RuntimeError: boom") as boom:
+        client.open("t", [-1], PARAMS)
+    assert type(bad.value) is DraftError and type(boom.value) is DraftError
+    assert client.step("s", 1, [4]) == expected_tree("s", 1, [4])  # the server carries on
+
+    with grpc.insecure_channel(server.address) as channel:  # no config: validated server side
+        with pytest.raises(grpc.RpcError) as raw:
+            draft_pb2_grpc.DraftServiceStub(channel).OpenSession(
+                pb.OpenSessionRequest(session_id="raw", prompt_ids=[1]), timeout=2.0
+            )
+    assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_deadline_raises_draft_error(fake, server):
+    fake.step_delay_s = 0.5
+    client = GrpcDraftBackend(server.address, timeout_s=0.1)
+    client.open("s", [1], PARAMS)
+    start = time.monotonic()
+    with pytest.raises(DraftError, match="exceeded its 0.1 s deadline"):
+        client.step("s", 0, [1])
+    assert time.monotonic() - start < 0.45  # two attempts of 0.1 s, not the backend's 0.5 s
+    client.shutdown()
+
+
+def test_retried_step_is_applied_once(fake, server, caplog):
+    client = GrpcDraftBackend(server.address, timeout_s=0.3)
+    client.open("s", [1], PARAMS)
+    client.step("s", 0, [1])
+    fake.slow_once[1] = 0.45  # applied, but after the first attempt's deadline
+    with caplog.at_level(logging.WARNING, logger="specextend.rpc.client"):
+        assert client.step("s", 1, [2, 3]) == expected_tree("s", 1, [2, 3])
+    assert "DEADLINE_EXCEEDED, retrying" in caplog.text
+    assert client.step("s", 2, [4]) == expected_tree("s", 2, [4])
+    assert [step for _, step, _ in fake.applied] == [0, 1, 2]
+    client.shutdown()
+
+
+def test_concurrent_sessions_do_not_cross_talk(fake, client):
+    def run(i: int) -> None:
+        sid = f"session-{i}"
+        client.open(sid, [i] * (i + 1), PARAMS)
+        for step in range(25):
+            accepted = [i * 1000 + step, step]
+            assert client.step(sid, step, accepted) == expected_tree(sid, step, accepted)
+        client.close(sid)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(run, range(8)))
+    assert len(fake.applied) == 8 * 25 and fake.sessions == {}
+    assert fake.max_active == 1  # backend calls were serialized
+
+
+def test_close_is_idempotent(client):
+    client.open("s", [1], PARAMS)
+    client.close("s")
+    client.close("s")
+    client.close("never-opened")
+    assert client.server_health().sessions == 0
+
+
+def test_server_stop_fails_fast(fake):
+    server = DraftServerThread(fake)
+    client = GrpcDraftBackend(server.address, timeout_s=5.0)
+    client.open("s", [1], PARAMS)
+    server.stop()
+    start = time.monotonic()
+    with pytest.raises(DraftError, match="unavailable"):
+        client.step("s", 0, [1])
+    client.close("s")  # logged, not raised
+    assert not client.health()
+    assert time.monotonic() - start < 2.0  # no hang until the 5 s deadline
+
+    with DraftServerThread(fake) as restarted:  # a restarted draft: new address
+        client.reconnect(restarted.address)
+        assert client.address == restarted.address
+        assert client.step("s", 0, [1]) == expected_tree("s", 0, [1])
+    client.shutdown()
+    with pytest.raises(DraftError, match="shut down"):
+        client.step("s", 1, [2])
+    client.close("s")
+
+
+def test_start_failure_raises():
+    with DraftServerThread(FakeDraft()) as first:
+        port = int(first.address.rsplit(":", 1)[1])
+        with pytest.raises(RuntimeError):
+            DraftServerThread(FakeDraft(), port=port)
+
+
+def test_abandoned_calls_leave_nothing_behind(fake, server, client):
+    impatient = GrpcDraftBackend(server.address, timeout_s=0.1, open_timeout_s=0.1)
+    fake.open_delay_s = 0.3
+    with pytest.raises(DraftError, match="deadline"):
+        impatient.open("running", [1], PARAMS)  # reaches the backend, then the caller gives up
+    with pytest.raises(DraftError, match="deadline"):
+        impatient.open("queued", [1], PARAMS)  # expires while queued: never reaches the backend
+    fake.open_delay_s = 0.0
+    client.open("s", [1], PARAMS)  # queued behind both: by now "running" has been undone
+    assert set(fake.sessions) == {"s"} and client.server_health().sessions == 1
+    impatient.shutdown()
+
+
+def test_stop_releases_threads(fake):
+    with DraftServerThread(fake) as server:
+        GrpcDraftBackend(server.address).open("s", [1], PARAMS)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and any(
+        t.name.startswith(("draft-rpc", "draft-grpc-server")) for t in threading.enumerate()
+    ):
+        time.sleep(0.01)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("draft-")]
