@@ -30,13 +30,14 @@ class KVCache:
         """k, v [G, S_max, D] views of layer i."""
         return self.data[i, 0], self.data[i, 1]
 
-    def stage(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write T new tokens' k, v [G, T, D] after the committed prefix (not yet committed)."""
+    def stage(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> None:
+        """Write T new tokens' k, v [G, T, D] at `offset` after the committed prefix (uncommitted)."""
+        lo = self.length + offset
         t = k.shape[1]
-        if self.length + t > self.capacity:
-            raise CacheFull(f"KV cache full: {self.length} + {t} > {self.capacity}")
-        self.data[layer, 0, :, self.length:self.length + t] = k
-        self.data[layer, 1, :, self.length:self.length + t] = v
+        if lo + t > self.capacity:
+            raise CacheFull(f"KV cache full: {lo} + {t} > {self.capacity}")
+        self.data[layer, 0, :, lo:lo + t] = k
+        self.data[layer, 1, :, lo:lo + t] = v
 
     def advance(self, t: int) -> None:
         """Commit all T staged tokens (append)."""

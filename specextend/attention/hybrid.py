@@ -24,7 +24,7 @@ def layer_attention(
     k: torch.Tensor,  # [G, >= L+T, D] cache view, new keys already staged at [L, L+T)
     v: torch.Tensor,  # [G, >= L+T, D]
     prefix_len: int,  # L
-    new_mask: Mask,  # CAUSAL or [T, T] bool among the new tokens
+    new_mask: Mask,  # CAUSAL, or [T, T'] bool over the T' >= T staged keys (the last T are the queries')
     scale: float,
     hybrid: bool = True,
     need_lse: bool = False,
@@ -50,10 +50,11 @@ def layer_attention(
         out_p, lse_p = backend.attend(q, k[:, :L], v[:, :L], None, scale, True)
         out_n, lse_n = backend.attend(q, k[:, L:L + t], v[:, L:L + t], CAUSAL, scale, True)
         return merge_attention(out_p, lse_p, out_n, lse_n)
-    # tree mask among the new tokens
+    # tree mask over the staged keys
+    n = new_mask.shape[1]  # T'
     if not hybrid or L == 0:
-        full = torch.cat([torch.ones(t, L, dtype=torch.bool, device=q.device), new_mask], dim=1)  # [T, L+T]
-        return backend.attend(q, k[:, :L + t], v[:, :L + t], full, scale, need_lse)
+        full = torch.cat([torch.ones(t, L, dtype=torch.bool, device=q.device), new_mask], dim=1)  # [T, L+T']
+        return backend.attend(q, k[:, :L + n], v[:, :L + n], full, scale, need_lse)
     out_p, lse_p = backend.attend(q, k[:, :L], v[:, :L], None, scale, True)
-    out_t, lse_t = attention_eager(q, k[:, L:L + t], v[:, L:L + t], new_mask, scale)
+    out_t, lse_t = attention_eager(q, k[:, L:L + n], v[:, L:L + n], new_mask, scale)
     return merge_attention(out_p, lse_p, out_t, lse_t)

@@ -67,6 +67,7 @@ class ForwardOptions:
     capture_last: bool = False  # keep last layer's q and lse
     logits_rows: Optional[torch.Tensor] = None  # rows of T to compute logits for (None = all)
     store: Optional[KVCache] = field(default=None)  # also stage pre-RoPE K (and V) here
+    staged: int = 0  # tree tokens already staged after the prefix (drafting deeper levels)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,10 +102,11 @@ class Decoder:
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         cache: KVCache,
-        new_mask: Mask,  # CAUSAL or [T, T] bool
-        opts: ForwardOptions = ForwardOptions(),
+        new_mask: Mask,  # CAUSAL, or [T, staged + T] bool over the staged tree keys
+        opts: Optional[ForwardOptions] = None,
     ) -> tuple[torch.Tensor, Optional[Captured]]:
         """Returns logits [T' , V] (float32; T' = len(logits_rows) or T) and the captured last layer."""
+        opts = opts or ForwardOptions()
         a = self.args
         t = input_ids.shape[0]
         h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
@@ -127,7 +129,7 @@ class Decoder:
                 opts.store.stage(i, k, v)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            cache.stage(i, k, v)
+            cache.stage(i, k, v, offset=opts.staged)
             kc, vc = cache.layer(i)
             need_lse = last and opts.capture_last
             attn, lse = layer_attention(self.backend, q, kc, vc, L, new_mask, self.scale,

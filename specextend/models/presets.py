@@ -37,12 +37,12 @@ PRESETS: dict[str, dict] = {
                          max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6),
     "llama-tiny": dict(arch="llama", vocab_size=259, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=8192, tie_word_embeddings=True),
+                       max_position_embeddings=8192, tie_word_embeddings=False),
 }
 TINY_DRAFT = "llama-tiny-draft"
 TINY_DRAFT_LAYERS = 2
 TINY_LATE_LAYER_SCALE = 0.35  # output projections of the target's layers the draft lacks
-TINY_DRAFT_NOISE = 0.004
+TINY_DRAFT_NOISE = 0.004  # relative to each weight matrix's std
 PRESET_NAMES = tuple(PRESETS) + (TINY_DRAFT,)
 SEED = 1234
 
@@ -90,11 +90,11 @@ def random_weights(args: ModelArgs, seed: int, dtype: torch.dtype, device, embed
 
 def tiny_target_weights(args: ModelArgs, dtype, device) -> Weights:
     scales = [1.0 if li < TINY_DRAFT_LAYERS else TINY_LATE_LAYER_SCALE for li in range(args.num_layers)]
-    # Large embeddings (tied head) make the logits peaky, as a trained model's are.
-    w = random_weights(args, SEED, torch.float64, "cpu", embed_std=1.0, layer_scales=scales)
-    for lw in w.layers:  # larger attention/MLP weights so each layer matters
-        lw.qkv.mul_(10)
-        lw.gate_up.mul_(10)
+    w = random_weights(args, SEED, torch.float64, "cpu", embed_std=0.1, layer_scales=scales)
+    for lw in w.layers:  # larger attention/MLP weights so that each layer matters
+        lw.qkv.mul_(30)
+        lw.gate_up.mul_(30)
+    w.lm_head.mul_(100)  # peaky logits (an untied head, so the model does not just copy its input)
     return w.to(device=device, dtype=dtype)
 
 

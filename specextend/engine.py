@@ -1,0 +1,217 @@
+"""The decode loop: prefill, then draft -> verify -> commit steps (or plain autoregressive steps).
+
+The target drives. The draft is reached only through DraftBackend (in-process or gRPC); any
+DraftError switches the request to plain decoding on the target, which stays lossless.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from specextend.config import EngineConfig, SamplingParams
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
+from specextend.models.loader import LoadedModel
+from specextend.sampling import make_generator, next_token
+from specextend.target import TargetSession
+from specextend.verify import verify_tree
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (too long, bad ids); maps to HTTP 400."""
+
+
+@dataclass
+class RequestStats:
+    num_steps: int = 0  # verification steps
+    accepted_per_step: list[int] = field(default_factory=list)  # accepted draft tokens per step
+    context_per_step: list[int] = field(default_factory=list)  # committed context at each step
+    draft_tokens: int = 0  # draft tokens proposed in total
+    retrieval_refreshes: int = 0
+    draft_cache_tokens: int = 0
+    fallback: bool = False
+    replayed: bool = False
+    prompt_tokens: int = 0
+    num_generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0  # time in DraftBackend.step (includes RPC when remote)
+    verify_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Accepted draft tokens + 1 bonus per step (vLLM's convention); 1.0 for plain decoding."""
+        if not self.num_steps:
+            return 1.0
+        return (sum(self.accepted_per_step) + self.num_steps) / self.num_steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.num_generated / total if total > 0 else 0.0
+
+    def summary(self) -> dict:
+        return dict(num_generated=self.num_generated, mean_acceptance_length=self.mean_acceptance_length,
+                    num_steps=self.num_steps, prefill_s=self.prefill_s, decode_s=self.decode_s,
+                    tokens_per_s=self.tokens_per_s, retrieval_refreshes=self.retrieval_refreshes,
+                    draft_cache_tokens=self.draft_cache_tokens, fallback=self.fallback,
+                    replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
+
+
+@dataclass
+class StepEvent:
+    token_ids: list[int]  # tokens emitted by this step (possibly empty)
+    finish_reason: Optional[str]  # None, "stop" or "length"
+    stats: RequestStats
+
+
+class _Emitter:
+    """Appends tokens in order and cuts exactly where plain decoding would stop."""
+
+    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], stats: RequestStats):
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.stats = stats
+        self.finish: Optional[str] = None
+
+    def emit(self, tokens: Sequence[int]) -> StepEvent:
+        out = []
+        for tok in tokens:
+            out.append(tok)
+            self.stats.num_generated += 1
+            if tok in self.stop_ids:
+                self.finish = "stop"
+            elif self.stats.num_generated >= self.params.max_new_tokens:
+                self.finish = "length"
+            if self.finish:
+                break
+        return StepEvent(out, self.finish, self.stats)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None):
+        self.config = config.with_mode_defaults()
+        self.target = target
+        self.draft = draft
+        if self.config.mode != "ar" and draft is None:
+            raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        limit = self.target.max_context
+        if self.config.max_prompt_tokens:
+            limit = min(limit, self.config.max_prompt_tokens)
+        return limit
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        return prompt_len + max_new_tokens + self.config.tree.nodes + 2
+
+    def kv_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Target KV bytes one request needs (admission control)."""
+        per_tok = self.target.args.kv_bytes_per_token(self.target.decoder.dtype)
+        return self.capacity(prompt_len, max_new_tokens) * per_tok
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) > self.max_prompt_tokens:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the limit is {self.max_prompt_tokens}")
+        if params.max_new_tokens > self.config.max_new_tokens:
+            raise RequestError(f"max_tokens {params.max_new_tokens} exceeds the limit {self.config.max_new_tokens}")
+        if len(prompt_ids) + params.max_new_tokens > self.target.max_context:
+            raise RequestError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_new_tokens}) exceeds "
+                               f"the model's context of {self.target.max_context} tokens")
+        vocab = self.target.args.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> tuple[list[int], str, RequestStats]:
+        tokens, finish, stats = [], None, RequestStats()
+        for ev in self.stream(prompt_ids, params, **kw):
+            tokens += ev.token_ids
+            finish, stats = ev.finish_reason, ev.stats
+        return tokens, finish, stats
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
+               replay: Optional[Sequence[int]] = None) -> Iterator[StepEvent]:
+        """Yields one StepEvent per forward of the target; the last has a finish_reason.
+
+        `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled."""
+        self.check_request(prompt_ids, params)
+        cfg = self.config
+        sid = session_id or uuid.uuid4().hex
+        stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
+        out = _Emitter(params, self.target.args.eos_token_ids, stats)
+        gen = make_generator(params.seed)
+        target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
+                               hybrid=cfg.hybrid_attention)
+        use_draft = cfg.mode != "ar"
+        opened = False
+        try:
+            t0 = time.perf_counter()
+            if use_draft:
+                try:
+                    self.draft.open(sid, prompt_ids, DraftSessionParams(cfg.tree, cfg.retrieval, params.max_new_tokens))
+                    opened = True
+                except DraftError as e:
+                    use_draft = self._fall_back(stats, sid, e)
+            token = next_token(target.prefill(prompt_ids, cfg.prefill_chunk), params, gen)
+            stats.prefill_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            ev = out.emit([token])
+            yield ev
+            step, committed, retrieval = 0, [token], None
+            while out.finish is None:
+                if use_draft:
+                    try:
+                        ts = time.perf_counter()
+                        tree = self.draft.step(sid, step, committed, retrieval)
+                        stats.draft_s += time.perf_counter() - ts
+                    except DraftError as e:
+                        use_draft = self._fall_back(stats, sid, e)
+                        continue
+                    ts = time.perf_counter()
+                    refresh = cfg.retrieval.enabled and (step + 1) % cfg.retrieval.every == 0
+                    logits = target.verify(committed[-1], tree.tokens, tree.parents, capture=refresh)
+                    forced = replay[step % len(replay)] if replay else None
+                    verdict = verify_tree(logits, tree.tokens, tree.parents, params, gen, forced)
+                    target.commit(verdict.accepted)
+                    ids = target.retrieval_chunks(verdict.accepted, cfg.retrieval) if refresh else None
+                    retrieval = Retrieval(tuple(ids), cfg.retrieval.chunk_size) if ids else None
+                    stats.retrieval_refreshes += retrieval is not None
+                    stats.verify_s += time.perf_counter() - ts
+                    stats.num_steps += 1
+                    stats.accepted_per_step.append(verdict.accept_length)
+                    stats.context_per_step.append(target.cache.length)
+                    stats.draft_tokens += len(tree.tokens)
+                    stats.draft_cache_tokens = tree.draft_cache_tokens
+                    committed = verdict.tokens
+                    step += 1
+                else:
+                    committed = [next_token(target.decode(committed[-1]), params, gen)]
+                ev = out.emit(committed)
+                stats.decode_s = time.perf_counter() - t1
+                yield ev
+        finally:
+            if opened and use_draft:
+                self._close_draft(sid)
+
+    def _fall_back(self, stats: RequestStats, sid: str, err: Exception) -> bool:
+        log.warning("draft failed for session %s (%s); continuing with plain decoding", sid, err)
+        stats.fallback = True
+        self._close_draft(sid)
+        return False
+
+    def _close_draft(self, sid: str) -> None:
+        try:
+            self.draft.close(sid)
+        except Exception as e:  # closing is best-effort; a dead draft has nothing left to free
+            log.info("closing draft session %s failed: %s", sid, e)

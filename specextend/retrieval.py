@@ -1,0 +1,71 @@
+"""Cross-model Retrieval (DESIGN 3.4). Pure functions.
+
+Target side: the final-layer attention probabilities of the last accepted token, recovered from
+its query row and merged log-sum-exp of the verify pass (no eager re-run), averaged over heads,
+pooled into chunk scores; the best chunks within the budget are sent to the draft as ids.
+Draft side: chunk ids -> token positions to keep in the working cache.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specextend.config import RetrievalConfig
+
+
+def last_token_probs(
+    q: torch.Tensor,  # [H, D] post-RoPE query of the last accepted token, final layer
+    lse: torch.Tensor,  # [H] its merged log-sum-exp over every key it saw
+    keys: torch.Tensor,  # [G, S, D] the keys it saw: prefix + accepted path up to itself
+    scale: float,
+) -> torch.Tensor:
+    """Softmax row of each head, exp(q.k * scale - lse), averaged over query heads -> [S] float32."""
+    h, d = q.shape
+    g = keys.shape[0]
+    qg = q.float().reshape(g, h // g, d)  # [G, H/G, D] (GQA: each head uses its group's keys)
+    logits = torch.einsum("grd,gsd->grs", qg, keys.float()) * scale  # [G, H/G, S]
+    probs = torch.exp(logits - lse.float().reshape(g, h // g, 1))
+    return probs.mean(dim=(0, 1))  # [S]
+
+
+def chunk_scores(probs: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """probs [S] -> mean per chunk of C tokens [ceil(S / C)] (the last chunk may be partial)."""
+    s = probs.shape[0]
+    nc = -(-s // chunk_size)
+    pad = nc * chunk_size - s
+    sums = torch.nn.functional.pad(probs, (0, pad)).reshape(nc, chunk_size).sum(-1)
+    counts = torch.full((nc,), float(chunk_size), device=probs.device)
+    counts[-1] = chunk_size - pad
+    return sums / counts
+
+
+def select_chunks(scores: torch.Tensor, cfg: RetrievalConfig) -> list[int]:
+    """Budget of cfg.top_k chunks: sink and recent chunks always, then the best others, sorted."""
+    nc = scores.shape[0]
+    if nc <= cfg.top_k:
+        return list(range(nc))
+    forced = set(range(min(cfg.sink_chunks, nc))) | set(range(max(nc - cfg.recent_chunks, 0), nc))
+    rest = cfg.top_k - len(forced)
+    masked = scores.clone().float()
+    if forced:
+        masked[list(forced)] = float("-inf")
+    best = torch.topk(masked, rest).indices.tolist() if rest > 0 else []
+    return sorted(forced | set(best))
+
+
+def initial_chunks(num_tokens: int, cfg: RetrievalConfig) -> list[int]:
+    """Before the first scores: the sink chunks and the most recent chunks, within the budget."""
+    nc = -(-num_tokens // cfg.chunk_size)
+    if nc <= cfg.top_k:
+        return list(range(nc))
+    sink = list(range(min(cfg.sink_chunks, cfg.top_k)))
+    return sink + list(range(nc - (cfg.top_k - len(sink)), nc))
+
+
+def chunk_positions(chunk_ids: Sequence[int], chunk_size: int, limit: int) -> torch.Tensor:
+    """Token positions (< limit) covered by the chunk ids, in document order -> [W] int64."""
+    ids = torch.tensor(sorted(set(int(c) for c in chunk_ids if c >= 0)), dtype=torch.int64)
+    pos = (ids[:, None] * chunk_size + torch.arange(chunk_size)[None, :]).reshape(-1)
+    return pos[pos < limit]

@@ -1,0 +1,51 @@
+"""Turning target logits into tokens: greedy, or temperature / top-k / top-p sampling with the
+request's own seeded generator. One uniform draw per emitted token, so a speculative run and an
+autoregressive run with the same seed consume the generator identically."""
+
+from __future__ import annotations
+
+import torch
+
+from specextend.config import SamplingParams
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else torch.seed())
+    return g
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [R, V] -> probabilities [R, V] after temperature, top-k and top-p (float32/64)."""
+    x = logits / params.temperature
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [R, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = (cum - sorted_p) >= params.top_p  # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_row(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Inverse-CDF sample of one row probs [V] with one uniform draw from `generator`."""
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    cdf = probs.to(torch.float64).cumsum(0)
+    u = u * cdf[-1].item()
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device)).item())
+    idx = min(idx, probs.shape[0] - 1)
+    while probs[idx] == 0 and idx > 0:  # never return a zero-probability token at the boundary
+        idx -= 1
+    return idx
+
+
+def next_token(logits_row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """logits_row [V] -> token id."""
+    if params.greedy:
+        return int(torch.argmax(logits_row).item())
+    return sample_row(target_probs(logits_row[None], params)[0], generator)

@@ -1,0 +1,77 @@
+"""One request's state on the target side: its KV cache and the forwards that use it.
+
+Invariant between steps: the cache holds every committed token except the last one, which is the
+root of the next draft tree (or the next autoregressive input).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from specextend.attention.backends import CAUSAL
+from specextend.config import RetrievalConfig
+from specextend.models.decoder import Captured, Decoder, ForwardOptions
+from specextend.retrieval import chunk_scores, last_token_probs, select_chunks
+from specextend.tree import ancestor_mask, node_depths
+
+
+class TargetSession:
+    def __init__(self, model: Decoder, capacity: int, hybrid: bool):
+        self.model = model
+        self.cache = model.new_cache(capacity)
+        self.hybrid = hybrid
+        self.captured: Optional[Captured] = None
+
+    def prefill(self, prompt_ids: Sequence[int], chunk: int) -> torch.Tensor:
+        """Chunked causal prefill of the prompt; returns the last position's logits [V]."""
+        dev = self.model.device
+        ids = torch.tensor(list(prompt_ids), device=dev)
+        logits = None
+        for lo in range(0, ids.numel(), chunk):
+            part = ids[lo:lo + chunk]
+            t = part.numel()
+            logits, _ = self.model.forward(
+                part, torch.arange(lo, lo + t, device=dev), self.cache, CAUSAL,
+                ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev)))
+            self.cache.advance(t)
+        return logits[0]
+
+    def decode(self, token: int) -> torch.Tensor:
+        """Autoregressive step: forward the last committed token; returns its logits [V]."""
+        dev = self.model.device
+        pos = torch.tensor([self.cache.length], device=dev)
+        logits, _ = self.model.forward(torch.tensor([token], device=dev), pos, self.cache, CAUSAL)
+        self.cache.advance(1)
+        return logits[0]
+
+    def verify(self, root: int, tokens: Sequence[int], parents: Sequence[int], capture: bool) -> torch.Tensor:
+        """One forward over [root] + tree with the tree mask; returns logits [N+1, V]."""
+        dev = self.model.device
+        depths = torch.tensor([0] + node_depths(parents), device=dev)  # [N+1]
+        ids = torch.tensor([root] + list(tokens), device=dev)  # [N+1]
+        logits, self.captured = self.model.forward(
+            ids, self.cache.length + depths, self.cache, ancestor_mask(parents, dev),
+            ForwardOptions(hybrid=self.hybrid, capture_last=capture))
+        return logits
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        """Keep the root and the accepted nodes' K/V in contiguous slots; drop the rest."""
+        idx = torch.tensor([0] + [a + 1 for a in accepted], device=self.model.device)
+        self.cache.commit(idx)
+
+    def retrieval_chunks(self, accepted: Sequence[int], cfg: RetrievalConfig) -> Optional[list[int]]:
+        """Chunk ids for the draft from the last verification (call after commit).
+
+        The last accepted node's final-layer probabilities over every key it saw (prefix, root
+        and accepted path, now cache slots [0, length)) from its query row and merged LSE."""
+        if self.captured is None:
+            return None
+        ctx = self.cache.length
+        if -(-ctx // cfg.chunk_size) <= cfg.top_k:
+            return None  # everything fits the budget: retrieval is a no-op
+        row = accepted[-1] + 1 if accepted else 0
+        keys = self.cache.layer(self.model.args.num_layers - 1)[0][:, :ctx]  # [G, ctx, D]
+        probs = last_token_probs(self.captured.q[:, row], self.captured.lse[:, row], keys, self.model.scale)
+        return select_chunks(chunk_scores(probs, cfg.chunk_size), cfg)

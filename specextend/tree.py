@@ -1,0 +1,64 @@
+"""Draft-tree tensors (DESIGN 3.1): masks, depths and best-node selection. Pure functions.
+
+A tree is `tokens[N]`, `parents[N]` in topological order, parents[i] = -1 for the root's
+children. Verification and drafting index the root as 0 and node i as i + 1.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node (root's children = 1); parents must be topologically ordered."""
+    depth: list[int] = []
+    for p in parents:
+        if p >= len(depth):
+            raise ValueError("parents must be in topological order")
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def ancestor_mask(parents: Sequence[int], device="cpu") -> torch.Tensor:
+    """[N+1, N+1] bool over [root] + nodes: row i sees the root, its ancestors and itself."""
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    mask[0, 0] = True
+    for i, p in enumerate(parents):
+        row = i + 1
+        if p >= 0:
+            mask[row] = mask[p + 1]
+        mask[row, row] = True
+    return mask.to(device)
+
+
+def children_of(parents: Sequence[int]) -> list[list[int]]:
+    """children[j] = node indices whose parent is node j - 1 (j = 0 is the root), in list order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        children[p + 1].append(i)
+    return children
+
+
+def select_best_nodes(scores: Sequence[float], depths: Sequence[int], parents: Sequence[int],
+                      n: int) -> list[int]:
+    """The n best candidates by path score (log-probability), closed under ancestors.
+
+    A child's score never exceeds its parent's, and ties are broken by depth, so the best-n set
+    contains every selected node's parent. Returned in topological order: by depth, then score."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:n]
+    chosen = set(order)
+    for i in order:  # closure holds by construction; fail loudly if a caller breaks it
+        if parents[i] >= 0 and parents[i] not in chosen:
+            raise ValueError("candidate scores are not monotone along paths")
+    return sorted(order, key=lambda i: (depths[i], -scores[i], i))
+
+
+def reindex_tree(selected: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
+                 ) -> tuple[list[int], list[int]]:
+    """Candidate-pool indices -> the final tree's tokens and parents (indices into the tree)."""
+    pos = {c: i for i, c in enumerate(selected)}
+    return [tokens[c] for c in selected], [pos[parents[c]] if parents[c] >= 0 else -1 for c in selected]

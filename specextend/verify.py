@@ -1,0 +1,55 @@
+"""Lossless verification of a draft tree against the target's logits (DESIGN 3.2). Pure functions.
+
+Walk from the root: at each node draw the target's token (argmax, or a sample from the target
+distribution with the request's generator); descend into the child carrying that token if there
+is one, else it is the bonus token. Accepted path + bonus = exactly what the target alone emits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from specextend.config import SamplingParams
+from specextend.sampling import next_token
+from specextend.tree import children_of
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: list[int]  # accepted node indices (tree order, root excluded), root to leaf
+    tokens: list[int]  # emitted tokens: accepted nodes' tokens + bonus
+    bonus_token: int
+
+    @property
+    def accept_length(self) -> int:
+        return len(self.accepted)
+
+
+def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int],
+                params: SamplingParams, generator: Optional[torch.Generator],
+                forced_length: Optional[int] = None) -> Verdict:
+    """logits [N+1, V] of [root] + nodes. `forced_length` (acceptance replay, not lossless)
+    accepts that many nodes along the draft's best branch (first child) instead."""
+    children = children_of(parents)
+    greedy_rows = torch.argmax(logits, dim=-1).tolist() if params.greedy else None
+    accepted: list[int] = []
+    row = 0  # verification row of the current node (root = 0)
+    while True:
+        kids = children[row]
+        if forced_length is not None:
+            if kids and len(accepted) < forced_length:
+                accepted.append(kids[0])
+                row = kids[0] + 1
+                continue
+            tok = greedy_rows[row] if greedy_rows is not None else next_token(logits[row], params, generator)
+            break
+        tok = greedy_rows[row] if greedy_rows is not None else next_token(logits[row], params, generator)
+        nxt = next((c for c in kids if tokens[c] == tok), None)
+        if nxt is None:
+            break
+        accepted.append(nxt)
+        row = nxt + 1
+    return Verdict(accepted=accepted, tokens=[tokens[c] for c in accepted] + [tok], bonus_token=tok)
