@@ -7,7 +7,7 @@ transformers and their weights moved into our compact Decoder.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +139,10 @@ def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str
         args = ModelArgs.from_hf_config(config)
         weights = weights_from_state_dict(sd, args).to(device=dev, dtype=dt)
         del sd
+    # stop on the tokenizer's EOS as well as the config's (Qwen: <|endoftext|> and <|im_end|>)
+    extra_eos = [i for i in (getattr(tokenizer, "eos_token_id", None),) if isinstance(i, int)]
+    if set(extra_eos) - set(args.eos_token_ids):
+        args = dataclasses.replace(args, eos_token_ids=tuple(args.eos_token_ids) + tuple(extra_eos))
     inv_freq, scaling = inv_freq_from_config(config)
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
     decoder.load_seconds = time.perf_counter() - t0

@@ -59,7 +59,7 @@ def hf_config(preset: str, vocab_size: int | None = None):
     if "rope_theta" in kw:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
     cls = Qwen2Config if arch == "qwen2" else LlamaConfig
-    return cls(eos_token_id=256, bos_token_id=None, pad_token_id=256, **kw)
+    return cls(eos_token_id=[256, 258], bos_token_id=None, pad_token_id=256, **kw)  # byte tokenizer ids
 
 
 def random_weights(args: ModelArgs, seed: int, dtype: torch.dtype, device, embed_std: float = 0.02,

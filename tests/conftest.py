@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """Cache of (target, draft) tiny LoadedModels per (dtype, backend)."""
+    from specextend.models.loader import load_model
+
+    cache = {}
+
+    def get(dtype="float64", backend="torch"):
+        key = (dtype, backend)
+        if key not in cache:
+            t = load_model("random:llama-tiny", dtype=dtype, attention_backend=backend)
+            d = load_model("random:llama-tiny-draft", role="draft", dtype=dtype, attention_backend=backend,
+                           vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
+            cache[key] = (t, d)
+        return cache[key]
+
+    return get

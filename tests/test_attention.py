@@ -1,0 +1,102 @@
+"""Every attention backend against the eager reference; HTA against plain masked and per-branch
+causal attention."""
+
+import pytest
+import torch
+
+from specextend.attention.backends import CAUSAL, get_backend
+from specextend.attention.eager import attention_eager
+from specextend.attention.hybrid import layer_attention
+from specextend.tree import ancestor_mask
+
+BACKENDS = ["eager", "torch"] + (["flash"] if torch.cuda.is_available() else [])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GEOMS = [(4, 2, 16), (4, 4, 8), (6, 1, 32)]  # (H, G, D): GQA, MHA, MQA
+
+
+def rand_kv(h, g, d, L, t, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(h, t, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(g, L + t + 3, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(g, L + t + 3, d, generator=gen, dtype=torch.float64)
+    return [x.to(DEVICE, dtype) for x in (q, k, v)]
+
+
+def tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype in (torch.bfloat16, torch.float16) else dict(atol=1e-5, rtol=1e-5)
+
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [torch.float64])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("geom", GEOMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,t", [(0, 9), (13, 7), (40, 1)])  # prefill, chunked prefill, decode
+def test_causal_paths_match_eager(backend, geom, dtype, L, t):
+    h, g, d = geom
+    q, k, v = rand_kv(h, g, d, L, t, dtype, seed=L + t)
+    be, ref = get_backend(backend, DEVICE), get_backend("eager", DEVICE)
+    for hybrid in (True, False):
+        for need_lse in (True, False):
+            out, lse = layer_attention(be, q, k, v, L, CAUSAL, d ** -0.5, hybrid=hybrid, need_lse=need_lse)
+            exp, exp_lse = layer_attention(ref, q, k, v, L, CAUSAL, d ** -0.5, hybrid=False, need_lse=True)
+            torch.testing.assert_close(out, exp, **tol(dtype))
+            if need_lse:
+                torch.testing.assert_close(lse.float(), exp_lse.float(), **tol(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("geom", GEOMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_windowed_prefill_matches_eager(backend, geom, dtype):
+    h, g, d = geom
+    L, t, w = 20, 11, 8
+    q, k, v = rand_kv(h, g, d, L, t, dtype, seed=3)
+    out, _ = layer_attention(get_backend(backend, DEVICE), q, k, v, L, CAUSAL, d ** -0.5, window=w)
+    pos_q = torch.arange(L, L + t)[:, None]
+    pos_k = torch.arange(L + t)[None, :]
+    mask = ((pos_k <= pos_q) & (pos_k > pos_q - w)).to(DEVICE)
+    exp, _ = attention_eager(q, k[:, :L + t], v[:, :L + t], mask, d ** -0.5)
+    torch.testing.assert_close(out, exp, **tol(dtype))
+
+
+PARENTS = [-1, -1, 0, 0, 1, 2, 4, -1, 5]  # a tree of 9 nodes, depth up to 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("geom", GEOMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hybrid_tree_attention_equals_plain_masked(backend, geom, dtype):
+    h, g, d = geom
+    L, t = 37, len(PARENTS) + 1
+    q, k, v = rand_kv(h, g, d, L, t, dtype, seed=5)
+    mask = ancestor_mask(PARENTS, DEVICE)
+    be = get_backend(backend, DEVICE)
+    hta, hta_lse = layer_attention(be, q, k, v, L, mask, d ** -0.5, hybrid=True, need_lse=True)
+    full = torch.cat([torch.ones(t, L, dtype=torch.bool, device=DEVICE), mask], 1)
+    exp, exp_lse = attention_eager(q, k[:, :L + t], v[:, :L + t], full, d ** -0.5)
+    torch.testing.assert_close(hta, exp, **tol(dtype))
+    torch.testing.assert_close(hta_lse.float(), exp_lse.float(), **tol(dtype))
+    plain, _ = layer_attention(be, q, k, v, L, mask, d ** -0.5, hybrid=False)
+    torch.testing.assert_close(plain, exp, **tol(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hybrid_tree_attention_equals_per_branch_causal(backend):
+    """Each tree node's output equals causal attention over prefix + its own root-to-node branch."""
+    h, g, d = 4, 2, 16
+    L, t = 25, len(PARENTS) + 1
+    q, k, v = rand_kv(h, g, d, L, t, torch.float32, seed=7)
+    out, _ = layer_attention(get_backend(backend, DEVICE), q, k, v, L, ancestor_mask(PARENTS, DEVICE), d ** -0.5)
+    for node in range(len(PARENTS)):
+        branch, a = [], node
+        while a >= 0:
+            branch.append(a + 1)
+            a = PARENTS[a]
+        rows = [0] + branch[::-1]  # root, ..., node (rows of q / staged keys)
+        keys = list(range(L)) + [L + r for r in rows]
+        qb = q[:, rows]
+        exp, _ = attention_eager(qb, k[:, keys], v[:, keys],
+                                 torch.ones(len(rows), len(keys), dtype=torch.bool, device=DEVICE).tril(L), d ** -0.5)
+        torch.testing.assert_close(out[:, node + 1], exp[:, -1], atol=1e-5, rtol=1e-5)
