@@ -1,0 +1,75 @@
+"""Tree helpers and the verification rule, including a statistical test of the sampling path."""
+
+import math
+
+import pytest
+import torch
+
+from specextend.config import SamplingParams
+from specextend.sampling import make_generator, target_probs
+from specextend.tree import ancestor_mask, node_depths, select_best_nodes
+from specextend.verify import verify_tree
+
+PARENTS = [-1, -1, 0, 0, 1, 2]
+
+
+def test_masks_and_depths():
+    assert node_depths(PARENTS) == [1, 1, 2, 2, 2, 3]
+    m = ancestor_mask(PARENTS)
+    assert m[6].tolist() == [True, True, False, True, False, False, True]  # root, 0, 2, itself (5 -> row 6)
+    with pytest.raises(ValueError):
+        node_depths([1, -1])
+
+
+def test_best_nodes_closed_under_ancestors_and_topological():
+    depths = node_depths(PARENTS)
+    sel = select_best_nodes([-0.1, -0.5, -0.2, -0.3, -0.9, -0.35], depths, PARENTS, 4)
+    assert sel == [0, 2, 3, 5]
+    with pytest.raises(ValueError):  # a child better than its parent breaks the invariant
+        select_best_nodes([-0.9, -0.5, -0.1, -0.3, -0.9, -0.35], depths, PARENTS, 1)
+
+
+def test_greedy_walk():
+    v = 8
+    tokens = [3, 4, 5, 6, 7, 1]
+    logits = torch.zeros(len(tokens) + 1, v)
+    logits[0, 3] = 1  # root -> node 0 (token 3)
+    logits[1, 6] = 1  # node 0 -> node 3 (token 6)
+    logits[4, 2] = 1  # node 3 has no child with token 2 -> bonus 2
+    vd = verify_tree(logits, tokens, PARENTS, SamplingParams(), None)
+    assert vd.accepted == [0, 3] and vd.tokens == [3, 6, 2] and vd.bonus_token == 2
+    forced = verify_tree(logits, tokens, PARENTS, SamplingParams(), None, forced_length=5)
+    assert forced.accepted == [0, 2, 5]  # first-child branch, as deep as the tree goes
+
+
+def chi2_critical(dof, z=3.719):  # Wilson-Hilferty, upper tail p ~ 1e-4
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5)])
+def test_sampling_verification_follows_target_distribution(temperature, top_p, top_k):
+    """First and second emitted tokens ~ the target's distributions, whatever the draft proposes."""
+    v = 8
+    gen = torch.Generator().manual_seed(0)
+    tokens = [1, 2, 3, 4, 5, 6]  # root children 1, 2; node0's children 3, 4; node1's child 5; ...
+    logits = torch.randn(len(tokens) + 1, v, generator=gen, dtype=torch.float64) * 1.5
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=2)
+    probs = target_probs(logits, params)  # [N+1, V]
+    rng = make_generator(123)
+    n = 20000
+    first = torch.zeros(v)
+    second_after_1 = torch.zeros(v)
+    for _ in range(n):
+        vd = verify_tree(logits, tokens, PARENTS, params, rng)
+        first[vd.tokens[0]] += 1
+        if vd.tokens[0] == 1 and len(vd.tokens) > 1:
+            second_after_1[vd.tokens[1]] += 1
+    for counts, p in ((first, probs[0]), (second_after_1, probs[1])):
+        support = p > 0
+        assert counts[~support].sum() == 0  # never a token the target excludes
+        expected = counts.sum() * p[support]
+        chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+        assert chi2 < chi2_critical(int(support.sum()) - 1), (chi2, counts, expected)
+    # acceptance at the root = target mass on the root's children (optimal for fixed candidates)
+    accept_rate = (first[1] + first[2]) / n
+    assert abs(accept_rate - float(probs[0, 1] + probs[0, 2])) < 0.02
