@@ -95,6 +95,8 @@ def _load_hf(spec: str, role: str) -> tuple[str, Any, dict[str, torch.Tensor], A
         if not p.is_file():
             raise ModelLoadError(f"model file not found: {spec}")
         name, folder, gguf_file = p.stem, str(p.parent), p.name
+    elif spec.startswith((".", "/", "~")) and not Path(spec).expanduser().exists():
+        raise ModelLoadError(f"model path not found: {spec}")
     else:  # a local folder, else a hub id (fails with a clear error when offline)
         name, folder = (Path(spec).name if Path(spec).is_dir() else spec), spec
     try:
