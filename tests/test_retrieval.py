@@ -41,10 +41,11 @@ def test_cmr_probabilities_equal_eager_softmax_row(tiny_models, backend, hybrid)
     # reference: recompute the last accepted token from scratch and take an explicit softmax
     seq = prompt + [root] + [tokens[a] for a in verdict.accepted]
     cache = dec.new_cache(len(seq))
-    dec.forward(torch.tensor(seq[:-1]), torch.arange(len(seq) - 1), cache, CAUSAL)
+    dev = dec.device
+    dec.forward(torch.tensor(seq[:-1], device=dev), torch.arange(len(seq) - 1, device=dev), cache, CAUSAL)
     cache.advance(len(seq) - 1)
-    _, cap = dec.forward(torch.tensor(seq[-1:]), torch.tensor([len(seq) - 1]), cache, CAUSAL,
-                         ForwardOptions(capture_last=True))
+    _, cap = dec.forward(torch.tensor(seq[-1:], device=dev), torch.tensor([len(seq) - 1], device=dev), cache,
+                         CAUSAL, ForwardOptions(capture_last=True))
     k_all = cache.layer(dec.args.num_layers - 1)[0][:, :len(seq)]  # [G, S, D]
     g = k_all.shape[0]
     q = cap.q[:, 0].reshape(g, -1, dec.args.head_dim)  # [G, H/G, D]

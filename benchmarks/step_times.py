@@ -1,0 +1,168 @@
+"""Step-level timings at scale (DESIGN 3.5, 7): prefill, verify (HTA vs plain masked), AR decode and
+draft steps (retrieval working cache vs full cache), each against its memory floor.
+
+Random weights at real geometries (every kernel's time is what it would be with real weights).
+Prints a table and the full JSON on the last line.
+
+  python benchmarks/step_times.py --target random:llama-3.1-8b --draft random:llama-68m \
+      --lengths 4096,8192,16384,32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from specextend.attention.backends import CAUSAL, get_backend
+from specextend.config import RetrievalConfig, TreeConfig
+from specextend.draft.base import DraftSessionParams
+from specextend.draft.session import DraftSession
+from specextend.models.loader import load_model
+from specextend.target import TargetSession
+from specextend.tree import node_depths
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev, reps: int, warmup: int = 2) -> float:
+    """Median wall time (s) of fn() with the device synchronized around each call."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def copy_bandwidth(dev) -> float:
+    """Bytes read + written per second of a large device copy."""
+    n = (1 << 30) if dev.type == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    t = timed(lambda: b.copy_(a), dev, 10)
+    return 2 * n / t
+
+
+def fixed_tree(nodes: int, topk: int) -> list[int]:
+    """A dense tree: each level's first `topk` nodes get `topk` children, until `nodes` nodes."""
+    parents, frontier = [], [-1]
+    while len(parents) < nodes:
+        nxt = []
+        for p in frontier[:topk]:
+            for _ in range(topk):
+                if len(parents) < nodes:
+                    parents.append(p)
+                    nxt.append(len(parents) - 1)
+        frontier = nxt
+    return parents
+
+
+def bench_length(target, draft, L, a, dev, bw, results):
+    dec = target.decoder
+    args = dec.args
+    gen = torch.Generator().manual_seed(L)
+    prompt = torch.randint(0, 256, (L,), generator=gen).tolist()
+    weight_bytes = args.num_params() * dec.w.embed.element_size()
+    kv_tok = args.kv_bytes_per_token(dec.dtype)
+    row = dict(length=L)
+    # prefill (torch kernels; eager where it fits)
+    sess = TargetSession(dec, L + 128, hybrid=True)
+    row["prefill_s"] = timed(lambda: (sess.cache.truncate(0), sess.prefill(prompt, a.prefill_chunk)), dev, 2, 1)
+    if L <= a.eager_max:
+        eager = get_backend("eager", dev)
+        fast = dec.backend
+        dec.backend = eager
+        row["prefill_eager_s"] = timed(lambda: (sess.cache.truncate(0), sess.prefill(prompt, a.prefill_chunk)),
+                                       dev, 1, 1)
+        dec.backend = fast
+    # AR decode step over L committed tokens
+    def ar_step():
+        sess.decode(7)
+        sess.cache.truncate(L)
+    row["ar_step_s"] = timed(ar_step, dev, a.reps)
+    row["floor_s"] = (weight_bytes + L * kv_tok) / bw
+    # verify step: [root] + tree of N nodes, HTA vs plain masked; nothing committed
+    parents = fixed_tree(a.tree_nodes, a.tree_topk)
+    tokens = [11] * len(parents)
+    for hybrid in (True, False):
+        sess.hybrid = hybrid
+        t = timed(lambda: sess.verify(5, tokens, parents, capture=False), dev, a.reps)
+        row["verify_hta_s" if hybrid else "verify_plain_s"] = t
+    sess.hybrid = True
+    row["verify_floor_s"] = (weight_bytes + (L + len(parents) + 1) * kv_tok) / bw
+    del sess
+    # draft step: full cache vs retrieval working cache (budget retrieval_top_k * chunk)
+    tree = TreeConfig(a.tree_nodes, a.tree_depth, a.tree_topk)
+    for name, retr in (("full", RetrievalConfig()),
+                       ("cmr", RetrievalConfig(enabled=True, top_k=a.retrieval_top_k, draft_prefill_window=512))):
+        ds = DraftSession(draft.decoder, prompt, DraftSessionParams(tree, retr, max_new_tokens=4 * a.reps + 64),
+                          prefill_chunk=a.prefill_chunk)
+        k = [0]
+
+        def step():
+            ds.step(k[0], [3], None)
+            k[0] += 1
+        row[f"draft_step_{name}_s"] = timed(step, dev, a.reps)
+        row[f"draft_cache_{name}"] = ds.cache_tokens
+        del ds
+    results.append(row)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--target", default="random:llama-3.1-8b")
+    p.add_argument("--draft", default="random:llama-68m")
+    p.add_argument("--lengths", default="4096,8192,16384,32768")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--tree-nodes", type=int, default=50)
+    p.add_argument("--tree-depth", type=int, default=10)
+    p.add_argument("--tree-topk", type=int, default=4)
+    p.add_argument("--retrieval-top-k", type=int, default=32)
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--eager-max", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=20)
+    a = p.parse_args()
+    target = load_model(a.target, "target", a.dtype, a.device, "auto")
+    draft = load_model(a.draft, "draft", a.dtype, a.device, "auto", vocab_size=target.args.vocab_size,
+                       target_weights=target.decoder.w)
+    dev = target.decoder.device
+    bw = copy_bandwidth(dev)
+    results = []
+    for L in [int(x) for x in a.lengths.split(",")]:
+        bench_length(target, draft, L, a, dev, bw, results)
+        r = results[-1]
+        print(f"L={L}: prefill {r['prefill_s']*1e3:.0f} ms, ar {r['ar_step_s']*1e3:.2f} ms "
+              f"(floor {r['floor_s']*1e3:.2f}), verify hta {r['verify_hta_s']*1e3:.2f} / plain "
+              f"{r['verify_plain_s']*1e3:.2f} ms (floor {r['verify_floor_s']*1e3:.2f}), draft full "
+              f"{r['draft_step_full_s']*1e3:.2f} / cmr {r['draft_step_cmr_s']*1e3:.2f} ms", flush=True)
+    print("\n| L | prefill s | prefill eager s | AR step ms | floor ms | verify HTA ms | verify plain ms | "
+          "HTA/floor | draft full ms | draft CMR ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        eager = f"{r['prefill_eager_s']:.3f}" if "prefill_eager_s" in r else "-"
+        print(f"| {r['length']} | {r['prefill_s']:.3f} | {eager} | {r['ar_step_s']*1e3:.2f} | "
+              f"{r['floor_s']*1e3:.2f} | {r['verify_hta_s']*1e3:.2f} | {r['verify_plain_s']*1e3:.2f} | "
+              f"{r['verify_hta_s']/r['verify_floor_s']:.2f} | {r['draft_step_full_s']*1e3:.2f} | "
+              f"{r['draft_step_cmr_s']*1e3:.2f} |")
+    meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
+                target=a.target, draft=a.draft, dtype=str(target.decoder.dtype), copy_bandwidth_Bps=bw,
+                tree=[a.tree_nodes, a.tree_depth, a.tree_topk], date=time.strftime("%Y-%m-%d"))
+    print(json.dumps(dict(meta=meta, results=results)))
+
+
+if __name__ == "__main__":
+    main()
