@@ -4,12 +4,12 @@ causal attention."""
 import pytest
 import torch
 
-from specextend.attention.backends import CAUSAL, get_backend
+from specextend.attention.backends import CAUSAL, flash_available, get_backend
 from specextend.attention.eager import attention_eager
 from specextend.attention.hybrid import layer_attention
 from specextend.tree import ancestor_mask
 
-BACKENDS = ["eager", "torch"] + (["flash"] if torch.cuda.is_available() else [])
+BACKENDS = ["eager", "torch"] + (["flash"] if flash_available() else [])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GEOMS = [(4, 2, 16), (4, 4, 8), (6, 1, 32)]  # (H, G, D): GQA, MHA, MQA
 
