@@ -1,0 +1,1 @@
+"""Serve entry points: `serve run deploy.app:specextend [key=value ...]`."""

@@ -1,0 +1,170 @@
+"""Per-replica metrics: Ray's metrics API (exported on Ray's metrics port) and a prometheus_client
+registry with the same families, whose exposition the ingress merges over replicas for
+`GET /metrics` on the HTTP port.
+
+Names follow Prometheus conventions with vLLM's meanings (DESIGN 5). Counters are declared
+without `_total`; both exporters append it. Ray prefixes its copies with `ray_`.
+
+Replicas publish their exposition text to Ray's internal KV under KV_PREFIX (on every finished
+request and every PUBLISH_EVERY_S); the ingress reads every fresh entry and sums samples with
+equal names and labels (histogram buckets are equal across replicas: same code).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterable, Sequence
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+KV_PREFIX = "specextend:metrics:"
+KV_NAMESPACE = "specextend"
+PUBLISH_EVERY_S = 5.0
+STALE_AFTER_S = 60.0  # an entry not refreshed for this long belongs to a replica that is gone
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # seconds
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 10.0)  # seconds
+
+# name -> (kind, help, label names)
+FAMILIES = {
+    "specextend_spec_decode_num_drafts": ("counter", "Verification steps with a draft tree.", ()),
+    "specextend_spec_decode_num_draft_tokens": ("counter", "Draft tokens proposed.", ()),
+    "specextend_spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted.", ()),
+    "specextend_spec_decode_num_accepted_tokens_per_pos": (
+        "counter", "Accepted draft tokens by position in the accepted path (0 = first).", ("position",)),
+    "specextend_prompt_tokens": ("counter", "Prompt tokens prefilled.", ()),
+    "specextend_generation_tokens": ("counter", "Tokens generated.", ()),
+    "specextend_request_success": ("counter", "Finished requests by finish reason.", ("finish_reason",)),
+    "specextend_draft_fallbacks": ("counter", "Requests that fell back to plain decoding.", ()),
+    "specextend_time_to_first_token_seconds": ("histogram", "Time to first token.", ()),
+    "specextend_inter_token_latency_seconds": ("histogram", "Time between streamed tokens.", ()),
+    "specextend_num_requests_running": ("gauge", "Active sessions.", ()),
+    "specextend_num_requests_waiting": ("gauge", "Requests queued for admission.", ()),
+}
+_BUCKETS = {"specextend_time_to_first_token_seconds": TTFT_BUCKETS,
+            "specextend_inter_token_latency_seconds": ITL_BUCKETS}
+
+
+class ReplicaMetrics:
+    """Both exporters behind one recording API."""
+
+    def __init__(self, use_ray: bool = True) -> None:
+        disable_created_metrics()  # `_created` series: noise for counters summed over replicas
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._prom, self._ray = {}, {}
+        prom_cls = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        for name, (kind, doc, labels) in FAMILIES.items():
+            kw = {"buckets": _BUCKETS[name]} if kind == "histogram" else {}
+            self._prom[name] = prom_cls[kind](name, doc, labels, registry=self.registry, **kw)
+        if use_ray:
+            from ray.util import metrics as rm
+
+            ray_cls = {"counter": rm.Counter, "gauge": rm.Gauge, "histogram": rm.Histogram}
+            for name, (kind, doc, labels) in FAMILIES.items():
+                kw = {"boundaries": list(_BUCKETS[name])} if kind == "histogram" else {}
+                self._ray[name] = ray_cls[kind](name, description=doc, tag_keys=labels, **kw)
+
+    def _apply(self, name: str, op: str, value: float, **labels: str) -> None:
+        prom = self._prom[name].labels(**labels) if labels else self._prom[name]
+        getattr(prom, op)(value)
+        if name in self._ray:
+            ray_op = {"inc": "inc", "set": "set", "observe": "observe"}[op]
+            getattr(self._ray[name], ray_op)(value, tags=labels or None)
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        if value:
+            self._apply(name, "inc", value, **labels)
+
+    def set(self, name: str, value: float) -> None:
+        self._apply(name, "set", value)
+
+    def observe(self, name: str, value: float) -> None:
+        self._apply(name, "observe", value)
+
+    def record_request(self, stats, finish_reason: str | None) -> None:
+        """Per-request counters from a RequestStats (finished, stopped or cancelled)."""
+        self.inc("specextend_prompt_tokens", stats.prompt_tokens)
+        self.inc("specextend_generation_tokens", stats.num_generated)
+        self.inc("specextend_spec_decode_num_drafts", stats.num_steps)
+        self.inc("specextend_spec_decode_num_draft_tokens", stats.draft_tokens)
+        self.inc("specextend_spec_decode_num_accepted_tokens", sum(stats.accepted_per_step))
+        for pos, n in enumerate(accepted_per_position(stats.accepted_per_step)):
+            self.inc("specextend_spec_decode_num_accepted_tokens_per_pos", n, position=str(pos))
+        self.inc("specextend_draft_fallbacks", int(stats.fallback))
+        self.inc("specextend_request_success", 1, finish_reason=finish_reason or "abort")
+
+    def exposition(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def accepted_per_position(accepted_per_step: Sequence[int]) -> list[int]:
+    """[P] count of steps that accepted at least p+1 draft tokens, for p = 0 .. max-1."""
+    top = max(accepted_per_step, default=0)
+    return [sum(1 for a in accepted_per_step if a > p) for p in range(top)]
+
+
+# ------------------------------------------------------------------ publishing and merging
+
+def publish(key: str, text: str) -> None:
+    from ray.experimental import internal_kv
+
+    value = json.dumps({"ts": time.time(), "text": text}).encode()
+    internal_kv._internal_kv_put(KV_PREFIX + key, value, overwrite=True, namespace=KV_NAMESPACE)
+
+
+def unpublish(key: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(KV_PREFIX + key, namespace=KV_NAMESPACE)
+
+
+def collect_published(now: float | None = None) -> list[str]:
+    """Exposition texts of replicas that published within STALE_AFTER_S."""
+    from ray.experimental import internal_kv
+
+    now = time.time() if now is None else now
+    texts = []
+    for key in internal_kv._internal_kv_list(KV_PREFIX, namespace=KV_NAMESPACE):
+        raw = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+        if raw is None:
+            continue
+        entry = json.loads(raw)
+        if now - entry["ts"] <= STALE_AFTER_S:
+            texts.append(entry["text"])
+    return texts
+
+
+class _Merged:
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def merge_expositions(texts: Sequence[str]) -> str:
+    """Sums samples of equal name and labels over several Prometheus text expositions."""
+    merged: dict[str, Metric] = {}
+    sums: dict[str, dict[tuple, float]] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            if fam.name.endswith("_created"):  # creation timestamps do not add up
+                continue
+            if fam.name not in merged:
+                merged[fam.name] = Metric(fam.name, fam.documentation, fam.type)
+                sums[fam.name] = {}
+            for s in fam.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                sums[fam.name][key] = sums[fam.name].get(key, 0.0) + s.value
+    for name, metric in merged.items():
+        for (sample, labels), value in sums[name].items():
+            metric.add_sample(sample, dict(labels), value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(merged.values()))
+    return generate_latest(registry).decode()

@@ -1,0 +1,203 @@
+"""OpenAI-compatible request and response models (the subset specextend serves, plus vLLM's
+`return_token_ids`, `ignore_eos` and `top_k` extensions).
+
+Fields we accept but do not implement are listed in UNSUPPORTED: a request that sets one to
+anything but its neutral value gets a 400 naming it. Unknown fields are ignored, as OpenAI and
+vLLM do.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specextend.serving.errors import BadRequestError
+
+
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None  # None: the served model
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)  # vLLM extension; -1 or 0: off
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    return_token_ids: bool = False  # vLLM extension: generated (and prompt) token ids
+    ignore_eos: bool = False  # vLLM extension
+    user: Optional[str] = None  # accepted, ignored
+    n: int = 1
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling(self) -> dict:
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos}
+
+
+# field -> (is the value unsupported?, why)
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v != 1, "only n=1 is supported"),
+    "best_of": (lambda v: v not in (None, 1), "only best_of=1 is supported"),
+    "logprobs": (lambda v: v not in (None, False), "logprobs are not supported"),
+    "top_logprobs": (lambda v: v not in (None, 0), "top_logprobs are not supported"),
+    "echo": (lambda v: bool(v), "echo is not supported"),
+    "suffix": (lambda v: bool(v), "suffix is not supported"),
+    "tools": (lambda v: bool(v), "tools are not supported"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice is not supported"),
+    "response_format": (lambda v: v is not None and v.get("type", "text") != "text",
+                        "only response_format type 'text' is supported"),
+    "logit_bias": (lambda v: bool(v), "logit_bias is not supported"),
+    "presence_penalty": (lambda v: v != 0, "presence_penalty is not supported"),
+    "frequency_penalty": (lambda v: v != 0, "frequency_penalty is not supported"),
+}
+
+
+def check_supported(req: BaseModel) -> None:
+    for name, (bad, why) in UNSUPPORTED.items():
+        if name in type(req).model_fields and bad(getattr(req, name)):
+            raise BadRequestError(f"{why} (got {name}={getattr(req, name)!r})", name)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    def engine_prompt(self) -> dict:
+        """{"prompt": str} or {"prompt_ids": [...]} of the one prompt (batches of >1: 400)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise BadRequestError(f"batched prompts are not supported (got {len(p)} prompts)", "prompt")
+            p = p[0]
+        return {"prompt": p} if isinstance(p, str) else {"prompt_ids": list(p)}
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+
+    def template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise BadRequestError("only text content parts are supported", "messages")
+            content = "".join(part.text or "" for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def sampling(self) -> dict:
+        out = super().sampling()
+        out["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        return out
+
+
+# ------------------------------------------------------------------ responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculativeDecoding(BaseModel):
+    mean_acceptance_length: float
+    num_steps: int
+    retrieval_refreshes: int
+    draft_cache_tokens: int
+    fallback: bool
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    token_ids: Optional[list[int]] = Field(None, exclude_if=_omit_none)
+    prompt_token_ids: Optional[list[int]] = Field(None, exclude_if=_omit_none)
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[Literal["assistant"]] = Field(None, exclude_if=_omit_none)
+    content: Optional[str] = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: Optional[ChatMessageOut] = Field(None, exclude_if=_omit_none)  # non-streamed
+    delta: Optional[DeltaMessage] = Field(None, exclude_if=_omit_none)  # streamed
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    token_ids: Optional[list[int]] = Field(None, exclude_if=_omit_none)
+
+
+class Response(BaseModel):
+    """A completion / chat completion, or one streamed chunk of either."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Union[CompletionChoice, ChatChoice]]
+    usage: Optional[Usage] = Field(None, exclude_if=_omit_none)
+    speculative_decoding: Optional[SpeculativeDecoding] = Field(None, exclude_if=_omit_none)
+    prompt_token_ids: Optional[list[int]] = Field(None, exclude_if=_omit_none)  # chat (vLLM)
+
+
+def request_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "specextend"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

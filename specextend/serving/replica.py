@@ -1,0 +1,280 @@
+"""The SpecExtend Serve replica: it IS the target actor (DESIGN 2).
+
+It loads the target, starts its draft actor on bundle 1 of its own placement group, and runs
+Engine.stream for each request. The engine is synchronous torch code: every step of every request
+runs on one worker thread (GPU work serialized), one `next()` at a time, so sessions interleave
+step by step. Tokenization, detokenization and stop strings are done here (textstream.py); the
+ingress only speaks HTTP.
+
+Draft failures: the engine falls back to plain decoding (lossless) and marks stats.fallback. The
+replica then serves new requests with its AR engine (fallback) while it restores the draft in the
+background: it asks the draft actor for its address (which waits through a Ray restart), or
+starts a new draft actor when the old one is dead for good, and reconnects its gRPC client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Optional
+
+import ray
+
+from specextend.config import SamplingParams
+from specextend.engine import Engine, RequestError, RequestStats
+from specextend.serving import metrics as m
+from specextend.serving.admission import Admission
+from specextend.serving.draft_actor import DraftActor
+from specextend.serving.errors import BadRequestError
+from specextend.serving.settings import MODEL_CPUS, AppSettings
+from specextend.serving.textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+DRAFT_MAX_RESTARTS = 3  # Ray restarts of one draft actor; after that a new actor is started
+DRAFT_START_TIMEOUT_S = 600.0  # loading a draft model (real models on a slow disk take minutes)
+CPU_KV_FRACTION = 0.25  # default KV budget on CPU: this share of the host's memory
+GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory after warm-up
+
+
+def spec_decoding(stats: RequestStats) -> dict:
+    """The per-response `speculative_decoding` object."""
+    return {"mean_acceptance_length": stats.mean_acceptance_length, "num_steps": stats.num_steps,
+            "retrieval_refreshes": stats.retrieval_refreshes,
+            "draft_cache_tokens": stats.draft_cache_tokens, "fallback": stats.fallback}
+
+
+class SpecExtendReplica:
+    def __init__(self, settings: dict) -> None:
+        from specextend.models.loader import load_model
+
+        self.settings = s = AppSettings.model_validate(settings)
+        self.cfg = cfg = s.to_engine_config()
+        self.target = load_model(cfg.target, role="target", dtype=cfg.dtype, device=cfg.device,
+                                 attention_backend=cfg.attention_backend)
+        self.tokenizer = self.target.tokenizer
+        self.model_name = s.served_model_name or self.target.name
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")  # the one engine thread
+        self.ar_engine = Engine(dataclasses.replace(cfg, mode="ar"), self.target)
+        self.engine, self.draft, self.draft_actor = self.ar_engine, None, None
+        if s.uses_draft:
+            from specextend.rpc import GrpcDraftBackend
+
+            self.draft_actor = self._start_draft_actor()
+            address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
+            self.draft = GrpcDraftBackend(address, timeout_s=s.draft_timeout_s)
+            self.engine = Engine(cfg, self.target, self.draft)
+        self.draft_ok = self.draft is not None
+        self._restoring: Optional[asyncio.Task] = None
+        self.metrics = m.ReplicaMetrics()
+        self._metrics_key = self._replica_key()
+        warm = self._warm_up()
+        self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget())
+        self.draft_ok = self.draft is not None and not warm.fallback
+        log.info("replica ready: target %s, draft %s, KV budget %.0f MiB", self.target.name,
+                 self.draft.address if self.draft else "none", self.admission.budget_bytes / 2**20)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _start_draft_actor(self):
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        s, cfg = self.settings, self.cfg
+        pg = get_current_placement_group()
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
+        actor_cls = ray.remote(DraftActor)
+        return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
+                                 scheduling_strategy=strategy).remote(
+            cfg.draft, self.target.args.vocab_size, cfg.dtype, cfg.device, cfg.attention_backend,
+            cfg.prefill_chunk)
+
+    def _replica_key(self) -> str:
+        try:
+            from ray import serve
+
+            ctx = serve.get_replica_context()
+            return f"{ctx.app_name}:{ctx.deployment}:{ctx.replica_id.unique_id}"
+        except Exception:  # noqa: BLE001 - outside Serve (tests)
+            return uuid.uuid4().hex
+
+    def _warm_up(self) -> RequestStats:
+        """One short request through the whole path (draft RPCs included) before traffic."""
+        ids = self.tokenizer.encode("Hello, world.", add_special_tokens=False) or [0]
+        _, _, stats = self.engine.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        if stats.fallback:
+            log.warning("warm-up fell back to plain decoding: the draft is not reachable")
+        return stats
+
+    def _kv_budget(self) -> int:
+        if self.settings.kv_cache_memory_gb is not None:
+            return int(self.settings.kv_cache_memory_gb * 2**30)
+        import torch
+
+        if self.target.decoder.device.type == "cuda":
+            return int(torch.cuda.mem_get_info()[0] * GPU_KV_FRACTION)
+        import psutil
+
+        return int(psutil.virtual_memory().total * CPU_KV_FRACTION)
+
+    # ------------------------------------------------------------------ requests
+
+    async def _prompt_ids(self, req: dict) -> list[int]:
+        tok = self.tokenizer
+        if req.get("messages") is not None:
+            try:
+                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+                raise BadRequestError(f"cannot apply the chat template: {e}", "messages") from e
+            return await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
+        if req.get("prompt_ids") is not None:
+            return [int(i) for i in req["prompt_ids"]]
+        return await asyncio.to_thread(tok.encode, req["prompt"])
+
+    def _params(self, req: dict, prompt_len: int) -> SamplingParams:
+        max_tokens = req.get("max_tokens")
+        if max_tokens is None:  # as vLLM: up to the end of the context, within the server's limit
+            max_tokens = max(1, min(self.settings.max_new_tokens, self.target.max_context - prompt_len))
+        elif max_tokens > self.settings.max_new_tokens:
+            raise BadRequestError(f"max_tokens {max_tokens} exceeds the limit {self.settings.max_new_tokens}",
+                                  "max_tokens")
+        top_k = req.get("top_k") or 0
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=req.get("temperature", 1.0),
+                                  top_p=req.get("top_p", 1.0), top_k=max(top_k, 0), seed=req.get("seed"),
+                                  ignore_eos=bool(req.get("ignore_eos")))
+        except ValueError as e:
+            raise BadRequestError(str(e)) from e
+
+    async def generate(self, req: dict) -> AsyncIterator[dict]:
+        """Serve streaming method. Yields {text, token_ids, finish_reason}; the last item (with a
+        finish_reason) adds prompt_tokens, completion_tokens, prompt_token_ids, speculative_decoding."""
+        t_arrival = time.perf_counter()
+        prompt_ids = await self._prompt_ids(req)
+        params = self._params(req, len(prompt_ids))
+        engine = self.engine if self.draft_ok else self.ar_engine
+        try:
+            engine.check_request(prompt_ids, params)
+        except RequestError as e:
+            raise BadRequestError(str(e), "prompt") from e
+        need = engine.kv_bytes(len(prompt_ids), params.max_new_tokens)
+        self.metrics.set("specextend_num_requests_waiting", self.admission.waiting + 1)
+        try:
+            await self.admission.acquire(need)
+        finally:
+            self.metrics.set("specextend_num_requests_waiting", self.admission.waiting)
+        self.metrics.set("specextend_num_requests_running", self.admission.active)
+        try:
+            fallback = engine is self.ar_engine and self.draft is not None
+            async for item in self._run(engine, req, prompt_ids, params, t_arrival, fallback):
+                yield item
+        finally:
+            self.admission.release(need)
+            self.metrics.set("specextend_num_requests_running", self.admission.active)
+
+    async def _run(self, engine: Engine, req: dict, prompt_ids: list[int], params: SamplingParams,
+                   t_arrival: float, fallback: bool) -> AsyncIterator[dict]:
+        loop = asyncio.get_running_loop()
+        text = TextStream(self.tokenizer, prompt_ids, req.get("stop") or ())
+        steps = engine.stream(prompt_ids, params, session_id=req.get("request_id"))
+        stats, finish, last = None, None, None
+        try:
+            while finish is None:
+                ev = await loop.run_in_executor(self.executor, next, steps, None)  # one engine step
+                if ev is None:
+                    break
+                now, stats = time.perf_counter(), ev.stats
+                stats.fallback |= fallback
+                if last is None:
+                    self.metrics.observe("specextend_time_to_first_token_seconds", now - t_arrival)
+                else:
+                    for _ in ev.token_ids:  # tokens of one step arrive together: share the gap
+                        self.metrics.observe("specextend_inter_token_latency_seconds", (now - last) / len(ev.token_ids))
+                last = now
+                delta = text.push(ev.token_ids)
+                finish = "stop" if delta.stopped else ev.finish_reason
+                item = {"text": delta.text, "token_ids": delta.token_ids, "finish_reason": finish}
+                if finish:
+                    item["text"] += text.finish()
+                    item.update(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids),
+                                prompt_token_ids=list(prompt_ids), speculative_decoding=spec_decoding(stats))
+                if item["text"] or item["token_ids"] or finish:
+                    yield item
+        finally:
+            # On the engine thread, after any step still running: the engine's `finally` closes
+            # the draft session (client gone, stop string, error or done).
+            self.executor.submit(steps.close)
+            if stats is not None:
+                self.metrics.record_request(stats, finish)
+                if stats.fallback and engine is self.engine:
+                    self._draft_failed()
+            loop.run_in_executor(None, m.publish, self._metrics_key, self.metrics.exposition())
+
+    # ------------------------------------------------------------------ draft recovery
+
+    def _draft_failed(self) -> None:
+        if self.draft is None or self._restoring is not None:
+            return
+        self.draft_ok = False
+        self._restoring = asyncio.get_running_loop().create_task(self._restore_draft())
+
+    async def _restore_draft(self) -> None:
+        """Waits for the draft actor (restarted by Ray, or a new one) and reconnects to it."""
+        delay = 0.5
+        try:
+            while True:
+                try:
+                    address = await asyncio.wait_for(self.draft_actor.address.remote(), DRAFT_START_TIMEOUT_S)
+                except Exception as e:  # noqa: BLE001 - dead for good, or not coming back in time
+                    log.warning("draft actor unavailable (%s); starting a new one", type(e).__name__)
+                    ray.kill(self.draft_actor, no_restart=True)
+                    self.draft_actor = self._start_draft_actor()
+                    continue
+                if address != self.draft.address:
+                    self.draft.reconnect(address)
+                if await asyncio.to_thread(self.draft.health):
+                    log.info("draft restored at %s", address)
+                    self.draft_ok = True
+                    return
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
+        finally:
+            self._restoring = None
+
+    # ------------------------------------------------------------------ control
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: publishes metrics and notices a dead idle draft."""
+        if self.draft is not None and self.draft_ok and not await asyncio.to_thread(self.draft.health):
+            self._draft_failed()
+        await asyncio.to_thread(m.publish, self._metrics_key, self.metrics.exposition())
+
+    async def health(self) -> dict:
+        draft = "off" if self.draft is None else ("ok" if self.draft_ok else "restoring")
+        return {"ready": True, "model": self.model_name, "draft": draft,
+                "active_sessions": self.admission.active, "queued_requests": self.admission.waiting}
+
+    async def model_info(self) -> dict:
+        return {"id": self.model_name, "max_model_len": self.target.max_context,
+                "max_prompt_tokens": self.engine.max_prompt_tokens,
+                "max_new_tokens": self.settings.max_new_tokens}
+
+    async def draft_actor_handle(self):
+        """The current draft actor (tests, operators)."""
+        return self.draft_actor
+
+    async def draft_sessions(self) -> Optional[int]:
+        """Sessions open on the draft server (None: no draft or unreachable)."""
+        if self.draft is None:
+            return None
+        try:
+            return (await asyncio.to_thread(self.draft.server_health)).sessions
+        except Exception:  # noqa: BLE001
+            return None
+
+    async def metrics_text(self) -> str:
+        return self.metrics.exposition()
