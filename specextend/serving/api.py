@@ -26,7 +26,7 @@ from specextend.serving.settings import INGRESS_CPUS, AppSettings, check_cluster
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="specextend", description="Lossless speculative decoding for long inputs")
-CONTROL_TIMEOUT_S = 5.0  # health / model-info calls to a replica
+CONTROL_TIMEOUT_S = 3.0  # health / model-info calls to a replica (probes time out at 5 s)
 DONE = {"data": "[DONE]"}
 
 
@@ -170,11 +170,13 @@ class OpenAIIngress:
     async def _serve(self, body: Union[p.CompletionRequest, p.ChatCompletionRequest], prompt: dict, chat: bool):
         model = await self._check_model(body.model)
         rid = p.request_id(chat)
-        gen = self.stream_handle.generate.remote({**prompt, **body.sampling(), "request_id": rid})
+        gen = None
         try:  # the first item (after admission and prefill) decides the HTTP status
+            gen = self.stream_handle.generate.remote({**prompt, **body.sampling(), "request_id": rid})
             first = await gen.__anext__()
         except BaseException as e:
-            gen.cancel()
+            if gen is not None:
+                gen.cancel()
             raise api_error(e) if isinstance(e, Exception) else e
         fmt = _Formatter(rid, model, chat, body.return_token_ids)
         if not body.stream:

@@ -33,7 +33,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)  # vLLM extension; -1 or 0: off
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # the request's own generator
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

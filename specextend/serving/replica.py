@@ -123,17 +123,18 @@ class SpecExtendReplica:
 
     # ------------------------------------------------------------------ requests
 
-    async def _prompt_ids(self, req: dict) -> list[int]:
+    def _prompt_ids(self, req: dict) -> list[int]:
+        """On the event loop (fast tokenizers take milliseconds even for long prompts)."""
         tok = self.tokenizer
         if req.get("messages") is not None:
             try:
                 text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, tokenize=False)
             except Exception as e:  # noqa: BLE001 - template errors are the request's fault
                 raise BadRequestError(f"cannot apply the chat template: {e}", "messages") from e
-            return await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
+            return tok.encode(text, add_special_tokens=False)
         if req.get("prompt_ids") is not None:
             return [int(i) for i in req["prompt_ids"]]
-        return await asyncio.to_thread(tok.encode, req["prompt"])
+        return tok.encode(req["prompt"])
 
     def _params(self, req: dict, prompt_len: int) -> SamplingParams:
         max_tokens = req.get("max_tokens")
@@ -154,7 +155,7 @@ class SpecExtendReplica:
         """Serve streaming method. Yields {text, token_ids, finish_reason}; the last item (with a
         finish_reason) adds prompt_tokens, completion_tokens, prompt_token_ids, speculative_decoding."""
         t_arrival = time.perf_counter()
-        prompt_ids = await self._prompt_ids(req)
+        prompt_ids = self._prompt_ids(req)
         params = self._params(req, len(prompt_ids))
         engine = self.engine if self.draft_ok else self.ar_engine
         try:
@@ -278,3 +279,13 @@ class SpecExtendReplica:
 
     async def metrics_text(self) -> str:
         return self.metrics.exposition()
+
+    def __del__(self) -> None:
+        """Serve's replica shutdown: drop this replica's published metrics, close the channel
+        (the draft actor, a child of this actor, goes with it)."""
+        try:
+            m.unpublish(self._metrics_key)
+            if self.draft is not None:
+                self.draft.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass

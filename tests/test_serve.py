@@ -1,0 +1,356 @@
+"""The Serve application end to end: tiny random pair on CPU, real Ray Serve, real HTTP, the
+official `openai` client. Served output must equal the in-process greedy AR engine token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from specextend.config import EngineConfig, SamplingParams
+from specextend.serving.admission import Admission
+from specextend.serving.errors import QueueFullError
+from specextend.serving.metrics import ReplicaMetrics, merge_expositions
+from specextend.serving.textstream import TextStream
+
+pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+BASE = "http://127.0.0.1:8000"
+TARGET, DRAFT = "random:llama-tiny", "random:llama-tiny-draft"
+SETTINGS = dict(target=TARGET, draft=DRAFT, num_gpus=0, dtype="float32", tree_nodes=8, tree_depth=4,
+                tree_topk=2, retrieval_chunk_size=8, retrieval_top_k=4, retrieval_every=2,
+                max_prompt_tokens=256, max_new_tokens=256, max_concurrent_sessions=4,
+                max_queued_requests=12)
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 2  # 90 tokens: above the CMR budget (32)
+
+
+# ------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def server():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from deploy.app import specextend
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.run(specextend(dict(SETTINGS)), name="specextend", route_prefix="/")
+        yield serve.get_deployment_handle("SpecExtend", app_name="specextend")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """greedy(prompt_ids, max_tokens, ignore_eos=True) -> the in-process AR engine's tokens."""
+    import torch
+
+    from specextend.engine import Engine
+    from specextend.models.loader import load_model
+
+    torch.set_num_threads(1)  # the 2 cores are shared with the Ray workers: avoid oversubscription
+    target = load_model(TARGET, dtype="float32", attention_backend="auto")
+    engine = Engine(EngineConfig(mode="ar", dtype="float32"), target)
+
+    def greedy(prompt_ids, max_tokens, ignore_eos=True):
+        return engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_tokens, ignore_eos=ignore_eos))[0]
+
+    draft = load_model(DRAFT, role="draft", dtype="float32", attention_backend="auto",
+                       vocab_size=target.args.vocab_size)  # as the draft actor builds it
+    from specextend.draft.inprocess import InProcessDraft
+    from specextend.serving.settings import AppSettings
+
+    served = Engine(AppSettings(**SETTINGS).to_engine_config(), target, InProcessDraft(draft.decoder))
+
+    def sampled(prompt_ids, max_tokens, **kw):
+        params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, **kw)
+        return served.generate(prompt_ids, params)[0]
+
+    greedy.tokenizer, greedy.sampled = target.tokenizer, sampled
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_ids(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream_ids(stream):
+    """(token ids, text, last chunk with a finish_reason, usage) of an openai stream."""
+    ids, text, last, usage = [], "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            ids += getattr(choice, "token_ids", None) or []
+            text += choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            if choice.finish_reason:
+                last = chunk
+    return ids, text, last, usage
+
+
+# ------------------------------------------------------------------ pure pieces (no server)
+
+def test_textstream_holds_partial_characters_and_stop_prefixes():
+    from specextend.models.tokenizer import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    ids = tok.encode("héllo wörld 😀 STOP here")
+    ts = TextStream(tok, [], stop=["STOP"])
+    parts = [ts.push([i]) for i in ids]
+    assert all("\ufffd" not in p.text for p in parts)
+    assert "".join(p.text for p in parts) == "héllo wörld 😀 " and ts.stopped
+    assert ts.token_ids == ids[:ids.index(80) + 1]  # up to the token that completed "STOP"
+    held = TextStream(tok, [], stop=["wörx"])
+    text = "".join(held.push([i]).text for i in tok.encode("a wö")) + held.finish()
+    assert text == "a wö" and not held.stopped
+
+
+def test_admission_queue_limit():
+    async def scenario():
+        adm = Admission(max_sessions=1, max_queued=1, budget_bytes=100)
+        await adm.acquire(10)
+        waiter = asyncio.ensure_future(adm.acquire(10))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError):
+            await adm.acquire(10)
+        adm.release(10)
+        await waiter
+        assert (adm.active, adm.waiting, adm.reserved) == (1, 0, 10)
+    asyncio.run(scenario())
+
+
+def test_metrics_merge_sums_replicas():
+    a, b = ReplicaMetrics(use_ray=False), ReplicaMetrics(use_ray=False)
+    from specextend.engine import RequestStats
+
+    stats = RequestStats(num_steps=2, accepted_per_step=[2, 1], draft_tokens=16, num_generated=5)
+    a.record_request(stats, "length")
+    b.record_request(stats, "stop")
+    text = merge_expositions([a.exposition(), b.exposition()])
+    assert "specextend_spec_decode_num_accepted_tokens_total 6.0" in text
+    assert 'specextend_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0' in text
+
+
+# ------------------------------------------------------------------ the served app
+
+def test_health_and_models(server):
+    r = httpx.get(f"{BASE}/health")
+    assert r.status_code == 200 and r.json()["ready"] is True and r.json()["draft"] == "ok"
+    models = httpx.get(f"{BASE}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [TARGET]
+
+
+def test_completion_equals_greedy(client, reference):
+    ids = reference.tokenizer.encode(PROMPT)
+    ref = reference(ids, 24)
+    out = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=24, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.token_ids == ref and choice.prompt_token_ids == ids
+    assert choice.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 24)
+    spec = out.model_extra["speculative_decoding"]
+    assert spec["fallback"] is False and spec["num_steps"] >= 1 and spec["mean_acceptance_length"] >= 1
+    # the same request streamed: same ids, same text
+    stream = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    s_ids, s_text, last, usage = stream_ids(stream)
+    assert s_ids == ref and s_text == choice.text
+    assert last.choices[0].finish_reason == "length" and usage.completion_tokens == 24
+    assert last.model_extra["speculative_decoding"]["fallback"] is False
+
+
+def test_prompt_token_ids_and_eos(client, reference):
+    ids = reference.tokenizer.encode("Once upon a time")
+    ref = reference(ids, 64, ignore_eos=False)
+    out = client.completions.create(model=TARGET, prompt=ids, max_tokens=64, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    assert out.choices[0].token_ids == ref
+    assert out.choices[0].finish_reason == ("length" if len(ref) == 64 else "stop")
+
+
+def test_chat_equals_greedy(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    ids = chat_ids(reference.tokenizer, messages)
+    ref = reference(ids, 20)
+    out = client.chat.completions.create(model=TARGET, messages=messages, max_completion_tokens=20,
+                                         temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert out.choices[0].token_ids == ref and out.model_extra["prompt_token_ids"] == ids
+    assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens == 20
+    stream = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+    s_ids, s_text, last, _ = stream_ids(stream)
+    assert s_ids == ref and s_text == out.choices[0].message.content
+    assert last.choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_matches_the_in_process_engine(client, reference):
+    ids = reference.tokenizer.encode(PROMPT)
+    kw = dict(temperature=0.8, top_p=0.9, top_k=20, seed=1234)
+    ref = reference.sampled(ids, 32, **kw)
+    outs = [client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=32, stream=stream, seed=1234,
+                                      temperature=0.8, top_p=0.9,
+                                      extra_body={"top_k": 20, "return_token_ids": True, "ignore_eos": True})
+            for stream in (False, True)]
+    assert outs[0].choices[0].token_ids == ref and stream_ids(outs[1])[0] == ref
+    assert ref != reference(ids, 32)  # it did sample
+
+
+def test_stop_string_same_streamed_or_not(client):
+    kw = dict(model=TARGET, prompt="Stop strings", max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    starts = [i for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2]]
+    assert starts, f"no clean stop string candidate in {full!r}"
+    stop = full[starts[0]:starts[0] + 2]
+    expected = full[:full.index(stop)]
+    out = client.completions.create(stop=stop, **kw).choices[0]
+    assert (out.text, out.finish_reason) == (expected, "stop")
+    _, text, last, _ = stream_ids(client.completions.create(stop=[stop, "\x00never"], stream=True, **kw))
+    assert text == expected and last.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_get_their_own_output(client, reference):
+    prompts = [f"Request number {i}: " + "abc" * (i % 5) for i in range(16)]
+    refs = [reference(reference.tokenizer.encode(p), 12) for p in prompts]
+
+    def one(i):
+        return client.completions.create(model=TARGET, prompt=prompts[i], max_tokens=12, temperature=0,
+                                         stream=bool(i % 2),
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(one, range(16)))
+    for i, out in enumerate(outs):
+        got = stream_ids(out)[0] if i % 2 else out.choices[0].token_ids
+        assert got == refs[i], f"request {i}"
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": TARGET}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": TARGET}, 400, "messages"),
+    ("/v1/completions", {"prompt": 123}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x" * 300}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "tools"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{BASE}{path}", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["code"] == status
+    if param:
+        assert err["param"] == param, err
+
+
+def test_server_still_serves_after_errors(client):
+    out = client.completions.create(model=TARGET, prompt="still alive", max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_queue_full_is_429(server):
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"prompt": "queue", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*[http.post(f"{BASE}/v1/completions", json=body) for _ in range(40)])
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    odd = [(r.status_code, r.text) for r in responses if r.status_code not in (200, 429)]
+    assert not odd and codes.count(200) >= 16 and 429 in codes, (codes, odd)
+    assert all(r.json()["error"]["type"] == "rate_limit_error" for r in responses if r.status_code == 429)
+
+
+def test_client_disconnect_frees_sessions(server):
+    with httpx.Client(timeout=60) as http:
+        body = {"prompt": PROMPT, "max_tokens": 256, "temperature": 0, "ignore_eos": True, "stream": True}
+        with http.stream("POST", f"{BASE}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        health = httpx.get(f"{BASE}/health").json()
+        if health["active_sessions"] == 0 and server.draft_sessions.remote().result() == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"sessions still open after the client left: {health}")
+
+
+def test_metrics_endpoint(server):
+    text = ""
+    for _ in range(50):  # replicas publish after each request
+        text = httpx.get(f"{BASE}/metrics").text
+        if "specextend_spec_decode_num_drafts_total" in text:
+            break
+        time.sleep(0.2)
+    for name in ("specextend_spec_decode_num_drafts_total", "specextend_spec_decode_num_draft_tokens_total",
+                 "specextend_spec_decode_num_accepted_tokens_total",
+                 'specextend_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+                 "specextend_time_to_first_token_seconds_bucket", "specextend_inter_token_latency_seconds_count",
+                 "specextend_prompt_tokens_total", "specextend_generation_tokens_total",
+                 "specextend_draft_fallbacks_total", "specextend_num_requests_running"):
+        assert name in text, name
+
+
+def test_draft_killed_mid_stream_falls_back_then_recovers(server, client, reference):
+    import ray
+
+    ids = reference.tokenizer.encode(PROMPT)
+    ref = reference(ids, 200)
+    actor = server.draft_actor_handle.remote().result()
+    stream = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    got, last = [], None
+    for n, chunk in enumerate(stream):
+        got += getattr(chunk.choices[0], "token_ids", None) or []
+        if n == 1:
+            ray.kill(actor)  # dead for good (no_restart): the replica must start a new draft actor
+        if chunk.choices[0].finish_reason:
+            last = chunk
+    assert got == ref
+    assert last.model_extra["speculative_decoding"]["fallback"] is True
+    deadline = time.time() + 90
+    while httpx.get(f"{BASE}/health").json()["draft"] != "ok":
+        assert time.time() < deadline, "the draft was not restored"
+        time.sleep(0.5)
+    out = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=40, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert out.choices[0].token_ids == ref[:40]
+    assert out.model_extra["speculative_decoding"]["fallback"] is False
+    assert server.draft_actor_handle.remote().result() != actor
