@@ -36,7 +36,8 @@ def hf_generate_tps(target, prompt, new_tokens) -> float:
     """transformers `generate` (greedy) on an HF model with the same geometry (random init)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_config(target.hf_config, dtype=target.decoder.dtype).to(target.decoder.device)
+    with torch.device(target.decoder.device):  # initialise on the GPU (an 8B CPU init takes minutes)
+        hf = AutoModelForCausalLM.from_config(target.hf_config, dtype=target.decoder.dtype)
     ids = torch.tensor([prompt], device=target.decoder.device)
     hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
     torch.cuda.synchronize() if ids.is_cuda else None

@@ -42,6 +42,10 @@ def _sdpa_lse(q4, k4, v4, is_causal: bool, scale: float):
     if q4.dtype in (torch.float16, torch.bfloat16):
         r = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, is_causal, False, scale=scale)
         return r[0], r[1]
+    if q4.dtype == torch.float64:  # no fused CUDA kernel takes float64: the reference math
+        mask = causal_mask(q4.shape[2], k4.shape[2], q4.device) if is_causal else None
+        out, lse = attention_eager(q4[0], k4[0], v4[0], mask, scale)
+        return out[None], lse[None]
     r = torch.ops.aten._scaled_dot_product_efficient_attention(
         q4, k4, v4, None, True, 0.0, is_causal, scale=scale)
     return r[0], r[1][..., : q4.shape[2]]
