@@ -91,6 +91,12 @@ def bench_length(target, draft, L, a, dev, bw, results):
         sess.decode(7)
         sess.cache.truncate(L)
     row["ar_step_s"] = timed(ar_step, dev, a.reps)
+    with torch.inference_mode():  # as the engine runs it
+        row["ar_step_inference_mode_s"] = timed(ar_step, dev, a.reps)
+        sess.hybrid = False
+        row["verify_plain_inference_mode_s"] = timed(
+            lambda: sess.verify(5, [11] * a.tree_nodes, fixed_tree(a.tree_nodes, a.tree_topk), capture=False), dev, a.reps)
+        sess.hybrid = True
     row["floor_s"] = (weight_bytes + L * kv_tok) / bw
     # verify step: [root] + tree of N nodes, HTA vs plain masked; nothing committed
     parents = fixed_tree(a.tree_nodes, a.tree_topk)

@@ -79,13 +79,13 @@ class TorchBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
                                                  enable_gqa=True)
             return out[0], None
-        if not need_lse:
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=mask == CAUSAL,
-                                                 scale=scale, enable_gqa=True)
-            return out[0], None
-        if mask is None:
+        if mask is None:  # the fused kernel with the GQA fold reads each K/V once
             out, lse = _sdpa_lse(_fold_gqa(q, g)[None], k[None], v[None], False, scale)
             return out.reshape(h, t, d), lse.reshape(h, t).float()
+        if not need_lse:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+            return out[0], None
         r = h // g  # causal block: repeat only the (small) new keys
         kr = k.repeat_interleave(r, dim=0)
         vr = v.repeat_interleave(r, dim=0)
