@@ -143,6 +143,9 @@ class SpeculativeDecoding(BaseModel):
     retrieval_refreshes: int
     draft_cache_tokens: int
     fallback: bool
+    draft_ms_per_step: float = 0.0  # includes the gRPC round trip
+    verify_ms_per_step: float = 0.0
+    replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
 class CompletionChoice(BaseModel):

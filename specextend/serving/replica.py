@@ -43,9 +43,15 @@ GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory af
 
 def spec_decoding(stats: RequestStats) -> dict:
     """The per-response `speculative_decoding` object."""
-    return {"mean_acceptance_length": stats.mean_acceptance_length, "num_steps": stats.num_steps,
-            "retrieval_refreshes": stats.retrieval_refreshes,
-            "draft_cache_tokens": stats.draft_cache_tokens, "fallback": stats.fallback}
+    steps = max(stats.num_steps, 1)
+    out = {"mean_acceptance_length": stats.mean_acceptance_length, "num_steps": stats.num_steps,
+           "retrieval_refreshes": stats.retrieval_refreshes,
+           "draft_cache_tokens": stats.draft_cache_tokens, "fallback": stats.fallback,
+           "draft_ms_per_step": 1e3 * stats.draft_s / steps,  # includes the gRPC round trip
+           "verify_ms_per_step": 1e3 * stats.verify_s / steps}
+    if stats.replayed:
+        out["replayed"] = True
+    return out
 
 
 class SpecExtendReplica:
@@ -153,7 +159,8 @@ class SpecExtendReplica:
 
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Serve streaming method. Yields {text, token_ids, finish_reason}; the last item (with a
-        finish_reason) adds prompt_tokens, completion_tokens, prompt_token_ids, speculative_decoding."""
+        finish_reason) adds prompt_tokens, completion_tokens, speculative_decoding (and
+        prompt_token_ids if req["return_prompt_ids"])."""
         t_arrival = time.perf_counter()
         prompt_ids = self._prompt_ids(req)
         params = self._params(req, len(prompt_ids))
@@ -161,7 +168,7 @@ class SpecExtendReplica:
         try:
             engine.check_request(prompt_ids, params)
         except RequestError as e:
-            raise BadRequestError(str(e), "prompt") from e
+            raise BadRequestError(str(e), "max_tokens" if "max_tokens" in str(e) else "prompt") from e
         need = engine.kv_bytes(len(prompt_ids), params.max_new_tokens)
         self.metrics.set("specextend_num_requests_waiting", self.admission.waiting + 1)
         try:
@@ -181,7 +188,9 @@ class SpecExtendReplica:
                    t_arrival: float, fallback: bool) -> AsyncIterator[dict]:
         loop = asyncio.get_running_loop()
         text = TextStream(self.tokenizer, prompt_ids, req.get("stop") or ())
-        steps = engine.stream(prompt_ids, params, session_id=req.get("request_id"))
+        replay = [self.settings.replay_accept_length] if self.settings.replay_accept_length is not None else None
+        steps = engine.stream(prompt_ids, params, session_id=req.get("request_id"), prefill_events=True,
+                              replay=replay)
         stats, finish, last = None, None, None
         try:
             while finish is None:
@@ -190,6 +199,8 @@ class SpecExtendReplica:
                     break
                 now, stats = time.perf_counter(), ev.stats
                 stats.fallback |= fallback
+                if not ev.token_ids and ev.finish_reason is None:
+                    continue  # a prefill chunk: other sessions' steps ran in between
                 if last is None:
                     self.metrics.observe("specextend_time_to_first_token_seconds", now - t_arrival)
                 else:
@@ -202,7 +213,9 @@ class SpecExtendReplica:
                 if finish:
                     item["text"] += text.finish()
                     item.update(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids),
-                                prompt_token_ids=list(prompt_ids), speculative_decoding=spec_decoding(stats))
+                                speculative_decoding=spec_decoding(stats))
+                    if req.get("return_prompt_ids"):
+                        item["prompt_token_ids"] = list(prompt_ids)
                 if item["text"] or item["token_ids"] or finish:
                     yield item
         finally:

@@ -45,6 +45,7 @@ class AppSettings(BaseModel):
     retrieval_recent_chunks: int = Field(RetrievalConfig.recent_chunks, ge=0)
     # None: 512 in specextend mode (the reference), 0 (full attention) otherwise
     draft_prefill_window: Optional[int] = Field(None, ge=0)
+    prefill_chunk: int = Field(EngineConfig.prefill_chunk, ge=16)  # prompt tokens per prefill forward
     attention_backend: Literal["auto", "flash", "torch", "eager"] = "auto"
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     num_gpus: float = Field(default_factory=_default_num_gpus, ge=0, le=8)  # per model (target, draft)
@@ -57,6 +58,9 @@ class AppSettings(BaseModel):
     # KV-cache budget for admission control; None: 90% of free GPU memory after warm-up (CUDA),
     # a quarter of the host's memory (CPU)
     kv_cache_memory_gb: Optional[float] = Field(None, gt=0)
+    # benchmarks only (DESIGN 3.5): force every step to accept this many draft tokens; responses
+    # then say `replayed: true` and are NOT the model's output
+    replay_accept_length: Optional[int] = Field(None, ge=0, le=64)
 
     @model_validator(mode="after")
     def _check_engine_config(self) -> "AppSettings":
@@ -77,7 +81,7 @@ class AppSettings(BaseModel):
         tree = TreeConfig(nodes=self.tree_nodes, depth=self.tree_depth, topk=self.tree_topk)
         return EngineConfig(
             target=self.target, draft=self.draft, mode=self.mode, tree=tree, retrieval=retrieval,
-            attention_backend=self.attention_backend, dtype=self.dtype,
+            attention_backend=self.attention_backend, dtype=self.dtype, prefill_chunk=self.prefill_chunk,
             device="cuda" if self.num_gpus > 0 else "cpu",
             max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
             max_concurrent_sessions=self.max_concurrent_sessions,
