@@ -17,13 +17,12 @@ import time
 
 import torch
 
-from specextend.attention.backends import CAUSAL, get_backend
+from specextend.attention.backends import get_backend
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftSessionParams
 from specextend.draft.session import DraftSession
 from specextend.models.loader import load_model
 from specextend.target import TargetSession
-from specextend.tree import node_depths
 
 
 def sync(dev):
@@ -107,7 +106,6 @@ def bench_length(target, draft, L, a, dev, bw, results):
         row["verify_hta_s" if hybrid else "verify_plain_s"] = t
     sess.hybrid = True
     row["verify_floor_s"] = (weight_bytes + (L + len(parents) + 1) * kv_tok) / bw
-    del sess
     # draft step: full cache vs retrieval working cache (budget retrieval_top_k * chunk)
     tree = TreeConfig(a.tree_nodes, a.tree_depth, a.tree_topk)
     for name, retr in (("full", RetrievalConfig()),
@@ -121,7 +119,6 @@ def bench_length(target, draft, L, a, dev, bw, results):
             k[0] += 1
         row[f"draft_step_{name}_s"] = timed(step, dev, a.reps)
         row[f"draft_cache_{name}"] = ds.cache_tokens
-        del ds
     results.append(row)
     if dev.type == "cuda":
         torch.cuda.empty_cache()

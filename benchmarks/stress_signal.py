@@ -16,12 +16,12 @@ from dataclasses import replace
 
 import torch
 
-from specextend.attention.backends import CAUSAL
 from specextend.builder import load_draft, load_target
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
 from specextend.draft.chaos import Chaos, ChaosDraft
 from specextend.draft.inprocess import InProcessDraft
 from specextend.engine import Engine
+from specextend.near_tie import near_tie_check
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
 
 SETTINGS = [  # (name, chaos, retrieval_every, concurrent sessions)
@@ -38,18 +38,6 @@ SETTINGS = [  # (name, chaos, retrieval_every, concurrent sessions)
     ("8 concurrent", Chaos(), 4, 8),
     ("8 concurrent, late+drop", Chaos(delay_steps=2, drop_rate=0.3, seed=3), 4, 8),
 ]
-
-
-def near_tie_ok(dec, prompt, ref, out, tol):
-    i = next((j for j, (x, y) in enumerate(zip(ref, out)) if x != y), None)
-    if i is None:
-        return True, None
-    ids = list(prompt) + list(ref[:i])
-    cache = dec.new_cache(len(ids) + 1)
-    logits, _ = dec.forward(torch.tensor(ids, device=dec.device), torch.arange(len(ids), device=dec.device),
-                            cache, CAUSAL)
-    top = torch.topk(logits[-1].float(), 2).values
-    return float(top[0] - top[1]) < tol, i
 
 
 def main():
@@ -83,7 +71,7 @@ def main():
         with ThreadPoolExecutor(conc) as pool:
             results = list(pool.map(lambda i: eng.generate(prompts[i], params), range(conc)))
         wall = time.perf_counter() - t0
-        checks = [near_tie_ok(target.decoder, prompts[i], refs[i], results[i][0], a.tie_tol) for i in range(conc)]
+        checks = [near_tie_check(target.decoder, prompts[i], refs[i], results[i][0], a.tie_tol) for i in range(conc)]
         stats = [r[2] for r in results]
         steps = sum(s.num_steps for s in stats)
         rows.append(dict(

@@ -9,7 +9,6 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from specextend.config import ATTENTION_BACKENDS, DTYPES, MODES, EngineConfig, RetrievalConfig, SamplingParams, TreeConfig

@@ -1,0 +1,42 @@
+"""DESIGN 3.6's rule for finite precision: a speculative output may differ from plain decoding
+only where the target's two best logits (nearly) tie. Used by tests and benchmarks."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from specextend.attention.backends import CAUSAL
+from specextend.models.decoder import Decoder
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """First position where the two token lists differ (a length difference counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def top2_gap(decoder: Decoder, ids: Sequence[int]) -> float:
+    """The target's top-2 logit gap for the token after `ids` (a fresh causal forward)."""
+    cache = decoder.new_cache(len(ids) + 1)
+    dev = decoder.device
+    logits, _ = decoder.forward(torch.tensor(list(ids), device=dev), torch.arange(len(ids), device=dev), cache,
+                                CAUSAL)
+    top = torch.topk(logits[-1].float(), 2).values
+    return float(top[0] - top[1])
+
+
+def near_tie_check(decoder: Decoder, prompt: Sequence[int], ref: Sequence[int], out: Sequence[int],
+                   tol: float) -> tuple[bool, Optional[int], Optional[float]]:
+    """(ok, first divergence, top-2 gap there): ok if identical or the divergence is a near-tie."""
+    i = first_divergence(ref, out)
+    if i is None:
+        return True, None, None
+    if i >= min(len(ref), len(out)):  # one stopped earlier than the other: never a tie
+        return False, i, None
+    gap = top2_gap(decoder, list(prompt) + list(ref[:i]))
+    return gap < tol, i, gap
