@@ -141,10 +141,12 @@ class Engine:
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
-               replay: Optional[Sequence[int]] = None) -> Iterator[StepEvent]:
+               replay: Optional[Sequence[int]] = None, prefill_events: bool = False) -> Iterator[StepEvent]:
         """Yields one StepEvent per forward of the target; the last has a finish_reason.
 
-        `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled."""
+        `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled.
+        `prefill_events`: also yield an empty event after each prefill chunk but the last (a
+        server interleaves other sessions' steps there instead of stalling them for the prompt)."""
         self.check_request(prompt_ids, params)
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
@@ -163,7 +165,10 @@ class Engine:
                     opened = True
                 except DraftError as e:
                     use_draft = self._fall_back(stats, sid, e)
-            token = next_token(target.prefill(prompt_ids, cfg.prefill_chunk), params, gen)
+            for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk):
+                if logits is None and prefill_events:
+                    yield StepEvent([], None, stats)
+            token = next_token(logits, params, gen)
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             ev = out.emit([token])

@@ -6,7 +6,7 @@ root of the next draft tree (or the next autoregressive input).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -26,9 +26,15 @@ class TargetSession:
 
     def prefill(self, prompt_ids: Sequence[int], chunk: int) -> torch.Tensor:
         """Chunked causal prefill of the prompt; returns the last position's logits [V]."""
+        for logits in self.prefill_chunks(prompt_ids, chunk):
+            pass
+        return logits
+
+    def prefill_chunks(self, prompt_ids: Sequence[int], chunk: int) -> Iterator[Optional[torch.Tensor]]:
+        """prefill() one chunk per iteration: None after each chunk but the last, then the last
+        position's logits [V] (lets a server interleave other sessions' steps between chunks)."""
         dev = self.model.device
         ids = torch.tensor(list(prompt_ids), device=dev)
-        logits = None
         for lo in range(0, ids.numel(), chunk):
             part = ids[lo:lo + chunk]
             t = part.numel()
@@ -36,7 +42,7 @@ class TargetSession:
                 part, torch.arange(lo, lo + t, device=dev), self.cache, CAUSAL,
                 ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev)))
             self.cache.advance(t)
-        return logits[0]
+            yield logits[0] if lo + t >= ids.numel() else None
 
     def decode(self, token: int) -> torch.Tensor:
         """Autoregressive step: forward the last committed token; returns its logits [V]."""
