@@ -172,7 +172,8 @@ class OpenAIIngress:
         rid = p.request_id(chat)
         gen = None
         try:  # the first item (after admission and prefill) decides the HTTP status
-            gen = self.stream_handle.generate.remote({**prompt, **body.sampling(), "request_id": rid})
+            req = {**prompt, **body.sampling(), "request_id": rid, "return_prompt_ids": body.return_token_ids}
+            gen = self.stream_handle.generate.remote(req)
             first = await gen.__anext__()
         except BaseException as e:
             if gen is not None:

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 import ray
+from ray.exceptions import ActorUnavailableError
 
 from specextend.config import SamplingParams
 from specextend.engine import Engine, RequestError, RequestStats
@@ -243,6 +244,10 @@ class SpecExtendReplica:
             while True:
                 try:
                     address = await asyncio.wait_for(self.draft_actor.address.remote(), DRAFT_START_TIMEOUT_S)
+                except ActorUnavailableError:  # Ray is restarting it (max_restarts): wait
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 10.0)
+                    continue
                 except Exception as e:  # noqa: BLE001 - dead for good, or not coming back in time
                     log.warning("draft actor unavailable (%s); starting a new one", type(e).__name__)
                     ray.kill(self.draft_actor, no_restart=True)
