@@ -165,15 +165,18 @@ class Engine:
                     opened = True
                 except DraftError as e:
                     use_draft = self._fall_back(stats, sid, e)
-            for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk):
+            retrieving = use_draft and cfg.retrieval.enabled
+            for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk, capture=retrieving):
                 if logits is None and prefill_events:
                     yield StepEvent([], None, stats)
             token = next_token(logits, params, gen)
+            retrieval = self._retrieval(target, -1) if retrieving else None  # first tree: scored chunks
+            stats.retrieval_refreshes += retrieval is not None
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             ev = out.emit([token])
             yield ev
-            step, committed, retrieval = 0, [token], None
+            step, committed = 0, [token]
             while out.finish is None:
                 if use_draft:
                     try:
@@ -189,8 +192,8 @@ class Engine:
                     forced = replay[step % len(replay)] if replay else None
                     verdict = verify_tree(logits, tree.tokens, tree.parents, params, gen, forced)
                     target.commit(verdict.accepted)
-                    ids = target.retrieval_chunks(verdict.accepted, cfg.retrieval) if refresh else None
-                    retrieval = Retrieval(tuple(ids), cfg.retrieval.chunk_size) if ids else None
+                    row = verdict.accepted[-1] + 1 if verdict.accepted else 0
+                    retrieval = self._retrieval(target, row) if refresh else None
                     stats.retrieval_refreshes += retrieval is not None
                     stats.verify_s += time.perf_counter() - ts
                     stats.num_steps += 1
@@ -208,6 +211,10 @@ class Engine:
         finally:
             if opened and use_draft:
                 self._close_draft(sid)
+
+    def _retrieval(self, target: TargetSession, row: int) -> Optional[Retrieval]:
+        ids = target.retrieval_chunks(row, self.config.retrieval)
+        return Retrieval(tuple(ids), self.config.retrieval.chunk_size) if ids else None
 
     def _fall_back(self, stats: RequestStats, sid: str, err: Exception) -> bool:
         log.warning("draft failed for session %s (%s); continuing with plain decoding", sid, err)

@@ -24,25 +24,31 @@ class TargetSession:
         self.hybrid = hybrid
         self.captured: Optional[Captured] = None
 
-    def prefill(self, prompt_ids: Sequence[int], chunk: int) -> torch.Tensor:
+    def prefill(self, prompt_ids: Sequence[int], chunk: int, capture: bool = False) -> torch.Tensor:
         """Chunked causal prefill of the prompt; returns the last position's logits [V]."""
-        for logits in self.prefill_chunks(prompt_ids, chunk):
+        for logits in self.prefill_chunks(prompt_ids, chunk, capture):
             pass
         return logits
 
-    def prefill_chunks(self, prompt_ids: Sequence[int], chunk: int) -> Iterator[Optional[torch.Tensor]]:
+    def prefill_chunks(self, prompt_ids: Sequence[int], chunk: int,
+                       capture: bool = False) -> Iterator[Optional[torch.Tensor]]:
         """prefill() one chunk per iteration: None after each chunk but the last, then the last
-        position's logits [V] (lets a server interleave other sessions' steps between chunks)."""
+        position's logits [V] (lets a server interleave other sessions' steps between chunks).
+        `capture` keeps the last chunk's final-layer queries and LSE for the first retrieval."""
         dev = self.model.device
         ids = torch.tensor(list(prompt_ids), device=dev)
         for lo in range(0, ids.numel(), chunk):
             part = ids[lo:lo + chunk]
             t = part.numel()
-            logits, _ = self.model.forward(
+            last = lo + t >= ids.numel()
+            logits, captured = self.model.forward(
                 part, torch.arange(lo, lo + t, device=dev), self.cache, CAUSAL,
-                ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev)))
+                ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev),
+                               capture_last=capture and last))
             self.cache.advance(t)
-            yield logits[0] if lo + t >= ids.numel() else None
+            if last:
+                self.captured = captured
+            yield logits[0] if last else None
 
     def decode(self, token: int) -> torch.Tensor:
         """Autoregressive step: forward the last committed token; returns its logits [V]."""
@@ -67,17 +73,18 @@ class TargetSession:
         idx = torch.tensor([0] + [a + 1 for a in accepted], device=self.model.device)
         self.cache.commit(idx)
 
-    def retrieval_chunks(self, accepted: Sequence[int], cfg: RetrievalConfig) -> Optional[list[int]]:
-        """Chunk ids for the draft from the last verification (call after commit).
+    def retrieval_chunks(self, row: int, cfg: RetrievalConfig) -> Optional[list[int]]:
+        """Chunk ids for the draft from the captured forward's query `row` (call after commit).
 
-        The last accepted node's final-layer probabilities over every key it saw (prefix, root
-        and accepted path, now cache slots [0, length)) from its query row and merged LSE."""
+        After a verification, the row of the last accepted node: its final-layer probabilities
+        over every key it saw (prefix, root and accepted path, now cache slots [0, length)) from
+        its query row and merged LSE. After the prefill, the prompt's last token (row -1): the
+        draft's first tree then drafts from retrieved chunks, not from a recency guess."""
         if self.captured is None:
             return None
         ctx = self.cache.length
         if -(-ctx // cfg.chunk_size) <= cfg.top_k:
             return None  # everything fits the budget: retrieval is a no-op
-        row = accepted[-1] + 1 if accepted else 0
         keys = self.cache.layer(self.model.args.num_layers - 1)[0][:, :ctx]  # [G, ctx, D]
         probs = last_token_probs(self.captured.q[:, row], self.captured.lse[:, row], keys, self.model.scale)
         return select_chunks(chunk_scores(probs, cfg.chunk_size), cfg)

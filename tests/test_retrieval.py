@@ -8,6 +8,7 @@ import torch
 from specextend.attention.backends import CAUSAL
 from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
 from specextend.draft.base import DraftSessionParams, Retrieval
+from specextend.draft.inprocess import InProcessDraft
 from specextend.draft.session import DraftSession
 from specextend.models.decoder import ForwardOptions
 from specextend.retrieval import (chunk_positions, chunk_scores, initial_chunks, last_token_probs,
@@ -112,3 +113,33 @@ def test_retrieval_prunes_and_resets_per_request(tiny_models):
     assert again[0] == first[0]
     assert again[2].accepted_per_step == first[2].accepted_per_step  # no state carried over
     assert eng.draft.num_sessions == 0
+
+
+def test_prefill_scores_the_first_tree(tiny_models):
+    """The prompt's last token's final-layer row from the chunked prefill equals a fresh softmax
+    row, and step 0 already carries chunk ids selected from it."""
+    target, draft = tiny_models("float64")
+    dec = target.decoder
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    ts = TargetSession(dec, 128, hybrid=True)
+    ts.prefill(prompt, 32, capture=True)  # three chunks: the last one is captured
+    keys = ts.cache.layer(dec.args.num_layers - 1)[0][:, :70]
+    got = last_token_probs(ts.captured.q[:, -1], ts.captured.lse[:, -1], keys, dec.scale)
+    g = keys.shape[0]
+    q = ts.captured.q[:, -1].reshape(g, -1, dec.args.head_dim)
+    ref = torch.softmax(torch.einsum("grd,gsd->grs", q, keys) * dec.scale, -1).mean((0, 1))
+    torch.testing.assert_close(got.double(), ref, atol=1e-6, rtol=1e-5)
+
+    seen = []
+
+    class Recording(InProcessDraft):
+        def step(self, session_id, step, accepted_tokens, retrieval=None):
+            seen.append((step, retrieval))
+            return super().step(session_id, step, accepted_tokens, retrieval)
+
+    cfg = RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=3)
+    eng = make_engine((target, draft), "specextend", draft_backend=Recording(draft.decoder), tree=TreeConfig(8, 3, 2),
+                      retrieval=cfg)
+    eng.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert seen[0][0] == 0 and seen[0][1] is not None and len(seen[0][1].chunk_ids) == cfg.top_k
+    assert all(r is None for s, r in seen[1:] if s % cfg.every)  # then every `every` steps only
