@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -102,6 +103,7 @@ class Engine:
         self.draft = draft
         if self.config.mode != "ar" and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
+        self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -156,20 +158,22 @@ class Engine:
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
                                hybrid=cfg.hybrid_attention)
         use_draft = cfg.mode != "ar"
-        opened = False
+        opening: Optional[Future] = None
         try:
             t0 = time.perf_counter()
-            if use_draft:
-                try:
-                    self.draft.open(sid, prompt_ids, DraftSessionParams(cfg.tree, cfg.retrieval, params.max_new_tokens))
-                    opened = True
-                except DraftError as e:
-                    use_draft = self._fall_back(stats, sid, e)
-            retrieving = use_draft and cfg.retrieval.enabled
-            for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk, capture=retrieving):
+            if use_draft:  # the draft prefills (on its own device) while the target prefills here
+                opening = self._openers.submit(self.draft.open, sid, list(prompt_ids),
+                                               DraftSessionParams(cfg.tree, cfg.retrieval, params.max_new_tokens))
+            for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk, capture=cfg.retrieval.enabled):
                 if logits is None and prefill_events:
                     yield StepEvent([], None, stats)
             token = next_token(logits, params, gen)
+            if opening is not None:
+                try:
+                    opening.result()
+                except DraftError as e:
+                    use_draft = self._fall_back(stats, sid, e)
+            retrieving = use_draft and cfg.retrieval.enabled
             retrieval = self._retrieval(target, -1) if retrieving else None  # first tree: scored chunks
             stats.retrieval_refreshes += retrieval is not None
             stats.prefill_s = time.perf_counter() - t0
@@ -209,8 +213,8 @@ class Engine:
                 stats.decode_s = time.perf_counter() - t1
                 yield ev
         finally:
-            if opened and use_draft:
-                self._close_draft(sid)
+            if opening is not None:  # once the open has finished (now, or later if still running)
+                opening.add_done_callback(lambda f: f.exception() is None and self._close_draft(sid))
 
     def _retrieval(self, target: TargetSession, row: int) -> Optional[Retrieval]:
         ids = target.retrieval_chunks(row, self.config.retrieval)
