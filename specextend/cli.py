@@ -11,7 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
-from specextend.config import ATTENTION_BACKENDS, DTYPES, MODES, EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
+from specextend.config import (ATTENTION_BACKENDS, DTYPES, MODES, EngineConfig, RetrievalConfig, SamplingParams,
+                               TreeConfig)
 
 
 class CliError(Exception):

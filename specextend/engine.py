@@ -164,7 +164,8 @@ class Engine:
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 opening = self._openers.submit(self.draft.open, sid, list(prompt_ids),
                                                DraftSessionParams(cfg.tree, cfg.retrieval, params.max_new_tokens))
-            for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk, capture=cfg.retrieval.enabled):
+            capture = use_draft and cfg.retrieval.enabled  # the first retrieval is scored from the prefill
+            for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk, capture=capture):
                 if logits is None and prefill_events:
                     yield StepEvent([], None, stats)
             token = next_token(logits, params, gen)

@@ -127,7 +127,8 @@ def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str
         args = ModelArgs.from_hf_config(config)
         if preset == presets.TINY_DRAFT:
             if target_weights is None:
-                target_weights = presets.tiny_target_weights(ModelArgs.from_hf_config(presets.hf_config("llama-tiny")), dt, dev)
+                tiny_args = ModelArgs.from_hf_config(presets.hf_config("llama-tiny"))
+                target_weights = presets.tiny_target_weights(tiny_args, dt, dev)
             weights = presets.tiny_draft_weights(target_weights, dt, dev)
             config.num_hidden_layers = presets.TINY_DRAFT_LAYERS
             args = ModelArgs.from_hf_config(config)
