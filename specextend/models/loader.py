@@ -54,6 +54,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# End-of-turn / end-of-text tokens that the hub's generation_config.json lists but GGUF files lose
+# (Qwen2.5-Instruct stops on both <|im_end|> and <|endoftext|>; Llama 3 on <|eot_id|> too).
+TERMINATORS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The tokenizer's EOS and every known terminator it registers as a special token."""
+    ids = [tokenizer.eos_token_id] if isinstance(getattr(tokenizer, "eos_token_id", None), int) else []
+    special = set(getattr(tokenizer, "all_special_tokens", ())) | set(getattr(tokenizer, "added_tokens_encoder", {}))
+    for tok in TERMINATORS:
+        if tok in special:
+            ids.append(tokenizer.convert_tokens_to_ids(tok))
+    return [i for i in ids if isinstance(i, int) and i >= 0]
+
+
 def weights_from_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> Weights:
     def get(key: str) -> Optional[torch.Tensor]:
         return sd.get(key)
@@ -142,10 +157,9 @@ def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str
         args = ModelArgs.from_hf_config(config)
         weights = weights_from_state_dict(sd, args).to(device=dev, dtype=dt)
         del sd
-    # stop on the tokenizer's EOS as well as the config's (Qwen: <|endoftext|> and <|im_end|>)
-    extra_eos = [i for i in (getattr(tokenizer, "eos_token_id", None),) if isinstance(i, int)]
-    if set(extra_eos) - set(args.eos_token_ids):
-        args = dataclasses.replace(args, eos_token_ids=tuple(args.eos_token_ids) + tuple(extra_eos))
+    extra_eos = set(stop_token_ids(tokenizer)) - set(args.eos_token_ids)
+    if extra_eos:
+        args = dataclasses.replace(args, eos_token_ids=tuple(args.eos_token_ids) + tuple(sorted(extra_eos)))
     inv_freq, scaling = inv_freq_from_config(config)
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
     decoder.load_seconds = time.perf_counter() - t0

@@ -24,8 +24,11 @@ def replica_options(s: AppSettings) -> dict[str, Any]:
         ray_actor_options={"num_cpus": MODEL_CPUS, "num_gpus": s.num_gpus},
         placement_group_bundles=[dict(bundle) for _ in range(2 if s.uses_draft else 1)],
         placement_group_strategy="STRICT_PACK",
-        max_ongoing_requests=s.max_concurrent_sessions + s.max_queued_requests + CONTROL_HEADROOM,
-        max_queued_requests=max(s.max_queued_requests, 1),
+        # Admission (sessions, queue, KV memory) is the replica's own, answering 429 in OpenAI's
+        # JSON; Serve's router gets room for 4x that so its back-pressure (a plain-text 503 from
+        # the proxy) never fires first.
+        max_ongoing_requests=4 * (s.max_concurrent_sessions + s.max_queued_requests) + CONTROL_HEADROOM,
+        max_queued_requests=-1,
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5,
