@@ -63,6 +63,8 @@ def main():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--replay-trace", default=None)
     p.add_argument("--replay-constant", type=int, default=3)
+    p.add_argument("--no-replay", action="store_true", help="real acceptance (real models)")
+    p.add_argument("--text-file", default=None, help="real text: the first L tokens, then a question, chat template")
     p.add_argument("--tree-nodes", type=int, default=32)
     p.add_argument("--tree-depth", type=int, default=6)
     p.add_argument("--tree-topk", type=int, default=4)
@@ -70,7 +72,7 @@ def main():
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--tie-tol", type=float, default=0.125, help="near-tie tolerance for bf16 logits")
     a = p.parse_args()
-    replay = [a.replay_constant]
+    replay = None if a.no_replay else [a.replay_constant]
     if a.replay_trace:
         replay = json.load(open(a.replay_trace))["accepted_per_step"]
     target = load_model(a.target, "target")
@@ -86,6 +88,12 @@ def main():
     rows, checks = [], []
     for L in [int(x) for x in a.lengths.split(",")]:
         prompt = torch.randint(0, 256, (L,), generator=torch.Generator().manual_seed(L)).tolist()
+        if a.text_file:
+            tok = target.tokenizer
+            doc = tok.decode(tok.encode(open(a.text_file, encoding="utf-8").read())[:L])
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": doc + "\n\nSummarize the documentation above, then show a short "
+                  "code example that uses it."}], add_generation_prompt=True, tokenize=True, return_dict=False)
         # losslessness check (no replay): sd and specextend vs ar, first divergence at a near-tie?
         ref, _ = run(engines["ar"], prompt, a.check_tokens, None)
         for mode in ("sd", "specextend"):
@@ -95,7 +103,7 @@ def main():
                                top2_gap=gap))
         for mode, eng in engines.items():
             _, r = run(eng, prompt, a.new_tokens, None if mode == "ar" else replay)
-            rows.append(dict(length=L, mode=mode, replayed=mode != "ar", **r))
+            rows.append(dict(length=L, mode=mode, replayed=mode != "ar" and replay is not None, **r))
             print(f"L={L} {mode}: {r}", flush=True)
         if not a.skip_hf:
             rows.append(dict(length=L, mode="ar-hf", replayed=False,
@@ -114,7 +122,8 @@ def main():
               f"top2_gap={c['top2_gap']}")
     meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", target=a.target,
                 draft=a.draft, dtype=str(target.decoder.dtype), tree=[a.tree_nodes, a.tree_depth, a.tree_topk],
-                replay=a.replay_trace or f"constant {a.replay_constant}", date=time.strftime("%Y-%m-%d"))
+                replay=None if replay is None else (a.replay_trace or f"constant {a.replay_constant}"),
+                text=a.text_file, date=time.strftime("%Y-%m-%d"))
     print(json.dumps(dict(meta=meta, rows=rows, checks=checks)))
 
 
