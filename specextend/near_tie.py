@@ -32,11 +32,11 @@ def top2_gap(decoder: Decoder, ids: Sequence[int]) -> float:
 
 def near_tie_check(decoder: Decoder, prompt: Sequence[int], ref: Sequence[int], out: Sequence[int],
                    tol: float) -> tuple[bool, Optional[int], Optional[float]]:
-    """(ok, first divergence, top-2 gap there): ok if identical or the divergence is a near-tie."""
+    """(ok, first divergence, top-2 gap there): ok if identical or the gap there is at most `tol`."""
     i = first_divergence(ref, out)
     if i is None:
         return True, None, None
     if i >= min(len(ref), len(out)):  # one stopped earlier than the other: never a tie
         return False, i, None
     gap = top2_gap(decoder, list(prompt) + list(ref[:i]))
-    return gap < tol, i, gap
+    return gap <= tol, i, gap
