@@ -22,3 +22,4 @@ def tiny_models():
         return cache[key]
 
     return get
+

@@ -19,3 +19,21 @@ def assert_equal_or_near_tie(decoder, prompt, ref, out, tol):
     ok, i, gap = near_tie_check(decoder, prompt, ref, out, tol)
     assert ok, f"divergence at generated position {i} with top-2 gap {gap} (tolerance {tol})"
     return i, gap
+
+
+def start_local_ray(**kw):
+    """ray.init for tests, retried once: on a loaded 2-core machine the GCS can miss Ray's start-up
+    deadline ("Timed out waiting for file .../gcs_server_port"); a clean second start succeeds."""
+    import subprocess
+    import time
+
+    import ray
+
+    kw = dict(address="local", include_dashboard=False, log_to_driver=False, **kw)
+    try:
+        return ray.init(**kw)
+    except RuntimeError:
+        ray.shutdown()
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
+        time.sleep(5)
+        return ray.init(**kw)

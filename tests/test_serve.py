@@ -19,6 +19,8 @@ from specextend.serving.errors import QueueFullError
 from specextend.serving.metrics import ReplicaMetrics, merge_expositions
 from specextend.serving.textstream import TextStream
 
+from helpers import start_local_ray
+
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 BASE = "http://127.0.0.1:8000"
@@ -41,7 +43,7 @@ def server():
 
     from deploy.app import specextend
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2)
     try:
         serve.run(specextend(dict(SETTINGS)), name="specextend", route_prefix="/")
         yield serve.get_deployment_handle("SpecExtend", app_name="specextend")

@@ -12,6 +12,8 @@ from pydantic import ValidationError
 
 from specextend.serving.settings import AppSettings, InsufficientGPUsError, check_gpus
 
+from helpers import start_local_ray
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
 TINY = dict(target="random:llama-tiny", draft="random:llama-tiny-draft")
@@ -83,7 +85,7 @@ def test_builder_fails_fast_on_a_cluster_without_gpus():
 
     from deploy.app import specextend
 
-    ray.init(address="local", num_cpus=1, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=1, num_gpus=0)
     try:
         with pytest.raises(InsufficientGPUsError, match="num_gpus=1 needs 2 GPU"):
             specextend({**TINY, "num_gpus": 1})
