@@ -39,17 +39,13 @@ def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[i
     row = 0  # verification row of the current node (root = 0)
     while True:
         kids = children[row]
-        if forced_length is not None:
-            if kids and len(accepted) < forced_length:
-                accepted.append(kids[0])
-                row = kids[0] + 1
-                continue
+        if forced_length is not None and kids and len(accepted) < forced_length:
+            nxt = kids[0]  # replay: the draft's best branch, no token drawn
+        else:
             tok = greedy_rows[row] if greedy_rows is not None else next_token(logits[row], params, generator)
-            break
-        tok = greedy_rows[row] if greedy_rows is not None else next_token(logits[row], params, generator)
-        nxt = next((c for c in kids if tokens[c] == tok), None)
-        if nxt is None:
-            break
+            nxt = None if forced_length is not None else next((c for c in kids if tokens[c] == tok), None)
+            if nxt is None:
+                break
         accepted.append(nxt)
         row = nxt + 1
     return Verdict(accepted=accepted, tokens=[tokens[c] for c in accepted] + [tok], bonus_token=tok)
