@@ -67,18 +67,40 @@ def fixed_tree(nodes: int, topk: int) -> list[int]:
     return parents
 
 
-def bench_length(target, draft, L, a, dev, bw, results):
+def host_time(fn, dev, reps: int) -> float:
+    """Median time for fn() to return with an idle device before it (its launch cost, no sync after)."""
+    out = []
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    sync(dev)
+    return statistics.median(out)
+
+
+def set_graphs(models, on: bool, store: dict) -> None:
+    """Switch the piecewise CUDA graphs (models/graphs.py) of each decoder on or off."""
+    for m in models:
+        dec = m.decoder
+        store.setdefault(id(dec), dec.graphs)
+        dec.graphs = store[id(dec)] if on else None
+
+
+def bench_length(target, draft, L, a, dev, bw, results, graphs: bool = False, prefill: bool = True):
     dec = target.decoder
     args = dec.args
     gen = torch.Generator().manual_seed(L)
     prompt = torch.randint(0, 256, (L,), generator=gen).tolist()
     weight_bytes = args.num_params() * dec.w.embed.element_size()
     kv_tok = args.kv_bytes_per_token(dec.dtype)
-    row = dict(length=L)
+    row = dict(length=L, cuda_graphs=graphs)
     # prefill (torch kernels; eager where it fits)
     sess = TargetSession(dec, L + 128, hybrid=True)
-    row["prefill_s"] = timed(lambda: (sess.cache.truncate(0), sess.prefill(prompt, a.prefill_chunk)), dev, 2, 1)
-    if L <= a.eager_max:
+    reps = 2 if prefill else 1
+    row["prefill_s"] = timed(lambda: (sess.cache.truncate(0), sess.prefill(prompt, a.prefill_chunk)), dev, reps,
+                             reps - 1)
+    if prefill and L <= a.eager_max:
         eager = get_backend("eager", dev)
         fast = dec.backend
         dec.backend = eager
@@ -104,6 +126,9 @@ def bench_length(target, draft, L, a, dev, bw, results):
         sess.hybrid = hybrid
         t = timed(lambda: sess.verify(5, tokens, parents, capture=False), dev, a.reps)
         row["verify_hta_s" if hybrid else "verify_plain_s"] = t
+        if hybrid:  # launch cost alone: near the total = host-bound
+            row["verify_hta_host_s"] = host_time(lambda: sess.verify(5, tokens, parents, capture=False),
+                                                 dev, a.reps)
     sess.hybrid = True
     row["verify_floor_s"] = (weight_bytes + (L + len(parents) + 1) * kv_tok) / bw
     # draft step: full cache vs retrieval working cache (budget retrieval_top_k * chunk)
@@ -138,6 +163,8 @@ def main():
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--eager-max", type=int, default=8192)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="both",
+                   help="decode-time forwards through the piecewise CUDA graphs, op by op, or both")
     a = p.parse_args()
     target = load_model(a.target, "target", a.dtype, a.device, "auto")
     draft = load_model(a.draft, "draft", a.dtype, a.device, "auto", vocab_size=target.args.vocab_size,
@@ -145,25 +172,33 @@ def main():
     dev = target.decoder.device
     bw = copy_bandwidth(dev)
     results = []
+    saved: dict = {}
+    graph_modes = {"on": [True], "off": [False], "both": [False, True]}[a.cuda_graphs]
     for L in [int(x) for x in a.lengths.split(",")]:
-        bench_length(target, draft, L, a, dev, bw, results)
-        r = results[-1]
-        print(f"L={L}: prefill {r['prefill_s']*1e3:.0f} ms, ar {r['ar_step_s']*1e3:.2f} ms "
-              f"(floor {r['floor_s']*1e3:.2f}), verify hta {r['verify_hta_s']*1e3:.2f} / plain "
-              f"{r['verify_plain_s']*1e3:.2f} ms (floor {r['verify_floor_s']*1e3:.2f}), draft full "
-              f"{r['draft_step_full_s']*1e3:.2f} / cmr {r['draft_step_cmr_s']*1e3:.2f} ms", flush=True)
-    print("\n| L | prefill s | prefill eager s | AR step ms | floor ms | verify HTA ms | verify plain ms | "
-          "HTA/floor | draft full ms | draft CMR ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+        for gi, g in enumerate(graph_modes):
+            set_graphs([target, draft], g, saved)
+            t0 = time.perf_counter()
+            bench_length(target, draft, L, a, dev, bw, results, graphs=g, prefill=gi == 0)
+            r = results[-1]
+            r["bench_s"] = time.perf_counter() - t0
+            print(f"L={L} graphs={g}: prefill {r['prefill_s']*1e3:.0f} ms, ar {r['ar_step_s']*1e3:.2f} ms "
+                  f"(floor {r['floor_s']*1e3:.2f}), verify hta {r['verify_hta_s']*1e3:.2f} / plain "
+                  f"{r['verify_plain_s']*1e3:.2f} ms (floor {r['verify_floor_s']*1e3:.2f}), draft full "
+                  f"{r['draft_step_full_s']*1e3:.2f} / cmr {r['draft_step_cmr_s']*1e3:.2f} ms", flush=True)
+    print("\n| L | graphs | prefill s | prefill eager s | AR step ms | floor ms | verify HTA ms (launch) | "
+          "verify plain ms | HTA/floor | draft full ms | draft CMR ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         eager = f"{r['prefill_eager_s']:.3f}" if "prefill_eager_s" in r else "-"
-        print(f"| {r['length']} | {r['prefill_s']:.3f} | {eager} | {r['ar_step_s']*1e3:.2f} | "
-              f"{r['floor_s']*1e3:.2f} | {r['verify_hta_s']*1e3:.2f} | {r['verify_plain_s']*1e3:.2f} | "
+        print(f"| {r['length']} | {'on' if r['cuda_graphs'] else 'off'} | {r['prefill_s']:.3f} | {eager} | "
+              f"{r['ar_step_s']*1e3:.2f} | {r['floor_s']*1e3:.2f} | {r['verify_hta_s']*1e3:.2f} "
+              f"({r['verify_hta_host_s']*1e3:.2f}) | {r['verify_plain_s']*1e3:.2f} | "
               f"{r['verify_hta_s']/r['verify_floor_s']:.2f} | {r['draft_step_full_s']*1e3:.2f} | "
               f"{r['draft_step_cmr_s']*1e3:.2f} |")
     meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
                 target=a.target, draft=a.draft, dtype=str(target.decoder.dtype), copy_bandwidth_Bps=bw,
-                tree=[a.tree_nodes, a.tree_depth, a.tree_topk], date=time.strftime("%Y-%m-%d"))
+                tree=[a.tree_nodes, a.tree_depth, a.tree_topk], date=time.strftime("%Y-%m-%d"),
+                graphs_captured=[m.decoder.graphs.num_graphs for m in (target, draft) if m.decoder.graphs])
     print(json.dumps(dict(meta=meta, results=results)))
 
 

@@ -71,6 +71,7 @@ class EngineConfig:
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     hybrid_attention: bool = False  # HTA verification (prefix kernel + tree mask, LSE merge)
     attention_backend: str = "auto"
+    cuda_graphs: bool = True  # decode-time forwards as piecewise CUDA graphs (CUDA only)
     dtype: str = "auto"
     device: str = "auto"
     prefill_chunk: int = 2048  # chunked prefill: queries per forward

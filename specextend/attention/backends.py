@@ -17,7 +17,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from specextend.attention.eager import attention_eager
+from specextend.attention.eager import attention_eager, compute_dtype
 
 CAUSAL = "causal"
 Mask = Union[None, str, torch.Tensor]
@@ -81,7 +81,7 @@ class TorchBackend(AttentionBackend):
             return out[0], None
         if mask is None:  # the fused kernel with the GQA fold reads each K/V once
             out, lse = _sdpa_lse(_fold_gqa(q, g)[None], k[None], v[None], False, scale)
-            return out.reshape(h, t, d), lse.reshape(h, t).float()
+            return out.reshape(h, t, d), lse.reshape(h, t).to(compute_dtype(q.dtype))
         if not need_lse:
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
                                                  enable_gqa=True)
@@ -90,7 +90,7 @@ class TorchBackend(AttentionBackend):
         kr = k.repeat_interleave(r, dim=0)
         vr = v.repeat_interleave(r, dim=0)
         out, lse = _sdpa_lse(q[None], kr[None], vr[None], True, scale)
-        return out[0], lse[0].float()
+        return out[0], lse[0].to(compute_dtype(q.dtype))
 
 
 class FlashBackend(AttentionBackend):

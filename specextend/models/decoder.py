@@ -84,6 +84,7 @@ class Decoder:
         self.rope = rope.to(weights.embed.device)
         self.backend = backend
         self.scale = 1.0 / math.sqrt(args.head_dim)
+        self.graphs = None  # StepGraphs (graphs.py) once enabled
 
     @property
     def device(self) -> torch.device:
@@ -97,6 +98,46 @@ class Decoder:
         a = self.args
         return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, capacity, self.dtype, self.device)
 
+    # ------------------------------------------------------------ pieces (shared with graphs.py)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.w.embed)  # [T, E]
+
+    def layer_pre(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Norm, QKV, (QK norm), RoPE of layer i: q [H, T, D], k, v [G, T, D], pre-RoPE k [G, T, D]."""
+        a = self.args
+        lw = self.w.layers[i]
+        t = x.shape[0]
+        h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
+        hs = rms_norm(x, lw.input_norm, a.rms_norm_eps)
+        qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
+        q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+        q = q.view(t, h, d).transpose(0, 1)  # [H, T, D]
+        k = k.view(t, g, d).transpose(0, 1)  # [G, T, D]
+        v = v.view(t, g, d).transpose(0, 1)  # [G, T, D]
+        if lw.q_norm is not None:
+            q = rms_norm(q, lw.q_norm, a.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, a.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k
+
+    def layer_post(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and MLP of layer i; attn [H, T, D] -> x [T, E]."""
+        a = self.args
+        lw = self.w.layers[i]
+        t = x.shape[0]
+        x = x + F.linear(attn.transpose(0, 1).reshape(t, a.num_heads * a.head_dim), lw.o)
+        hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
+        gate, up = F.linear(hs, lw.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, lw.down)
+
+    def head(self, x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """Final norm and LM head of rows [T'] of x [T, E] -> logits [T', V] (float32 or float64)."""
+        if rows is not None:
+            x = x.index_select(0, rows)
+        x = rms_norm(x, self.w.norm, self.args.rms_norm_eps)
+        logits = F.linear(x, self.w.lm_head)  # [T', V]
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    # ------------------------------------------------------------ forward
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -105,45 +146,32 @@ class Decoder:
         new_mask: Mask,  # CAUSAL, or [T, staged + T] bool over the staged tree keys
         opts: Optional[ForwardOptions] = None,
     ) -> tuple[torch.Tensor, Optional[Captured]]:
-        """Returns logits [T' , V] (float32; T' = len(logits_rows) or T) and the captured last layer."""
+        """Returns logits [T' , V] (float32; T' = len(logits_rows) or T) and the captured last layer.
+
+        Small decode-time forwards go through the step graphs when enabled (graphs.py)."""
         opts = opts or ForwardOptions()
+        if self.graphs is not None and self.graphs.accepts(input_ids.shape[0], cache, new_mask, opts):
+            return self.graphs.forward(input_ids, positions, cache, new_mask, opts)
+        return self.forward_eager(input_ids, positions, cache, new_mask, opts)
+
+    def forward_eager(self, input_ids, positions, cache: KVCache, new_mask: Mask,
+                      opts: ForwardOptions) -> tuple[torch.Tensor, Optional[Captured]]:
+        """The plain forward: every op launched from Python (prefill, baselines, CPU)."""
         a = self.args
-        t = input_ids.shape[0]
-        h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
         L = cache.length
         cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, D]
-        x = F.embedding(input_ids, self.w.embed)  # [T, E]
+        x = self.embed(input_ids)  # [T, E]
         captured = None
-        for i, lw in enumerate(self.w.layers):
-            last = i == a.num_layers - 1
-            hs = rms_norm(x, lw.input_norm, a.rms_norm_eps)
-            qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
-            q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
-            q = q.view(t, h, d).transpose(0, 1)  # [H, T, D]
-            k = k.view(t, g, d).transpose(0, 1)  # [G, T, D]
-            v = v.view(t, g, d).transpose(0, 1)  # [G, T, D]
-            if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, a.rms_norm_eps)
-                k = rms_norm(k, lw.k_norm, a.rms_norm_eps)
+        for i in range(a.num_layers):
+            q, k, v, k_pre = self.layer_pre(i, x, cos, sin)
             if opts.store is not None:
-                opts.store.stage(i, k, v)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+                opts.store.stage(i, k_pre, v)
             cache.stage(i, k, v, offset=opts.staged)
             kc, vc = cache.layer(i)
-            need_lse = last and opts.capture_last
+            need_lse = i == a.num_layers - 1 and opts.capture_last
             attn, lse = layer_attention(self.backend, q, kc, vc, L, new_mask, self.scale,
                                         hybrid=opts.hybrid, need_lse=need_lse, window=opts.window)
             if need_lse:
                 captured = Captured(q=q, lse=lse.float())
-            x = x + F.linear(attn.transpose(0, 1).reshape(t, h * d), lw.o)
-            hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
-            gate, up = F.linear(hs, lw.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw.down)
-        if opts.logits_rows is not None:
-            x = x[opts.logits_rows]
-        x = rms_norm(x, self.w.norm, a.rms_norm_eps)
-        logits = F.linear(x, self.w.lm_head)  # [T', V]
-        if logits.dtype != torch.float64:
-            logits = logits.float()
-        return logits, captured
+            x = self.layer_post(i, x, attn)
+        return self.head(x, opts.logits_rows), captured

@@ -127,7 +127,7 @@ def _load_hf(spec: str, role: str) -> tuple[str, Any, dict[str, torch.Tensor], A
 
 def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str = "auto",
                attention_backend: str = "auto", vocab_size: Optional[int] = None,
-               target_weights: Optional[Weights] = None) -> LoadedModel:
+               target_weights: Optional[Weights] = None, cuda_graphs: bool = True) -> LoadedModel:
     """Loads one model. For random drafts, `vocab_size` takes the target's vocabulary and
     `target_weights` (the tiny target's) makes the correlated tiny draft."""
     dev = resolve_device(device)
@@ -162,5 +162,9 @@ def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str
         args = dataclasses.replace(args, eos_token_ids=tuple(args.eos_token_ids) + tuple(sorted(extra_eos)))
     inv_freq, scaling = inv_freq_from_config(config)
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
+    if cuda_graphs and dev.type == "cuda":
+        from specextend.models.graphs import StepGraphs
+
+        decoder.graphs = StepGraphs(decoder)
     decoder.load_seconds = time.perf_counter() - t0
     return LoadedModel(name=name, decoder=decoder, tokenizer=tokenizer, hf_config=config)

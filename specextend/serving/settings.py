@@ -47,6 +47,7 @@ class AppSettings(BaseModel):
     draft_prefill_window: Optional[int] = Field(None, ge=0)
     prefill_chunk: int = Field(EngineConfig.prefill_chunk, ge=16)  # prompt tokens per prefill forward
     attention_backend: Literal["auto", "flash", "torch", "eager"] = "auto"
+    cuda_graphs: bool = True  # decode-time forwards as piecewise CUDA graphs (CUDA only)
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     num_gpus: float = Field(default_factory=_default_num_gpus, ge=0, le=8)  # per model (target, draft)
     max_prompt_tokens: Optional[int] = Field(None, ge=1)  # None: the target's context length
@@ -81,7 +82,7 @@ class AppSettings(BaseModel):
         tree = TreeConfig(nodes=self.tree_nodes, depth=self.tree_depth, topk=self.tree_topk)
         return EngineConfig(
             target=self.target, draft=self.draft, mode=self.mode, tree=tree, retrieval=retrieval,
-            attention_backend=self.attention_backend, dtype=self.dtype, prefill_chunk=self.prefill_chunk,
+            attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs, dtype=self.dtype, prefill_chunk=self.prefill_chunk,
             device="cuda" if self.num_gpus > 0 else "cpu",
             max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
             max_concurrent_sessions=self.max_concurrent_sessions,

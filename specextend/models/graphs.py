@@ -1,0 +1,192 @@
+"""Piecewise CUDA graphs for the small decode-time forwards (AR decode, tree verify, draft levels).
+
+A decode-time forward is host-bound: ~75 small kernels per layer launched from Python cost more
+than the weights take to stream. The only part whose shape changes from step to step is the
+attention over the committed prefix (L grows). So, as vLLM's piecewise graphs do, each layer is
+cut around that one call:
+
+    seg 0      embed, RoPE tables, layer 0 pre-attention (norm, QKV, QK-norm, RoPE)
+    prefix 0   eager: the LSE-returning kernel over cache[:L] (no mask)      <- variable L
+    seg i      layer i-1 tree part (explicit mask over this forward's keys) + exact LSE merge,
+               o-proj, MLP; then layer i pre-attention
+    ...
+    seg N      last layer's tail, final norm, LM head (+ the CMR query/LSE copy)
+
+Segments are captured once per shape (T queries, tree keys, logits rows, capture, store) and
+replayed; between them one eager prefix call per layer. Graphs never touch a session's KV cache
+(its address differs per request): the new K/V go to a static scratch that one copy moves into the
+cache after the forward, and earlier-staged tree keys (deeper draft levels) are copied into the
+scratch before it. So one set of graphs serves every session of a model; a lock serializes them.
+
+`capture=False` runs exactly the same segments without graphs: the slow twin the tests compare
+with Decoder.forward_eager on any device.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specextend.attention.backends import CAUSAL, Mask
+from specextend.attention.eager import attention_eager, merge_attention
+from specextend.kv_cache import CacheFull, KVCache
+
+MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    t: int  # new tokens (queries)
+    staged: int  # tree keys staged before this forward (deeper draft levels)
+    rows: int  # logits rows (0 = all T)
+    capture: bool  # keep the last layer's query and merged LSE (cross-model retrieval)
+    store: bool  # also return the pre-RoPE keys (draft's retrieval store)
+
+
+class _Plan:
+    """Static buffers and segment graphs of one shape."""
+
+    def __init__(self, model, key: ShapeKey):
+        a, dev, dt = model.args, model.device, model.dtype
+        h, g, d, t = a.num_heads, a.num_kv_heads, a.head_dim, key.t
+        n = key.staged + t
+        self.key = key
+        self.ids = torch.zeros(t, dtype=torch.long, device=dev)  # [T]
+        self.pos = torch.zeros(t, dtype=torch.long, device=dev)  # [T]
+        self.mask = torch.ones(t, n, dtype=torch.bool, device=dev)  # [T, staged + T]
+        self.rows = torch.zeros(key.rows, dtype=torch.long, device=dev) if key.rows else None  # [R]
+        self.scratch = torch.zeros(a.num_layers, 2, g, n, d, dtype=dt, device=dev)  # tree K/V
+        self.store_k = torch.zeros(a.num_layers, g, t, d, dtype=dt, device=dev) if key.store else None
+        lse_dt = torch.float64 if dt == torch.float64 else torch.float32
+        self.out_p = torch.zeros(h, t, d, dtype=dt, device=dev)  # prefix attention of one layer
+        self.lse_p = torch.zeros(h, t, dtype=lse_dt, device=dev)  # [H, T]
+        self.q: list[Optional[torch.Tensor]] = [None] * a.num_layers  # each layer's q [H, T, D]
+        self.x: Optional[torch.Tensor] = None  # residual stream [T, E] between segments
+        self.cos = self.sin = None  # [T, D]
+        self.logits: Optional[torch.Tensor] = None  # [R or T, V]
+        self.cap_q = self.cap_lse = None  # [H, T, D], [H, T]
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+
+class StepGraphs:
+    def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS):
+        self.model = model
+        self.capture = capture and model.device.type == "cuda"
+        self.max_tokens = max_tokens
+        self.plans: dict[ShapeKey, _Plan] = {}
+        self.lock = threading.Lock()
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._stream = torch.cuda.Stream(model.device) if self.capture else None
+
+    # ------------------------------------------------------------ eligibility
+    def accepts(self, t: int, cache: KVCache, new_mask: Mask, opts) -> bool:
+        """HTA-composed forwards of a few queries after a non-empty prefix, no sliding window."""
+        if not (opts.hybrid and opts.window == 0 and cache.length > 0 and 0 < t <= self.max_tokens):
+            return False
+        return isinstance(new_mask, torch.Tensor) or new_mask == CAUSAL
+
+    # ------------------------------------------------------------ forward
+    def forward(self, input_ids, positions, cache: KVCache, new_mask: Mask, opts):
+        t = input_ids.shape[0]
+        L, lo = cache.length, cache.length + opts.staged
+        if lo + t > cache.capacity:
+            raise CacheFull(f"KV cache full: {lo} + {t} > {cache.capacity}")
+        if opts.store is not None and opts.store.length + t > opts.store.capacity:
+            raise CacheFull(f"KV store full: {opts.store.length} + {t} > {opts.store.capacity}")
+        rows = opts.logits_rows
+        key = ShapeKey(t, opts.staged, 0 if rows is None else rows.numel(), opts.capture_last,
+                       opts.store is not None)
+        if isinstance(new_mask, str):  # CAUSAL over this forward's own keys
+            new_mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        with self.lock:
+            plan = self.plans.get(key)
+            if plan is None:
+                plan = self.plans[key] = self._build(key, cache)
+            p = plan
+            p.ids.copy_(input_ids, non_blocking=True)
+            p.pos.copy_(positions, non_blocking=True)
+            p.mask.copy_(new_mask, non_blocking=True)
+            if p.rows is not None:
+                p.rows.copy_(rows, non_blocking=True)
+            if opts.staged:
+                p.scratch[:, :, :, :opts.staged].copy_(cache.data[:, :, :, L:lo])
+            self._run(p, cache, L)
+            cache.data[:, :, :, lo:lo + t].copy_(p.scratch[:, :, :, opts.staged:])
+            if opts.store is not None:
+                s = opts.store
+                s.data[:, 0, :, s.length:s.length + t].copy_(p.store_k)
+                s.data[:, 1, :, s.length:s.length + t].copy_(p.scratch[:, 1, :, opts.staged:])
+            logits = p.logits.clone()
+            captured = None
+            if key.capture:
+                from specextend.models.decoder import Captured
+
+                captured = Captured(q=p.cap_q.clone(), lse=p.cap_lse.float())
+            return logits, captured
+
+    def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
+        n = self.model.args.num_layers
+        for i in range(n + 1):
+            if self.capture:
+                p.graphs[i].replay()
+            else:
+                self._segment(p, i)
+            if i < n:
+                self._prefix(p, i, cache, L)
+
+    # ------------------------------------------------------------ pieces
+    def _segment(self, p: _Plan, i: int) -> None:
+        m = self.model
+        n = m.args.num_layers
+        st = p.key.staged
+        if i == 0:
+            p.cos, p.sin = m.rope.cos_sin(p.pos, m.dtype)  # [T, D]
+            x = m.embed(p.ids)  # [T, E]
+        else:
+            kt, vt = p.scratch[i - 1, 0], p.scratch[i - 1, 1]  # [G, staged + T, D]
+            out_t, lse_t = attention_eager(p.q[i - 1], kt, vt, p.mask, m.scale)
+            attn, lse = merge_attention(p.out_p, p.lse_p, out_t, lse_t)  # [H, T, D], [H, T]
+            x = m.layer_post(i - 1, p.x, attn)
+            if i == n and p.key.capture:
+                p.cap_q, p.cap_lse = p.q[i - 1], lse
+        if i < n:
+            q, k, v, k_pre = m.layer_pre(i, x, p.cos, p.sin)
+            p.scratch[i, 0, :, st:].copy_(k)
+            p.scratch[i, 1, :, st:].copy_(v)
+            if p.store_k is not None:
+                p.store_k[i].copy_(k_pre)
+            p.q[i], p.x = q, x
+        else:
+            p.logits = m.head(x, p.rows)
+
+    def _prefix(self, p: _Plan, i: int, cache: KVCache, L: int) -> None:
+        """Eager: layer i's queries over the committed prefix, into the static out_p / lse_p."""
+        kc, vc = cache.layer(i)
+        out, lse = self.model.backend.attend(p.q[i], kc[:, :L], vc[:, :L], None, self.model.scale, True)
+        p.out_p.copy_(out)
+        p.lse_p.copy_(lse)
+
+    def _build(self, key: ShapeKey, cache: KVCache) -> _Plan:
+        p = _Plan(self.model, key)
+        if not self.capture:
+            return p
+        n = self.model.args.num_layers
+        s = self._stream
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up (cuBLAS handles, workspaces) off the capture
+            for i in range(n + 1):
+                self._segment(p, i)
+        torch.cuda.current_stream().wait_stream(s)
+        for i in range(n + 1):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool, stream=s, capture_error_mode="thread_local"):
+                self._segment(p, i)
+            p.graphs.append(g)
+        return p
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(p.graphs) for p in self.plans.values())

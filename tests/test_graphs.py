@@ -1,0 +1,139 @@
+"""Piecewise step graphs (models/graphs.py) against the plain forward.
+
+On any device the segmented forward (the graphs' slow twin, capture=False) must equal
+Decoder.forward_eager for every decode-time call the engine makes: AR decode, committed forwards
+with the retrieval store, tree verification with the CMR capture, deeper draft levels over staged
+keys, logits rows; with plans reused at a new prefix length. On CUDA the captured graphs must
+equal the twin. And engines running through the twin stay lossless.
+"""
+
+import pytest
+import torch
+
+from specextend.attention.backends import CAUSAL
+from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
+from specextend.draft.inprocess import InProcessDraft
+from specextend.engine import Engine
+from specextend.models.decoder import ForwardOptions
+from specextend.models.graphs import StepGraphs
+from specextend.models.loader import load_model
+from specextend.tree import ancestor_mask
+
+from test_models import build_pair
+
+PARENTS = [-1, -1, 0, 0, 2, 4]  # a 6-node tree: two roots' children, a branch of depth 4
+
+
+def run_calls(dec, fwd, device, seed=0):
+    """The engine's decode-time call sequence through `fwd`; returns every output and the caches."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(0, dec.args.vocab_size, (n,), generator=g).to(device)  # noqa: E731
+    ar = lambda a, b: torch.arange(a, b, device=device)  # noqa: E731
+    cache, store = dec.new_cache(96), dec.new_cache(96)
+    outs = []
+    dec.forward_eager(ids(20), ar(0, 20), cache, CAUSAL, ForwardOptions(store=store))
+    cache.advance(20)
+    store.advance(20)
+    for _ in range(2):  # the second round reuses every plan at a longer prefix
+        L = cache.length
+        outs.append(fwd(ids(1), ar(L, L + 1), cache, CAUSAL, ForwardOptions())[0])  # AR decode
+        cache.advance(1)
+        L = cache.length
+        rows = torch.tensor([2], device=device)
+        outs.append(fwd(ids(3), ar(L, L + 3), cache, CAUSAL, ForwardOptions(store=store, logits_rows=rows))[0])
+        cache.advance(3)
+        store.advance(3)
+        L = cache.length
+        depths = torch.tensor([0, 1, 1, 2, 2, 3, 4], device=device)
+        logits, cap = fwd(ids(7), L + depths, cache, ancestor_mask(PARENTS, device),
+                          ForwardOptions(capture_last=True))
+        outs += [logits, cap.q, cap.lse]
+        cache.commit(torch.tensor([0, 1, 3]))
+        L = cache.length
+        # draft levels: 2 frontier nodes, then 2 more that see their parents among the staged keys
+        outs.append(fwd(ids(2), torch.full((2,), L, device=device), cache,
+                        torch.eye(2, dtype=torch.bool, device=device), ForwardOptions())[0])
+        m2 = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool, device=device)
+        outs.append(fwd(ids(2), torch.full((2,), L + 1, device=device), cache, m2,
+                        ForwardOptions(staged=2))[0])
+        cache.advance(1)
+    return outs, cache.data[:, :, :, :cache.length + 4].clone(), store.data[:, :, :, :store.length].clone()
+
+
+def assert_same_run(ref, got, atol, rtol):
+    for a, b in zip(ref[0], got[0]):
+        torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got[1], ref[1], atol=atol, rtol=rtol)  # cache incl. staged slots
+    torch.testing.assert_close(got[2], ref[2], atol=atol, rtol=rtol)  # retrieval store
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
+def test_segmented_forward_equals_eager(name):
+    _, dec = build_pair(name, "torch")
+    dec.w = dec.w.to(dtype=torch.float64)
+    twin = StepGraphs(dec, capture=False)
+    ref = run_calls(dec, dec.forward_eager, "cpu")
+    got = run_calls(dec, twin.forward, "cpu")
+    assert_same_run(ref, got, atol=1e-10, rtol=1e-10)
+    assert len(twin.plans) == 5  # one plan per shape, each used twice
+
+
+def test_only_small_hybrid_forwards_are_graphed():
+    _, dec = build_pair("llama3", "torch")
+    gr = StepGraphs(dec, capture=False, max_tokens=8)
+    cache = dec.new_cache(64)
+    tree = torch.ones(2, 2, dtype=torch.bool)
+    assert not gr.accepts(2, cache, tree, ForwardOptions())  # empty prefix: prefill
+    cache.length = 10
+    assert gr.accepts(1, cache, CAUSAL, ForwardOptions())
+    assert gr.accepts(2, cache, tree, ForwardOptions(staged=3))
+    assert not gr.accepts(9, cache, CAUSAL, ForwardOptions())  # a prefill chunk
+    assert not gr.accepts(2, cache, tree, ForwardOptions(hybrid=False))  # plain masked baseline
+    assert not gr.accepts(1, cache, CAUSAL, ForwardOptions(window=4))  # windowed draft prefill
+
+
+RETRIEVAL = RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=2, draft_prefill_window=16)
+
+
+@pytest.fixture(scope="module")
+def twin_pair():
+    """The tiny float64 pair with every decode-time forward through the segmented twin."""
+    t = load_model("random:llama-tiny", dtype="float64", attention_backend="torch")
+    d = load_model("random:llama-tiny-draft", role="draft", dtype="float64", attention_backend="torch",
+                   vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
+    t.decoder.graphs = StepGraphs(t.decoder, capture=False)
+    d.decoder.graphs = StepGraphs(d.decoder, capture=False)
+    return t, d
+
+
+@pytest.mark.parametrize("mode,kw", [("ar", {}), ("sd", dict(hybrid_attention=True)),
+                                     ("specextend", dict(retrieval=RETRIEVAL))], ids=["ar", "sd+hta", "specextend"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_engine_through_twin_is_lossless(tiny_models, twin_pair, mode, kw, temperature):
+    plain_t, _ = tiny_models("float64")
+    ref_engine = Engine(EngineConfig(mode="ar"), plain_t, None)
+    t, d = twin_pair
+    engine = Engine(EngineConfig(mode=mode, tree=TreeConfig(12, 4, 3), **kw), t,
+                    None if mode == "ar" else InProcessDraft(d.decoder))
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=11, ignore_eos=True)
+    ref, _, _ = ref_engine.generate(prompt, params)
+    out, _, stats = engine.generate(prompt, params)
+    assert out == ref
+    assert t.decoder.graphs.plans  # the twin really ran
+    if mode != "ar":
+        assert d.decoder.graphs.plans and stats.num_steps < 40
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_captured_graphs_equal_twin(dtype, tol):
+    _, dec = build_pair("qwen3", "torch")
+    dec.w = dec.w.to(device="cuda", dtype=dtype)
+    dec.rope = dec.rope.to("cuda")
+    graphs = StepGraphs(dec, capture=True)
+    twin = StepGraphs(dec, capture=False)
+    got = run_calls(dec, graphs.forward, "cuda")
+    ref = run_calls(dec, twin.forward, "cuda")
+    assert graphs.num_graphs == 5 * (dec.args.num_layers + 1)
+    assert_same_run(ref, got, atol=tol, rtol=tol)
