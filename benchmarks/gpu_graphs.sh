@@ -7,11 +7,14 @@ mkdir -p "$OUT"
 PART=${1:-all}
 if [[ $PART == all || $PART == 1 ]]; then
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -x tests/test_graphs.py tests/test_attention.py 2>&1 | tail -4 | tee "$OUT/pytest.log"
+python3 -m pytest -q --tb=short tests/test_graphs.py tests/test_attention.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -20
 python3 benchmarks/step_times.py --lengths ${LENGTHS:-4096,16384,32768} --reps 10 --cuda-graphs both \
     > "$OUT/step_times.log" 2>&1; tail -8 "$OUT/step_times.log" | head -7
 fi
 if [[ $PART == all || $PART == 2 ]]; then
+python3 -m pytest -q --tb=short tests/test_graphs.py > "$OUT/pytest_graphs.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest_graphs.log" | head -20
 python3 benchmarks/step_times.py --draft random:llama-3.2-1b --lengths 16384 --reps 8 --cuda-graphs both \
     > "$OUT/step_times_1b.log" 2>&1; tail -4 "$OUT/step_times_1b.log" | head -3
 python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
