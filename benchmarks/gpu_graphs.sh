@@ -20,3 +20,6 @@ python3 benchmarks/step_times.py --draft random:llama-3.2-1b --lengths 16384 --r
 python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
 grep -v '^{' "$OUT/e2e.log" | tail -12
 fi
+if [[ $PART == prof ]]; then
+(cd benchmarks && python3 profile_step.py > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"; tail -c 3000 "$OUT/profile.log"
+fi

@@ -124,7 +124,7 @@ class StepGraphs:
             if key.capture:
                 from specextend.models.decoder import Captured
 
-                captured = Captured(q=p.cap_q.clone(), lse=p.cap_lse.float())
+                captured = Captured(q=p.cap_q.clone(), lse=p.cap_lse.to(torch.float32, copy=True))
             return logits, captured
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:

@@ -1,0 +1,80 @@
+"""Where one decode-time step spends host and device time (torch.profiler), graphs on.
+
+  python benchmarks/profile_step.py --length 16384 --draft random:llama-3.2-1b
+
+Prints, per step kind, the wall time, the summed device-kernel time and the top host ops; the JSON
+of the totals goes on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specextend.config import RetrievalConfig, TreeConfig
+from specextend.draft.base import DraftSessionParams
+from specextend.draft.session import DraftSession
+from specextend.models.loader import load_model
+from specextend.target import TargetSession
+
+from step_times import fixed_tree
+
+
+def prof(name, fn, reps, out):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / reps
+    ev = p.key_averages()
+    dev_us = sum(e.self_device_time_total for e in ev) / reps
+    print(f"\n=== {name}: wall {wall*1e3:.2f} ms, device kernels {dev_us/1e3:.2f} ms per step")
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print(ev.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60))
+    out[name] = dict(wall_ms=wall * 1e3, device_ms=dev_us / 1e3)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="random:llama-3.1-8b")
+    ap.add_argument("--draft", default="random:llama-3.2-1b")
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    target = load_model(a.target, "target")
+    draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size)
+    prompt = torch.randint(0, 256, (a.length,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    sess = TargetSession(target.decoder, a.length + 64, hybrid=True)
+    sess.prefill(prompt, 4096)
+    parents = fixed_tree(16, 4)
+
+    def verify():
+        sess.verify(5, [11] * len(parents), parents, capture=False)
+    prof("verify_hta_17", verify, a.reps, out)
+
+    def ar():
+        sess.decode(7)
+        sess.cache.truncate(a.length)
+    prof("ar_decode", ar, a.reps, out)
+    ds = DraftSession(draft.decoder, prompt, DraftSessionParams(
+        TreeConfig(16, 6, 4), RetrievalConfig(enabled=True, draft_prefill_window=512), max_new_tokens=256))
+    k = [0]
+
+    def dstep():
+        ds.step(k[0], [3], None)
+        k[0] += 1
+    prof("draft_step_cmr", dstep, a.reps, out)
+    print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, draft=a.draft, **out)))
+
+
+if __name__ == "__main__":
+    main()
