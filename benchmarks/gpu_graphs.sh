@@ -23,3 +23,12 @@ fi
 if [[ $PART == prof ]]; then
 (cd benchmarks && python3 profile_step.py > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"; tail -c 3000 "$OUT/profile.log"
 fi
+if [[ $PART == 3 ]]; then  # everything after a kernel change: checks, step table, profile, end to end
+python3 -m pytest -q --tb=short tests/test_graphs.py tests/test_attention.py tests/test_models.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+python3 benchmarks/step_times.py --lengths 4096,16384,32768 --reps 10 --cuda-graphs both > "$OUT/step_times.log" 2>&1
+tail -8 "$OUT/step_times.log" | head -7
+(cd benchmarks && python3 profile_step.py > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
+python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
+grep -v '^{' "$OUT/e2e.log" | tail -11
+fi

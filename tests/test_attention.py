@@ -100,3 +100,25 @@ def test_hybrid_tree_attention_equals_per_branch_causal(backend):
         exp, _ = attention_eager(qb, k[:, keys], v[:, keys],
                                  torch.ones(len(rows), len(keys), dtype=torch.bool, device=DEVICE).tril(L), d ** -0.5)
         torch.testing.assert_close(out[:, node + 1], exp[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("h,g,t,n", [(4, 4, 1, 1), (8, 2, 5, 5), (6, 3, 4, 12)])
+def test_fused_tree_merge_equals_eager_then_merge(dtype, h, g, t, n):
+    """tree_attention_merged (fast) == attention_eager over the tree keys, then merge_attention."""
+    from specextend.attention.eager import merge_attention
+    from specextend.attention.tree_merge import mask_bias, tree_attention_merged
+
+    gen = torch.Generator().manual_seed(h * 100 + n)
+    d = 16
+    q, k, v = (torch.randn(*s, generator=gen, dtype=dtype) for s in ((h, t, d), (g, n, d), (g, n, d)))
+    out_p = torch.randn(h, t, d, generator=gen, dtype=dtype)
+    lse_p = torch.randn(h, t, generator=gen, dtype=dtype) * 3
+    mask = torch.rand(t, n, generator=gen) < 0.5
+    mask[torch.arange(t), n - t + torch.arange(t)] = True  # each query sees its own key
+    ref_t, ref_lse_t = attention_eager(q, k, v, mask, 0.25)
+    ref, ref_lse = merge_attention(out_p, lse_p, ref_t, ref_lse_t)
+    out, lse = tree_attention_merged(q, k, v, mask_bias(mask, h // g, dtype), out_p, lse_p, 0.25, need_lse=True)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse.to(lse.dtype), atol=tol, rtol=tol)

@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch
 
-from specextend.attention.backends import CAUSAL, AttentionBackend, Mask, causal_mask
-from specextend.attention.eager import attention_eager, merge_attention
+from specextend.attention.backends import CAUSAL, AttentionBackend, EagerBackend, Mask, causal_mask
+from specextend.attention.eager import attention_eager, compute_dtype, merge_attention
+from specextend.attention.tree_merge import mask_bias, tree_attention_merged
 
 
 def layer_attention(
@@ -56,5 +57,8 @@ def layer_attention(
         full = torch.cat([torch.ones(t, L, dtype=torch.bool, device=q.device), new_mask], dim=1)  # [T, L+T']
         return backend.attend(q, k[:, :L + n], v[:, :L + n], full, scale, need_lse)
     out_p, lse_p = backend.attend(q, k[:, :L], v[:, :L], None, scale, True)
-    out_t, lse_t = attention_eager(q, k[:, L:L + n], v[:, L:L + n], new_mask, scale)
-    return merge_attention(out_p, lse_p, out_t, lse_t)
+    if isinstance(backend, EagerBackend):  # the reference composition
+        out_t, lse_t = attention_eager(q, k[:, L:L + n], v[:, L:L + n], new_mask, scale)
+        return merge_attention(out_p, lse_p, out_t, lse_t)
+    bias = mask_bias(new_mask, q.shape[0] // k.shape[0], compute_dtype(q.dtype))
+    return tree_attention_merged(q, k[:, L:L + n], v[:, L:L + n], bias, out_p, lse_p, scale, need_lse)

@@ -71,10 +71,8 @@ class ForwardOptions:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(cd)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    """PyTorch's fused RMSNorm (statistics in float32 or float64, one kernel on CUDA)."""
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 class Decoder:
@@ -110,13 +108,16 @@ class Decoder:
         h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
         hs = rms_norm(x, lw.input_norm, a.rms_norm_eps)
         qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
-        q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
-        q = q.view(t, h, d).transpose(0, 1)  # [H, T, D]
-        k = k.view(t, g, d).transpose(0, 1)  # [G, T, D]
-        v = v.view(t, g, d).transpose(0, 1)  # [G, T, D]
-        if lw.q_norm is not None:
-            q = rms_norm(q, lw.q_norm, a.rms_norm_eps)
-            k = rms_norm(k, lw.k_norm, a.rms_norm_eps)
+        v = qkv[:, (h + g) * d:].view(t, g, d).transpose(0, 1)  # [G, T, D]
+        if lw.q_norm is None:  # q and k rotated together
+            qk = qkv[:, :(h + g) * d].view(t, h + g, d)  # [T, H + G, D]
+            qk_rot = apply_rope(qk, cos[:, None], sin[:, None])  # [T, H + G, D]
+            k_pre = qk[:, h:].transpose(0, 1)  # [G, T, D]
+            return qk_rot[:, :h].transpose(0, 1), qk_rot[:, h:].transpose(0, 1), v, k_pre
+        q = qkv[:, :h * d].view(t, h, d).transpose(0, 1)  # [H, T, D]
+        k = qkv[:, h * d:(h + g) * d].view(t, g, d).transpose(0, 1)  # [G, T, D]
+        q = rms_norm(q, lw.q_norm, a.rms_norm_eps)
+        k = rms_norm(k, lw.k_norm, a.rms_norm_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k
 
     def layer_post(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -124,10 +125,10 @@ class Decoder:
         a = self.args
         lw = self.w.layers[i]
         t = x.shape[0]
-        x = x + F.linear(attn.transpose(0, 1).reshape(t, a.num_heads * a.head_dim), lw.o)
+        x = torch.addmm(x, attn.transpose(0, 1).reshape(t, a.num_heads * a.head_dim), lw.o.t())  # residual
         hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
         gate, up = F.linear(hs, lw.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, lw.down)
+        return torch.addmm(x, F.silu(gate) * up, lw.down.t())
 
     def head(self, x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
         """Final norm and LM head of rows [T'] of x [T, E] -> logits [T', V] (float32 or float64)."""

@@ -7,7 +7,7 @@ cut around that one call:
 
     seg 0      embed, RoPE tables, layer 0 pre-attention (norm, QKV, QK-norm, RoPE)
     prefix 0   eager: the LSE-returning kernel over cache[:L] (no mask)      <- variable L
-    seg i      layer i-1 tree part (explicit mask over this forward's keys) + exact LSE merge,
+    seg i      layer i-1 tree part (explicit mask over the tree keys) fused with the LSE merge,
                o-proj, MLP; then layer i pre-attention
     ...
     seg N      last layer's tail, final norm, LM head (+ the CMR query/LSE copy)
@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 
 from specextend.attention.backends import CAUSAL, Mask
-from specextend.attention.eager import attention_eager, merge_attention
+from specextend.attention.eager import compute_dtype
+from specextend.attention.tree_merge import mask_bias, tree_attention_merged
 from specextend.kv_cache import CacheFull, KVCache
 
 MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
@@ -66,6 +67,7 @@ class _Plan:
         self.q: list[Optional[torch.Tensor]] = [None] * a.num_layers  # each layer's q [H, T, D]
         self.x: Optional[torch.Tensor] = None  # residual stream [T, E] between segments
         self.cos = self.sin = None  # [T, D]
+        self.bias = None  # [(H/G) * T, staged + T] additive tree mask
         self.logits: Optional[torch.Tensor] = None  # [R or T, V]
         self.cap_q = self.cap_lse = None  # [H, T, D], [H, T]
         self.graphs: list[torch.cuda.CUDAGraph] = []
@@ -144,11 +146,13 @@ class StepGraphs:
         st = p.key.staged
         if i == 0:
             p.cos, p.sin = m.rope.cos_sin(p.pos, m.dtype)  # [T, D]
+            p.bias = mask_bias(p.mask, m.args.num_heads // m.args.num_kv_heads, compute_dtype(m.dtype))
             x = m.embed(p.ids)  # [T, E]
         else:
             kt, vt = p.scratch[i - 1, 0], p.scratch[i - 1, 1]  # [G, staged + T, D]
-            out_t, lse_t = attention_eager(p.q[i - 1], kt, vt, p.mask, m.scale)
-            attn, lse = merge_attention(p.out_p, p.lse_p, out_t, lse_t)  # [H, T, D], [H, T]
+            last = i == n and p.key.capture
+            attn, lse = tree_attention_merged(p.q[i - 1], kt, vt, p.bias, p.out_p, p.lse_p, m.scale,
+                                              need_lse=last)  # [H, T, D], [H, T]
             x = m.layer_post(i - 1, p.x, attn)
             if i == n and p.key.capture:
                 p.cap_q, p.cap_lse = p.q[i - 1], lse

@@ -34,15 +34,18 @@ class Rope:
         return Rope(self.inv_freq.to(device), self.scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, D] in `dtype` (computed in float32/float64)."""
+        """positions [T] int64 -> cos, signed sin [T, D] in `dtype` (computed in float32/float64).
+
+        The signed sine is [-sin, sin] over the two halves, so that apply_rope needs no negation."""
         cd = torch.float64 if dtype == torch.float64 else torch.float32
         ang = positions.to(cd)[:, None] * self.inv_freq.to(positions.device, cd)[None, :]  # [T, D/2]
         emb = torch.cat([ang, ang], dim=-1)  # [T, D]
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        sin = emb.sin() * self.scaling
+        sin = torch.cat([-sin[:, : sin.shape[1] // 2], sin[:, sin.shape[1] // 2:]], dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D]; cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D]; cos, signed sin [T, D] (Rope.cos_sin). HF's rotate-half form
+    x * cos + cat(-x2, x1) * sin, written as x * cos + roll(x, D/2) * [-sin, sin]: three kernels."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
