@@ -21,7 +21,7 @@ from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, Tre
 from specextend.draft.inprocess import InProcessDraft
 from specextend.engine import Engine
 from specextend.models.loader import load_model
-from specextend.near_tie import near_tie_check
+from specextend.near_tie import near_tie_check, rounding_noise
 
 
 def hf_generate_tps(target, prompt, new_tokens) -> float:
@@ -99,8 +99,10 @@ def main():
         for mode in ("sd", "specextend"):
             out, _ = run(engines[mode], prompt, a.check_tokens, None)
             ok, div, gap = near_tie_check(target.decoder, prompt, ref, out, a.tie_tol)
+            noise = rounding_noise(target.decoder, list(prompt) + ref[:div]) if div is not None else None
             checks.append(dict(length=L, mode=mode, identical=div is None, near_tie=ok, first_divergence=div,
-                               top2_gap=gap))
+                               top2_gap=gap, rounding_noise=noise,
+                               within_noise=div is None or (gap is not None and gap <= 2 * noise)))
         for mode, eng in engines.items():
             _, r = run(eng, prompt, a.new_tokens, None if mode == "ar" else replay)
             rows.append(dict(length=L, mode=mode, replayed=mode != "ar" and replay is not None, **r))
@@ -119,7 +121,7 @@ def main():
     for c in checks:
         print(f"check L={c['length']} {c['mode']}: identical={c['identical']} near_tie={c['near_tie']} "
               f"first_divergence={c['first_divergence']} "
-              f"top2_gap={c['top2_gap']}")
+              f"top2_gap={c['top2_gap']} rounding_noise={c['rounding_noise']} within_noise={c['within_noise']}")
     meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", target=a.target,
                 draft=a.draft, dtype=str(target.decoder.dtype), tree=[a.tree_nodes, a.tree_depth, a.tree_topk],
                 replay=None if replay is None else (a.replay_trace or f"constant {a.replay_constant}"),

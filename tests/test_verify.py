@@ -73,3 +73,20 @@ def test_sampling_verification_follows_target_distribution(temperature, top_p, t
     # acceptance at the root = target mass on the root's children (optimal for fixed candidates)
     accept_rate = (first[1] + first[2]) / n
     assert abs(accept_rate - float(probs[0, 1] + probs[0, 2])) < 0.02
+
+
+def test_rounding_noise_is_zero_in_float64_and_positive_in_bf16(tiny_models):
+    from specextend.models.decoder import Decoder
+    from specextend.near_tie import rounding_noise
+
+    t, _ = tiny_models("float64")
+    ids = list(range(5, 40))
+    assert rounding_noise(t.decoder, ids) == 0.0
+    d = t.decoder
+    bf = Decoder(d.args, d.w.to(dtype=torch.bfloat16), d.rope, d.backend)
+    noise = rounding_noise(bf, ids)
+    from specextend.attention.backends import CAUSAL
+
+    logits, _ = d.forward(torch.tensor(ids), torch.arange(len(ids)), d.new_cache(64), CAUSAL)
+    scale = float(logits[-1].abs().max())
+    assert 0.0 < noise < 0.05 * scale, (noise, scale)  # bf16 moves the logits, but only by rounding
