@@ -21,6 +21,7 @@ from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, Tre
 from specextend.draft.inprocess import InProcessDraft
 from specextend.engine import Engine
 from specextend.models.loader import load_model
+from prompts import chat_prompt
 from specextend.near_tie import near_tie_check, rounding_noise
 
 
@@ -89,11 +90,7 @@ def main():
     for L in [int(x) for x in a.lengths.split(",")]:
         prompt = torch.randint(0, 256, (L,), generator=torch.Generator().manual_seed(L)).tolist()
         if a.text_file:
-            tok = target.tokenizer
-            doc = tok.decode(tok.encode(open(a.text_file, encoding="utf-8").read())[:L])
-            prompt = tok.apply_chat_template(
-                [{"role": "user", "content": doc + "\n\nSummarize the documentation above, then show a short "
-                  "code example that uses it."}], add_generation_prompt=True, tokenize=True, return_dict=False)
+            prompt = chat_prompt(target.tokenizer, open(a.text_file, encoding="utf-8").read(), L)
         # losslessness check (no replay): sd and specextend vs ar, first divergence at a near-tie?
         ref, _ = run(engines["ar"], prompt, a.check_tokens, None)
         for mode in ("sd", "specextend"):

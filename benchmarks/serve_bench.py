@@ -31,8 +31,8 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError("the app did not become ready")
 
 
-def one_request(url: str, model: str, prompt_ids: list[int], max_tokens: int) -> dict:
-    body = dict(model=model, prompt=prompt_ids, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+def one_request(url: str, model: str, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
+    body = dict(model=model, prompt=prompt_ids, max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos,
                 stream=True, stream_options={"include_usage": True}, return_token_ids=True)
     t0 = time.perf_counter()
     ttft, spec, usage, ids = None, None, None, []
@@ -50,7 +50,7 @@ def one_request(url: str, model: str, prompt_ids: list[int], max_tokens: int) ->
             usage = chunk.get("usage") or usage
     wall = time.perf_counter() - t0
     n = len(ids)
-    return dict(tokens=n, wall_s=wall, ttft_s=ttft, tokens_per_s=n / wall,
+    return dict(prompt_tokens=len(prompt_ids), tokens=n, token_ids=ids, wall_s=wall, ttft_s=ttft, tokens_per_s=n / wall,
                 decode_tokens_per_s=(n - 1) / (wall - ttft) if ttft else None, speculative_decoding=spec)
 
 
@@ -67,6 +67,9 @@ def main():
     p.add_argument("--lengths", default="8192,16384")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--text-file", default=None, help="real text (chat prompt of its first L tokens); else random ids")
+    p.add_argument("--tokenizer", default=None, help=".gguf whose tokenizer builds the --text-file prompts")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("app_args", nargs="*", help="key=value app arguments (DESIGN's configuration names)")
     a = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -88,8 +91,12 @@ def main():
     rows = []
     for L in [int(x) for x in a.lengths.split(",")]:
         prompt = [(i * 7919 + L) % 250 for i in range(L)]
-        one_request(url, model, prompt[:256], 8)  # warm-up
-        r = one_request(url, model, prompt, a.max_tokens)
+        if a.text_file:
+            from prompts import chat_prompt, gguf_tokenizer
+
+            prompt = chat_prompt(gguf_tokenizer(a.tokenizer), open(a.text_file, encoding="utf-8").read(), L)
+        one_request(url, model, prompt[:256], 8, a.ignore_eos)  # warm-up
+        r = one_request(url, model, prompt, a.max_tokens, a.ignore_eos)
         rows.append(dict(length=L, **r))
         print(f"L={L}: {r}", flush=True)
     print(f"\nstart-up {startup:.0f} s; GPU processes (pid, name, memory, bus):\n{placement}")
