@@ -24,7 +24,7 @@ from test_models import build_pair
 PARENTS = [-1, -1, 0, 0, 2, 4]  # a 6-node tree: two roots' children, a branch of depth 4
 
 
-def run_calls(dec, fwd, device, seed=0):
+def run_calls(dec, fwd, device, seed=0, capture=True):
     """The engine's decode-time call sequence through `fwd`; returns every output and the caches."""
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(0, dec.args.vocab_size, (n,), generator=g).to(device)  # noqa: E731
@@ -46,8 +46,8 @@ def run_calls(dec, fwd, device, seed=0):
         L = cache.length
         depths = torch.tensor([0, 1, 1, 2, 2, 3, 4], device=device)
         logits, cap = fwd(ids(7), L + depths, cache, ancestor_mask(PARENTS, device),
-                          ForwardOptions(capture_last=True))
-        outs += [logits, cap.q, cap.lse]
+                          ForwardOptions(capture_last=capture))
+        outs += [logits, cap.q, cap.lse] if capture else [logits]
         cache.commit(torch.tensor([0, 1, 3]))
         L = cache.length
         # draft levels: 2 frontier nodes, then 2 more that see their parents among the staged keys
@@ -101,8 +101,10 @@ def twin_pair():
     t = load_model("random:llama-tiny", dtype="float64", attention_backend="torch")
     d = load_model("random:llama-tiny-draft", role="draft", dtype="float64", attention_backend="torch",
                    vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
-    t.decoder.graphs = StepGraphs(t.decoder, capture=False)
-    d.decoder.graphs = StepGraphs(d.decoder, capture=False)
+    from specextend.models.whole_graphs import WholeStepGraphs
+
+    t.decoder.graphs = StepGraphs(t.decoder, capture=False)  # as load_model sets them on CUDA
+    d.decoder.graphs = WholeStepGraphs(d.decoder, capture=False)
     return t, d
 
 
@@ -120,9 +122,9 @@ def test_engine_through_twin_is_lossless(tiny_models, twin_pair, mode, kw, tempe
     ref, _, _ = ref_engine.generate(prompt, params)
     out, _, stats = engine.generate(prompt, params)
     assert out == ref
-    assert t.decoder.graphs.plans  # the twin really ran
+    assert t.decoder.graphs.forwards  # the twins really ran
     if mode != "ar":
-        assert d.decoder.graphs.plans and stats.num_steps < 40
+        assert d.decoder.graphs.forwards and stats.num_steps < 40
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -137,3 +139,43 @@ def test_captured_graphs_equal_twin(dtype, tol):
     ref = run_calls(dec, twin.forward, "cuda")
     assert graphs.num_graphs == 5 * (dec.args.num_layers + 1)
     assert_same_run(ref, got, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_captured_whole_graphs_equal_twin(dtype, tol):
+    from specextend.models.whole_graphs import WholeStepGraphs
+
+    _, dec = build_pair("llama3", "torch")
+    dec.w = dec.w.to(device="cuda", dtype=dtype)
+    dec.rope = dec.rope.to("cuda")
+    graphs = WholeStepGraphs(dec, capture=True)
+    got = run_calls(dec, graphs.forward, "cuda", capture=False)
+    ref = run_calls(dec, WholeStepGraphs(dec, capture=False).forward, "cuda", capture=False)
+    assert graphs.num_graphs == 5  # one per shape: the second round replays them
+    assert_same_run(ref, got, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_whole_forward_body_equals_eager(name):
+    """The whole-forward graphs' body (dense attention over a static key bucket, masks and cache
+    writes from device-side lengths) == the plain forward, in float64."""
+    from specextend.models.whole_graphs import WholeStepGraphs
+
+    _, dec = build_pair(name, "torch")
+    dec.w = dec.w.to(dtype=torch.float64)
+    twin = WholeStepGraphs(dec, capture=False)
+    ref = run_calls(dec, dec.forward_eager, "cpu", capture=False)
+    got = run_calls(dec, twin.forward, "cpu", capture=False)
+    assert_same_run(ref, got, atol=1e-10, rtol=1e-10)
+
+
+def test_whole_forward_declines_the_retrieval_capture():
+    from specextend.models.whole_graphs import WholeStepGraphs
+
+    _, dec = build_pair("llama3", "torch")
+    cache = dec.new_cache(64)
+    cache.length = 10
+    w = WholeStepGraphs(dec, capture=False)
+    assert w.accepts(3, cache, CAUSAL, ForwardOptions())
+    assert not w.accepts(3, cache, CAUSAL, ForwardOptions(capture_last=True))

@@ -80,6 +80,7 @@ class StepGraphs:
         self.max_tokens = max_tokens
         self.plans: dict[ShapeKey, _Plan] = {}
         self.lock = threading.Lock()
+        self.forwards = 0  # forwards served (graphed, or through the twin)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._stream = torch.cuda.Stream(model.device) if self.capture else None
 
@@ -104,6 +105,7 @@ class StepGraphs:
         if isinstance(new_mask, str):  # CAUSAL over this forward's own keys
             new_mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
         with self.lock:
+            self.forwards += 1
             plan = self.plans.get(key)
             if plan is None:
                 plan = self.plans[key] = self._build(key, cache)
