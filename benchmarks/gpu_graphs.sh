@@ -43,3 +43,12 @@ tail -4 "$OUT/step_times_05b.log" | head -3
 python3 benchmarks/e2e.py --lengths 16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
 grep -v '^{' "$OUT/e2e.log" | tail -6
 fi
+if [[ $PART == 5 ]]; then  # piecewise vs whole-forward draft graphs, same run
+python3 -m pytest -q --tb=short tests/test_graphs.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+for D in random:llama-68m random:qwen2.5-0.5b; do
+python3 benchmarks/step_times.py --draft $D --lengths 16384 --reps 10 --cuda-graphs on --whole-draft-graphs \
+    --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_${D#random:}.log" 2>&1
+grep -E "^\| 16384|whole-forward" "$OUT/step_times_${D#random:}.log"
+done
+fi

@@ -179,3 +179,18 @@ def test_whole_forward_declines_the_retrieval_capture():
     w = WholeStepGraphs(dec, capture=False)
     assert w.accepts(3, cache, CAUSAL, ForwardOptions())
     assert not w.accepts(3, cache, CAUSAL, ForwardOptions(capture_last=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused path runs on CUDA only")
+def test_dense_bucket_attention_fused_equals_math():
+    from specextend.models.whole_graphs import dense_bucket_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(8, 4, 64, device="cuda", generator=g)
+    k, v = (torch.randn(2, 1024, 64, device="cuda", generator=g) for _ in range(2))
+    vis = torch.rand(4 * 4, 1024, device="cuda", generator=g) < 0.7
+    vis[:, 0] = True
+    bias = torch.zeros(16, 1024, device="cuda").masked_fill_(~vis, float("-inf"))
+    ref = dense_bucket_attention(q, k, v, bias, 0.125)  # float32: the math path
+    got = dense_bucket_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias, 0.125)  # fused SDPA
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)

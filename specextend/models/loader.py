@@ -163,10 +163,8 @@ def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str
     inv_freq, scaling = inv_freq_from_config(config)
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
     if cuda_graphs and dev.type == "cuda":
-        # the draft (small, six forwards a step): whole-forward graphs; the target: piecewise
         from specextend.models.graphs import StepGraphs
-        from specextend.models.whole_graphs import WholeStepGraphs
 
-        decoder.graphs = WholeStepGraphs(decoder) if role == "draft" else StepGraphs(decoder)
+        decoder.graphs = StepGraphs(decoder)
     decoder.load_seconds = time.perf_counter() - t0
     return LoadedModel(name=name, decoder=decoder, tokenizer=tokenizer, hf_config=config)

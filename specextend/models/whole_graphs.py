@@ -9,8 +9,8 @@ entire forward is one graph. What keeps it static:
   * new K/V (and the retrieval store's pre-RoPE K/V) are written into the cache inside the graph
     at device slot indices (index_copy_), so a graph is bound to one cache: plans live on the cache
     object and die with the session.
-The attention is dense over the bucket (fp32 scores): cheap for a draft's small working cache, too
-much traffic for a large target at long context, which keeps the piecewise graphs.
+The attention is dense over the bucket (one masked SDPA kernel): cheap for a draft's small working
+cache, wasteful for a large target at long context, which keeps the piecewise graphs.
 `capture=False` runs the same body without graphs (the twin the CPU tests compare).
 """
 
@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from specextend.attention.backends import CAUSAL, Mask
 from specextend.attention.eager import compute_dtype
@@ -46,9 +47,16 @@ class _WholePlan:
 
 
 def dense_bucket_attention(q, k, v, bias, scale):
-    """q [H, T, D] over k, v [G, B, D] with bias [(H/G)*T, B] (0 / -inf): out [H, T, D]."""
+    """q [H, T, D] over k, v [G, B, D] with bias [(H/G)*T, B] (0 / -inf): out [H, T, D].
+    CUDA half types: one fused SDPA kernel (memory-efficient, additive mask, GQA folded into rows);
+    elsewhere the same math in float32/float64 (its twin)."""
     h, t, d = q.shape
     g = k.shape[0]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        qg = q.reshape(g, (h // g) * t, d)[None]  # [1, G, R*T, D]
+        out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=bias.to(q.dtype)[None, None],
+                                             scale=scale)  # [1, G, R*T, D]
+        return out.reshape(h, t, d)
     cd = compute_dtype(q.dtype)
     qg = q.reshape(g, (h // g) * t, d).to(cd)  # [G, R*T, D]
     s = torch.baddbmm(bias, qg, k.to(cd).transpose(1, 2), alpha=scale)  # [G, R*T, B]
