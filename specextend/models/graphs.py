@@ -38,6 +38,22 @@ from specextend.kv_cache import CacheFull, KVCache
 MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
 
 
+def graphable(t: int, cache: KVCache, new_mask: Mask, opts, max_tokens: int) -> bool:
+    """HTA-composed forwards of a few queries after a non-empty prefix, no sliding window."""
+    if not (opts.hybrid and opts.window == 0 and cache.length > 0 and 0 < t <= max_tokens):
+        return False
+    return isinstance(new_mask, torch.Tensor) or new_mask == CAUSAL
+
+
+def check_room(t: int, cache: KVCache, opts) -> None:
+    """The CacheFull errors KVCache.stage would raise, checked before any graph writes."""
+    lo = cache.length + opts.staged
+    if lo + t > cache.capacity:
+        raise CacheFull(f"KV cache full: {lo} + {t} > {cache.capacity}")
+    if opts.store is not None and opts.store.length + t > opts.store.capacity:
+        raise CacheFull(f"KV store full: {opts.store.length} + {t} > {opts.store.capacity}")
+
+
 @dataclass(frozen=True)
 class ShapeKey:
     t: int  # new tokens (queries)
@@ -86,19 +102,13 @@ class StepGraphs:
 
     # ------------------------------------------------------------ eligibility
     def accepts(self, t: int, cache: KVCache, new_mask: Mask, opts) -> bool:
-        """HTA-composed forwards of a few queries after a non-empty prefix, no sliding window."""
-        if not (opts.hybrid and opts.window == 0 and cache.length > 0 and 0 < t <= self.max_tokens):
-            return False
-        return isinstance(new_mask, torch.Tensor) or new_mask == CAUSAL
+        return graphable(t, cache, new_mask, opts, self.max_tokens)
 
     # ------------------------------------------------------------ forward
     def forward(self, input_ids, positions, cache: KVCache, new_mask: Mask, opts):
         t = input_ids.shape[0]
         L, lo = cache.length, cache.length + opts.staged
-        if lo + t > cache.capacity:
-            raise CacheFull(f"KV cache full: {lo} + {t} > {cache.capacity}")
-        if opts.store is not None and opts.store.length + t > opts.store.capacity:
-            raise CacheFull(f"KV store full: {opts.store.length} + {t} > {opts.store.capacity}")
+        check_room(t, cache, opts)
         rows = opts.logits_rows
         key = ShapeKey(t, opts.staged, 0 if rows is None else rows.numel(), opts.capture_last,
                        opts.store is not None)

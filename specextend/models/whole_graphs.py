@@ -23,10 +23,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from specextend.attention.backends import CAUSAL, Mask
+from specextend.attention.backends import Mask
 from specextend.attention.eager import compute_dtype
-from specextend.kv_cache import CacheFull, KVCache
-from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey
+from specextend.kv_cache import KVCache
+from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, check_room, graphable
 
 BUCKET = 512  # key-bucket granularity
 BUCKETS_KEPT = 2  # per shape and cache (a working cache shrinks back after each retrieval refresh)
@@ -76,9 +76,7 @@ class WholeStepGraphs:
         self._stream = torch.cuda.Stream(model.device) if self.capture else None
 
     def accepts(self, t: int, cache: KVCache, new_mask: Mask, opts) -> bool:
-        if not (opts.hybrid and opts.window == 0 and cache.length > 0 and 0 < t <= self.max_tokens):
-            return False
-        return (isinstance(new_mask, torch.Tensor) or new_mask == CAUSAL) and not opts.capture_last
+        return graphable(t, cache, new_mask, opts, self.max_tokens) and not opts.capture_last
 
     @property
     def num_graphs(self) -> int:
@@ -87,11 +85,8 @@ class WholeStepGraphs:
     def forward(self, input_ids, positions, cache: KVCache, new_mask: Mask, opts):
         t = input_ids.shape[0]
         L, end = cache.length, cache.length + opts.staged + t
-        if end > cache.capacity:
-            raise CacheFull(f"KV cache full: {end - t} + {t} > {cache.capacity}")
+        check_room(t, cache, opts)
         store = opts.store
-        if store is not None and store.length + t > store.capacity:
-            raise CacheFull(f"KV store full: {store.length} + {t} > {store.capacity}")
         rows = opts.logits_rows
         key = ShapeKey(t, opts.staged, 0 if rows is None else rows.numel(), False, store is not None)
         bucket = min(cache.capacity, -(-end // BUCKET) * BUCKET)
