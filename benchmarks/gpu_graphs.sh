@@ -52,3 +52,15 @@ python3 benchmarks/step_times.py --draft $D --lengths 16384 --reps 10 --cuda-gra
 grep -E "^\| 16384|whole-forward" "$OUT/step_times_${D#random:}.log"
 done
 fi
+if [[ $PART == 6 ]]; then  # leaner per-layer prefix call: checks, 8B target + two drafts, profile, end to end
+python3 -m pytest -q --tb=short tests/test_graphs.py tests/test_attention.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+python3 benchmarks/step_times.py --lengths 4096,16384,32768 --reps 10 --cuda-graphs both > "$OUT/step_times.log" 2>&1
+tail -9 "$OUT/step_times.log" | head -8
+python3 benchmarks/step_times.py --draft random:qwen2.5-0.5b --lengths 16384 --reps 10 --cuda-graphs on --whole-draft-graphs \
+    --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_05b.log" 2>&1
+grep -E "^\| 16384|whole-forward" "$OUT/step_times_05b.log"
+(cd benchmarks && python3 profile_step.py --draft random:qwen2.5-0.5b > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
+python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
+grep -v '^{' "$OUT/e2e.log" | tail -11
+fi

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from specextend.attention.backends import CAUSAL, Mask
+from specextend.attention.backends import CAUSAL, Mask, _sdpa_lse
 from specextend.attention.eager import compute_dtype
 from specextend.attention.tree_merge import mask_bias, tree_attention_merged
 from specextend.kv_cache import CacheFull, KVCache
@@ -81,6 +81,7 @@ class _Plan:
         self.out_p = torch.zeros(h, t, d, dtype=dt, device=dev)  # prefix attention of one layer
         self.lse_p = torch.zeros(h, t, dtype=lse_dt, device=dev)  # [H, T]
         self.q: list[Optional[torch.Tensor]] = [None] * a.num_layers  # each layer's q [H, T, D]
+        self.folded = None  # GQA-folded views for the prefix call (_prefix)
         self.x: Optional[torch.Tensor] = None  # residual stream [T, E] between segments
         self.cos = self.sin = None  # [T, D]
         self.bias = None  # [(H/G) * T, staged + T] additive tree mask
@@ -143,13 +144,14 @@ class StepGraphs:
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
         n = self.model.args.num_layers
+        kv = cache.data[:, :, :, :L].unsqueeze(2)  # [layers, 2, 1, G, L, D]
         for i in range(n + 1):
             if self.capture:
                 p.graphs[i].replay()
             else:
                 self._segment(p, i)
             if i < n:
-                self._prefix(p, i, cache, L)
+                self._prefix(p, i, kv)
 
     # ------------------------------------------------------------ pieces
     def _segment(self, p: _Plan, i: int) -> None:
@@ -174,16 +176,30 @@ class StepGraphs:
             p.scratch[i, 1, :, st:].copy_(v)
             if p.store_k is not None:
                 p.store_k[i].copy_(k_pre)
-            p.q[i], p.x = q, x
+            p.q[i], p.x = q.contiguous(), x  # contiguous: the prefix call's GQA fold is then a view
         else:
             p.logits = m.head(x, p.rows)
 
-    def _prefix(self, p: _Plan, i: int, cache: KVCache, L: int) -> None:
-        """Eager: layer i's queries over the committed prefix, into the static out_p / lse_p."""
-        kc, vc = cache.layer(i)
-        out, lse = self.model.backend.attend(p.q[i], kc[:, :L], vc[:, :L], None, self.model.scale, True)
-        p.out_p.copy_(out)
-        p.lse_p.copy_(lse)
+    def _prefix(self, p: _Plan, i: int, kv: torch.Tensor) -> None:
+        """Eager: layer i's queries over the committed prefix kv [layers, 2, 1, G, L, D], into the
+        static out_p / lse_p. The torch backend's fused LSE kernel is called directly on views made
+        once per plan (this call runs once per layer: its host cost is the step's)."""
+        m = self.model
+        if m.backend.name != "torch":
+            out, lse = m.backend.attend(p.q[i], kv[i, 0, 0], kv[i, 1, 0], None, m.scale, True)
+            p.out_p.copy_(out)
+            p.lse_p.copy_(lse)
+            return
+        g, d = m.args.num_kv_heads, m.args.head_dim
+        rows = p.key.t * (m.args.num_heads // g)
+        if p.folded is None or not self.capture:  # [1, G, (H/G)*T, D] views, static once captured
+            p.folded = ([q.view(1, g, rows, d) for q in p.q] if self.capture else None,
+                        p.out_p.view(1, g, rows, d), p.lse_p.view(1, g, rows))
+        qfs, out4, lse3 = p.folded
+        qf = qfs[i] if qfs is not None else p.q[i].view(1, g, rows, d)
+        out, lse = _sdpa_lse(qf, kv[i, 0], kv[i, 1], False, m.scale)
+        out4.copy_(out)
+        lse3.copy_(lse)
 
     def _build(self, key: ShapeKey, cache: KVCache) -> _Plan:
         p = _Plan(self.model, key)
