@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from specextend.attention.backends import CAUSAL
-from specextend.models.decoder import Decoder, ForwardOptions
+from specextend.models.decoder import Decoder
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
@@ -43,7 +43,7 @@ def near_tie_check(decoder: Decoder, prompt: Sequence[int], ref: Sequence[int], 
 
 
 @torch.inference_mode()
-def rounding_noise(decoder: Decoder, ids: Sequence[int]) -> float:
+def rounding_noise(decoder: Decoder, ids: Sequence[int], chunk: int = 2048) -> float:
     """How far the model's own rounding moves the logits after `ids`: max over the vocabulary of
     |logits in the model's dtype - logits of the same weights upcast to float32| (0 in float32/64).
 
@@ -51,14 +51,11 @@ def rounding_noise(decoder: Decoder, ids: Sequence[int]) -> float:
     rounding alone can produce; a fixed tolerance of one bf16 ulp is too strict for large logits."""
     if decoder.dtype in (torch.float32, torch.float64):
         return 0.0
+    from specextend.target import TargetSession
+
     ref = Decoder(decoder.args, decoder.w.to(dtype=torch.float32), decoder.rope, decoder.backend)
     ids = list(ids)
-    dev = decoder.device
-    out = []
-    for dec in (decoder, ref):
-        logits, _ = dec.forward(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev),
-                                dec.new_cache(len(ids) + 1), CAUSAL,
-                                ForwardOptions(logits_rows=torch.tensor([len(ids) - 1], device=dev)))
-        out.append(logits[0].float())
+    out = [TargetSession(dec, len(ids) + 1, hybrid=True).prefill(ids, chunk).float()  # chunked: long contexts fit
+           for dec in (decoder, ref)]
     del ref
     return float((out[0] - out[1]).abs().max())
