@@ -12,7 +12,7 @@ case "$1" in
   piece) mkdir -p /tmp/mc && cp ".mc/$2" /tmp/mc/ && ls /tmp/mc | wc -l ;;
   join) cp .mc/MANIFEST /tmp/mc/ && cp .mc/nodejs.txt /tmp/nodejs.txt && MC_DIR=/tmp/mc bash .mc/join.sh --join $M && ls -la $M ;;
   e2e) python3 benchmarks/e2e.py --target $T --draft $D --lengths $LENGTHS --no-replay --text-file /tmp/nodejs.txt \
-         --skip-hf --tree-nodes 16 > "$OUT/e2e-real.log" 2>&1; grep -v '^{' "$OUT/e2e-real.log" | tail -12 ;;
+         --skip-hf --tree-nodes 16 ${E2E_ARGS:-} > "$OUT/e2e-real.log" 2>&1; grep -v '^{' "$OUT/e2e-real.log" | tail -${TAIL:-12} ;;
   serve) nvidia-smi -L
          python3 benchmarks/serve_bench.py --lengths $LENGTHS --text-file /tmp/nodejs.txt --tokenizer $T \
            target=$T draft=$D num_gpus=1 mode=${MODE:-specextend} > "$OUT/serve-real.log" 2>&1
