@@ -194,3 +194,44 @@ def test_dense_bucket_attention_fused_equals_math():
     ref = dense_bucket_attention(q, k, v, bias, 0.125)  # float32: the math path
     got = dense_bucket_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias, 0.125)  # fused SDPA
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
+def test_sessions_interleaved_through_shared_plans(capture):
+    """Two sessions (own caches, different lengths) alternate decode and verify steps through one
+    set of plans, as the replica's engine thread interleaves requests: each equals its eager run."""
+    device = "cuda" if capture else "cpu"
+    _, dec = build_pair("llama3", "torch")
+    dec.w = dec.w.to(device=device, dtype=torch.float32 if capture else torch.float64)
+    dec.rope = dec.rope.to(device)
+    graphs = StepGraphs(dec, capture=capture)
+    tol = 1e-5 if capture else 1e-10
+
+    def session(n, seed):
+        ids = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
+        caches = [dec.new_cache(96), dec.new_cache(96)]
+        for c in caches:  # one cache for the graphed path, one for the eager reference
+            dec.forward_eager(ids, torch.arange(n, device=device), c, CAUSAL, ForwardOptions())
+            c.advance(n)
+        return caches
+
+    a, b = session(20, 1), session(33, 2)
+    mask = ancestor_mask(PARENTS, device)
+    depths = torch.tensor([0, 1, 1, 2, 2, 3, 4], device=device)
+    for step in range(3):
+        for s, (cg, ce) in enumerate((a, b)):
+            tok = torch.tensor([5 + 7 * step + s], device=device)
+            pos = torch.tensor([cg.length], device=device)
+            got = graphs.forward(tok, pos, cg, CAUSAL, ForwardOptions())[0]
+            ref = dec.forward_eager(tok, pos, ce, CAUSAL, ForwardOptions())[0]
+            torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+            cg.advance(1)
+            ce.advance(1)
+            tree = torch.arange(7, device=device) + step
+            got = graphs.forward(tree, cg.length + depths, cg, mask, ForwardOptions())[0]
+            ref = dec.forward_eager(tree, ce.length + depths, ce, mask, ForwardOptions())[0]
+            torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+            for c in (cg, ce):
+                c.commit(torch.tensor([0, 2]))
+    assert len(graphs.plans) == 2

@@ -104,3 +104,10 @@ def test_serve_run_rejects_a_bad_argument_before_deploying():
     assert proc.returncode != 0
     assert "tree_nodes" in proc.stderr and "greater than or equal to 1" in proc.stderr
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+
+
+def test_cuda_graphs_setting_reaches_the_engine_config():
+    assert AppSettings(num_gpus=0).to_engine_config().cuda_graphs is True
+    assert AppSettings(num_gpus=0, cuda_graphs=False).to_engine_config().cuda_graphs is False
+    with pytest.raises(ValidationError, match="cuda_graphs"):
+        AppSettings(num_gpus=0, cuda_graphs="sometimes")
