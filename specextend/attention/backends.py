@@ -33,7 +33,7 @@ def _fold_gqa(q: torch.Tensor, g: int) -> torch.Tensor:
     return q.reshape(g, (h // g) * t, d)  # [G, (H/G)*T, D]
 
 
-def _sdpa_lse(q4, k4, v4, is_causal: bool, scale: float):
+def sdpa_lse(q4, k4, v4, is_causal: bool, scale: float):
     """LSE-returning fused SDPA, q4 [1, Hq, T, D], k4/v4 [1, Hq, S, D] -> out [1,Hq,T,D], lse [1,Hq,T]."""
     if q4.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -80,7 +80,7 @@ class TorchBackend(AttentionBackend):
                                                  enable_gqa=True)
             return out[0], None
         if mask is None:  # the fused kernel with the GQA fold reads each K/V once
-            out, lse = _sdpa_lse(_fold_gqa(q, g)[None], k[None], v[None], False, scale)
+            out, lse = sdpa_lse(_fold_gqa(q, g)[None], k[None], v[None], False, scale)
             return out.reshape(h, t, d), lse.reshape(h, t).to(compute_dtype(q.dtype))
         if not need_lse:
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
@@ -89,7 +89,7 @@ class TorchBackend(AttentionBackend):
         r = h // g  # causal block: repeat only the (small) new keys
         kr = k.repeat_interleave(r, dim=0)
         vr = v.repeat_interleave(r, dim=0)
-        out, lse = _sdpa_lse(q[None], kr[None], vr[None], True, scale)
+        out, lse = sdpa_lse(q[None], kr[None], vr[None], True, scale)
         return out[0], lse[0].to(compute_dtype(q.dtype))
 
 

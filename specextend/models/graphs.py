@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from specextend.attention.backends import CAUSAL, Mask, _sdpa_lse
+from specextend.attention.backends import CAUSAL, Mask, sdpa_lse
 from specextend.attention.eager import compute_dtype
 from specextend.attention.tree_merge import mask_bias, tree_attention_merged
 from specextend.kv_cache import CacheFull, KVCache
@@ -197,7 +197,7 @@ class StepGraphs:
                         p.out_p.view(1, g, rows, d), p.lse_p.view(1, g, rows))
         qfs, out4, lse3 = p.folded
         qf = qfs[i] if qfs is not None else p.q[i].view(1, g, rows, d)
-        out, lse = _sdpa_lse(qf, kv[i, 0], kv[i, 1], False, m.scale)
+        out, lse = sdpa_lse(qf, kv[i, 0], kv[i, 1], False, m.scale)
         out4.copy_(out)
         lse3.copy_(lse)
 
