@@ -1,11 +1,48 @@
-"""Shared test helpers: engines over the tiny pair, and DESIGN 3.6's near-tie rule."""
+"""Shared test helpers: tiny models of every architecture, engines over the tiny pair, and
+DESIGN 3.6's near-tie rule."""
 
 from __future__ import annotations
 
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from specextend.attention.backends import get_backend
 from specextend.config import EngineConfig
 from specextend.draft.inprocess import InProcessDraft
 from specextend.engine import Engine
+from specextend.models.args import ModelArgs
+from specextend.models.decoder import Decoder
+from specextend.models.loader import weights_from_state_dict
+from specextend.models.rope import Rope, inv_freq_from_config
 from specextend.near_tie import near_tie_check
+
+# tiny configurations of every supported architecture, and our decoder built from transformers' model
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+CONFIGS = {
+    "llama3": lambda: LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 500000.0}),
+    "llama2": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 4}),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=24),
+}
+
+
+def build_pair(name, backend="eager"):
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # non-trivial biases/norm weights so that every term is exercised
+        for n, p in hf.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    args = ModelArgs.from_hf_config(config)
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    dec = Decoder(args, weights_from_state_dict(sd, args), Rope(*inv_freq_from_config(config)),
+                  get_backend(backend, "cpu"))
+    return hf, dec
 
 
 def make_engine(pair, mode="sd", draft_backend=None, **kw) -> Engine:

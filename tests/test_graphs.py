@@ -19,7 +19,7 @@ from specextend.models.graphs import StepGraphs
 from specextend.models.loader import load_model
 from specextend.tree import ancestor_mask
 
-from test_models import build_pair
+from helpers import build_pair
 
 PARENTS = [-1, -1, 0, 0, 2, 4]  # a 6-node tree: two roots' children, a branch of depth 4
 

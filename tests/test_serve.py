@@ -5,7 +5,6 @@ official `openai` client. Served output must equal the in-process greedy AR engi
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
