@@ -37,6 +37,7 @@ class RequestStats:
     draft_tokens: int = 0  # draft tokens proposed in total
     retrieval_refreshes: int = 0
     draft_cache_tokens: int = 0
+    pipeline_hits: int = 0  # draft trees that were ready when asked for (pipelined drafting)
     fallback: bool = False
     replayed: bool = False
     prompt_tokens: int = 0
@@ -62,7 +63,8 @@ class RequestStats:
         return dict(num_generated=self.num_generated, mean_acceptance_length=self.mean_acceptance_length,
                     num_steps=self.num_steps, prefill_s=self.prefill_s, decode_s=self.decode_s,
                     tokens_per_s=self.tokens_per_s, retrieval_refreshes=self.retrieval_refreshes,
-                    draft_cache_tokens=self.draft_cache_tokens, fallback=self.fallback,
+                    draft_cache_tokens=self.draft_cache_tokens, pipeline_hits=self.pipeline_hits,
+                    fallback=self.fallback,
                     replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
 
 
@@ -206,6 +208,7 @@ class Engine:
                     stats.context_per_step.append(target.cache.length)
                     stats.draft_tokens += len(tree.tokens)
                     stats.draft_cache_tokens = tree.draft_cache_tokens
+                    stats.pipeline_hits += tree.pipelined
                     committed = verdict.tokens
                     step += 1
                 else:

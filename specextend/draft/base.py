@@ -56,6 +56,7 @@ class DraftTree:
     tokens: tuple[int, ...]  # [N]
     parents: tuple[int, ...]  # [N]
     draft_cache_tokens: int = 0  # working-cache size the draft drafted with (metrics)
+    pipelined: bool = False  # drafted ahead of its request (pipelined drafting hit)
 
 
 class DraftBackend(abc.ABC):

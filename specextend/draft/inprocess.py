@@ -18,6 +18,9 @@ class InProcessDraft(DraftBackend):
         self.prefill_chunk = prefill_chunk
         self._sessions: dict[str, tuple[DraftSession, list]] = {}  # id -> (session, [last_step, tree])
         self._lock = threading.Lock()
+        self._stop = threading.Event()  # set: abandon the speculation in flight
+        self._speculating: Optional[str] = None  # the session whose speculation runs now
+        self.requests_seen = 0  # requests announced through interrupt()
 
     @property
     def num_sessions(self) -> int:
@@ -44,6 +47,41 @@ class InProcessDraft(DraftBackend):
         tree = session.step(step, accepted_tokens, retrieval)
         last[0], last[1] = step, tree
         return tree
+
+    # ------------------------------------------------------------ pipelined drafting
+    def speculate(self, session_id: str, requests_seen: Optional[int] = None) -> None:
+        """Draft the session's next step ahead of its request (DraftSession.speculate). Runs where
+        the steps run (the draft server's worker), after a step has been answered; skipped if a
+        request was announced since `requests_seen` (it is waiting for this worker)."""
+        if requests_seen is not None and requests_seen != self.requests_seen:
+            return
+        with self._lock:
+            entry = self._sessions.get(session_id)
+        if entry is None or entry[1][1] is None:
+            return
+        self._stop.clear()
+        self._speculating = session_id
+        try:
+            entry[0].speculate(entry[1][1], self._stop.is_set)
+        finally:
+            self._speculating = None
+
+    def interrupt(self, session_id: Optional[str] = None, accepted: Sequence[int] = ()) -> None:
+        """A request is coming (from any thread): abandon the speculation in flight, unless it is
+        this session's step and may be the guessed one."""
+        self.requests_seen += 1
+        running = self._speculating
+        if running is None:
+            return
+        with self._lock:
+            entry = self._sessions.get(running)
+        spec = entry[0].speculation if entry is not None else None
+        if running != session_id or spec is None or not spec.may_match(accepted):
+            self._stop.set()
+
+    def pipeline_hits(self, session_id: str) -> int:
+        entry = self._sessions.get(session_id)
+        return entry[0].pipeline_hits if entry else 0
 
     def close(self, session_id: str) -> None:
         with self._lock:

@@ -8,16 +8,45 @@ retrieval the working cache is simply the full cache.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval
+from specextend.kv_cache import CacheFull
 from specextend.models.decoder import Decoder, ForwardOptions
 from specextend.models.rope import apply_rope
 from specextend.retrieval import chunk_positions, initial_chunks
-from specextend.tree import reindex_tree, select_best_nodes
+from specextend.tree import children_of, reindex_tree, select_best_nodes
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A next step drafted ahead of its request (pipelined drafting, DESIGN 4)."""
+
+    path: tuple[int, ...]  # the guess: the target accepts the tree's best branch ...
+    bonus: Optional[int]  # ... then emits the draft's own next token (None until computed)
+    tree: Optional[DraftTree]  # drafted for that guess; None until done, or if abandoned
+    work_length: int  # cache lengths before the guess was committed (rollback)
+    store_length: int
+
+    def may_match(self, accepted: Sequence[int]) -> bool:
+        """Could these accepted tokens be the guess (as far as it is known yet)?"""
+        acc = tuple(accepted)
+        return acc[:-1] == self.path and (self.bonus is None or acc[-1] == self.bonus)
+
+
+def best_branch(tree: DraftTree) -> list[int]:
+    """Tokens along the first-child chain from the root (the draft's best branch)."""
+    children = children_of(tree.parents)
+    out, row = [], 0
+    while children[row]:
+        node = children[row][0]
+        out.append(tree.tokens[node])
+        row = node + 1
+    return out
 
 
 class DraftSession:
@@ -31,6 +60,8 @@ class DraftSession:
         self.work = model.new_cache(len(prompt_ids) + extra)
         self.store = model.new_cache(len(prompt_ids) + extra) if self.cfg.enabled else None
         self.refreshes = 0
+        self.speculation: Optional[Speculation] = None
+        self.pipeline_hits = 0
         self._prefill(list(prompt_ids), prefill_chunk)
 
     # ----------------------------------------------------------------- caches
@@ -67,17 +98,59 @@ class DraftSession:
 
     # ----------------------------------------------------------------- step
     def step(self, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval]) -> DraftTree:
-        """Commit the accepted tokens (the last is the next root) and draft the next tree."""
+        """Commit the accepted tokens (the last is the next root) and draft the next tree.
+        A speculation that guessed these tokens (and no retrieval to apply) answers at once;
+        any other is rolled back first."""
         if not accepted_tokens:
             raise ValueError("a step needs at least the bonus token")
-        if retrieval is not None and self.store is not None and retrieval.chunk_ids:
+        refresh = retrieval is not None and self.store is not None and bool(retrieval.chunk_ids)
+        spec, self.speculation = self.speculation, None
+        if spec is not None:
+            if spec.tree is not None and not refresh and spec.may_match(accepted_tokens):
+                self.pipeline_hits += 1
+                return DraftTree(step=step, tokens=spec.tree.tokens, parents=spec.tree.parents,
+                                 draft_cache_tokens=spec.tree.draft_cache_tokens, pipelined=True)
+            self._rollback(spec)
+        if refresh:
             self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
         root_logits = self._forward_committed(list(accepted_tokens))
         tokens, parents = self._draft_tree(root_logits)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length)
 
-    def _draft_tree(self, root_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    def speculate(self, tree: DraftTree, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Draft the step after `tree` ahead of its request, guessing that the target accepts the
+        tree's best branch and then emits the draft's own next token. Checked between forwards,
+        `should_stop()` abandons the work (rolled back at the next step). Any tree is verified by
+        the target, so a wrong guess costs time, never correctness."""
+        if self.speculation is not None:
+            return
+        path = tuple(best_branch(tree))
+        spec = Speculation(path, None, None, self.work.length, self.store.length if self.store is not None else 0)
+        self.speculation = spec
+        try:
+            if not path or should_stop():
+                return
+            bonus = int(torch.argmax(self._forward_committed(list(path))))
+            self.speculation = spec = replace(spec, bonus=bonus)
+            if should_stop():
+                return
+            drafted = self._draft_tree(self._forward_committed([bonus]), should_stop)
+        except CacheFull:  # near the end of the request's budget: no room to guess ahead
+            return
+        if drafted is not None:
+            tokens, parents = drafted
+            self.speculation = replace(spec, tree=DraftTree(
+                step=tree.step + 1, tokens=tuple(tokens), parents=tuple(parents),
+                draft_cache_tokens=self.work.length))
+
+    def _rollback(self, spec: Speculation) -> None:
+        self.work.truncate(spec.work_length)
+        if self.store is not None:
+            self.store.truncate(spec.store_length)
+
+    def _draft_tree(self, root_logits: torch.Tensor,
+                    should_stop: Callable[[], bool] = lambda: False) -> Optional[tuple[list[int], list[int]]]:
         """Dynamic tree (EAGLE-2 style): expand the global top-k frontier depth by depth."""
         cfg = self.params.tree
         dev = self.model.device
@@ -94,6 +167,8 @@ class DraftSession:
         staged = 0
         base = self.work.length - 1  # the root's position
         for d in range(1, cfg.depth):
+            if should_stop():
+                return None
             f = len(frontier)
             # mask over staged keys: each frontier node sees its forwarded ancestors and itself
             mask = torch.zeros(f, staged + f, dtype=torch.bool)

@@ -63,7 +63,7 @@ def params_to_proto(params: DraftSessionParams) -> pb.DraftConfig:
 def tree_from_proto(tree: pb.DraftTree) -> DraftTree:
     return DraftTree(
         step=tree.step, tokens=tuple(tree.tokens), parents=tuple(tree.parents),
-        draft_cache_tokens=tree.draft_cache_tokens,
+        draft_cache_tokens=tree.draft_cache_tokens, pipelined=tree.pipelined,
     )
 
 

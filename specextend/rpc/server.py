@@ -57,16 +57,19 @@ def params_from_proto(config: pb.DraftConfig) -> DraftSessionParams:
 def tree_to_proto(tree: DraftTree) -> pb.DraftTree:
     return pb.DraftTree(
         step=tree.step, tokens=tree.tokens, parents=tree.parents,
-        draft_cache_tokens=tree.draft_cache_tokens,
+        draft_cache_tokens=tree.draft_cache_tokens, pipelined=tree.pipelined,
     )
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """DraftService over one DraftBackend; `model` is the name Health reports."""
 
-    def __init__(self, backend: DraftBackend, model: str = "") -> None:
+    def __init__(self, backend: DraftBackend, model: str = "", pipeline: bool = False) -> None:
         self.backend = backend
         self.model = model
+        # pipelined drafting (DESIGN 4): after answering a step, draft the next one on the idle
+        # worker while the target verifies; backends without speculate() ignore it
+        self.pipeline = pipeline and hasattr(backend, "speculate")
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="draft-rpc")
         self._sessions: set[str] = set()  # opened, not closed; written by the worker only
 
@@ -86,6 +89,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.backend.open(request.session_id, prompt_ids, params_from_proto(request.config))
             self._sessions.add(request.session_id)
 
+        self._announce(None)
         try:
             await self._run(context, open_session)
         except asyncio.CancelledError:  # the caller gave up (deadline, cancel): it has no session
@@ -99,13 +103,30 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if request.HasField("retrieval"):
             retrieval = Retrieval(tuple(request.retrieval.chunk_ids), request.retrieval.chunk_size)
         accepted = tuple(request.accepted_tokens)
+        self._announce(request.session_id, accepted)
         tree = await self._run(
             context,
             lambda: self.backend.step(request.session_id, request.step, accepted, retrieval),
         )
+        if self.pipeline:
+            seen = self.backend.requests_seen
+            with contextlib.suppress(RuntimeError):  # RuntimeError: the server is shutting down
+                self._executor.submit(self._speculate, request.session_id, seen)
         return tree_to_proto(tree)
 
+    def _announce(self, session_id: Optional[str], accepted: tuple = ()) -> None:
+        """A request is queued for the worker: stop a speculation that cannot serve it."""
+        if self.pipeline:
+            self.backend.interrupt(session_id, accepted)
+
+    def _speculate(self, session_id: str, seen: int) -> None:  # on the worker
+        try:
+            self.backend.speculate(session_id, seen)
+        except Exception:  # a failed guess costs nothing but time: the next step rolls it back
+            logger.exception("draft speculation failed")
+
     async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionReply:
+        self._announce(None)
         await self._run(context, lambda: self._close(request.session_id))
         return pb.CloseSessionReply()
 
@@ -132,14 +153,14 @@ def _format_address(host: str, port: int) -> str:
 
 
 async def start_draft_server(
-    backend: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = ""
+    backend: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = "", pipeline: bool = False
 ) -> tuple[grpc.aio.Server, str]:
     """Starts DraftService on host:port (0 = any free port) on the running loop.
 
     host is both where it binds and what clients dial: on Ray, the node's IP
     (ray.util.get_node_ip_address()), not 0.0.0.0. Returns the started server and its
     "host:port". Stopping the server (`await server.stop(grace)`) also ends the worker thread."""
-    servicer = DraftServicer(backend, model)
+    servicer = DraftServicer(backend, model, pipeline)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     bound = server.add_insecure_port(_format_address(host, port))  # raises if it cannot bind
@@ -157,22 +178,23 @@ class DraftServerThread:
     Construction blocks until the server listens (or raises what start-up raised)."""
 
     def __init__(
-        self, backend: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = ""
+        self, backend: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = "",
+        pipeline: bool = False,
     ) -> None:
         self._ready: concurrent.futures.Future[str] = concurrent.futures.Future()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stop: Optional[asyncio.Event] = None
         self._grace_s = 0.0
         self._thread = threading.Thread(
-            target=asyncio.run, args=(self._serve(backend, host, port, model),),
+            target=asyncio.run, args=(self._serve(backend, host, port, model, pipeline),),
             name="draft-grpc-server", daemon=True,
         )
         self._thread.start()
         self.address = self._ready.result()
 
-    async def _serve(self, backend: DraftBackend, host: str, port: int, model: str) -> None:
+    async def _serve(self, backend: DraftBackend, host: str, port: int, model: str, pipeline: bool) -> None:
         try:
-            server, address = await start_draft_server(backend, host, port, model=model)
+            server, address = await start_draft_server(backend, host, port, model=model, pipeline=pipeline)
         except BaseException as exc:
             self._ready.set_exception(exc)
             return

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 class DraftActor:
     def __init__(self, spec: str, vocab_size: int, dtype: str, device: str, attention_backend: str,
-                 prefill_chunk: int = 2048, cuda_graphs: bool = True) -> None:
+                 prefill_chunk: int = 2048, cuda_graphs: bool = True, pipeline: bool = False) -> None:
         from specextend.draft.inprocess import InProcessDraft
         from specextend.models.loader import load_model
         from specextend.rpc import DraftServerThread
@@ -29,7 +29,8 @@ class DraftActor:
                                 vocab_size=vocab_size, cuda_graphs=cuda_graphs)
         self.backend = InProcessDraft(self.model.decoder, name=self.model.name, prefill_chunk=prefill_chunk)
         host = ray.util.get_node_ip_address()
-        self.server = DraftServerThread(self.backend, host=host, port=0, model=self.model.name)
+        self.server = DraftServerThread(self.backend, host=host, port=0, model=self.model.name,
+                                        pipeline=pipeline)
         log.info("draft %s serving on %s (pid %d, CUDA_VISIBLE_DEVICES=%s)", self.model.name,
                  self.server.address, os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 

@@ -98,7 +98,7 @@ class SpecExtendReplica:
         return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
                                  scheduling_strategy=strategy).remote(
             cfg.draft, self.target.args.vocab_size, cfg.dtype, cfg.device, cfg.attention_backend,
-            cfg.prefill_chunk, cfg.cuda_graphs)
+            cfg.prefill_chunk, cfg.cuda_graphs, s.draft_pipeline)
 
     def _replica_key(self) -> str:
         try:

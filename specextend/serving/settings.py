@@ -48,6 +48,9 @@ class AppSettings(BaseModel):
     prefill_chunk: int = Field(EngineConfig.prefill_chunk, ge=16)  # prompt tokens per prefill forward
     attention_backend: Literal["auto", "flash", "torch", "eager"] = "auto"
     cuda_graphs: bool = True  # decode-time forwards as piecewise CUDA graphs (CUDA only)
+    # pipelined drafting (DESIGN 4): the draft actor drafts the next tree, guessing the outcome,
+    # while the target verifies; lossless either way, measured on CPU only so far: off by default
+    draft_pipeline: bool = False
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     num_gpus: float = Field(default_factory=_default_num_gpus, ge=0, le=8)  # per model (target, draft)
     max_prompt_tokens: Optional[int] = Field(None, ge=1)  # None: the target's context length
