@@ -145,6 +145,7 @@ class SpeculativeDecoding(BaseModel):
     fallback: bool
     draft_ms_per_step: float = 0.0  # includes the gRPC round trip
     verify_ms_per_step: float = 0.0
+    pipeline_hits: int = 0  # steps whose tree the draft had drafted ahead (draft_pipeline)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 

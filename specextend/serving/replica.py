@@ -49,7 +49,7 @@ def spec_decoding(stats: RequestStats) -> dict:
            "retrieval_refreshes": stats.retrieval_refreshes,
            "draft_cache_tokens": stats.draft_cache_tokens, "fallback": stats.fallback,
            "draft_ms_per_step": 1e3 * stats.draft_s / steps,  # includes the gRPC round trip
-           "verify_ms_per_step": 1e3 * stats.verify_s / steps}
+           "verify_ms_per_step": 1e3 * stats.verify_s / steps, "pipeline_hits": stats.pipeline_hits}
     if stats.replayed:
         out["replayed"] = True
     return out
