@@ -50,6 +50,7 @@ class FakeDraft(DraftBackend):
         self.sessions: dict[str, dict] = {}
         self.applied: list[tuple[str, int, Optional[Retrieval]]] = []
         self.active = self.max_active = 0  # concurrent backend calls (the servicer serializes them)
+        self.wake = threading.Event()  # set: a step sleeping its step_delay_s returns at once
 
     @contextmanager
     def _call(self):
@@ -80,7 +81,11 @@ class FakeDraft(DraftBackend):
                 return state["tree"]
             if step != state["last"] + 1:
                 raise DraftStepOutOfOrder(f"step {step} after {state['last']}")
-            time.sleep(self.slow_once.pop(step, self.step_delay_s))
+            delay = self.slow_once.pop(step, None)
+            if delay is not None:
+                time.sleep(delay)
+            else:
+                self.wake.wait(self.step_delay_s)
             state.update(last=step, tree=expected_tree(session_id, step, accepted_tokens))
             self.applied.append((session_id, step, retrieval))
             return state["tree"]
@@ -168,6 +173,7 @@ def test_deadline_raises_draft_error(fake, server):
     # two attempts of 0.1 s, not the backend's 4 s (a wide margin: CI machines are loaded; 1.0 s
     # was seen there against 0.45 s expected)
     assert time.monotonic() - start < 2.0
+    fake.wake.set()  # end the backend's step now: its worker thread must not outlive the test
     client.shutdown()
 
 
