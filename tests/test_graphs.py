@@ -24,6 +24,14 @@ from helpers import build_pair
 PARENTS = [-1, -1, 0, 0, 2, 4]  # a 6-node tree: two roots' children, a branch of depth 4
 
 
+def decoder_on(name, device="cpu", dtype=torch.float64):
+    """A tiny decoder of architecture `name` (helpers.CONFIGS) on `device` in `dtype`."""
+    _, dec = build_pair(name, "torch")
+    dec.w = dec.w.to(device=device, dtype=dtype)
+    dec.rope = dec.rope.to(device)
+    return dec
+
+
 def run_calls(dec, fwd, device, seed=0, capture=True):
     """The engine's decode-time call sequence through `fwd`; returns every output and the caches."""
     g = torch.Generator().manual_seed(seed)
@@ -69,8 +77,7 @@ def assert_same_run(ref, got, atol, rtol):
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
 def test_segmented_forward_equals_eager(name):
-    _, dec = build_pair(name, "torch")
-    dec.w = dec.w.to(dtype=torch.float64)
+    dec = decoder_on(name)
     twin = StepGraphs(dec, capture=False)
     ref = run_calls(dec, dec.forward_eager, "cpu")
     got = run_calls(dec, twin.forward, "cpu")
@@ -130,9 +137,7 @@ def test_engine_through_twin_is_lossless(tiny_models, twin_pair, mode, kw, tempe
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_captured_graphs_equal_twin(dtype, tol):
-    _, dec = build_pair("qwen3", "torch")
-    dec.w = dec.w.to(device="cuda", dtype=dtype)
-    dec.rope = dec.rope.to("cuda")
+    dec = decoder_on("qwen3", "cuda", dtype)
     graphs = StepGraphs(dec, capture=True)
     twin = StepGraphs(dec, capture=False)
     got = run_calls(dec, graphs.forward, "cuda")
@@ -146,9 +151,7 @@ def test_captured_graphs_equal_twin(dtype, tol):
 def test_captured_whole_graphs_equal_twin(dtype, tol):
     from specextend.models.whole_graphs import WholeStepGraphs
 
-    _, dec = build_pair("llama3", "torch")
-    dec.w = dec.w.to(device="cuda", dtype=dtype)
-    dec.rope = dec.rope.to("cuda")
+    dec = decoder_on("llama3", "cuda", dtype)
     graphs = WholeStepGraphs(dec, capture=True)
     got = run_calls(dec, graphs.forward, "cuda", capture=False)
     ref = run_calls(dec, WholeStepGraphs(dec, capture=False).forward, "cuda", capture=False)
@@ -162,8 +165,7 @@ def test_whole_forward_body_equals_eager(name):
     writes from device-side lengths) == the plain forward, in float64."""
     from specextend.models.whole_graphs import WholeStepGraphs
 
-    _, dec = build_pair(name, "torch")
-    dec.w = dec.w.to(dtype=torch.float64)
+    dec = decoder_on(name)
     twin = WholeStepGraphs(dec, capture=False)
     ref = run_calls(dec, dec.forward_eager, "cpu", capture=False)
     got = run_calls(dec, twin.forward, "cpu", capture=False)
@@ -202,9 +204,7 @@ def test_sessions_interleaved_through_shared_plans(capture):
     """Two sessions (own caches, different lengths) alternate decode and verify steps through one
     set of plans, as the replica's engine thread interleaves requests: each equals its eager run."""
     device = "cuda" if capture else "cpu"
-    _, dec = build_pair("llama3", "torch")
-    dec.w = dec.w.to(device=device, dtype=torch.float32 if capture else torch.float64)
-    dec.rope = dec.rope.to(device)
+    dec = decoder_on("llama3", device, torch.float32 if capture else torch.float64)
     graphs = StepGraphs(dec, capture=capture)
     tol = 1e-5 if capture else 1e-10
 
