@@ -64,3 +64,15 @@ grep -E "^\| 16384|whole-forward" "$OUT/step_times_05b.log"
 python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
 grep -v '^{' "$OUT/e2e.log" | tail -11
 fi
+if [[ $PART == 7 ]]; then  # Inductor-compiled segments: checks, step times plain vs compiled, profile, end to end
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -m pytest -q --tb=short tests/test_graphs.py tests/test_attention.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+python3 benchmarks/step_times.py --lengths ${LENGTHS:-4096,16384,32768} --reps 10 --cuda-graphs on,compiled \
+    > "$OUT/step_times.log" 2>&1
+grep -E "^\| |^L=" "$OUT/step_times.log" | tail -9
+(cd benchmarks && python3 profile_step.py --torch-compile > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
+python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf --torch-compile > "$OUT/e2e.log" 2>&1
+grep -v '^{' "$OUT/e2e.log" | tail -11
+fi

@@ -48,9 +48,10 @@ def main():
     ap.add_argument("--draft", default="random:llama-3.2-1b")
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--torch-compile", action="store_true", help="graph segments compiled by Inductor")
     a = ap.parse_args()
-    target = load_model(a.target, "target")
-    draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size)
+    target = load_model(a.target, "target", torch_compile=a.torch_compile)
+    draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, torch_compile=a.torch_compile)
     prompt = torch.randint(0, 256, (a.length,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     sess = TargetSession(target.decoder, a.length + 64, hybrid=True)

@@ -80,22 +80,27 @@ def host_time(fn, dev, reps: int) -> float:
     return statistics.median(out)
 
 
-def set_graphs(models, on: bool, store: dict) -> None:
-    """Switch the piecewise CUDA graphs (models/graphs.py) of each decoder on or off."""
+def set_graphs(models, mode: str, store: dict) -> None:
+    """Each decoder's decode-time forwards: op by op ("off"), piecewise CUDA graphs (models/graphs.py,
+    "on"), or those graphs with Inductor-compiled segments ("compiled")."""
+    from specextend.models.graphs import StepGraphs
+
     for m in models:
         dec = m.decoder
         store.setdefault(id(dec), dec.graphs)
-        dec.graphs = store[id(dec)] if on else None
+        if mode == "compiled" and (id(dec), mode) not in store:
+            store[id(dec), mode] = StepGraphs(dec, compile=True)
+        dec.graphs = {"off": None, "on": store[id(dec)]}.get(mode) or store.get((id(dec), mode))
 
 
-def bench_length(target, draft, L, a, dev, bw, results, graphs: bool = False, prefill: bool = True):
+def bench_length(target, draft, L, a, dev, bw, results, graphs: str = "off", prefill: bool = True):
     dec = target.decoder
     args = dec.args
     gen = torch.Generator().manual_seed(L)
     prompt = torch.randint(0, 256, (L,), generator=gen).tolist()
     weight_bytes = args.num_params() * dec.w.embed.element_size()
     kv_tok = args.kv_bytes_per_token(dec.dtype)
-    row = dict(length=L, cuda_graphs=graphs)
+    row = dict(length=L, cuda_graphs=graphs != "off", torch_compile=graphs == "compiled", graphs=graphs)
     # prefill (torch kernels; eager where it fits)
     sess = TargetSession(dec, L + 128, hybrid=True)
     reps = 2 if prefill else 1
@@ -135,7 +140,7 @@ def bench_length(target, draft, L, a, dev, bw, results, graphs: bool = False, pr
     # draft step: full cache vs retrieval working cache (budget retrieval_top_k * chunk)
     tree = TreeConfig(a.tree_nodes, a.tree_depth, a.tree_topk)
     kinds = [("", draft.decoder.graphs)]
-    if graphs and a.whole_draft_graphs:  # also the whole-forward draft graphs (whole_graphs.py)
+    if graphs == "on" and a.whole_draft_graphs:  # also the whole-forward draft graphs (whole_graphs.py)
         from specextend.models.whole_graphs import WholeStepGraphs
 
         kinds.append(("_whole", WholeStepGraphs(draft.decoder)))
@@ -179,8 +184,9 @@ def main():
     p.add_argument("--eager-max", type=int, default=8192)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--whole-draft-graphs", action="store_true", help="also time whole-forward draft graphs")
-    p.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="both",
-                   help="decode-time forwards through the piecewise CUDA graphs, op by op, or both")
+    p.add_argument("--cuda-graphs", default="both",
+                   help="comma-separated: decode-time forwards through the piecewise CUDA graphs (on), op by op "
+                        "(off), the graphs with Inductor-compiled segments (compiled); both = off,on; all = the three")
     a = p.parse_args()
     target = load_model(a.target, "target", a.dtype, a.device, "auto")
     draft = load_model(a.draft, "draft", a.dtype, a.device, "auto", vocab_size=target.args.vocab_size,
@@ -189,7 +195,10 @@ def main():
     bw = copy_bandwidth(dev)
     results = []
     saved: dict = {}
-    graph_modes = {"on": [True], "off": [False], "both": [False, True]}[a.cuda_graphs]
+    graph_modes = {"both": ["off", "on"], "all": ["off", "on", "compiled"]}.get(a.cuda_graphs,
+                                                                                a.cuda_graphs.split(","))
+    if not set(graph_modes) <= {"off", "on", "compiled"}:
+        p.error(f"--cuda-graphs: unknown mode in {a.cuda_graphs!r}")
     for L in [int(x) for x in a.lengths.split(",")]:
         for gi, g in enumerate(graph_modes):
             set_graphs([target, draft], g, saved)
@@ -206,7 +215,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         eager = f"{r['prefill_eager_s']:.3f}" if "prefill_eager_s" in r else "-"
-        print(f"| {r['length']} | {'on' if r['cuda_graphs'] else 'off'} | {r['prefill_s']:.3f} | {eager} | "
+        print(f"| {r['length']} | {r['graphs']} | {r['prefill_s']:.3f} | {eager} | "
               f"{r['ar_step_s']*1e3:.2f} | {r['floor_s']*1e3:.2f} | {r['verify_hta_s']*1e3:.2f} "
               f"({r['verify_hta_host_s']*1e3:.2f}) | {r['verify_plain_s']*1e3:.2f} | "
               f"{r['verify_hta_s']/r['verify_floor_s']:.2f} | {r['draft_step_full_s']*1e3:.2f} | "

@@ -146,6 +146,38 @@ def test_captured_graphs_equal_twin(dtype, tol):
     assert_same_run(ref, got, atol=tol, rtol=tol)
 
 
+# Inductor on the CPU builds C++ (about a minute for one architecture on two cores): one
+# architecture goes through Inductor, the other through Dynamo + AOTAutograd only (the same traced
+# graphs, run by ATen), so both layer variants are traced and one is compiled in CI.
+@pytest.mark.parametrize("name,backend", [("qwen3", "inductor"), ("llama3", "aot_eager")])
+def test_compiled_segments_equal_twin(name, backend):
+    """The segments compiled by torch.compile (graphs.py's fast path on CUDA) equal the plain ones
+    for every call kind, with the plans' shape changes recompiling rather than mis-running."""
+    from specextend.models.segments import Segments
+
+    dec = decoder_on(name, "cpu", torch.float32)
+    twin = StepGraphs(dec, capture=False)
+    comp = StepGraphs(dec, capture=False)
+    comp.seg = Segments(compile=True, backend=backend)
+    with torch.inference_mode():
+        ref = run_calls(dec, twin.forward, "cpu")
+        got = run_calls(dec, comp.forward, "cpu")
+    assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_captured_compiled_graphs_equal_twin(name, dtype, tol):
+    """Inductor-compiled segments captured in the CUDA graphs equal the plain twin."""
+    dec = decoder_on(name, "cuda", dtype)
+    graphs = StepGraphs(dec, capture=True, compile=True)
+    got = run_calls(dec, graphs.forward, "cuda")
+    ref = run_calls(dec, StepGraphs(dec, capture=False).forward, "cuda")
+    assert graphs.num_graphs == 5 * (dec.args.num_layers + 1)
+    assert_same_run(ref, got, atol=tol, rtol=tol)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_captured_whole_graphs_equal_twin(dtype, tol):

@@ -75,6 +75,45 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
+# Pure functions of one layer (the Decoder methods, graphs.py and segments.py call them).
+def layer_pre(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Norm, QKV, (QK norm), RoPE: x [T, E] -> q [H, T, D], k, v [G, T, D], pre-RoPE k [G, T, D]."""
+    t = x.shape[0]
+    h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
+    hs = rms_norm(x, lw.input_norm, a.rms_norm_eps)
+    qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
+    v = qkv[:, (h + g) * d:].view(t, g, d).transpose(0, 1)  # [G, T, D]
+    if lw.q_norm is None:  # q and k rotated together
+        qk = qkv[:, :(h + g) * d].view(t, h + g, d)  # [T, H + G, D]
+        qk_rot = apply_rope(qk, cos[:, None], sin[:, None])  # [T, H + G, D]
+        k_pre = qk[:, h:].transpose(0, 1)  # [G, T, D]
+        return qk_rot[:, :h].transpose(0, 1), qk_rot[:, h:].transpose(0, 1), v, k_pre
+    q = qkv[:, :h * d].view(t, h, d).transpose(0, 1)  # [H, T, D]
+    k = qkv[:, h * d:(h + g) * d].view(t, g, d).transpose(0, 1)  # [G, T, D]
+    q = rms_norm(q, lw.q_norm, a.rms_norm_eps)
+    k = rms_norm(k, lw.k_norm, a.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k
+
+
+def layer_post(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Output projection, residual and MLP: x [T, E], attn [H, T, D] -> x [T, E]."""
+    t = x.shape[0]
+    x = torch.addmm(x, attn.transpose(0, 1).reshape(t, a.num_heads * a.head_dim), lw.o.t())  # residual
+    hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
+    gate, up = F.linear(hs, lw.gate_up).chunk(2, dim=-1)
+    return torch.addmm(x, F.silu(gate) * up, lw.down.t())
+
+
+def head(a: ModelArgs, norm: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
+         rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """Final norm and LM head of rows [T'] of x [T, E] -> logits [T', V] (float32 or float64)."""
+    if rows is not None:
+        x = x.index_select(0, rows)
+    x = rms_norm(x, norm, a.rms_norm_eps)
+    logits = F.linear(x, lm_head)  # [T', V]
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 class Decoder:
     def __init__(self, args: ModelArgs, weights: Weights, rope: Rope, backend: AttentionBackend):
         self.args = args
@@ -101,42 +140,13 @@ class Decoder:
         return F.embedding(input_ids, self.w.embed)  # [T, E]
 
     def layer_pre(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Norm, QKV, (QK norm), RoPE of layer i: q [H, T, D], k, v [G, T, D], pre-RoPE k [G, T, D]."""
-        a = self.args
-        lw = self.w.layers[i]
-        t = x.shape[0]
-        h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
-        hs = rms_norm(x, lw.input_norm, a.rms_norm_eps)
-        qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
-        v = qkv[:, (h + g) * d:].view(t, g, d).transpose(0, 1)  # [G, T, D]
-        if lw.q_norm is None:  # q and k rotated together
-            qk = qkv[:, :(h + g) * d].view(t, h + g, d)  # [T, H + G, D]
-            qk_rot = apply_rope(qk, cos[:, None], sin[:, None])  # [T, H + G, D]
-            k_pre = qk[:, h:].transpose(0, 1)  # [G, T, D]
-            return qk_rot[:, :h].transpose(0, 1), qk_rot[:, h:].transpose(0, 1), v, k_pre
-        q = qkv[:, :h * d].view(t, h, d).transpose(0, 1)  # [H, T, D]
-        k = qkv[:, h * d:(h + g) * d].view(t, g, d).transpose(0, 1)  # [G, T, D]
-        q = rms_norm(q, lw.q_norm, a.rms_norm_eps)
-        k = rms_norm(k, lw.k_norm, a.rms_norm_eps)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, k
+        return layer_pre(self.args, self.w.layers[i], x, cos, sin)
 
     def layer_post(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual and MLP of layer i; attn [H, T, D] -> x [T, E]."""
-        a = self.args
-        lw = self.w.layers[i]
-        t = x.shape[0]
-        x = torch.addmm(x, attn.transpose(0, 1).reshape(t, a.num_heads * a.head_dim), lw.o.t())  # residual
-        hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
-        gate, up = F.linear(hs, lw.gate_up).chunk(2, dim=-1)
-        return torch.addmm(x, F.silu(gate) * up, lw.down.t())
+        return layer_post(self.args, self.w.layers[i], x, attn)
 
     def head(self, x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
-        """Final norm and LM head of rows [T'] of x [T, E] -> logits [T', V] (float32 or float64)."""
-        if rows is not None:
-            x = x.index_select(0, rows)
-        x = rms_norm(x, self.w.norm, self.args.rms_norm_eps)
-        logits = F.linear(x, self.w.lm_head)  # [T', V]
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return head(self.args, self.w.norm, self.w.lm_head, x, rows)
 
     # ------------------------------------------------------------ forward
     def forward(

@@ -31,9 +31,8 @@ from typing import Optional
 import torch
 
 from specextend.attention.backends import CAUSAL, Mask, sdpa_lse
-from specextend.attention.eager import compute_dtype
-from specextend.attention.tree_merge import mask_bias, tree_attention_merged
 from specextend.kv_cache import CacheFull, KVCache
+from specextend.models.segments import Segments
 
 MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
 
@@ -91,8 +90,10 @@ class _Plan:
 
 
 class StepGraphs:
-    def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS):
+    def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS,
+                 compile: bool = False):
         self.model = model
+        self.seg = Segments(compile)  # the segment functions, compiled (Inductor) or as written
         self.capture = capture and model.device.type == "cuda"
         self.max_tokens = max_tokens
         self.plans: dict[ShapeKey, _Plan] = {}
@@ -156,29 +157,24 @@ class StepGraphs:
     # ------------------------------------------------------------ pieces
     def _segment(self, p: _Plan, i: int) -> None:
         m = self.model
-        n = m.args.num_layers
-        st = p.key.staged
-        if i == 0:
-            p.cos, p.sin = m.rope.cos_sin(p.pos, m.dtype)  # [T, D]
-            p.bias = mask_bias(p.mask, m.args.num_heads // m.args.num_kv_heads, compute_dtype(m.dtype))
-            x = m.embed(p.ids)  # [T, E]
-        else:
-            kt, vt = p.scratch[i - 1, 0], p.scratch[i - 1, 1]  # [G, staged + T, D]
-            last = i == n and p.key.capture
-            attn, lse = tree_attention_merged(p.q[i - 1], kt, vt, p.bias, p.out_p, p.lse_p, m.scale,
-                                              need_lse=last)  # [H, T, D], [H, T]
-            x = m.layer_post(i - 1, p.x, attn)
-            if i == n and p.key.capture:
-                p.cap_q, p.cap_lse = p.q[i - 1], lse
+        a, w, st = m.args, m.w, p.key.staged
+        n = a.num_layers
         if i < n:
-            q, k, v, k_pre = m.layer_pre(i, x, p.cos, p.sin)
-            p.scratch[i, 0, :, st:].copy_(k)
-            p.scratch[i, 1, :, st:].copy_(v)
-            if p.store_k is not None:
-                p.store_k[i].copy_(k_pre)
-            p.q[i], p.x = q.contiguous(), x  # contiguous: the prefix call's GQA fold is then a view
-        else:
-            p.logits = m.head(x, p.rows)
+            dst = (p.scratch[i, 0, :, st:], p.scratch[i, 1, :, st:],
+                   None if p.store_k is None else p.store_k[i])  # [G, T, D] each
+        if i == 0:
+            p.x, p.q[0], p.cos, p.sin, p.bias = self.seg.first(a, m.rope, w.embed, w.layers[0], p.ids,
+                                                               p.pos, p.mask, *dst)
+            return
+        tree = (p.scratch[i - 1, 0], p.scratch[i - 1, 1], p.bias, p.out_p, p.lse_p)  # layer i-1's
+        if i < n:
+            p.x, p.q[i] = self.seg.mid(a, m.scale, w.layers[i - 1], w.layers[i], p.x, p.q[i - 1], *tree,
+                                       p.cos, p.sin, *dst)
+            return
+        p.logits, lse = self.seg.last(a, m.scale, w.layers[i - 1], w.norm, w.lm_head, p.x, p.q[i - 1],
+                                      *tree, p.rows, p.key.capture)
+        if p.key.capture:
+            p.cap_q, p.cap_lse = p.q[i - 1], lse
 
     def _prefix(self, p: _Plan, i: int, kv: torch.Tensor) -> None:
         """Eager: layer i's queries over the committed prefix kv [layers, 2, 1, G, L, D], into the

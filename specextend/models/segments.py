@@ -1,0 +1,94 @@
+"""The graph segments of a decode-time forward as pure functions of tensors (graphs.py runs them).
+
+    first  embed, RoPE tables, additive tree mask, layer 0 pre-attention
+    mid    layer i-1's tree part fused with the LSE merge, o-proj, MLP; layer i pre-attention
+    last   the last layer's tail, final norm, LM head (+ the merged LSE for cross-model retrieval)
+
+Each writes its layer's new K/V (and pre-RoPE K for the draft's store) into the static scratch
+views it is given and returns the rest. Weights arrive as arguments, never as globals, so one
+compiled version of `mid` serves every layer of a model (Segments(compile=True): Inductor fuses
+the ~20 small elementwise kernels of a layer into a few; the plain functions are its slow twin).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from specextend.attention.eager import compute_dtype
+from specextend.attention.tree_merge import mask_bias, tree_attention_merged
+from specextend.models.args import ModelArgs
+from specextend.models.decoder import LayerWeights, head, layer_post, layer_pre
+from specextend.models.rope import Rope
+
+
+def _pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst) -> torch.Tensor:
+    """Layer pre-attention; k, v -> k_dst, v_dst [G, T, D] (pre-RoPE k -> kpre_dst); q [H, T, D]."""
+    q, k, v, k_pre = layer_pre(a, lw, x, cos, sin)
+    k_dst.copy_(k)
+    v_dst.copy_(v)
+    if kpre_dst is not None:
+        kpre_dst.copy_(k_pre)
+    return q.contiguous()  # contiguous: the prefix call's GQA fold is then a view
+
+
+def first(a: ModelArgs, rope: Rope, embed: torch.Tensor, lw: LayerWeights,
+          ids: torch.Tensor,  # [T]
+          pos: torch.Tensor,  # [T]
+          mask: torch.Tensor,  # [T, staged + T] bool
+          k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor]):
+    """-> x [T, E], q [H, T, D], cos, sin [T, D], bias [(H/G) * T, staged + T]."""
+    dt = embed.dtype
+    cos, sin = rope.cos_sin(pos, dt)
+    bias = mask_bias(mask, a.num_heads // a.num_kv_heads, compute_dtype(dt))
+    x = F.embedding(ids, embed)  # [T, E]
+    q = _pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+    return x, q, cos, sin, bias
+
+
+def mid(a: ModelArgs, scale: float, lw_prev: LayerWeights, lw: LayerWeights,
+        x: torch.Tensor,  # [T, E]
+        q_prev: torch.Tensor,  # [H, T, D] layer i-1's queries
+        kt: torch.Tensor, vt: torch.Tensor,  # [G, staged + T, D] layer i-1's tree keys
+        bias: torch.Tensor,
+        out_p: torch.Tensor, lse_p: torch.Tensor,  # [H, T, D], [H, T] layer i-1's prefix part
+        cos: torch.Tensor, sin: torch.Tensor,
+        k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor]):
+    """-> x [T, E] after layer i-1, q [H, T, D] of layer i."""
+    attn, _ = tree_attention_merged(q_prev, kt, vt, bias, out_p, lse_p, scale)  # [H, T, D]
+    x = layer_post(a, lw_prev, x, attn)
+    return x, _pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+
+
+def last(a: ModelArgs, scale: float, lw_prev: LayerWeights, norm: torch.Tensor, lm_head: torch.Tensor,
+         x, q_prev, kt, vt, bias, out_p, lse_p,
+         rows: Optional[torch.Tensor],  # [R] logits rows (None = all)
+         need_lse: bool):
+    """-> logits [R or T, V] (float32/64), merged lse [H, T] of the last layer (or None)."""
+    attn, lse = tree_attention_merged(q_prev, kt, vt, bias, out_p, lse_p, scale, need_lse=need_lse)
+    x = layer_post(a, lw_prev, x, attn)
+    return head(a, norm, lm_head, x, rows), lse
+
+
+class Segments:
+    """The three segment functions, as written (the twin) or compiled by torch.compile/Inductor.
+
+    Shapes change only with the plan (T, staged keys, rows): the first new shape after the first
+    compile recompiles once with dynamic sizes; recompiles happen in a plan's warm-up, never
+    inside a graph capture."""
+
+    def __init__(self, compile: bool = False, backend: str = "inductor"):
+        self.compiled = compile
+        if compile:
+            import torch._dynamo
+
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, 32)
+            opts = dict(fullgraph=True, backend=backend)
+            self.first = torch.compile(first, **opts)
+            self.mid = torch.compile(mid, **opts)
+            self.last = torch.compile(last, **opts)
+        else:
+            self.first, self.mid, self.last = first, mid, last
