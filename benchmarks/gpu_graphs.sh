@@ -72,6 +72,8 @@ grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
 python3 benchmarks/step_times.py --lengths ${LENGTHS:-4096,16384,32768} --reps 10 --cuda-graphs on,compiled \
     > "$OUT/step_times.log" 2>&1
 grep -E "^\| |^L=" "$OUT/step_times.log" | tail -9
+fi
+if [[ $PART == 8 ]]; then  # compiled segments: profile, end to end
 (cd benchmarks && python3 profile_step.py --torch-compile > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
 python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf --torch-compile > "$OUT/e2e.log" 2>&1
 grep -v '^{' "$OUT/e2e.log" | tail -11

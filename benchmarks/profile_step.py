@@ -36,10 +36,12 @@ def prof(name, fn, reps, out):
         wall = (time.perf_counter() - t0) / reps
     ev = p.key_averages()
     dev_us = sum(e.self_device_time_total for e in ev) / reps
-    print(f"\n=== {name}: wall {wall*1e3:.2f} ms, device kernels {dev_us/1e3:.2f} ms per step")
+    kernels = sum(e.count for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) / reps
+    print(f"\n=== {name}: wall {wall*1e3:.2f} ms, device kernels {dev_us/1e3:.2f} ms per step, "
+          f"{kernels:.0f} device ops per step")
     print(ev.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     print(ev.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60))
-    out[name] = dict(wall_ms=wall * 1e3, device_ms=dev_us / 1e3)
+    out[name] = dict(wall_ms=wall * 1e3, device_ms=dev_us / 1e3, device_ops=kernels)
 
 
 def main():
