@@ -72,15 +72,16 @@ def main():
     p.add_argument("--check-tokens", type=int, default=48)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--whole-draft-graphs", action="store_true", help="also run sd/specextend with whole-forward draft graphs")
+    p.add_argument("--piecewise", action="store_true", help="piecewise graphs, not full-step graphs")
     p.add_argument("--torch-compile", action="store_true", help="graph segments compiled by Inductor")
     p.add_argument("--tie-tol", type=float, default=0.125, help="near-tie tolerance for bf16 logits")
     a = p.parse_args()
     replay = None if a.no_replay else [a.replay_constant]
     if a.replay_trace:
         replay = json.load(open(a.replay_trace))["accepted_per_step"]
-    target = load_model(a.target, "target", torch_compile=a.torch_compile)
-    draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, target_weights=target.decoder.w,
-                       torch_compile=a.torch_compile)
+    kw = dict(torch_compile=a.torch_compile, full_graphs=not a.piecewise)
+    target = load_model(a.target, "target", **kw)
+    draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, target_weights=target.decoder.w, **kw)
     dev = target.decoder.device
     tree = TreeConfig(a.tree_nodes, a.tree_depth, a.tree_topk)
     engines = {
@@ -135,7 +136,8 @@ def main():
     meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", target=a.target,
                 draft=a.draft, dtype=str(target.decoder.dtype), tree=[a.tree_nodes, a.tree_depth, a.tree_topk],
                 replay=None if replay is None else (a.replay_trace or f"constant {a.replay_constant}"),
-                text=a.text_file, torch_compile=a.torch_compile, date=time.strftime("%Y-%m-%d"))
+                text=a.text_file, torch_compile=a.torch_compile,
+                full_graphs=not a.piecewise, date=time.strftime("%Y-%m-%d"))
     print(json.dumps(dict(meta=meta, rows=rows, checks=checks)))
 
 

@@ -78,3 +78,11 @@ if [[ $PART == 8 ]]; then  # compiled segments: profile, end to end
 python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf --torch-compile > "$OUT/e2e.log" 2>&1
 grep -v '^{' "$OUT/e2e.log" | tail -11
 fi
+if [[ $PART == 9 ]]; then  # full-step graphs (Triton prefix kernel): checks, step times of every graph mode
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pytest -q -x --tb=short tests/test_full_graphs.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+python3 benchmarks/step_times.py --lengths ${LENGTHS:-16384,4096,32768} --reps 10 --cuda-graphs ${MODES:-on,full,full-compiled} \
+    > "$OUT/step_times.log" 2>&1
+grep -E "^\| |^L=|Error" "$OUT/step_times.log" | tail -12
+fi

@@ -24,7 +24,7 @@ from specextend.target import TargetSession
 from step_times import fixed_tree
 
 
-def prof(name, fn, reps, out):
+def prof(name, fn, reps, out, rows=10):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -40,7 +40,7 @@ def prof(name, fn, reps, out):
     print(f"\n=== {name}: wall {wall*1e3:.2f} ms, device kernels {dev_us/1e3:.2f} ms per step, "
           f"{kernels:.0f} device ops per step")
     print(ev.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
-    print(ev.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60))
+    print(ev.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=90))
     out[name] = dict(wall_ms=wall * 1e3, device_ms=dev_us / 1e3, device_ops=kernels)
 
 
@@ -50,19 +50,27 @@ def main():
     ap.add_argument("--draft", default="random:llama-3.2-1b")
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tree-nodes", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=10, help="rows of the device-time table")
+    ap.add_argument("--only-verify", action="store_true")
+    ap.add_argument("--piecewise", action="store_true", help="piecewise graphs, not full-step graphs")
     ap.add_argument("--torch-compile", action="store_true", help="graph segments compiled by Inductor")
     a = ap.parse_args()
-    target = load_model(a.target, "target", torch_compile=a.torch_compile)
-    draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, torch_compile=a.torch_compile)
+    kw = dict(torch_compile=a.torch_compile, full_graphs=not a.piecewise)
+    target = load_model(a.target, "target", **kw)
+    draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, **kw)
     prompt = torch.randint(0, 256, (a.length,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     sess = TargetSession(target.decoder, a.length + 64, hybrid=True)
     sess.prefill(prompt, 4096)
-    parents = fixed_tree(16, 4)
+    parents = fixed_tree(a.tree_nodes, 4)
 
     def verify():
         sess.verify(5, [11] * len(parents), parents, capture=False)
-    prof("verify_hta_17", verify, a.reps, out)
+    prof(f"verify_hta_{len(parents) + 1}", verify, a.reps, out, a.rows)
+    if a.only_verify:
+        print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, **out)))
+        return
 
     def ar():
         sess.decode(7)

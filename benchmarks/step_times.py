@@ -83,14 +83,16 @@ def host_time(fn, dev, reps: int) -> float:
 def set_graphs(models, mode: str, store: dict) -> None:
     """Each decoder's decode-time forwards: op by op ("off"), piecewise CUDA graphs (models/graphs.py,
     "on"), or those graphs with Inductor-compiled segments ("compiled")."""
+    from specextend.models.full_graphs import FullStepGraphs
     from specextend.models.graphs import StepGraphs
 
+    make = {"on": lambda d: StepGraphs(d), "compiled": lambda d: StepGraphs(d, compile=True),
+            "full": lambda d: FullStepGraphs(d), "full-compiled": lambda d: FullStepGraphs(d, compile=True)}
     for m in models:
         dec = m.decoder
-        store.setdefault(id(dec), dec.graphs)
-        if mode == "compiled" and (id(dec), mode) not in store:
-            store[id(dec), mode] = StepGraphs(dec, compile=True)
-        dec.graphs = {"off": None, "on": store[id(dec)]}.get(mode) or store.get((id(dec), mode))
+        if mode != "off" and (id(dec), mode) not in store:
+            store[id(dec), mode] = make[mode](dec)
+        dec.graphs = store.get((id(dec), mode))
 
 
 def bench_length(target, draft, L, a, dev, bw, results, graphs: str = "off", prefill: bool = True):
@@ -100,7 +102,7 @@ def bench_length(target, draft, L, a, dev, bw, results, graphs: str = "off", pre
     prompt = torch.randint(0, 256, (L,), generator=gen).tolist()
     weight_bytes = args.num_params() * dec.w.embed.element_size()
     kv_tok = args.kv_bytes_per_token(dec.dtype)
-    row = dict(length=L, cuda_graphs=graphs != "off", torch_compile=graphs == "compiled", graphs=graphs)
+    row = dict(length=L, cuda_graphs=graphs != "off", torch_compile=graphs.endswith("compiled"), graphs=graphs)
     # prefill (torch kernels; eager where it fits)
     sess = TargetSession(dec, L + 128, hybrid=True)
     reps = 2 if prefill else 1
@@ -186,7 +188,8 @@ def main():
     p.add_argument("--whole-draft-graphs", action="store_true", help="also time whole-forward draft graphs")
     p.add_argument("--cuda-graphs", default="both",
                    help="comma-separated: decode-time forwards through the piecewise CUDA graphs (on), op by op "
-                        "(off), the graphs with Inductor-compiled segments (compiled); both = off,on; all = the three")
+                        "(off), the graphs with Inductor-compiled segments (compiled), one graph per forward with the Triton "
+                        "prefix kernel (full, full-compiled); both = off,on; all = the five")
     a = p.parse_args()
     target = load_model(a.target, "target", a.dtype, a.device, "auto")
     draft = load_model(a.draft, "draft", a.dtype, a.device, "auto", vocab_size=target.args.vocab_size,
@@ -195,9 +198,9 @@ def main():
     bw = copy_bandwidth(dev)
     results = []
     saved: dict = {}
-    graph_modes = {"both": ["off", "on"], "all": ["off", "on", "compiled"]}.get(a.cuda_graphs,
-                                                                                a.cuda_graphs.split(","))
-    if not set(graph_modes) <= {"off", "on", "compiled"}:
+    every = ["off", "on", "compiled", "full", "full-compiled"]
+    graph_modes = {"both": ["off", "on"], "all": every}.get(a.cuda_graphs, a.cuda_graphs.split(","))
+    if not set(graph_modes) <= set(every):
         p.error(f"--cuda-graphs: unknown mode in {a.cuda_graphs!r}")
     for L in [int(x) for x in a.lengths.split(",")]:
         for gi, g in enumerate(graph_modes):

@@ -28,20 +28,30 @@ def tree_attention_merged(
     k: torch.Tensor,  # [G, n, D] tree keys (RoPE applied)
     v: torch.Tensor,  # [G, n, D]
     bias: torch.Tensor,  # [(H/G) * T, n] from mask_bias, in the compute dtype
-    out_p: torch.Tensor,  # [H, T, D] prefix attention
-    lse_p: torch.Tensor,  # [H, T] prefix log-sum-exp (finite: the prefix is not empty)
+    out_p: torch.Tensor,  # [H, T, D] prefix attention, or [G, S, (H/G) * T, D] S partials of it
+    lse_p: torch.Tensor,  # [H, T] prefix log-sum-exp, or [G, S, (H/G) * T] (at least one finite)
     scale: float,
     need_lse: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Returns out [H, T, D] over prefix + tree keys and, if need_lse, the merged lse [H, T]."""
+    """Returns out [H, T, D] over prefix + tree keys and, if need_lse, the merged lse [H, T].
+
+    The prefix part may come as S partials over disjoint key ranges (the split-KV kernel of
+    triton_prefix.py): each is one more score column, so the one softmax stays exact."""
     h, t, d = q.shape
     g, n, _ = k.shape
     cd = compute_dtype(q.dtype)
     rows = (h // g) * t
+    out_p = out_p.reshape(g, -1, rows, d)  # [G, S, R*T, D]
+    lse_p = lse_p.reshape(g, -1, rows)  # [G, S, R*T]
+    parts = out_p.shape[1]
     qg = q.reshape(g, rows, d).to(cd)  # [G, R*T, D]
     s = torch.baddbmm(bias, qg, k.to(cd).transpose(1, 2), alpha=scale)  # [G, R*T, n]
-    s = torch.cat([s, lse_p.reshape(g, rows, 1).to(cd)], dim=-1)  # [G, R*T, n + 1]
-    p = torch.softmax(s, dim=-1)  # [G, R*T, n + 1]
-    out = torch.baddbmm(p[..., n:] * out_p.reshape(g, rows, d).to(cd), p[..., :n], v.to(cd))  # [G, R*T, D]
+    s = torch.cat([s, lse_p.transpose(1, 2).to(cd)], dim=-1)  # [G, R*T, n + S]
+    p = torch.softmax(s, dim=-1)  # [G, R*T, n + S]
+    if parts == 1:
+        prefix = p[..., n:] * out_p[:, 0].to(cd)  # [G, R*T, D]
+    else:
+        prefix = (p[..., n:].transpose(1, 2)[..., None] * out_p.to(cd)).sum(1)  # [G, R*T, D]
+    out = torch.baddbmm(prefix, p[..., :n], v.to(cd))  # [G, R*T, D]
     lse = torch.logsumexp(s, dim=-1).reshape(h, t) if need_lse else None
     return out.reshape(h, t, d).to(q.dtype), lse

@@ -128,11 +128,12 @@ def _load_hf(spec: str, role: str) -> tuple[str, Any, dict[str, torch.Tensor], A
 def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str = "auto",
                attention_backend: str = "auto", vocab_size: Optional[int] = None,
                target_weights: Optional[Weights] = None, cuda_graphs: bool = True,
-               torch_compile: bool = False) -> LoadedModel:
+               torch_compile: bool = False, full_graphs: bool = True) -> LoadedModel:
     """Loads one model. For random drafts, `vocab_size` takes the target's vocabulary and
     `target_weights` (the tiny target's) makes the correlated tiny draft. On CUDA, decode-time
     forwards run as piecewise graphs (`cuda_graphs`), their segments compiled by Inductor if
-    `torch_compile` (compiled at each new shape's first use: seconds, once per process)."""
+    `torch_compile` (compiled at each new shape's first use: seconds, once per process); with
+    `full_graphs` (and Triton installed) the whole forward is one graph (full_graphs.py)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     backend = get_backend(attention_backend, dev)
@@ -166,8 +167,10 @@ def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str
     inv_freq, scaling = inv_freq_from_config(config)
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
     if cuda_graphs and dev.type == "cuda":
+        from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported
         from specextend.models.graphs import StepGraphs
 
-        decoder.graphs = StepGraphs(decoder, compile=torch_compile)
+        cls = FullStepGraphs if full_graphs and full_graphs_supported(decoder) else StepGraphs
+        decoder.graphs = cls(decoder, compile=torch_compile)
     decoder.load_seconds = time.perf_counter() - t0
     return LoadedModel(name=name, decoder=decoder, tokenizer=tokenizer, hf_config=config)

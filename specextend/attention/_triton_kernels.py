@@ -1,0 +1,75 @@
+"""Triton kernels of triton_prefix.py (imported lazily: Triton is optional; with TRITON_INTERPRET=1
+set before the first import they run in Triton's CPU interpreter)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    # offs_d [DP]: head dims padded to a power of two (masked past D)
+    """Online-softmax update of (m_i, l_i, acc) [BM], [BM], [BM, D] by keys [n0, n0 + BN) < end."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
+    key_ok = offs_n < end
+    ld = key_ok[:, None] & (offs_d < D)[None, :]  # [BN, DP]
+    k = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=ld, other=0.0)
+    v = tl.load(v_ptr + offs_n[:, None] * D + offs_d[None, :], mask=ld, other=0.0)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(key_ok[None, :], qk * scale_log2, float("-inf"))  # [BM, BN] in log2 units
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+@triton.jit
+def prefix_partials(q_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
+                    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, KV_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    mb = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    idx = tl.arange(0, 4)
+    mv = tl.load(meta_ptr + idx)  # [4] (address, L, capacity, unused): scalars by reduction
+    base = tl.sum(tl.where(idx == 0, mv, 0), 0)  # cache.data address (bytes)
+    L = tl.sum(tl.where(idx == 1, mv, 0), 0)
+    cap = tl.sum(tl.where(idx == 2, mv, 0), 0)
+    kv = base.to(tl.pointer_type(KV_DTYPE))
+    k_ptr = kv + ((layer * 2 + 0) * G + g) * cap * D  # [cap, D] of layer, head g
+    v_ptr = kv + ((layer * 2 + 1) * G + g) * cap * D
+    chunk = tl.cdiv(tl.cdiv(L, SPLITS), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(L, start + chunk)
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_d = tl.arange(0, DP)  # [DP]
+    row_ok = offs_m < M
+    io = row_ok[:, None] & (offs_d < D)[None, :]  # [BM, DP]
+    q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :], mask=io, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    if INTERPRET:  # the interpreter's scalars cannot bound a range() (numpy 2): the same loop
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
+                                      D, BLOCK_N, IEEE)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
+                                      D, BLOCK_N, IEEE)
+    has = l_i > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    row = (g * SPLITS + s) * M + offs_m  # [BM]
+    tl.store(out_ptr + row[:, None] * D + offs_d[None, :], out, mask=io)
+    tl.store(lse_ptr + row, lse, mask=row_ok)

@@ -1,0 +1,88 @@
+"""Full-step CUDA graphs: the whole decode-time forward (every layer) replayed as one graph.
+
+The piecewise graphs (graphs.py) leave one eager call per layer, the prefix attention, because the
+fused SDPA kernels take the prefix length and the cache address from the host. Here that call is
+the Triton split-KV kernel of attention/triton_prefix.py, which reads (cache address, L,
+capacity) from a small device tensor written before each replay. So one graph per shape serves
+every session and every prefix length: one launch per forward instead of 2 x layers, no idle gaps
+between segments, and no copies of the prefix result into static buffers.
+
+Everything else is shared with graphs.py: the plans (static ids/positions/mask/scratch), the
+segments (compiled or not), the scratch-then-copy handling of new K/V. `capture=False` runs the
+identical sequence op by op (its slow twin; on the CPU the kernel runs in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specextend.attention.triton_prefix import num_splits, prefix_partials, triton_available
+from specextend.kv_cache import KVCache
+from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan
+
+FULL_GRAPH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def full_graphs_supported(model) -> bool:
+    """Triton importable, a dtype its kernel takes, and not the eager reference backend."""
+    return triton_available() and model.dtype in FULL_GRAPH_DTYPES and model.backend.name != "eager"
+
+
+class FullStepGraphs(StepGraphs):
+    def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False):
+        super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile)
+        dev = model.device
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+
+    def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
+        self._set_meta(p, cache, L)
+        if self.capture:
+            p.graphs[0].replay()
+        else:
+            self._body(p)
+
+    def _set_meta(self, p: _Plan, cache: KVCache, L: int) -> None:
+        p.meta.copy_(torch.tensor([cache.data.data_ptr(), L, cache.capacity, 0], dtype=torch.int64),
+                     non_blocking=True)
+
+    def _body(self, p: _Plan) -> None:
+        n = self.model.args.num_layers
+        for i in range(n + 1):
+            self._segment(p, i)
+            if i < n:
+                self._prefix(p, i, None)
+
+    def _prefix(self, p: _Plan, i: int, kv) -> None:
+        """Layer i's queries over cache[:L] (found through p.meta) -> S partials in p.out_p / p.lse_p."""
+        m = self.model
+        g, d = m.args.num_kv_heads, m.args.head_dim
+        rows = p.key.t * (m.args.num_heads // g)
+        prefix_partials(p.q[i].view(g, rows, d), p.meta, i, m.dtype, m.scale, p.out_p, p.lse_p)
+
+    def _new_plan(self, key: ShapeKey, cache: KVCache) -> _Plan:
+        m = self.model
+        a, dev = m.args, m.device
+        p = _Plan(m, key)
+        g, d = a.num_kv_heads, a.head_dim
+        rows = key.t * (a.num_heads // g)
+        s = num_splits(rows, g, self.num_sms)
+        p.out_p = torch.zeros(g, s, rows, d, dtype=torch.float32, device=dev)  # [G, S, R*T, D] partials
+        p.lse_p = torch.zeros(g, s, rows, dtype=torch.float32, device=dev)  # [G, S, R*T]
+        p.meta = torch.zeros(4, dtype=torch.int64, device=dev)  # cache address, L, capacity, 0
+        self._set_meta(p, cache, cache.length)
+        return p
+
+    def _build(self, key: ShapeKey, cache: KVCache) -> _Plan:
+        p = self._new_plan(key, cache)
+        if not self.capture:
+            return p
+        s = self._stream
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up: Triton and Inductor compile, cuBLAS workspaces
+            self._body(p)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=s, capture_error_mode="thread_local"):
+            self._body(p)
+        p.graphs.append(graph)
+        return p

@@ -1,0 +1,138 @@
+"""Full-step graphs (models/full_graphs.py) and their Triton split-KV prefix kernel.
+
+On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set here before the
+kernels are first imported), so CI checks the same kernel code the GPU compiles: against its torch
+reference, merged against the one-shot prefix attention, and the whole full-step forward (the
+graphs' twin) against Decoder.forward_eager for every decode-time call kind. On CUDA the captured
+graphs must equal the twin, with sessions of different caches interleaved through one plan.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from specextend.attention.backends import CAUSAL, sdpa_lse  # noqa: E402
+from specextend.attention.tree_merge import mask_bias, tree_attention_merged  # noqa: E402
+from specextend.attention.triton_prefix import num_splits, partials_reference, prefix_partials  # noqa: E402
+from specextend.models.decoder import ForwardOptions  # noqa: E402
+from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported  # noqa: E402
+from specextend.tree import ancestor_mask  # noqa: E402
+
+from test_graphs import PARENTS, assert_same_run, decoder_on, run_calls  # noqa: E402
+
+pytest.importorskip("triton")  # a dev dependency: present in CI
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter cannot read bfloat16 through a pointer made from an address; CUDA checks it
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length,splits,d", [(200, 4, 32), (37, 8, 24), (1, 3, 16)])
+def test_prefix_partials_equal_reference(dtype, length, splits, d):
+    """Every split's (out, lse), empty splits included (lse -inf, out 0), and their merge equals
+    attention over the whole prefix; the kernel reads layer 1 of a cache through its address."""
+    gen = torch.Generator().manual_seed(length)
+    layers, g, cap, rows = 2, 2, 256, 10
+    data = torch.randn(layers, 2, g, cap, d, generator=gen).to(DEVICE, dtype)  # KVCache.data layout
+    q = torch.randn(g, rows, d, generator=gen).to(DEVICE, dtype)
+    meta = torch.tensor([data.data_ptr(), length, cap, 0], dtype=torch.int64, device=DEVICE)
+    out = torch.full((g, splits, rows, d), float("nan"), device=DEVICE)  # poisoned: all must be written
+    lse = torch.full((g, splits, rows), float("nan"), device=DEVICE)
+    prefix_partials(q, meta, 1, dtype, 0.3, out, lse, block_n=16)
+    ref_out, ref_lse = partials_reference(q, data[1, 0], data[1, 1], length, splits, 0.3, block_n=16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+    assert torch.isinf(lse).any() == (-(-length // 16) < splits)  # some splits empty when short
+    w = torch.softmax(lse, dim=1)  # [G, S, rows]
+    merged = (w[..., None] * out).sum(1)
+    whole, _ = sdpa_lse(q.float()[None], data[1, 0, :, :length].float()[None],
+                        data[1, 1, :, :length].float()[None], False, 0.3)
+    torch.testing.assert_close(merged, whole[0], atol=tol, rtol=tol)
+
+
+def test_tree_merge_of_partials_equals_single_prefix():
+    """The tree merge over S prefix partials equals the merge over their one-shot equivalent."""
+    gen = torch.Generator().manual_seed(0)
+    h, g, t, n, d, L, s = 4, 2, 4, 4, 8, 50, 5  # ancestor_mask adds the root: 4 nodes
+    q = torch.randn(h, t, d, generator=gen, dtype=torch.float64)
+    kt, vt = torch.randn(2, g, n, d, generator=gen, dtype=torch.float64)
+    kp, vp = torch.randn(2, g, L, d, generator=gen, dtype=torch.float64)
+    bias = mask_bias(ancestor_mask([-1, 0, 0], "cpu"), h // g, torch.float64)
+    qf = q.reshape(g, (h // g) * t, d)
+    parts = partials_reference(qf, kp, vp, L, s, 0.4, block_n=4)
+    whole, whole_lse = sdpa_lse(qf[None], kp[None], vp[None], False, 0.4)
+    ref, ref_lse = tree_attention_merged(q, kt, vt, bias, whole[0].reshape(h, t, d), whole_lse[0].reshape(h, t),
+                                         0.4, need_lse=True)
+    got, got_lse = tree_attention_merged(q, kt, vt, bias, *parts, 0.4, need_lse=True)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got_lse, ref_lse, atol=1e-12, rtol=1e-12)
+
+
+def test_num_splits_fills_the_machine():
+    assert num_splits(4, 8, 132) == 33  # AR decode: one row block per KV head, 264 programs
+    assert num_splits(204, 8, 132) == 8  # a 51-node tree: four row blocks of 64
+    assert num_splits(4096, 8, 132) == 1
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_full_step_twin_equals_eager(name):
+    """The full-step forward (segments + the Triton prefix kernel) equals the plain forward."""
+    dec = decoder_on(name, DEVICE, torch.float32)
+    assert full_graphs_supported(dec)
+    ref = run_calls(dec, dec.forward_eager, DEVICE)
+    got = run_calls(dec, FullStepGraphs(dec, capture=False).forward, DEVICE)
+    assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_captured_full_graphs_equal_twin(dtype, tol, compile):
+    dec = decoder_on("qwen3", "cuda", dtype)
+    graphs = FullStepGraphs(dec, capture=True, compile=compile)
+    got = run_calls(dec, graphs.forward, "cuda")
+    ref = run_calls(dec, FullStepGraphs(dec, capture=False).forward, "cuda")
+    assert graphs.num_graphs == 5  # one graph per shape, replayed in the second round
+    assert_same_run(ref, got, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
+def test_sessions_interleaved_through_one_full_graph(capture):
+    """Sessions with their own caches (different addresses, capacities, lengths) alternate through
+    one plan per shape: each equals its own eager run."""
+    dec = decoder_on("llama3", DEVICE, torch.float32)
+    graphs = FullStepGraphs(dec, capture=capture)
+
+    def session(n, cap, seed):
+        ids = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        caches = [dec.new_cache(cap), dec.new_cache(cap)]
+        for c in caches:  # one for the graphed path, one for the eager reference
+            dec.forward_eager(ids, torch.arange(n, device=DEVICE), c, CAUSAL, ForwardOptions())
+            c.advance(n)
+        return caches
+
+    sessions = [session(20, 96, 1), session(45, 128, 2)]
+    mask = ancestor_mask(PARENTS, DEVICE)
+    depths = torch.tensor([0, 1, 1, 2, 2, 3, 4], device=DEVICE)
+    for step in range(3):
+        for s, (cg, ce) in enumerate(sessions):
+            tok = torch.tensor([5 + 7 * step + s], device=DEVICE)
+            pos = torch.tensor([cg.length], device=DEVICE)
+            got = graphs.forward(tok, pos, cg, CAUSAL, ForwardOptions())[0]
+            ref = dec.forward_eager(tok, pos, ce, CAUSAL, ForwardOptions())[0]
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+            for c in (cg, ce):
+                c.advance(1)
+            tree = torch.arange(7, device=DEVICE) + step
+            got = graphs.forward(tree, cg.length + depths, cg, mask, ForwardOptions())[0]
+            ref = dec.forward_eager(tree, ce.length + depths, ce, mask, ForwardOptions())[0]
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+            for c in (cg, ce):
+                c.commit(torch.tensor([0, 2]))
+    assert len(graphs.plans) == 2
