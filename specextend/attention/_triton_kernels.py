@@ -31,19 +31,19 @@ def key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
     return m_new, l_i, acc * alpha[:, None] + pv
 
 @triton.jit
-def prefix_partials(q_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
+def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
                     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, KV_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                     INTERPRET: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     g = tl.program_id(2)
     idx = tl.arange(0, 4)
-    mv = tl.load(meta_ptr + idx)  # [4] (address, L, capacity, unused): scalars by reduction
-    base = tl.sum(tl.where(idx == 0, mv, 0), 0)  # cache.data address (bytes)
+    mv = tl.load(meta_ptr + idx)  # [4] (offset, L, capacity, unused): scalars by reduction
+    off = tl.multiple_of(tl.sum(tl.where(idx == 0, mv, 0), 0), 16)  # cache.data - kv_ptr, elements
     L = tl.sum(tl.where(idx == 1, mv, 0), 0)
     cap = tl.sum(tl.where(idx == 2, mv, 0), 0)
-    kv = base.to(tl.pointer_type(KV_DTYPE))
+    kv = kv_ptr + off  # the cache, through an aligned pointer (vectorized loads)
     k_ptr = kv + ((layer * 2 + 0) * G + g) * cap * D  # [cap, D] of layer, head g
     v_ptr = kv + ((layer * 2 + 1) * G + g) * cap * D
     chunk = tl.cdiv(tl.cdiv(L, SPLITS), BLOCK_N) * BLOCK_N

@@ -2,7 +2,7 @@
 
 For HTA's prefix part (queries of a few new tokens over a long committed prefix, no mask). Unlike
 the fused SDPA kernels it takes no host-side length or address: `meta` [4] int64 on the device
-holds (cache.data.data_ptr(), L, capacity, 0), so a CUDA graph that captured the launch serves any
+holds (the cache's element offset from a fixed anchor tensor, L, capacity, 0), so a CUDA graph that captured the launch serves any
 session and any L (the full-step graphs, full_graphs.py). The grid is static: S splits of the
 prefix per (row block, KV head); each writes a partial (out, lse) normalized over its own keys,
 and the tree merge folds the S partials into its softmax exactly (tree_merge.py).
@@ -32,10 +32,19 @@ def triton_available() -> bool:
 
 
 
-def _tl_dtype(dtype: torch.dtype):
-    import triton.language as tl
+ALIGN = 16  # elements: the kernel assumes the cache offset from its anchor is a multiple of this
 
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+def cache_meta(data: torch.Tensor, anchor: torch.Tensor, length: int) -> list[int]:
+    """meta for prefix_partials: data (KVCache.data [layers, 2, G, capacity, D]) as an element offset
+    from `anchor` (any tensor of the cache's dtype and device that outlives the graphs), its
+    committed length and capacity. Offsets are whole elements, multiples of ALIGN."""
+    if data.dtype != anchor.dtype or data.device != anchor.device or not data.is_contiguous():
+        raise ValueError("the KV cache must be contiguous, of the anchor's dtype and device")
+    delta = data.data_ptr() - anchor.data_ptr()
+    if delta % (ALIGN * data.element_size()):
+        raise ValueError(f"KV cache address not {ALIGN}-element aligned with its anchor")
+    return [delta // data.element_size(), length, data.shape[3], 0]
 
 
 def block_m(rows: int) -> int:
@@ -49,25 +58,24 @@ def num_splits(rows: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T folded rows)
-                    meta: torch.Tensor,  # [4] int64 on q's device: cache.data address, L, capacity, 0
-                    layer: int, kv_dtype: torch.dtype, scale: float,
+                    anchor: torch.Tensor,  # the cache's dtype: meta[0] counts elements from here
+                    meta: torch.Tensor,  # [4] int64 on q's device, from cache_meta
+                    layer: int, scale: float,
                     out: torch.Tensor,  # [G, S, M, D] float32
                     lse: torch.Tensor,  # [G, S, M] float32
-                    block_n: int = 64) -> None:
+                    block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
     """Writes each split's attention of q over keys [s*chunk, min(L, (s+1)*chunk)) of the cache's
     layer `layer` into out / lse (empty splits: out 0, lse -inf)."""
     g, m, d = q.shape
     splits = out.shape[1]
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     bm = block_m(m)
     grid = (-(-m // bm), splits, g)
     from specextend.attention._triton_kernels import prefix_partials as kernel
 
-    kernel[grid](q, meta, out, lse, scale * math.log2(math.e), layer, m, G=g, D=d,
-                 DP=1 << (d - 1).bit_length(), SPLITS=splits,
-                             BLOCK_M=bm, BLOCK_N=block_n, KV_DTYPE=_tl_dtype(kv_dtype),
-                             IEEE=q.dtype == torch.float32, INTERPRET=interpret,
-                             num_warps=4, num_stages=2)
+    kernel[grid](q, anchor, meta, out, lse, scale * math.log2(math.e), layer, m, G=g, D=d,
+                 DP=1 << (d - 1).bit_length(), SPLITS=splits, BLOCK_M=bm, BLOCK_N=block_n,
+                 IEEE=q.dtype == torch.float32, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                 num_warps=num_warps, num_stages=num_stages)
 
 
 def partials_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L: int, splits: int, scale: float,

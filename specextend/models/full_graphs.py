@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specextend.attention.triton_prefix import num_splits, prefix_partials, triton_available
+from specextend.attention.triton_prefix import ALIGN, cache_meta, num_splits, prefix_partials, triton_available
 from specextend.kv_cache import KVCache
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan
 
@@ -33,6 +33,7 @@ class FullStepGraphs(StepGraphs):
         super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile)
         dev = model.device
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+        self.anchor = torch.zeros(ALIGN, dtype=model.dtype, device=dev)  # caches are addressed from here
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
         self._set_meta(p, cache, L)
@@ -42,8 +43,7 @@ class FullStepGraphs(StepGraphs):
             self._body(p)
 
     def _set_meta(self, p: _Plan, cache: KVCache, L: int) -> None:
-        p.meta.copy_(torch.tensor([cache.data.data_ptr(), L, cache.capacity, 0], dtype=torch.int64),
-                     non_blocking=True)
+        p.meta.copy_(torch.tensor(cache_meta(cache.data, self.anchor, L), dtype=torch.int64), non_blocking=True)
 
     def _body(self, p: _Plan) -> None:
         n = self.model.args.num_layers
@@ -57,7 +57,7 @@ class FullStepGraphs(StepGraphs):
         m = self.model
         g, d = m.args.num_kv_heads, m.args.head_dim
         rows = p.key.t * (m.args.num_heads // g)
-        prefix_partials(p.q[i].view(g, rows, d), p.meta, i, m.dtype, m.scale, p.out_p, p.lse_p)
+        prefix_partials(p.q[i].view(g, rows, d), self.anchor, p.meta, i, m.scale, p.out_p, p.lse_p)
 
     def _new_plan(self, key: ShapeKey, cache: KVCache) -> _Plan:
         m = self.model
@@ -68,7 +68,7 @@ class FullStepGraphs(StepGraphs):
         s = num_splits(rows, g, self.num_sms)
         p.out_p = torch.zeros(g, s, rows, d, dtype=torch.float32, device=dev)  # [G, S, R*T, D] partials
         p.lse_p = torch.zeros(g, s, rows, dtype=torch.float32, device=dev)  # [G, S, R*T]
-        p.meta = torch.zeros(4, dtype=torch.int64, device=dev)  # cache address, L, capacity, 0
+        p.meta = torch.zeros(4, dtype=torch.int64, device=dev)  # cache offset, L, capacity, 0 (cache_meta)
         self._set_meta(p, cache, cache.length)
         return p
 
