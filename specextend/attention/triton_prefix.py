@@ -63,12 +63,12 @@ def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T fold
                     layer: int, scale: float,
                     out: torch.Tensor,  # [G, S, M, D] float32
                     lse: torch.Tensor,  # [G, S, M] float32
-                    block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
+                    block_n: int = 64, num_warps: int = 4, num_stages: int = 2, bm: int = 0) -> None:
     """Writes each split's attention of q over keys [s*chunk, min(L, (s+1)*chunk)) of the cache's
     layer `layer` into out / lse (empty splits: out 0, lse -inf)."""
     g, m, d = q.shape
     splits = out.shape[1]
-    bm = block_m(m)
+    bm = bm or block_m(m)
     grid = (-(-m // bm), splits, g)
     from specextend.attention._triton_kernels import prefix_partials as kernel
 
