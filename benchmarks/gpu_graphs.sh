@@ -86,3 +86,12 @@ python3 benchmarks/step_times.py --lengths ${LENGTHS:-16384,4096,32768} --reps 1
     > "$OUT/step_times.log" 2>&1
 grep -E "^\| |^L=|Error" "$OUT/step_times.log" | tail -12
 fi
+if [[ $PART == 10 ]]; then  # tuned Triton prefix kernel: step times at 16K, the 50-node tree and the app's 16-node tree
+python3 -m pytest -q -x --tb=short tests/test_full_graphs.py -k "partials or interleaved" > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+for NODES in 50 16; do
+python3 benchmarks/step_times.py --lengths 16384 --reps 10 --cuda-graphs ${MODES:-on,full-compiled} --tree-nodes $NODES \
+    --tree-depth $((NODES == 50 ? 10 : 6)) > "$OUT/step_times_tree$NODES.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_tree$NODES.log" | tail -3
+done
+fi

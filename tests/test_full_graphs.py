@@ -77,7 +77,7 @@ def test_tree_merge_of_partials_equals_single_prefix():
 
 def test_num_splits_fills_the_machine():
     assert num_splits(4, 8, 132) == 33  # AR decode: one row block per KV head, 264 programs
-    assert num_splits(204, 8, 132) == 8  # a 51-node tree: four row blocks of 64
+    assert num_splits(204, 8, 132) == 16  # a 51-node tree: two row blocks of 128
     assert num_splits(4096, 8, 132) == 1
 
 

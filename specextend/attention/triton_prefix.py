@@ -47,8 +47,17 @@ def cache_meta(data: torch.Tensor, anchor: torch.Tensor, length: int) -> list[in
     return [delta // data.element_size(), length, data.shape[3], 0]
 
 
+def config(rows: int) -> dict:
+    """Block sizes and launch parameters by folded query rows, from benchmarks/prefix_kernel.py on
+    an H100 (2026-11-22, 16K keys, D=128, bf16; results/prefix_kernel-h100.log): a few rows
+    (AR decode, small trees) are bandwidth-bound, many rows (a 51-node tree: 204) compute-bound."""
+    if rows <= 64:
+        return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=128, num_warps=4, num_stages=2)
+    return dict(bm=128, block_n=128, num_warps=8, num_stages=3)
+
+
 def block_m(rows: int) -> int:
-    return min(64, max(16, 1 << (rows - 1).bit_length()))
+    return config(rows)["bm"]
 
 
 def num_splits(rows: int, num_kv_heads: int, num_sms: int) -> int:
@@ -63,12 +72,15 @@ def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T fold
                     layer: int, scale: float,
                     out: torch.Tensor,  # [G, S, M, D] float32
                     lse: torch.Tensor,  # [G, S, M] float32
-                    block_n: int = 64, num_warps: int = 4, num_stages: int = 2, bm: int = 0) -> None:
+                    block_n: int = 0, num_warps: int = 0, num_stages: int = 0, bm: int = 0) -> None:
     """Writes each split's attention of q over keys [s*chunk, min(L, (s+1)*chunk)) of the cache's
-    layer `layer` into out / lse (empty splits: out 0, lse -inf)."""
+    layer `layer` into out / lse (empty splits: out 0, lse -inf). Launch parameters left 0 come
+    from config(M)."""
     g, m, d = q.shape
     splits = out.shape[1]
-    bm = bm or block_m(m)
+    c = config(m)
+    bm, block_n = bm or c["bm"], block_n or c["block_n"]
+    num_warps, num_stages = num_warps or c["num_warps"], num_stages or c["num_stages"]
     grid = (-(-m // bm), splits, g)
     from specextend.attention._triton_kernels import prefix_partials as kernel
 
