@@ -23,13 +23,15 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
 
 def load_target(config: EngineConfig) -> LoadedModel:
     return load_model(config.target, "target", config.dtype, config.device, config.attention_backend,
-                      cuda_graphs=config.cuda_graphs, torch_compile=config.torch_compile)
+                      cuda_graphs=config.cuda_graphs, torch_compile=config.torch_compile,
+                      full_graphs=config.full_graphs)
 
 
 def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel:
     draft = load_model(config.draft, "draft", config.dtype, config.device, config.attention_backend,
                        vocab_size=target.args.vocab_size, target_weights=target.decoder.w,
-                       cuda_graphs=config.cuda_graphs, torch_compile=config.torch_compile)
+                       cuda_graphs=config.cuda_graphs, torch_compile=config.torch_compile,
+                       full_graphs=config.full_graphs)
     check_pair(target, draft)
     return draft
 

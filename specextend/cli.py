@@ -50,6 +50,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="launch decode-time forwards op by op (on CUDA they run as piecewise graphs)")
+    p.add_argument("--no-full-graphs", dest="full_graphs", action="store_false",
+                   help="piecewise graphs (eager prefix attention per layer) instead of one graph per forward")
     p.add_argument("--torch-compile", action="store_true",
                    help="fuse the graphs' segments with torch.compile/Inductor (CUDA; compiles at first use)")
     p.add_argument("--dtype", choices=DTYPES, default="auto")
@@ -70,7 +72,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         tree=TreeConfig(a.tree_nodes, a.tree_depth, a.tree_topk), retrieval=retrieval,
                         hybrid_attention=a.hybrid_attention or a.mode == "specextend",
                         attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs,
-                        torch_compile=a.torch_compile, dtype=a.dtype, device=a.device,
+                        torch_compile=a.torch_compile, full_graphs=a.full_graphs, dtype=a.dtype, device=a.device,
                         prefill_chunk=a.prefill_chunk, max_new_tokens=max(a.max_new_tokens, 1))
 
 

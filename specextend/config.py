@@ -72,6 +72,7 @@ class EngineConfig:
     hybrid_attention: bool = False  # HTA verification (prefix kernel + tree mask, LSE merge)
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # decode-time forwards as piecewise CUDA graphs (CUDA only)
+    full_graphs: bool = True  # one graph per forward, prefix attention in Triton (needs Triton; else piecewise)
     torch_compile: bool = False  # the graphs' segments fused by torch.compile/Inductor (CUDA graphs only)
     dtype: str = "auto"
     device: str = "auto"

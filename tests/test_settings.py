@@ -111,3 +111,22 @@ def test_cuda_graphs_setting_reaches_the_engine_config():
     assert AppSettings(num_gpus=0, cuda_graphs=False).to_engine_config().cuda_graphs is False
     with pytest.raises(ValidationError, match="cuda_graphs"):
         AppSettings(num_gpus=0, cuda_graphs="sometimes")
+
+
+@pytest.mark.parametrize("field,default", [("full_graphs", True), ("torch_compile", False)])
+def test_graph_settings_reach_the_engine_config(field, default):
+    assert getattr(AppSettings(num_gpus=0).to_engine_config(), field) is default
+    assert getattr(AppSettings(num_gpus=0, **{field: not default}).to_engine_config(), field) is (not default)
+    with pytest.raises(ValidationError, match=field):
+        AppSettings(num_gpus=0, **{field: "sometimes"})
+
+
+def test_graph_flags_reach_the_engine_config():
+    import argparse
+
+    from specextend.cli import _add_generate, engine_config
+
+    parser = argparse.ArgumentParser()
+    _add_generate(parser.add_subparsers(dest="command"))
+    cfg = engine_config(parser.parse_args(["generate", "--prompt", "x", "--no-full-graphs", "--torch-compile"]))
+    assert cfg.full_graphs is False and cfg.torch_compile is True

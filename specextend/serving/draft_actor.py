@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 class DraftActor:
     def __init__(self, spec: str, vocab_size: int, dtype: str, device: str, attention_backend: str,
                  prefill_chunk: int = 2048, cuda_graphs: bool = True, pipeline: bool = False,
-                 torch_compile: bool = False) -> None:
+                 torch_compile: bool = False, full_graphs: bool = True) -> None:
         from specextend.draft.inprocess import InProcessDraft
         from specextend.models.loader import load_model
         from specextend.rpc import DraftServerThread
@@ -28,7 +28,7 @@ class DraftActor:
         self.model = load_model(spec, role="draft", dtype=dtype, device=device,
                                 attention_backend=attention_backend,
                                 vocab_size=vocab_size, cuda_graphs=cuda_graphs,
-                                torch_compile=torch_compile)
+                                torch_compile=torch_compile, full_graphs=full_graphs)
         self.backend = InProcessDraft(self.model.decoder, name=self.model.name, prefill_chunk=prefill_chunk)
         host = ray.util.get_node_ip_address()
         self.server = DraftServerThread(self.backend, host=host, port=0, model=self.model.name,

@@ -63,7 +63,7 @@ class SpecExtendReplica:
         self.cfg = cfg = s.to_engine_config()
         self.target = load_model(cfg.target, role="target", dtype=cfg.dtype, device=cfg.device,
                                  attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
-                                 torch_compile=cfg.torch_compile)
+                                 torch_compile=cfg.torch_compile, full_graphs=cfg.full_graphs)
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")  # the one engine thread
@@ -99,7 +99,8 @@ class SpecExtendReplica:
         return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
                                  scheduling_strategy=strategy).remote(
             cfg.draft, self.target.args.vocab_size, cfg.dtype, cfg.device, cfg.attention_backend,
-            cfg.prefill_chunk, cfg.cuda_graphs, s.draft_pipeline, cfg.torch_compile)
+            cfg.prefill_chunk, cfg.cuda_graphs, s.draft_pipeline, cfg.torch_compile,
+            cfg.full_graphs)
 
     def _replica_key(self) -> str:
         try:

@@ -48,6 +48,7 @@ class AppSettings(BaseModel):
     prefill_chunk: int = Field(EngineConfig.prefill_chunk, ge=16)  # prompt tokens per prefill forward
     attention_backend: Literal["auto", "flash", "torch", "eager"] = "auto"
     cuda_graphs: bool = True  # decode-time forwards as piecewise CUDA graphs (CUDA only)
+    full_graphs: bool = True  # one CUDA graph per forward (Triton prefix kernel); false: piecewise graphs
     torch_compile: bool = False  # the graphs' segments fused by Inductor (compiled during warm-up)
     # pipelined drafting (DESIGN 4): the draft actor drafts the next tree, guessing the outcome,
     # while the target verifies; lossless either way, measured on CPU only so far: off by default
@@ -87,7 +88,7 @@ class AppSettings(BaseModel):
         return EngineConfig(
             target=self.target, draft=self.draft, mode=self.mode, tree=tree, retrieval=retrieval,
             attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs,
-            torch_compile=self.torch_compile, dtype=self.dtype, prefill_chunk=self.prefill_chunk,
+            torch_compile=self.torch_compile, full_graphs=self.full_graphs, dtype=self.dtype, prefill_chunk=self.prefill_chunk,
             device="cuda" if self.num_gpus > 0 else "cpu",
             max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
             max_concurrent_sessions=self.max_concurrent_sessions,
