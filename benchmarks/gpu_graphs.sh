@@ -95,3 +95,14 @@ python3 benchmarks/step_times.py --lengths 16384 --reps 10 --cuda-graphs ${MODES
 grep -E "^\| |Error" "$OUT/step_times_tree$NODES.log" | tail -3
 done
 fi
+if [[ $PART == 11 ]]; then  # every graph mode at 16K, the app's 16-node tree
+python3 benchmarks/step_times.py --lengths 16384 --reps 10 --cuda-graphs on,full,full-compiled --tree-nodes 16 \
+    --tree-depth 6 > "$OUT/step_times_tree16.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_tree16.log" | tail -4
+fi
+if [[ $PART == 12 ]]; then  # end to end, 8B + 68M replayed, piecewise vs full-step graphs
+for G in "--piecewise" ""; do
+python3 benchmarks/e2e.py --lengths 16384 --replay-constant 3 --skip-hf $G > "$OUT/e2e${G}.log" 2>&1
+grep -v '^{' "$OUT/e2e${G}.log" | tail -6
+done
+fi
