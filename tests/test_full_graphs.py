@@ -1,7 +1,7 @@
 """Full-step graphs (models/full_graphs.py) and their Triton split-KV prefix kernel.
 
-On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set here before the
-kernels are first imported), so CI checks the same kernel code the GPU compiles: against its torch
+On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py before
+Triton is imported), so CI checks the same kernel code the GPU compiles: against its torch
 reference, merged against the one-shot prefix attention, and the whole full-step forward (the
 graphs' twin) against Decoder.forward_eager for every decode-time call kind. On CUDA the captured
 graphs must equal the twin, with sessions of different caches interleaved through one plan.
@@ -12,21 +12,22 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from specextend.attention.backends import CAUSAL, sdpa_lse  # noqa: E402
-from specextend.attention.tree_merge import mask_bias, tree_attention_merged  # noqa: E402
-from specextend.attention.triton_prefix import (cache_meta, num_splits, partials_reference,  # noqa: E402
-                                                 prefix_partials)
-from specextend.models.decoder import ForwardOptions  # noqa: E402
-from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported  # noqa: E402
-from specextend.tree import ancestor_mask  # noqa: E402
-
-from test_graphs import PARENTS, assert_same_run, decoder_on, run_calls  # noqa: E402
-
 pytest.importorskip("triton")  # a dev dependency: present in CI
+
+from specextend.attention.backends import CAUSAL, sdpa_lse
+from specextend.attention.tree_merge import mask_bias, tree_attention_merged
+from specextend.attention.triton_prefix import (cache_meta, num_splits, partials_reference,
+                                                 prefix_partials)
+from specextend.models.decoder import ForwardOptions
+from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported
+from specextend.tree import ancestor_mask
+
+from test_graphs import PARENTS, assert_same_run, decoder_on, run_calls
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+if DEVICE == "cpu":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets Triton's interpreter on the CPU"
 # Triton's interpreter misreads bfloat16 memory (float16 exercises the same half-precision path)
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
 

@@ -41,16 +41,15 @@ def tree_attention_merged(
     g, n, _ = k.shape
     cd = compute_dtype(q.dtype)
     rows = (h // g) * t
-    out_p = out_p.reshape(g, -1, rows, d)  # [G, S, R*T, D]
-    lse_p = lse_p.reshape(g, -1, rows)  # [G, S, R*T]
-    parts = out_p.shape[1]
     qg = q.reshape(g, rows, d).to(cd)  # [G, R*T, D]
     s = torch.baddbmm(bias, qg, k.to(cd).transpose(1, 2), alpha=scale)  # [G, R*T, n]
-    s = torch.cat([s, lse_p.transpose(1, 2).to(cd)], dim=-1)  # [G, R*T, n + S]
-    p = torch.softmax(s, dim=-1)  # [G, R*T, n + S]
-    if parts == 1:
-        prefix = p[..., n:] * out_p[:, 0].to(cd)  # [G, R*T, D]
-    else:
+    if out_p.dim() == 3:  # one prefix part [H, T, D], [H, T]
+        s = torch.cat([s, lse_p.reshape(g, rows, 1).to(cd)], dim=-1)  # [G, R*T, n + 1]
+        p = torch.softmax(s, dim=-1)  # [G, R*T, n + 1]
+        prefix = p[..., n:] * out_p.reshape(g, rows, d).to(cd)  # [G, R*T, D]
+    else:  # S partials [G, S, R*T, D], [G, S, R*T]
+        s = torch.cat([s, lse_p.transpose(1, 2).to(cd)], dim=-1)  # [G, R*T, n + S]
+        p = torch.softmax(s, dim=-1)  # [G, R*T, n + S]
         prefix = (p[..., n:].transpose(1, 2)[..., None] * out_p.to(cd)).sum(1)  # [G, R*T, D]
     out = torch.baddbmm(prefix, p[..., :n], v.to(cd))  # [G, R*T, D]
     lse = torch.logsumexp(s, dim=-1).reshape(h, t) if need_lse else None

@@ -17,7 +17,6 @@ through Triton's interpreter (TRITON_INTERPRET=1) where Triton is installed.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -82,11 +81,12 @@ def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T fold
     bm, block_n = bm or c["bm"], block_n or c["block_n"]
     num_warps, num_stages = num_warps or c["num_warps"], num_stages or c["num_stages"]
     grid = (-(-m // bm), splits, g)
+    from specextend.attention._triton_kernels import INTERPRETED
     from specextend.attention._triton_kernels import prefix_partials as kernel
 
     kernel[grid](q, anchor, meta, out, lse, scale * math.log2(math.e), layer, m, G=g, D=d,
                  DP=1 << (d - 1).bit_length(), SPLITS=splits, BLOCK_M=bm, BLOCK_N=block_n,
-                 IEEE=q.dtype == torch.float32, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                 IEEE=q.dtype == torch.float32, INTERPRET=INTERPRETED,
                  num_warps=num_warps, num_stages=num_stages)
 
 
