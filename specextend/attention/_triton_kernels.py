@@ -1,5 +1,5 @@
 """Triton kernels of triton_prefix.py (imported lazily: Triton is optional; with TRITON_INTERPRET=1
-set during the first import they run in Triton's CPU interpreter)."""
+set before Triton is first imported they run in Triton's CPU interpreter)."""
 
 import os
 
@@ -7,6 +7,32 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit below, at import
+
+
+@triton.jit
+def key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) [BM], [BM], [BM, DP] by keys [n0, n0 + BN) < end;
+    offs_d [DP]: head dims padded to a power of two (masked past D)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
+    key_ok = offs_n < end
+    ld = key_ok[:, None] & (offs_d < D)[None, :]  # [BN, DP]
+    k = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=ld, other=0.0)
+    v = tl.load(v_ptr + offs_n[:, None] * D + offs_d[None, :], mask=ld, other=0.0)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(key_ok[None, :], qk * scale_log2, float("-inf"))  # [BM, BN] in log2 units
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -36,54 +62,16 @@ def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    # Online softmax over key blocks. The loop is written twice: the interpreter's scalars cannot
-    # bound a range() (numpy 2), and a while loop would not be software-pipelined when compiled.
+    # Online softmax over key blocks. Two loops: the interpreter's scalars cannot bound a range()
+    # (numpy 2), and a while loop would not be software-pipelined when compiled.
     if INTERPRET:
         n0 = start
         while n0 < end:
-            offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
-            key_ok = offs_n < end
-            ld = key_ok[:, None] & (offs_d < D)[None, :]  # [BN, DP]
-            k = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=ld, other=0.0)
-            v = tl.load(v_ptr + offs_n[:, None] * D + offs_d[None, :], mask=ld, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(key_ok[None, :], qk * scale_log2, float("-inf"))  # [BM, BN] in log2 units
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2, D, BLOCK_N, IEEE)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
-            key_ok = offs_n < end
-            ld = key_ok[:, None] & (offs_d < D)[None, :]  # [BN, DP]
-            k = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=ld, other=0.0)
-            v = tl.load(v_ptr + offs_n[:, None] * D + offs_d[None, :], mask=ld, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(key_ok[None, :], qk * scale_log2, float("-inf"))  # [BM, BN] in log2 units
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2, D, BLOCK_N, IEEE)
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
