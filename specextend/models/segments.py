@@ -84,8 +84,13 @@ class Segments:
         if compile:
             import torch._dynamo
 
+            # Every model, dtype and shape family in the process compiles its own entries of the
+            # same three code objects (target and draft, AR and tree shapes, their first static
+            # then dynamic versions): with fullgraph=True, passing the limit is an error, not a
+            # fallback (a CUDA test process with eight decoders passed 32; 2026-11-22).
             cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, 32)
+            cfg.recompile_limit = max(cfg.recompile_limit, 512)
+            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4096)
             opts = dict(fullgraph=True, backend=backend)
             self.first = torch.compile(first, **opts)
             self.mid = torch.compile(mid, **opts)
