@@ -15,6 +15,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval
+from specextend.draft.expand import expand_tree
 from specextend.kv_cache import CacheFull
 from specextend.models.decoder import Decoder, ForwardOptions
 from specextend.models.rope import apply_rope
@@ -50,6 +51,8 @@ def best_branch(tree: DraftTree) -> list[int]:
 
 
 class DraftSession:
+    expand = staticmethod(expand_tree)  # the tree search (expand_tree_host: its twin)
+
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
                  prefill_chunk: int = 2048):
         self.model = model
@@ -151,49 +154,13 @@ class DraftSession:
 
     def _draft_tree(self, root_logits: torch.Tensor,
                     should_stop: Callable[[], bool] = lambda: False) -> Optional[tuple[list[int], list[int]]]:
-        """Dynamic tree (EAGLE-2 style): expand the global top-k frontier depth by depth."""
-        cfg = self.params.tree
-        dev = self.model.device
-        k = cfg.topk
-        logp = torch.log_softmax(root_logits.float(), -1)
-        top = torch.topk(logp, k)
-        # candidate pool (parallel lists); slot = staged offset once forwarded, else -1
-        toks: list[int] = top.indices.tolist()
-        scores: list[float] = top.values.tolist()
-        parents: list[int] = [-1] * k
-        depths: list[int] = [1] * k
-        slots: list[int] = [-1] * k
-        frontier = list(range(k))
-        staged = 0
-        base = self.work.length - 1  # the root's position
-        for d in range(1, cfg.depth):
-            if should_stop():
-                return None
-            f = len(frontier)
-            # mask over staged keys: each frontier node sees its forwarded ancestors and itself
-            mask = torch.zeros(f, staged + f, dtype=torch.bool)
-            for r, c in enumerate(frontier):
-                a = parents[c]
-                while a >= 0:
-                    mask[r, slots[a]] = True
-                    a = parents[a]
-                mask[r, staged + r] = True
-                slots[c] = staged + r
-            logits, _ = self.model.forward(
-                torch.tensor([toks[c] for c in frontier], device=dev),
-                torch.full((f,), base + d, device=dev), self.work, mask.to(dev),
-                ForwardOptions(staged=staged))
-            staged += f
-            child = torch.topk(torch.log_softmax(logits.float(), -1), k)  # [F, k]
-            cand_scores = (torch.tensor([scores[c] for c in frontier])[:, None] + child.values.cpu())
-            cand_tokens = child.indices.cpu()
-            start = len(toks)
-            toks += cand_tokens.reshape(-1).tolist()
-            scores += cand_scores.reshape(-1).tolist()
-            parents += [c for c in frontier for _ in range(k)]
-            depths += [d + 1] * (f * k)
-            slots += [-1] * (f * k)
-            best = torch.topk(cand_scores.reshape(-1), min(k, f * k)).indices.tolist()
-            frontier = [start + b for b in best]
+        """Dynamic tree (EAGLE-2 style, draft/expand.py), then the best `nodes` of its pool."""
+        def forward(ids, positions, mask, staged):
+            return self.model.forward(ids, positions, self.work, mask, ForwardOptions(staged=staged))[0]
+
+        pool = self.expand(forward, root_logits, self.params.tree, self.work.length - 1, should_stop)
+        if pool is None:
+            return None
+        toks, scores, parents, depths = pool
         chosen = select_best_nodes(scores, depths, parents, self.params.tree.nodes)
         return reindex_tree(chosen, toks, parents)

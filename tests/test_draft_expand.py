@@ -1,0 +1,71 @@
+"""Tree expansion with device-side bookkeeping (draft/expand.py) against its host twin.
+
+Both must draft identical trees (tokens, parents, scores) step after step, leave identical draft
+caches, and stop between forwards when asked; with retrieval on, through the step graphs' twin,
+and in float32 as well as float64.
+"""
+
+import pytest
+import torch
+
+from specextend.config import RetrievalConfig, TreeConfig
+from specextend.draft.base import DraftSessionParams, Retrieval
+from specextend.draft.expand import expand_tree, expand_tree_host
+from specextend.draft.session import DraftSession
+from specextend.models.graphs import StepGraphs
+
+RETRIEVAL = RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=2, draft_prefill_window=16)
+
+
+def prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("tree,retrieval,graphs", [
+    (TreeConfig(12, 4, 3), RetrievalConfig(), False),
+    (TreeConfig(20, 6, 4), RETRIEVAL, False),
+    (TreeConfig(9, 5, 2), RETRIEVAL, True),
+])
+def test_device_expansion_equals_host_twin(tiny_models, dtype, tree, retrieval, graphs):
+    draft = tiny_models(dtype)[1].decoder
+    params = DraftSessionParams(tree, retrieval, max_new_tokens=64)
+    saved = draft.graphs
+    draft.graphs = StepGraphs(draft, capture=False) if graphs else None
+    try:
+        fast, slow = DraftSession(draft, prompt(150, 1), params), DraftSession(draft, prompt(150, 1), params)
+        slow.expand = expand_tree_host
+        gen = torch.Generator().manual_seed(2)
+        for step in range(5):
+            t_fast = fast.step(step, accepted, None) if step else fast.step(0, [7], None)
+            t_slow = slow.step(step, accepted, None) if step else slow.step(0, [7], None)
+            assert t_fast == t_slow
+            n = int(torch.randint(1, 4, (1,), generator=gen))  # accept a prefix of the first branch
+            accepted = [t_fast.tokens[i] for i in range(min(n, len(t_fast.tokens)))] + [11 + step]
+            if retrieval.enabled and step == 2:  # a refresh with a new selection
+                r = Retrieval(chunk_ids=[0, 3, 5, 9], chunk_size=8)
+                assert fast.step(9, [5], r) == slow.step(9, [5], r)
+        torch.testing.assert_close(fast.work.data[:, :, :, :fast.work.length],
+                                   slow.work.data[:, :, :, :slow.work.length], atol=0, rtol=0)
+    finally:
+        draft.graphs = saved
+
+
+def test_expansions_agree_on_pool_and_stop(tiny_models):
+    draft = tiny_models("float64")[1].decoder
+    s = DraftSession(draft, prompt(40, 3), DraftSessionParams(TreeConfig(10, 5, 3), RetrievalConfig(), 64))
+    root = s._forward_committed([9])
+    cfg = TreeConfig(10, 5, 3)
+
+    def forward(ids, positions, mask, staged):
+        from specextend.models.decoder import ForwardOptions
+
+        return draft.forward(ids, positions, s.work, mask, ForwardOptions(staged=staged))[0]
+
+    L = s.work.length - 1
+    fast = expand_tree(forward, root, cfg, L)
+    slow = expand_tree_host(forward, root, cfg, L)
+    assert fast == slow and len(fast[0]) == 3 + 4 * 9  # k at depth 1, then k x k per level
+    calls = []
+    assert expand_tree(forward, root, cfg, L, should_stop=lambda: calls.append(1) or len(calls) > 2) is None
+    assert len(calls) == 3  # checked before each forward, stopped before the third
