@@ -106,3 +106,15 @@ python3 benchmarks/e2e.py --lengths 16384 --replay-constant 3 --skip-hf $G > "$O
 grep -v '^{' "$OUT/e2e${G}.log" | tail -6
 done
 fi
+if [[ $PART == 13 ]]; then  # Triton-fused layer kernels (fused_layer.py): CUDA checks, step times, real-pair shape draft
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pytest -q --tb=short tests/test_fused_layer.py tests/test_full_graphs.py tests/test_draft_expand.py \
+    > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+python3 benchmarks/step_times.py --lengths 16384 --reps 10 --cuda-graphs full,full-fused,full-compiled --tree-nodes 16 \
+    --tree-depth 6 > "$OUT/step_times_fused.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_fused.log" | tail -4
+python3 benchmarks/step_times.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.5b --lengths 16384 --reps 10 \
+    --cuda-graphs full,full-fused --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_fused_qwen.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_fused_qwen.log" | tail -3
+fi

@@ -36,9 +36,9 @@ def test_device_expansion_equals_host_twin(tiny_models, dtype, tree, retrieval, 
         fast, slow = DraftSession(draft, prompt(150, 1), params), DraftSession(draft, prompt(150, 1), params)
         slow.expand = expand_tree_host
         gen = torch.Generator().manual_seed(2)
+        accepted = [7]
         for step in range(5):
-            t_fast = fast.step(step, accepted, None) if step else fast.step(0, [7], None)
-            t_slow = slow.step(step, accepted, None) if step else slow.step(0, [7], None)
+            t_fast, t_slow = fast.step(step, accepted, None), slow.step(step, accepted, None)
             assert t_fast == t_slow
             n = int(torch.randint(1, 4, (1,), generator=gen))  # accept a prefix of the first branch
             accepted = [t_fast.tokens[i] for i in range(min(n, len(t_fast.tokens)))] + [11 + step]

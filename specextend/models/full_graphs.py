@@ -29,8 +29,9 @@ def full_graphs_supported(model) -> bool:
 
 
 class FullStepGraphs(StepGraphs):
-    def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False):
-        super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile)
+    def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False,
+                 fused: bool = False):
+        super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile, fused=fused)
         dev = model.device
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.anchor = torch.zeros(ALIGN, dtype=model.dtype, device=dev)  # caches are addressed from here

@@ -91,9 +91,9 @@ class _Plan:
 
 class StepGraphs:
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS,
-                 compile: bool = False):
+                 compile: bool = False, fused: bool = False):
         self.model = model
-        self.seg = Segments(compile)  # the segment functions, compiled (Inductor) or as written
+        self.seg = Segments(compile, fused=fused)  # segment functions: as written, Inductor or Triton-fused
         self.capture = capture and model.device.type == "cuda"
         self.max_tokens = max_tokens
         self.plans: dict[ShapeKey, _Plan] = {}

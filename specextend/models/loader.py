@@ -8,6 +8,7 @@ transformers and their weights moved into our compact Decoder.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,17 @@ def _load_hf(spec: str, role: str) -> tuple[str, Any, dict[str, torch.Tensor], A
     return name, config, sd, tokenizer
 
 
+FUSED_KERNELS_ENV = "SPECEXTEND_FUSED_KERNELS"
+
+
+def fused_kernels_enabled(graphs_cls, torch_compile: bool) -> bool:
+    """The Triton-fused layer kernels (fused_layer.py) in the full-step graphs: opt-in through
+    SPECEXTEND_FUSED_KERNELS=1 until measured on a GPU; not with torch_compile (its alternative)."""
+    from specextend.models.full_graphs import FullStepGraphs
+
+    return os.environ.get(FUSED_KERNELS_ENV) == "1" and graphs_cls is FullStepGraphs and not torch_compile
+
+
 def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str = "auto",
                attention_backend: str = "auto", vocab_size: Optional[int] = None,
                target_weights: Optional[Weights] = None, cuda_graphs: bool = True,
@@ -171,6 +183,6 @@ def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str
         from specextend.models.graphs import StepGraphs
 
         cls = FullStepGraphs if full_graphs and full_graphs_supported(decoder) else StepGraphs
-        decoder.graphs = cls(decoder, compile=torch_compile)
+        decoder.graphs = cls(decoder, compile=torch_compile, fused=fused_kernels_enabled(cls, torch_compile))
     decoder.load_seconds = time.perf_counter() - t0
     return LoadedModel(name=name, decoder=decoder, tokenizer=tokenizer, hf_config=config)

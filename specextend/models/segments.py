@@ -12,6 +12,7 @@ the ~20 small elementwise kernels of a layer into a few; the plain functions are
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from specextend.attention.eager import compute_dtype
 from specextend.attention.tree_merge import mask_bias, tree_attention_merged
+from specextend.models import fused_layer
 from specextend.models.args import ModelArgs
 from specextend.models.decoder import LayerWeights, head, layer_post, layer_pre
 from specextend.models.rope import Rope
@@ -34,17 +36,27 @@ def _pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst) ->
     return q.contiguous()  # contiguous: the prefix call's GQA fold is then a view
 
 
+def _attend_post(a: ModelArgs, scale: float, lw: LayerWeights, x, q, kt, vt, bias, out_p, lse_p,
+                 need_lse: bool, fused: bool):
+    """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None."""
+    if fused:  # one Triton kernel for the attention, written in the o-proj's layout
+        attn, lse = fused_layer.tree_combine(q, kt, vt, bias, out_p, lse_p, scale, need_lse)  # [T, H*D]
+        return fused_layer.layer_post(a, lw, x, attn), lse
+    attn, lse = tree_attention_merged(q, kt, vt, bias, out_p, lse_p, scale, need_lse=need_lse)  # [H, T, D]
+    return layer_post(a, lw, x, attn), lse
+
+
 def first(a: ModelArgs, rope: Rope, embed: torch.Tensor, lw: LayerWeights,
           ids: torch.Tensor,  # [T]
           pos: torch.Tensor,  # [T]
           mask: torch.Tensor,  # [T, staged + T] bool
-          k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor]):
+          k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False):
     """-> x [T, E], q [H, T, D], cos, sin [T, D], bias [(H/G) * T, staged + T]."""
     dt = embed.dtype
     cos, sin = rope.cos_sin(pos, dt)
     bias = mask_bias(mask, a.num_heads // a.num_kv_heads, compute_dtype(dt))
     x = F.embedding(ids, embed)  # [T, E]
-    q = _pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+    q = (fused_layer.layer_pre if fused else _pre)(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
     return x, q, cos, sin, bias
 
 
@@ -55,33 +67,36 @@ def mid(a: ModelArgs, scale: float, lw_prev: LayerWeights, lw: LayerWeights,
         bias: torch.Tensor,
         out_p: torch.Tensor, lse_p: torch.Tensor,  # [H, T, D], [H, T] layer i-1's prefix part
         cos: torch.Tensor, sin: torch.Tensor,
-        k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor]):
+        k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False):
     """-> x [T, E] after layer i-1, q [H, T, D] of layer i."""
-    attn, _ = tree_attention_merged(q_prev, kt, vt, bias, out_p, lse_p, scale)  # [H, T, D]
-    x = layer_post(a, lw_prev, x, attn)
-    return x, _pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+    x, _ = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, False, fused)
+    return x, (fused_layer.layer_pre if fused else _pre)(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
 
 
 def last(a: ModelArgs, scale: float, lw_prev: LayerWeights, norm: torch.Tensor, lm_head: torch.Tensor,
          x, q_prev, kt, vt, bias, out_p, lse_p,
          rows: Optional[torch.Tensor],  # [R] logits rows (None = all)
-         need_lse: bool):
+         need_lse: bool, fused: bool = False):
     """-> logits [R or T, V] (float32/64), merged lse [H, T] of the last layer (or None)."""
-    attn, lse = tree_attention_merged(q_prev, kt, vt, bias, out_p, lse_p, scale, need_lse=need_lse)
-    x = layer_post(a, lw_prev, x, attn)
+    x, lse = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, need_lse, fused)
     return head(a, norm, lm_head, x, rows), lse
 
 
 class Segments:
-    """The three segment functions, as written (the twin) or compiled by torch.compile/Inductor.
+    """The three segment functions, as written (the twin), compiled by torch.compile/Inductor, or
+    with their small kernels replaced by the Triton kernels of fused_layer.py (`fused`).
 
     Shapes change only with the plan (T, staged keys, rows): the first new shape after the first
     compile recompiles once with dynamic sizes; recompiles happen in a plan's warm-up, never
     inside a graph capture."""
 
-    def __init__(self, compile: bool = False, backend: str = "inductor"):
-        self.compiled = compile
-        if compile:
+    def __init__(self, compile: bool = False, backend: str = "inductor", fused: bool = False):
+        if compile and fused:
+            raise ValueError("fused layer kernels and torch.compile are alternatives: pick one")
+        self.compiled, self.fused = compile, fused
+        if fused:
+            self.first, self.mid, self.last = (functools.partial(f, fused=True) for f in (first, mid, last))
+        elif compile:
             import torch._dynamo
 
             # Every model, dtype and shape family in the process compiles its own entries of the

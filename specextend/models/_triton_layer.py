@@ -1,0 +1,114 @@
+"""Triton kernels of fused_layer.py (imported lazily: Triton is optional; with TRITON_INTERPRET=1
+set before Triton is first imported they run in Triton's CPU interpreter)."""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _fold(m_i, l_i, acc, m_blk, s_blk, a_blk):
+    """Merge a block with running max m_blk [BM] (log2 units) into (m_i, l_i, acc): s_blk [BM] is
+    the block's sum of 2^(x - m_blk), a_blk [BM, DP] its unnormalized output. -inf safe."""
+    m_new = tl.maximum(m_i, m_blk)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    beta = tl.exp2(m_blk - m_safe)
+    return m_new, l_i * alpha + s_blk * beta, acc * alpha[:, None] + a_blk * beta[:, None]
+
+
+@triton.jit
+def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
+                 stride_kg, stride_kn, stride_vg, stride_vn,
+                 T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
+                 D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 NEED_LSE: tl.constexpr):
+    """One program: BLOCK_M folded rows (r = j * T + t: query head g * R + j, token t) of KV head g.
+    Softmax over the S prefix partials (each one column: its lse and normalized output) and the N
+    tree keys (scores + additive bias); writes out[t, g * R + j, :] and, if NEED_LSE, lse[g*R+j, t]."""
+    mb = tl.program_id(0)
+    g = tl.program_id(1)
+    M: tl.constexpr = R * T
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_d = tl.arange(0, DP)  # [DP]
+    row_ok = offs_m < M
+    d_ok = offs_d < D
+    io = row_ok[:, None] & d_ok[None, :]  # [BM, DP]
+    q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :], mask=io, other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    for s in tl.static_range(S):  # prefix partials: one score column each, weight = its lse
+        row = (g * S + s) * M + offs_m
+        ls = tl.load(lsep_ptr + row, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
+        o = tl.load(outp_ptr + row[:, None] * D + offs_d[None, :], mask=io, other=0.0).to(tl.float32)
+        m_i, l_i, acc = _fold(m_i, l_i, acc, ls, tl.where(ls == float("-inf"), 0.0, 1.0), o)
+    for n0 in tl.static_range(0, N, BLOCK_N):  # tree keys, masked by the additive bias
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
+        key_ok = offs_n < N
+        ld = key_ok[:, None] & d_ok[None, :]  # [BN, DP]
+        k = tl.load(k_ptr + g * stride_kg + offs_n[:, None] * stride_kn + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(v_ptr + g * stride_vg + offs_n[:, None] * stride_vn + offs_d[None, :], mask=ld, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2  # [BM, BN]
+        b = tl.load(bias_ptr + offs_m[:, None] * N + offs_n[None, :], mask=row_ok[:, None] & key_ok[None, :],
+                    other=float("-inf"))
+        qk = qk + b.to(tl.float32) * LOG2E
+        m_blk = tl.max(qk, 1)
+        p = tl.exp2(qk - tl.where(m_blk == float("-inf"), 0.0, m_blk)[:, None])
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [BM, DP]
+        m_i, l_i, acc = _fold(m_i, l_i, acc, m_blk, tl.sum(p, 1), pv)
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    j = offs_m // T
+    t = offs_m % T
+    dst = t * (R * tl.num_programs(1) * D) + (g * R + j) * D  # [T, H, D] layout: o-proj input
+    tl.store(out_ptr + dst[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io)
+    if NEED_LSE:
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+        tl.store(lse_ptr + g * M + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def rope_scatter(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kpre_ptr,
+                 stride_kg, stride_kt, stride_vg, stride_vt, stride_pg, stride_pt,
+                 T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                 STORE_PRE: tl.constexpr):
+    """One program per (token t, head j of the H + 2G in qkv [T, (H + 2G) * D]): RoPE (rotate-half,
+    signed sine) on q and k heads, then q -> q [H, T, D], k -> k [G, T, D], v -> v [G, T, D] and the
+    pre-RoPE k -> kpre (strided destinations). Rounds x * cos to the storage dtype before adding
+    x_rot * sin, as apply_rope's two kernels do."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < D
+    src = qkv_ptr + t * (H + 2 * G) * D + j * D
+    x = tl.load(src + offs_d, mask=d_ok, other=0.0)
+    xr = tl.load(src + (offs_d + D // 2) % D, mask=d_ok, other=0.0)
+    c = tl.load(cos_ptr + t * D + offs_d, mask=d_ok, other=0.0)
+    sn = tl.load(sin_ptr + t * D + offs_d, mask=d_ok, other=0.0)
+    xc = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
+    y = (xc.to(tl.float32) + xr.to(tl.float32) * sn.to(tl.float32)).to(x.dtype)
+    tl.store(q_ptr + (j * T + t) * D + offs_d, y, mask=d_ok & (j < H))
+    kj = j - H
+    is_k = (j >= H) & (j < H + G)
+    tl.store(k_ptr + kj * stride_kg + t * stride_kt + offs_d, y, mask=d_ok & is_k)
+    if STORE_PRE:
+        tl.store(kpre_ptr + kj * stride_pg + t * stride_pt + offs_d, x, mask=d_ok & is_k)
+    vj = j - H - G
+    tl.store(v_ptr + vj * stride_vg + t * stride_vt + offs_d, x, mask=d_ok & (j >= H + G))
+
+
+@triton.jit
+def silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr):
+    """gu [T, 2I] (gate | up) -> out [T, I] = silu(gate) * up, silu rounded to the storage dtype
+    first (as F.silu(gate) * up)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    gate = tl.load(gu_ptr + t * 2 * I + offs, mask=ok, other=0.0)
+    up = tl.load(gu_ptr + t * 2 * I + I + offs, mask=ok, other=0.0)
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
+    tl.store(out_ptr + t * I + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)

@@ -1,0 +1,107 @@
+"""Fused decode-time layer kernels (Triton) for the full-step graphs: about 10 kernels per layer
+instead of about 30, since a graphed forward of a few tokens is bound by its count of small kernels
+(benchmarks/README.md: ~750 graph nodes per 0.5B draft forward, 2.5 us each, against 0.3 ms of
+weights).
+
+    rope_scatter   RoPE on q and k, the per-head copies of q, k, v (and pre-RoPE k)   ~7 -> 1
+    tree_combine   HTA's tree part with its mask and the merge of the S prefix partials,
+                   written in the o-projection's [T, H * D] layout                      ~10 -> 1
+    silu_mul       the MLP's activation                                                    2 -> 1
+
+The slow twins are the torch functions the plain segments use (decoder.layer_pre / layer_post,
+tree_merge.tree_attention_merged); tests compare each kernel with its twin and the whole fused
+forward with Decoder.forward_eager, on the CPU through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from specextend.models.args import ModelArgs
+from specextend.models.decoder import LayerWeights, rms_norm
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (n - 1).bit_length())
+
+
+def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
+                 k: torch.Tensor, v: torch.Tensor,  # [G, n, D], last dim contiguous
+                 bias: torch.Tensor,  # [(H/G) * T, n] additive mask (tree_merge.mask_bias), contiguous
+                 out_p: torch.Tensor,  # [G, S, (H/G) * T, D] prefix partials (or [H, T, D]: S = 1)
+                 lse_p: torch.Tensor,  # [G, S, (H/G) * T] (or [H, T])
+                 scale: float, need_lse: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """-> attention over prefix + tree keys as [T, H * D] (q's dtype) and the merged lse [H, T]
+    (float32) if need_lse. Twin: tree_merge.tree_attention_merged (its out, transposed)."""
+    from specextend.models._triton_layer import tree_combine as kernel
+
+    h, t, d = q.shape
+    g, n, _ = k.shape
+    r = h // g
+    s = 1 if out_p.dim() == 3 else out_p.shape[1]
+    assert q.is_contiguous() and bias.is_contiguous() and out_p.is_contiguous() and lse_p.is_contiguous()
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)  # [T, H * D]
+    lse = torch.empty(h, t, dtype=torch.float32, device=q.device) if need_lse else out
+    bm = min(64, _pow2(r * t))
+    kernel[(-(-r * t // bm), g)](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
+                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                 T=t, R=r, N=n, S=s, D=d, DP=_pow2(d), BLOCK_M=bm, BLOCK_N=min(64, _pow2(n)),
+                                 NEED_LSE=need_lse, num_warps=4)
+    return out, (lse if need_lse else None)
+
+
+def rope_scatter(a: ModelArgs, qkv: torch.Tensor,  # [T, (H + 2G) * D] contiguous
+                 cos: torch.Tensor, sin: torch.Tensor,  # [T, D] (Rope.cos_sin: signed sine)
+                 k_dst: torch.Tensor, v_dst: torch.Tensor,  # [G, T, D], last dim contiguous
+                 kpre_dst: Optional[torch.Tensor]) -> torch.Tensor:
+    """RoPE and the head copies in one kernel -> q [H, T, D] (k, v, pre-RoPE k into the dsts).
+    Twin: decoder.layer_pre's split and apply_rope plus segments._pre's copies."""
+    from specextend.models._triton_layer import rope_scatter as kernel
+
+    t = qkv.shape[0]
+    h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    assert k_dst.stride(-1) == 1 and v_dst.stride(-1) == 1
+    q = torch.empty(h, t, d, dtype=qkv.dtype, device=qkv.device)
+    pre = kpre_dst if kpre_dst is not None else k_dst
+    kernel[(t, h + 2 * g)](qkv, cos, sin, q, k_dst, v_dst, pre, k_dst.stride(0), k_dst.stride(1),
+                           v_dst.stride(0), v_dst.stride(1), pre.stride(0), pre.stride(1),
+                           T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=kpre_dst is not None, num_warps=1)
+    return q
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] contiguous -> silu(gate) * up [T, I]. Twin: F.silu(gate) * up."""
+    from specextend.models._triton_layer import silu_mul as kernel
+
+    t, i2 = gu.shape
+    i = i2 // 2
+    out = torch.empty(t, i, dtype=gu.dtype, device=gu.device)
+    block = min(1024, _pow2(i))
+    kernel[(t, -(-i // block))](gu, out, I=i, BLOCK=block, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------- the layer pieces, fused
+def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst) -> torch.Tensor:
+    """segments._pre with RoPE and the copies fused (QK-norm models keep the torch path)."""
+    if lw.q_norm is not None:
+        from specextend.models.segments import _pre
+
+        return _pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+    qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
+    return rope_scatter(a, qkv, cos, sin, k_dst, v_dst, kpre_dst)
+
+
+def layer_post(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """decoder.layer_post on attention already in [T, H * D] (tree_combine's layout)."""
+    x = torch.addmm(x, attn, lw.o.t())  # residual
+    hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
+    return torch.addmm(x, silu_mul(F.linear(hs, lw.gate_up)), lw.down.t())

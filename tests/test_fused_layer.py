@@ -1,0 +1,134 @@
+"""Fused layer kernels (models/fused_layer.py) against their torch twins, and the full-step forward
+with them against Decoder.forward_eager. On the CPU the kernels run in Triton's interpreter
+(conftest.py); on CUDA the captured graphs must equal the twin."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")  # a dev dependency: present in CI
+
+from specextend.attention.tree_merge import mask_bias, tree_attention_merged
+from specextend.models import fused_layer
+from specextend.models.full_graphs import FullStepGraphs
+from specextend.models.graphs import StepGraphs
+from specextend.models.rope import Rope, apply_rope
+from specextend.models.segments import Segments
+
+from test_full_graphs import DEVICE, DTYPES
+from test_graphs import assert_same_run, decoder_on, run_calls
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,g,t,staged,d,splits", [(4, 2, 7, 0, 16, 3), (6, 2, 1, 0, 32, 1),
+                                                    (4, 1, 5, 9, 24, 2), (8, 8, 3, 70, 16, 1)])
+@pytest.mark.parametrize("need_lse", [False, True])
+def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, need_lse):
+    """GQA groups, one query, staged keys past one key block (n > 64), a non-power-of-two head dim,
+    S partials (some empty: lse -inf) or the one-prefix layout [H, T, D]."""
+    gen = _gen(h * 100 + t * 10 + staged)
+    r, n = h // g, staged + t
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    q = rnd(h, t, d).to(dtype)
+    k, v = rnd(g, n, d).to(dtype), rnd(g, n, d).to(dtype)
+    mask = torch.rand(t, n, generator=gen).to(DEVICE) < 0.6
+    mask[:, staged:] |= torch.eye(t, dtype=torch.bool, device=DEVICE)  # every query sees itself
+    bias = mask_bias(mask, r, torch.float32)
+    if splits == 1:
+        out_p, lse_p = rnd(h, t, d).to(dtype), rnd(h, t) * 3  # the piecewise graphs' layout
+    else:
+        out_p, lse_p = rnd(g, splits, r * t, d), rnd(g, splits, r * t) * 3
+        lse_p[:, 0] = float("-inf")  # an empty split
+        out_p[:, 0] = 0
+    ref, ref_lse = tree_attention_merged(q, k, v, bias, out_p, lse_p, 0.3, need_lse=need_lse)  # [H, T, D]
+    got, lse = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, need_lse)  # [T, H * D]
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.view(t, h, d).transpose(0, 1).float(), ref.float(), atol=tol, rtol=tol)
+    if need_lse:
+        torch.testing.assert_close(lse, ref_lse.float(), atol=1e-5, rtol=1e-5)
+    else:
+        assert lse is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("store", [False, True])
+def test_rope_scatter_equals_rope_and_copies(dtype, store):
+    a = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)  # the ModelArgs fields it reads
+    t, (h, g, d) = 5, (4, 2, 16)
+    gen = _gen(3)
+    qkv = torch.randn(t, (h + 2 * g) * d, generator=gen).to(DEVICE, dtype)
+    pos = torch.tensor([3, 4, 4, 5, 9], device=DEVICE)
+    cos, sin = Rope(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))).to(DEVICE).cos_sin(pos, dtype)
+    scratch = torch.zeros(2, g, t + 3, d, dtype=dtype, device=DEVICE)  # staged slots first, as in a plan
+    kpre = torch.zeros(g, t, d, dtype=dtype, device=DEVICE) if store else None
+    q = fused_layer.rope_scatter(a, qkv, cos, sin, scratch[0, :, 3:], scratch[1, :, 3:], kpre)
+    qk = apply_rope(qkv[:, :(h + g) * d].view(t, h + g, d), cos[:, None], sin[:, None])  # [T, H + G, D]
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)  # FMA or not
+    torch.testing.assert_close(q, qk[:, :h].transpose(0, 1), **tol)
+    torch.testing.assert_close(scratch[0, :, 3:], qk[:, h:].transpose(0, 1), **tol)
+    torch.testing.assert_close(scratch[1, :, 3:], qkv[:, (h + g) * d:].view(t, g, d).transpose(0, 1))
+    assert not scratch[:, :, :3].any()  # nothing written outside the destinations
+    if store:
+        torch.testing.assert_close(kpre, qkv[:, h * d:(h + g) * d].view(t, g, d).transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,i", [(1, 40), (6, 1500)])
+def test_silu_mul_equals_torch(dtype, t, i):
+    gu = torch.randn(t, 2 * i, generator=_gen(i)).to(DEVICE, dtype) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(fused_layer.silu_mul(gu), F.silu(gate) * up, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
+def test_fused_full_step_twin_equals_eager(name):
+    """The full-step forward with the fused kernels equals the plain forward, for every decode-time
+    call kind (AR, draft levels with staged keys and the store, verification with CMR capture)."""
+    dec = decoder_on(name, DEVICE, torch.float32)
+    ref = run_calls(dec, dec.forward_eager, DEVICE)
+    got = run_calls(dec, FullStepGraphs(dec, capture=False, fused=True).forward, DEVICE)
+    assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_piecewise_twin_equals_eager():
+    """The piecewise graphs' one-prefix layout ([H, T, D]) through the fused combine kernel."""
+    dec = decoder_on("llama3", DEVICE, torch.float32)
+    ref = run_calls(dec, dec.forward_eager, DEVICE)
+    got = run_calls(dec, StepGraphs(dec, capture=False, fused=True).forward, DEVICE)
+    assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_and_compiled_are_alternatives():
+    with pytest.raises(ValueError, match="pick one"):
+        Segments(compile=True, fused=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_captured_fused_full_graphs_equal_twin(dtype, tol):
+    dec = decoder_on("qwen2", "cuda", dtype)
+    graphs = FullStepGraphs(dec, capture=True, fused=True)
+    got = run_calls(dec, graphs.forward, "cuda")
+    ref = run_calls(dec, FullStepGraphs(dec, capture=False).forward, "cuda")
+    assert graphs.num_graphs == 5
+    assert_same_run(ref, got, atol=tol, rtol=tol)
+
+
+
+def test_fused_kernels_are_opt_in_for_full_graphs(monkeypatch):
+    from specextend.models.loader import FUSED_KERNELS_ENV, fused_kernels_enabled
+
+    monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
+    assert not fused_kernels_enabled(FullStepGraphs, False)  # off by default
+    monkeypatch.setenv(FUSED_KERNELS_ENV, "1")
+    assert fused_kernels_enabled(FullStepGraphs, False)
+    assert not fused_kernels_enabled(FullStepGraphs, True)  # torch_compile is the alternative
+    assert not fused_kernels_enabled(StepGraphs, False)  # piecewise graphs keep the torch ops
