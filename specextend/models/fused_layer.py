@@ -1,7 +1,7 @@
-"""Fused decode-time layer kernels (Triton) for the full-step graphs: about 10 kernels per layer
-instead of about 30, since a graphed forward of a few tokens is bound by its count of small kernels
-(benchmarks/README.md: ~750 graph nodes per 0.5B draft forward, 2.5 us each, against 0.3 ms of
-weights).
+"""Fused decode-time layer kernels (Triton) for the full-step graphs: 10 kernels per layer instead
+of 24 (float32; 28 in bf16 with the casts to the float32 compute dtype; counted on the CPU). A
+graphed forward of a few tokens is bound by its count of small kernels (benchmarks/README.md: ~750
+graph nodes per 0.5B draft forward, ~2.5 us each, against 0.3 ms of weights).
 
     rope_scatter   RoPE on q and k, the per-head copies of q, k, v (and pre-RoPE k)   ~7 -> 1
     tree_combine   HTA's tree part with its mask and the merge of the S prefix partials,
