@@ -71,7 +71,6 @@ def main():
     p.add_argument("--tree-topk", type=int, default=4)
     p.add_argument("--check-tokens", type=int, default=48)
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--whole-draft-graphs", action="store_true", help="also run sd/specextend with whole-forward draft graphs")
     p.add_argument("--piecewise", action="store_true", help="piecewise graphs, not full-step graphs")
     p.add_argument("--torch-compile", action="store_true", help="graph segments compiled by Inductor")
     p.add_argument("--tie-tol", type=float, default=0.125, help="near-tie tolerance for bf16 logits")
@@ -90,14 +89,6 @@ def main():
         "specextend": Engine(EngineConfig(mode="specextend", tree=tree, retrieval=RetrievalConfig(
             enabled=True, draft_prefill_window=512)), target, InProcessDraft(draft.decoder)),
     }
-    draft_graphs = {m: draft.decoder.graphs for m in engines}
-    if a.whole_draft_graphs and draft.decoder.graphs is not None:  # the same engines, whole-forward draft graphs
-        from specextend.models.whole_graphs import WholeStepGraphs
-
-        whole = WholeStepGraphs(draft.decoder)
-        for m in ("sd", "specextend"):
-            engines[m + "+whole"] = engines[m]
-            draft_graphs[m + "+whole"] = whole
     rows, checks = [], []
     for L in [int(x) for x in a.lengths.split(",")]:
         prompt = torch.randint(0, 256, (L,), generator=torch.Generator().manual_seed(L)).tolist()
@@ -106,7 +97,6 @@ def main():
         # losslessness check (no replay): sd and specextend vs ar, first divergence at a near-tie?
         ref, _ = run(engines["ar"], prompt, a.check_tokens, None)
         for mode in [m for m in engines if m != "ar"]:
-            draft.decoder.graphs = draft_graphs[mode]
             out, _ = run(engines[mode], prompt, a.check_tokens, None)
             ok, div, gap = near_tie_check(target.decoder, prompt, ref, out, a.tie_tol)
             noise = rounding_noise(target.decoder, list(prompt) + ref[:div]) if div is not None else None
@@ -114,7 +104,6 @@ def main():
                                top2_gap=gap, rounding_noise=noise,
                                within_noise=div is None or (gap is not None and gap <= 2 * noise)))
         for mode, eng in engines.items():
-            draft.decoder.graphs = draft_graphs[mode]
             _, r = run(eng, prompt, a.new_tokens, None if mode == "ar" else replay)
             rows.append(dict(length=L, mode=mode, replayed=mode != "ar" and replay is not None, **r))
             print(f"L={L} {mode}: {r}", flush=True)

@@ -32,7 +32,7 @@ tail -8 "$OUT/step_times.log" | head -7
 python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
 grep -v '^{' "$OUT/e2e.log" | tail -11
 fi
-if [[ $PART == 4 ]]; then  # whole-forward draft graphs: checks, draft step times, end to end
+if [[ $PART == 4 ]]; then  # draft geometries: checks, draft step times, end to end
 python3 -m pytest -q --tb=short tests/test_graphs.py tests/test_attention.py > "$OUT/pytest.log" 2>&1
 grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
 python3 benchmarks/step_times.py --lengths 4096,16384 --reps 10 --cuda-graphs on > "$OUT/step_times.log" 2>&1
@@ -43,23 +43,14 @@ tail -4 "$OUT/step_times_05b.log" | head -3
 python3 benchmarks/e2e.py --lengths 16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
 grep -v '^{' "$OUT/e2e.log" | tail -6
 fi
-if [[ $PART == 5 ]]; then  # piecewise vs whole-forward draft graphs, same run
-python3 -m pytest -q --tb=short tests/test_graphs.py > "$OUT/pytest.log" 2>&1
-grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
-for D in random:llama-68m random:qwen2.5-0.5b; do
-python3 benchmarks/step_times.py --draft $D --lengths 16384 --reps 10 --cuda-graphs on --whole-draft-graphs \
-    --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_${D#random:}.log" 2>&1
-grep -E "^\| 16384|whole-forward" "$OUT/step_times_${D#random:}.log"
-done
-fi
 if [[ $PART == 6 ]]; then  # leaner per-layer prefix call: checks, 8B target + two drafts, profile, end to end
 python3 -m pytest -q --tb=short tests/test_graphs.py tests/test_attention.py > "$OUT/pytest.log" 2>&1
 grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
 python3 benchmarks/step_times.py --lengths 4096,16384,32768 --reps 10 --cuda-graphs both > "$OUT/step_times.log" 2>&1
 tail -9 "$OUT/step_times.log" | head -8
-python3 benchmarks/step_times.py --draft random:qwen2.5-0.5b --lengths 16384 --reps 10 --cuda-graphs on --whole-draft-graphs \
+python3 benchmarks/step_times.py --draft random:qwen2.5-0.5b --lengths 16384 --reps 10 --cuda-graphs on \
     --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_05b.log" 2>&1
-grep -E "^\| 16384|whole-forward" "$OUT/step_times_05b.log"
+grep -E "^\| 16384" "$OUT/step_times_05b.log"
 (cd benchmarks && python3 profile_step.py --draft random:qwen2.5-0.5b > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
 python3 benchmarks/e2e.py --lengths 8192,16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
 grep -v '^{' "$OUT/e2e.log" | tail -11

@@ -11,7 +11,6 @@ Prints a table and the full JSON on the last line.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import time
@@ -144,16 +143,8 @@ def bench_length(target, draft, L, a, dev, bw, results, graphs: str = "off", pre
     row["verify_floor_s"] = (weight_bytes + (L + len(parents) + 1) * kv_tok) / bw
     # draft step: full cache vs retrieval working cache (budget retrieval_top_k * chunk)
     tree = TreeConfig(a.tree_nodes, a.tree_depth, a.tree_topk)
-    kinds = [("", draft.decoder.graphs)]
-    if graphs == "on" and a.whole_draft_graphs:  # also the whole-forward draft graphs (whole_graphs.py)
-        from specextend.models.whole_graphs import WholeStepGraphs
-
-        kinds.append(("_whole", WholeStepGraphs(draft.decoder)))
-    for (kind, gr), (name, retr) in itertools.product(kinds, (
-            ("full", RetrievalConfig()),
-            ("cmr", RetrievalConfig(enabled=True, top_k=a.retrieval_top_k, draft_prefill_window=512)))):
-        draft.decoder.graphs = gr
-        name += kind
+    for name, retr in (("full", RetrievalConfig()),
+                       ("cmr", RetrievalConfig(enabled=True, top_k=a.retrieval_top_k, draft_prefill_window=512))):
         ds = DraftSession(draft.decoder, prompt, DraftSessionParams(tree, retr, max_new_tokens=4 * a.reps + 64),
                           prefill_chunk=a.prefill_chunk)
         k = [0]
@@ -168,7 +159,6 @@ def bench_length(target, draft, L, a, dev, bw, results, graphs: str = "off", pre
         row[f"draft_first_step_{name}_s"] = time.perf_counter() - t0
         row[f"draft_step_{name}_s"] = timed(step, dev, a.reps)
         row[f"draft_cache_{name}"] = ds.cache_tokens
-    draft.decoder.graphs = kinds[0][1]
     results.append(row)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -188,7 +178,6 @@ def main():
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--eager-max", type=int, default=8192)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--whole-draft-graphs", action="store_true", help="also time whole-forward draft graphs")
     p.add_argument("--cuda-graphs", default="both",
                    help="comma-separated: decode-time forwards through the piecewise CUDA graphs (on), op by op "
                         "(off), the graphs with Inductor-compiled segments (compiled), one graph per forward with the Triton "
@@ -226,10 +215,6 @@ def main():
               f"({r['verify_hta_host_s']*1e3:.2f}) | {r['verify_plain_s']*1e3:.2f} | "
               f"{r['verify_hta_s']/r['verify_floor_s']:.2f} | {r['draft_step_full_s']*1e3:.2f} | "
               f"{r['draft_step_cmr_s']*1e3:.2f} |")
-    for r in results:
-        if "draft_step_cmr_whole_s" in r:
-            print(f"L={r['length']} whole-forward draft graphs: full {r['draft_step_full_whole_s']*1e3:.2f} ms, "
-                  f"cmr {r['draft_step_cmr_whole_s']*1e3:.2f} ms")
     meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
                 target=a.target, draft=a.draft, dtype=str(target.decoder.dtype), copy_bandwidth_Bps=bw,
                 tree=[a.tree_nodes, a.tree_depth, a.tree_topk], date=time.strftime("%Y-%m-%d"),

@@ -108,10 +108,8 @@ def twin_pair():
     t = load_model("random:llama-tiny", dtype="float64", attention_backend="torch")
     d = load_model("random:llama-tiny-draft", role="draft", dtype="float64", attention_backend="torch",
                    vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
-    from specextend.models.whole_graphs import WholeStepGraphs
-
     t.decoder.graphs = StepGraphs(t.decoder, capture=False)  # as load_model sets them on CUDA
-    d.decoder.graphs = WholeStepGraphs(d.decoder, capture=False)
+    d.decoder.graphs = StepGraphs(d.decoder, capture=False)
     return t, d
 
 
@@ -176,58 +174,6 @@ def test_captured_compiled_graphs_equal_twin(name, dtype, tol):
     ref = run_calls(dec, StepGraphs(dec, capture=False).forward, "cuda")
     assert graphs.num_graphs == 5 * (dec.args.num_layers + 1)
     assert_same_run(ref, got, atol=tol, rtol=tol)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_captured_whole_graphs_equal_twin(dtype, tol):
-    from specextend.models.whole_graphs import WholeStepGraphs
-
-    dec = decoder_on("llama3", "cuda", dtype)
-    graphs = WholeStepGraphs(dec, capture=True)
-    got = run_calls(dec, graphs.forward, "cuda", capture=False)
-    ref = run_calls(dec, WholeStepGraphs(dec, capture=False).forward, "cuda", capture=False)
-    assert graphs.num_graphs == 5  # one per shape: the second round replays them
-    assert_same_run(ref, got, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
-def test_whole_forward_body_equals_eager(name):
-    """The whole-forward graphs' body (dense attention over a static key bucket, masks and cache
-    writes from device-side lengths) == the plain forward, in float64."""
-    from specextend.models.whole_graphs import WholeStepGraphs
-
-    dec = decoder_on(name)
-    twin = WholeStepGraphs(dec, capture=False)
-    ref = run_calls(dec, dec.forward_eager, "cpu", capture=False)
-    got = run_calls(dec, twin.forward, "cpu", capture=False)
-    assert_same_run(ref, got, atol=1e-10, rtol=1e-10)
-
-
-def test_whole_forward_declines_the_retrieval_capture():
-    from specextend.models.whole_graphs import WholeStepGraphs
-
-    _, dec = build_pair("llama3", "torch")
-    cache = dec.new_cache(64)
-    cache.length = 10
-    w = WholeStepGraphs(dec, capture=False)
-    assert w.accepts(3, cache, CAUSAL, ForwardOptions())
-    assert not w.accepts(3, cache, CAUSAL, ForwardOptions(capture_last=True))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused path runs on CUDA only")
-def test_dense_bucket_attention_fused_equals_math():
-    from specextend.models.whole_graphs import dense_bucket_attention
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(8, 4, 64, device="cuda", generator=g)
-    k, v = (torch.randn(2, 1024, 64, device="cuda", generator=g) for _ in range(2))
-    vis = torch.rand(4 * 4, 1024, device="cuda", generator=g) < 0.7
-    vis[:, 0] = True
-    bias = torch.zeros(16, 1024, device="cuda").masked_fill_(~vis, float("-inf"))
-    ref = dense_bucket_attention(q, k, v, bias, 0.125)  # float32: the math path
-    got = dense_bucket_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias, 0.125)  # fused SDPA
-    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
