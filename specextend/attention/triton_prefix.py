@@ -46,22 +46,27 @@ def cache_meta(data: torch.Tensor, anchor: torch.Tensor, length: int) -> list[in
     return [delta // data.element_size(), length, data.shape[3], 0]
 
 
-def config(rows: int) -> dict:
+def config(rows: int, ieee: bool = False) -> dict:
     """Block sizes and launch parameters by folded query rows, from benchmarks/prefix_kernel.py on
     an H100 (2026-11-22, 16K keys, D=128, bf16; results/prefix_kernel-h100.log): a few rows
-    (AR decode, small trees) are bandwidth-bound, many rows (a 51-node tree: 204) compute-bound."""
+    (AR decode, small trees) are bandwidth-bound, many rows (a 51-node tree: 204) compute-bound.
+    float32 caches (`ieee`: IEEE float32 dots on CUDA cores) take small tiles: the bf16 tiles
+    need 393 KB of shared memory at D=128 (the limit is 227 KB) and spill; these compile for sm_90
+    with neither at D=64 and 128 (benchmarks/triton_aot.py, 2026-11-22; not timed)."""
+    if ieee:
+        return dict(bm=16 if rows <= 16 else 32, block_n=32, num_warps=8, num_stages=2)
     if rows <= 64:
         return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=128, num_warps=4, num_stages=2)
     return dict(bm=128, block_n=128, num_warps=8, num_stages=3)
 
 
-def block_m(rows: int) -> int:
-    return config(rows)["bm"]
+def block_m(rows: int, ieee: bool = False) -> int:
+    return config(rows, ieee)["bm"]
 
 
-def num_splits(rows: int, num_kv_heads: int, num_sms: int) -> int:
+def num_splits(rows: int, num_kv_heads: int, num_sms: int, ieee: bool = False) -> int:
     """Splits per (row block, KV head) so that about two programs run per multiprocessor."""
-    blocks = -(-rows // block_m(rows)) * num_kv_heads
+    blocks = -(-rows // block_m(rows, ieee)) * num_kv_heads
     return max(1, min(64, round(2 * num_sms / blocks)))
 
 
@@ -74,10 +79,10 @@ def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T fold
                     block_n: int = 0, num_warps: int = 0, num_stages: int = 0, bm: int = 0) -> None:
     """Writes each split's attention of q over keys [s*chunk, min(L, (s+1)*chunk)) of the cache's
     layer `layer` into out / lse (empty splits: out 0, lse -inf). Launch parameters left 0 come
-    from config(M)."""
+    from config(M, float32)."""
     g, m, d = q.shape
     splits = out.shape[1]
-    c = config(m)
+    c = config(m, q.dtype == torch.float32)
     bm, block_n = bm or c["bm"], block_n or c["block_n"]
     num_warps, num_stages = num_warps or c["num_warps"], num_stages or c["num_stages"]
     grid = (-(-m // bm), splits, g)

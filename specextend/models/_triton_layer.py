@@ -4,8 +4,8 @@ set before Triton is first imported they run in Triton's CPU interpreter)."""
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -24,10 +24,15 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
                  stride_kg, stride_kn, stride_vg, stride_vn,
                  T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
                  D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 NEED_LSE: tl.constexpr):
+                 NEED_LSE: tl.constexpr, IEEE: tl.constexpr):
     """One program: BLOCK_M folded rows (r = j * T + t: query head g * R + j, token t) of KV head g.
     Softmax over the S prefix partials (each one column: its lse and normalized output) and the N
-    tree keys (scores + additive bias); writes out[t, g * R + j, :] and, if NEED_LSE, lse[g*R+j, t]."""
+    tree keys (scores + additive bias); writes out[t, g * R + j, :] and, if NEED_LSE, lse[g*R+j, t].
+
+    Half-precision inputs (IEEE False) use the tensor cores with float32 accumulation: q.k products
+    of bf16/fp16 values are exact in float32, and p (float32) goes in as p_hi + p_lo, two half
+    values whose sum carries ~16 bits of it, so the result matches the float32 twin to well within
+    the output's rounding. float32 inputs use IEEE float32 dots."""
     mb = tl.program_id(0)
     g = tl.program_id(1)
     M: tl.constexpr = R * T
@@ -36,28 +41,36 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     row_ok = offs_m < M
     d_ok = offs_d < D
     io = row_ok[:, None] & d_ok[None, :]  # [BM, DP]
-    q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :], mask=io, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :], mask=io, other=0.0)  # [BM, DP]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    for s in tl.static_range(S):  # prefix partials: one score column each, weight = its lse
+    for s in range(S):  # prefix partials (a loop, not unrolled: S is up to 64): one score column each, weight = its lse
         row = (g * S + s) * M + offs_m
         ls = tl.load(lsep_ptr + row, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
         o = tl.load(outp_ptr + row[:, None] * D + offs_d[None, :], mask=io, other=0.0).to(tl.float32)
         m_i, l_i, acc = _fold(m_i, l_i, acc, ls, tl.where(ls == float("-inf"), 0.0, 1.0), o)
-    for n0 in tl.static_range(0, N, BLOCK_N):  # tree keys, masked by the additive bias
+    for n0 in range(0, N, BLOCK_N):  # tree keys, masked by the additive bias
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
         key_ok = offs_n < N
         ld = key_ok[:, None] & d_ok[None, :]  # [BN, DP]
         k = tl.load(k_ptr + g * stride_kg + offs_n[:, None] * stride_kn + offs_d[None, :], mask=ld, other=0.0)
         v = tl.load(v_ptr + g * stride_vg + offs_n[:, None] * stride_vn + offs_d[None, :], mask=ld, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2  # [BM, BN]
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN]
+        else:
+            qk = tl.dot(q, tl.trans(k))  # exact products, float32 accumulation
+        qk = qk * scale_log2
         b = tl.load(bias_ptr + offs_m[:, None] * N + offs_n[None, :], mask=row_ok[:, None] & key_ok[None, :],
                     other=float("-inf"))
         qk = qk + b.to(tl.float32) * LOG2E
         m_blk = tl.max(qk, 1)
         p = tl.exp2(qk - tl.where(m_blk == float("-inf"), 0.0, m_blk)[:, None])
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [BM, DP]
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")  # [BM, DP]
+        else:
+            p_hi = p.to(v.dtype)
+            pv = tl.dot(p_hi, v) + tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
         m_i, l_i, acc = _fold(m_i, l_i, acc, m_blk, tl.sum(p, 1), pv)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

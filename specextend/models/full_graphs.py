@@ -66,7 +66,7 @@ class FullStepGraphs(StepGraphs):
         p = _Plan(m, key)
         g, d = a.num_kv_heads, a.head_dim
         rows = key.t * (a.num_heads // g)
-        s = num_splits(rows, g, self.num_sms)
+        s = num_splits(rows, g, self.num_sms, m.dtype == torch.float32)
         p.out_p = torch.zeros(g, s, rows, d, dtype=torch.float32, device=dev)  # [G, S, R*T, D] partials
         p.lse_p = torch.zeros(g, s, rows, dtype=torch.float32, device=dev)  # [G, S, R*T]
         p.meta = torch.zeros(4, dtype=torch.int64, device=dev)  # cache offset, L, capacity, 0 (cache_meta)

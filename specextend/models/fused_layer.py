@@ -31,6 +31,18 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
 
+def combine_config(rows: int, n: int, d: int, ieee: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) of tree_combine: the largest tiles that compile for sm_90 without
+    spilling (benchmarks/triton_aot.py, 2026-11-22): a [64, 128] accumulator takes 8 warps and key
+    blocks of 32, IEEE float32 dots (CUDA cores) tiles of 32 x 16. Not yet timed."""
+    if ieee:
+        return min(32, _pow2(rows)), 16, 8
+    bm = min(64, _pow2(rows))
+    if bm * _pow2(d) >= 64 * 128:
+        return bm, min(32, _pow2(n)), 8
+    return bm, min(64, _pow2(n)), 4
+
+
 def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
                  k: torch.Tensor, v: torch.Tensor,  # [G, n, D], last dim contiguous
                  bias: torch.Tensor,  # [(H/G) * T, n] additive mask (tree_merge.mask_bias), contiguous
@@ -46,14 +58,15 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     r = h // g
     s = 1 if out_p.dim() == 3 else out_p.shape[1]
     assert q.is_contiguous() and bias.is_contiguous() and out_p.is_contiguous() and lse_p.is_contiguous()
-    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype == v.dtype == q.dtype
     out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)  # [T, H * D]
     lse = torch.empty(h, t, dtype=torch.float32, device=q.device) if need_lse else out
-    bm = min(64, _pow2(r * t))
+    ieee = q.dtype == torch.float32
+    bm, bn, warps = combine_config(r * t, n, d, ieee)
     kernel[(-(-r * t // bm), g)](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
                                  k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                 T=t, R=r, N=n, S=s, D=d, DP=_pow2(d), BLOCK_M=bm, BLOCK_N=min(64, _pow2(n)),
-                                 NEED_LSE=need_lse, num_warps=4)
+                                 T=t, R=r, N=n, S=s, D=d, DP=_pow2(d), BLOCK_M=bm, BLOCK_N=bn,
+                                 NEED_LSE=need_lse, IEEE=ieee, num_warps=warps)
     return out, (lse if need_lse else None)
 
 
