@@ -106,9 +106,11 @@ def test_fused_piecewise_twin_equals_eager():
     assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
 
 
-def test_fused_and_compiled_are_alternatives():
+def test_fused_and_compiled_are_alternatives_and_float64_is_refused():
     with pytest.raises(ValueError, match="pick one"):
         Segments(compile=True, fused=True)
+    with pytest.raises(ValueError, match="not torch.float64"):
+        FullStepGraphs(decoder_on("llama3", DEVICE, torch.float64), capture=False, fused=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

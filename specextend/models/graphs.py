@@ -32,6 +32,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL, Mask, sdpa_lse
 from specextend.kv_cache import CacheFull, KVCache
+from specextend.models.fused_layer import FUSED_DTYPES
 from specextend.models.segments import Segments
 
 MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
@@ -93,6 +94,8 @@ class StepGraphs:
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS,
                  compile: bool = False, fused: bool = False):
         self.model = model
+        if fused and model.dtype not in FUSED_DTYPES:
+            raise ValueError(f"the fused layer kernels take bf16, fp16 or fp32 models, not {model.dtype}")
         self.seg = Segments(compile, fused=fused)  # segment functions: as written, Inductor or Triton-fused
         self.capture = capture and model.device.type == "cuda"
         self.max_tokens = max_tokens
