@@ -28,12 +28,14 @@ def _gen(seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("h,g,t,staged,d,splits", [(4, 2, 7, 0, 16, 3), (6, 2, 1, 0, 32, 1),
-                                                    (4, 1, 5, 9, 24, 2), (8, 8, 3, 70, 16, 1)])
+@pytest.mark.parametrize("h,g,t,staged,d,splits,chunk", [(4, 2, 7, 0, 16, 3, 0), (6, 2, 1, 0, 32, 1, 16),
+                                                          (4, 1, 5, 9, 24, 2, 16), (8, 8, 3, 70, 16, 1, 0),
+                                                          (8, 2, 12, 3, 64, 2, 0)])
 @pytest.mark.parametrize("need_lse", [False, True])
-def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, need_lse):
+def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, chunk, need_lse):
     """GQA groups, one query, staged keys past one key block (n > 64), a non-power-of-two head dim,
-    S partials (some empty: lse -inf) or the one-prefix layout [H, T, D]."""
+    the head dim in chunks over programs (two of 16, the last one partial), more rows than one row
+    block, S partials (some empty: lse -inf) or the one-prefix layout [H, T, D]."""
     gen = _gen(h * 100 + t * 10 + staged)
     r, n = h // g, staged + t
     rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
@@ -49,7 +51,7 @@ def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, sp
         lse_p[:, 0] = float("-inf")  # an empty split
         out_p[:, 0] = 0
     ref, ref_lse = tree_attention_merged(q, k, v, bias, out_p, lse_p, 0.3, need_lse=need_lse)  # [H, T, D]
-    got, lse = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, need_lse)  # [T, H * D]
+    got, lse = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, need_lse, chunk)  # [T, H * D]
     tol = TOL[dtype]
     torch.testing.assert_close(got.view(t, h, d).transpose(0, 1).float(), ref.float(), atol=tol, rtol=tol)
     if need_lse:

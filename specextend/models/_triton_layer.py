@@ -23,51 +23,59 @@ def _fold(m_i, l_i, acc, m_blk, s_blk, a_blk):
 def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
                  stride_kg, stride_kn, stride_vg, stride_vn,
                  T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
-                 D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 NEED_LSE: tl.constexpr, IEEE: tl.constexpr):
-    """One program: BLOCK_M folded rows (r = j * T + t: query head g * R + j, token t) of KV head g.
-    Softmax over the S prefix partials (each one column: its lse and normalized output) and the N
-    tree keys (scores + additive bias); writes out[t, g * R + j, :] and, if NEED_LSE, lse[g*R+j, t].
+                 D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr):
+    """One program: BLOCK_M folded rows (r = j * T + t: query head g * R + j, token t) of KV head g,
+    head dims [c * DC, (c + 1) * DC). Softmax over the S prefix partials (each one column: its lse
+    and normalized output) and the N tree keys (scores over all D + additive bias); writes
+    out[t, g * R + j, chunk] and, if NEED_LSE, lse[g * R + j, t] (chunk 0).
 
+    Chunks of the head dim multiply the programs (a few row blocks x KV heads would leave most
+    multiprocessors idle while the S partials, [G, S, R*T, D] float32, are read): each chunk
+    recomputes the tree scores (a small dot) and reads only its columns of the partials.
     Half-precision inputs (IEEE False) use the tensor cores with float32 accumulation: q.k products
     of bf16/fp16 values are exact in float32, and p (float32) goes in as p_hi + p_lo, two half
     values whose sum carries ~16 bits of it, so the result matches the float32 twin to well within
     the output's rounding. float32 inputs use IEEE float32 dots."""
     mb = tl.program_id(0)
     g = tl.program_id(1)
+    c = tl.program_id(2)
     M: tl.constexpr = R * T
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    offs_d = tl.arange(0, DP)  # [DP]
+    offs_d = tl.arange(0, DP)  # [DP] all head dims (scores)
+    offs_c = c * DC + tl.arange(0, DC)  # [DC] this program's head dims (outputs)
     row_ok = offs_m < M
     d_ok = offs_d < D
-    io = row_ok[:, None] & d_ok[None, :]  # [BM, DP]
-    q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :], mask=io, other=0.0)  # [BM, DP]
+    c_ok = offs_c < D
+    io = row_ok[:, None] & c_ok[None, :]  # [BM, DC]
+    q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, DP]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    for s in range(S):  # prefix partials (a loop, not unrolled: S is up to 64): one score column each, weight = its lse
+    acc = tl.zeros([BLOCK_M, DC], tl.float32)
+    for s in range(S):  # prefix partials, one score column each (a loop, not unrolled: S <= 64)
         row = (g * S + s) * M + offs_m
         ls = tl.load(lsep_ptr + row, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
-        o = tl.load(outp_ptr + row[:, None] * D + offs_d[None, :], mask=io, other=0.0).to(tl.float32)
+        o = tl.load(outp_ptr + row[:, None] * D + offs_c[None, :], mask=io, other=0.0).to(tl.float32)
         m_i, l_i, acc = _fold(m_i, l_i, acc, ls, tl.where(ls == float("-inf"), 0.0, 1.0), o)
     for n0 in range(0, N, BLOCK_N):  # tree keys, masked by the additive bias
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
         key_ok = offs_n < N
-        ld = key_ok[:, None] & d_ok[None, :]  # [BN, DP]
-        k = tl.load(k_ptr + g * stride_kg + offs_n[:, None] * stride_kn + offs_d[None, :], mask=ld, other=0.0)
-        v = tl.load(v_ptr + g * stride_vg + offs_n[:, None] * stride_vn + offs_d[None, :], mask=ld, other=0.0)
+        k = tl.load(k_ptr + g * stride_kg + offs_n[:, None] * stride_kn + offs_d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, DP]
+        v = tl.load(v_ptr + g * stride_vg + offs_n[:, None] * stride_vn + offs_c[None, :],
+                    mask=key_ok[:, None] & c_ok[None, :], other=0.0)  # [BN, DC]
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN]
         else:
             qk = tl.dot(q, tl.trans(k))  # exact products, float32 accumulation
-        qk = qk * scale_log2
         b = tl.load(bias_ptr + offs_m[:, None] * N + offs_n[None, :], mask=row_ok[:, None] & key_ok[None, :],
                     other=float("-inf"))
-        qk = qk + b.to(tl.float32) * LOG2E
+        qk = qk * scale_log2 + b.to(tl.float32) * LOG2E
         m_blk = tl.max(qk, 1)
         p = tl.exp2(qk - tl.where(m_blk == float("-inf"), 0.0, m_blk)[:, None])
         if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")  # [BM, DP]
+            pv = tl.dot(p, v, input_precision="ieee")  # [BM, DC]
         else:
             p_hi = p.to(v.dtype)
             pv = tl.dot(p_hi, v) + tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
@@ -77,10 +85,10 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     j = offs_m // T
     t = offs_m % T
     dst = t * (R * tl.num_programs(1) * D) + (g * R + j) * D  # [T, H, D] layout: o-proj input
-    tl.store(out_ptr + dst[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io)
+    tl.store(out_ptr + dst[:, None] + offs_c[None, :], out.to(out_ptr.dtype.element_ty), mask=io)
     if NEED_LSE:
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
-        tl.store(lse_ptr + g * M + offs_m, lse, mask=row_ok)
+        tl.store(lse_ptr + g * M + offs_m, lse, mask=row_ok & (c == 0))
 
 
 @triton.jit

@@ -31,16 +31,14 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
 
-def combine_config(rows: int, n: int, d: int, ieee: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of tree_combine: the largest tiles that compile for sm_90 without
-    spilling (benchmarks/triton_aot.py, 2026-11-22): a [64, 128] accumulator takes 8 warps and key
-    blocks of 32, IEEE float32 dots (CUDA cores) tiles of 32 x 16. Not yet timed."""
-    if ieee:
-        return min(32, _pow2(rows)), 16, 8
-    bm = min(64, _pow2(rows))
-    if bm * _pow2(d) >= 64 * 128:
-        return bm, min(32, _pow2(n)), 8
-    return bm, min(64, _pow2(n)), 4
+def combine_config(rows: int, n: int, d: int, ieee: bool) -> dict:
+    """tree_combine's tiles: row blocks of at most 32 and head-dim chunks of 32 (more programs: the
+    partials are read at the machine's bandwidth, not one multiprocessor's); tiles that compile
+    for sm_90 without spilling (benchmarks/triton_aot.py, 2026-11-22). Not yet timed."""
+    bm = min(32, _pow2(rows))
+    if ieee:  # IEEE float32 dots run on CUDA cores: smaller key blocks
+        return dict(bm=bm, bn=16, dc=min(32, _pow2(d)), warps=4)
+    return dict(bm=bm, bn=min(64, _pow2(n)), dc=min(32, _pow2(d)), warps=4)
 
 
 def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
@@ -48,9 +46,11 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
                  bias: torch.Tensor,  # [(H/G) * T, n] additive mask (tree_merge.mask_bias), contiguous
                  out_p: torch.Tensor,  # [G, S, (H/G) * T, D] prefix partials (or [H, T, D]: S = 1)
                  lse_p: torch.Tensor,  # [G, S, (H/G) * T] (or [H, T])
-                 scale: float, need_lse: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 scale: float, need_lse: bool = False,
+                 d_chunk: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """-> attention over prefix + tree keys as [T, H * D] (q's dtype) and the merged lse [H, T]
-    (float32) if need_lse. Twin: tree_merge.tree_attention_merged (its out, transposed)."""
+    (float32) if need_lse. d_chunk (a power of two >= 16; 0 = combine_config's) splits the head dim
+    over programs. Twin: tree_merge.tree_attention_merged (its out, transposed)."""
     from specextend.models._triton_layer import tree_combine as kernel
 
     h, t, d = q.shape
@@ -62,11 +62,12 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)  # [T, H * D]
     lse = torch.empty(h, t, dtype=torch.float32, device=q.device) if need_lse else out
     ieee = q.dtype == torch.float32
-    bm, bn, warps = combine_config(r * t, n, d, ieee)
-    kernel[(-(-r * t // bm), g)](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
-                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                 T=t, R=r, N=n, S=s, D=d, DP=_pow2(d), BLOCK_M=bm, BLOCK_N=bn,
-                                 NEED_LSE=need_lse, IEEE=ieee, num_warps=warps)
+    c = combine_config(r * t, n, d, ieee)
+    dc = d_chunk or c["dc"]
+    grid = (-(-r * t // c["bm"]), g, -(-d // dc))
+    kernel[grid](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
+                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, R=r, N=n, S=s, D=d, DP=_pow2(d),
+                 DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], NEED_LSE=need_lse, IEEE=ieee, num_warps=c["warps"])
     return out, (lse if need_lse else None)
 
 
