@@ -109,3 +109,7 @@ python3 benchmarks/step_times.py --target random:qwen2.5-1.5b --draft random:qwe
     --cuda-graphs full,full-fused --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_fused_qwen.log" 2>&1
 grep -E "^\| |Error" "$OUT/step_times_fused_qwen.log" | tail -3
 fi
+if [[ $PART == 14 ]]; then  # prefix kernel + fused combine: how many splits pay for their partials (8B layer, 16K)
+python3 benchmarks/prefix_kernel.py --tokens 1,17,51 --with-combine --split-factors 0.25,0.5,1 > "$OUT/prefix_combine.log" 2>&1
+grep -E "^T=|^\| " "$OUT/prefix_combine.log" | tail -8
+fi

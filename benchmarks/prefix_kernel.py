@@ -4,8 +4,9 @@
 
 One layer of an 8B-geometry cache (G=8 KV heads, D=128, bf16): queries of T new tokens folded
 (H/G=4 rows each) over L prefix keys. Times (CUDA events, median) each kernel configuration and
-flash (sdpa_lse, the piecewise graphs' call), with the bytes floor (K and V read once). Table, then
-JSON on the last line.
+flash (sdpa_lse, the piecewise graphs' call), with the bytes floor (K and V read once); with
+--with-combine, each configuration followed by the fused combine kernel that reads its S partials
+(ranked by the sum). Table, then JSON on the last line.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--tokens", default="1,51")
+    p.add_argument("--with-combine", action="store_true",
+                   help="also time each configuration followed by the fused combine kernel (fused_layer.tree_combine), "
+                        "which reads the S partials: fewer splits write and read less")
+    p.add_argument("--split-factors", default="1,2", help="multiples of num_splits to try (e.g. 0.25,0.5,1,2)")
     a = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     G, D, R, L = 8, 128, 4, a.length
@@ -75,8 +80,16 @@ def main():
         best = None
         base_s = num_splits(m, G, sms)
         bms = (0, 128) if m > 64 else (0,)
-        for bm, bn, warps, stages, sf in itertools.product(bms, (64, 128), (4, 8), (2, 3, 4), (1, 2)):
-            s = max(1, base_s * sf)
+        factors = [float(f) for f in a.split_factors.split(",")]
+        if a.with_combine:
+            from specextend.models.fused_layer import tree_combine
+
+            kt, vt = (torch.randn(G, t, D, device=dev, dtype=dt) for _ in range(2))  # a chain of t tree keys
+            bias = torch.zeros(t, t, device=dev).masked_fill_(
+                ~torch.ones(t, t, dtype=torch.bool, device=dev).tril(), float("-inf")).repeat(R, 1)
+            qh = q.view(G * R, t, D)  # [H, T, D]: the folded rows are (head in group, token)
+        for bm, bn, warps, stages, sf in itertools.product(bms, (64, 128), (4, 8), (2, 3, 4), factors):
+            s = max(1, round(base_s * sf))
             out = torch.empty(G, s, m, D, device=dev)
             lse = torch.empty(G, s, m, device=dev)
             try:
@@ -84,14 +97,20 @@ def main():
             except Exception as e:  # noqa: BLE001  (a configuration the compiler rejects)
                 print(f"t={t} bn={bn} warps={warps} stages={stages}: {type(e).__name__}")
                 continue
+            if a.with_combine:
+                row[f"bm{bm or 'auto'}_bn{bn}_w{warps}_s{stages}_x{s}_combined"] = bench(lambda: (
+                    prefix_partials(q, anchor, meta, 1, 0.088, out, lse, bn, warps, stages, bm),
+                    tree_combine(qh, kt, vt, bias, out, lse, 0.088)))
             merged_lse = torch.logsumexp(lse, dim=1)
             err = (merged_lse - ref_lse[0].float()).abs().max().item()
             key = f"bm{bm or 'auto'}_bn{bn}_w{warps}_s{stages}_x{s}"
             row[key] = us
             if err > 1e-2:
                 print(f"t={t} {key}: lse error {err}")
-            elif best is None or us < best[1]:
-                best = (key, us)
+            else:
+                us = row.get(key + "_combined", us)  # ranked by prefix + combine where timed
+                if best is None or us < best[1]:
+                    best = (key, us)
         row["best"] = best
         rows_out.append(row)
         print(f"T={t}: flash {flash:.1f} us, best triton {best[0]} {best[1]:.1f} us, floor {row['floor_us']:.1f} us",
