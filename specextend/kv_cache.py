@@ -39,6 +39,24 @@ class KVCache:
         self.data[layer, 0, :, lo:lo + t] = k
         self.data[layer, 1, :, lo:lo + t] = v
 
+    def stage_all(self, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> None:
+        """`stage` for every layer at once: k, v [layers, G, T, D] (the step graphs' scratch)."""
+        lo = self.length + offset
+        t = k.shape[2]
+        if lo + t > self.capacity:
+            raise CacheFull(f"KV cache full: {lo} + {t} > {self.capacity}")
+        self.data[:, 0, :, lo:lo + t].copy_(k)
+        self.data[:, 1, :, lo:lo + t].copy_(v)
+
+    def staged(self, offset: int, t: int) -> torch.Tensor:
+        """View [layers, 2, G, t, D] of the staged slots [length + offset, length + offset + t)."""
+        lo = self.length + offset
+        return self.data[:, :, :, lo:lo + t]
+
+    def committed(self) -> torch.Tensor:
+        """View [layers, 2, G, length, D] of the committed tokens."""
+        return self.data[:, :, :, :self.length]
+
     def advance(self, t: int) -> None:
         """Commit all T staged tokens (append)."""
         self.length += t

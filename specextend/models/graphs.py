@@ -112,7 +112,7 @@ class StepGraphs:
     # ------------------------------------------------------------ forward
     def forward(self, input_ids, positions, cache: KVCache, new_mask: Mask, opts):
         t = input_ids.shape[0]
-        L, lo = cache.length, cache.length + opts.staged
+        L = cache.length
         check_room(t, cache, opts)
         rows = opts.logits_rows
         key = ShapeKey(t, opts.staged, 0 if rows is None else rows.numel(), opts.capture_last,
@@ -131,13 +131,11 @@ class StepGraphs:
             if p.rows is not None:
                 p.rows.copy_(rows, non_blocking=True)
             if opts.staged:
-                p.scratch[:, :, :, :opts.staged].copy_(cache.data[:, :, :, L:lo])
+                p.scratch[:, :, :, :opts.staged].copy_(cache.staged(0, opts.staged))
             self._run(p, cache, L)
-            cache.data[:, :, :, lo:lo + t].copy_(p.scratch[:, :, :, opts.staged:])
+            cache.stage_all(p.scratch[:, 0, :, opts.staged:], p.scratch[:, 1, :, opts.staged:], offset=opts.staged)
             if opts.store is not None:
-                s = opts.store
-                s.data[:, 0, :, s.length:s.length + t].copy_(p.store_k)
-                s.data[:, 1, :, s.length:s.length + t].copy_(p.scratch[:, 1, :, opts.staged:])
+                opts.store.stage_all(p.store_k, p.scratch[:, 1, :, opts.staged:])
             logits = p.logits.clone()
             captured = None
             if key.capture:
@@ -148,7 +146,7 @@ class StepGraphs:
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
         n = self.model.args.num_layers
-        kv = cache.data[:, :, :, :L].unsqueeze(2)  # [layers, 2, 1, G, L, D]
+        kv = cache.committed().unsqueeze(2)  # [layers, 2, 1, G, L, D]
         for i in range(n + 1):
             if self.capture:
                 p.graphs[i].replay()
