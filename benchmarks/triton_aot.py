@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from specextend.attention import _triton_kernels as PK  # noqa: E402
 from specextend.attention.triton_prefix import config, num_splits  # noqa: E402
 from specextend.models import _triton_layer as LK  # noqa: E402
-from specextend.models.fused_layer import combine_config  # noqa: E402
+from specextend.models.fused_layer import _pow2, combine_config  # noqa: E402
 
 # name: (H, G, D, intermediate) of the presets (models/presets.py)
 GEOMETRIES = {"llama-3.1-8b": (32, 8, 128, 14336), "llama-3.2-1b": (32, 8, 64, 8192),
@@ -44,10 +44,6 @@ GEOMETRIES = {"llama-3.1-8b": (32, 8, 128, 14336), "llama-3.2-1b": (32, 8, 64, 8
 CALLS = {"ar": (1, 1), "verify16": (17, 17), "verify50": (51, 51), "draft-level": (4, 20)}
 H100_SMS = 132
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (n - 1).bit_length())
 
 
 def _sig(fn, args: dict, constexprs: dict):

@@ -31,6 +31,7 @@ def triton_available() -> bool:
 
 
 
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the Triton kernels take
 ALIGN = 16  # elements: the kernel assumes the cache offset from its anchor is a multiple of this
 
 

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from specextend.attention.triton_prefix import ALIGN, cache_meta, num_splits, prefix_partials, triton_available
+from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
+                                                 triton_available)
 from specextend.kv_cache import KVCache
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan
-
-FULL_GRAPH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def full_graphs_supported(model) -> bool:
     """Triton importable, a dtype its kernel takes, and not the eager reference backend."""
-    return triton_available() and model.dtype in FULL_GRAPH_DTYPES and model.backend.name != "eager"
+    return triton_available() and model.dtype in TRITON_DTYPES and model.backend.name != "eager"
 
 
 class FullStepGraphs(StepGraphs):

@@ -24,9 +24,6 @@ import torch.nn.functional as F
 from specextend.models.args import ModelArgs
 from specextend.models.decoder import LayerWeights, rms_norm
 
-FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
@@ -35,10 +32,8 @@ def combine_config(rows: int, n: int, d: int, ieee: bool) -> dict:
     """tree_combine's tiles: row blocks of at most 32 and head-dim chunks of 32 (more programs: the
     partials are read at the machine's bandwidth, not one multiprocessor's); tiles that compile
     for sm_90 without spilling (benchmarks/triton_aot.py, 2026-11-22). Not yet timed."""
-    bm = min(32, _pow2(rows))
-    if ieee:  # IEEE float32 dots run on CUDA cores: smaller key blocks
-        return dict(bm=bm, bn=16, dc=min(32, _pow2(d)), warps=4)
-    return dict(bm=bm, bn=min(64, _pow2(n)), dc=min(32, _pow2(d)), warps=4)
+    bn = 16 if ieee else min(64, _pow2(n))  # IEEE float32 dots run on CUDA cores: smaller key blocks
+    return dict(bm=min(32, _pow2(rows)), bn=bn, dc=min(32, _pow2(d)), warps=4)
 
 
 def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous

@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 
 from specextend.attention.backends import CAUSAL, Mask, sdpa_lse
+from specextend.attention.triton_prefix import TRITON_DTYPES
 from specextend.kv_cache import CacheFull, KVCache
-from specextend.models.fused_layer import FUSED_DTYPES
 from specextend.models.segments import Segments
 
 MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
@@ -94,7 +94,7 @@ class StepGraphs:
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS,
                  compile: bool = False, fused: bool = False):
         self.model = model
-        if fused and model.dtype not in FUSED_DTYPES:
+        if fused and model.dtype not in TRITON_DTYPES:
             raise ValueError(f"the fused layer kernels take bf16, fp16 or fp32 models, not {model.dtype}")
         self.seg = Segments(compile, fused=fused)  # segment functions: as written, Inductor or Triton-fused
         self.capture = capture and model.device.type == "cuda"
