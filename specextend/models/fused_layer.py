@@ -100,11 +100,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the layer pieces, fused
 def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst) -> torch.Tensor:
-    """segments._pre with RoPE and the copies fused (QK-norm models keep the torch path)."""
-    if lw.q_norm is not None:
-        from specextend.models.segments import _pre
-
-        return _pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+    """segments._pre with RoPE and the copies fused, for models without QK-norm."""
+    assert lw.q_norm is None, "QK-norm models take segments._pre"
     qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
     return rope_scatter(a, qkv, cos, sin, k_dst, v_dst, kpre_dst)
 

@@ -36,6 +36,13 @@ def _pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst) ->
     return q.contiguous()  # contiguous: the prefix call's GQA fold is then a view
 
 
+def _layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst, fused: bool) -> torch.Tensor:
+    """_pre, or with RoPE and the copies in one Triton kernel (QK-norm models keep the torch path)."""
+    if fused and lw.q_norm is None:
+        return fused_layer.layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+    return _pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+
+
 def _attend_post(a: ModelArgs, scale: float, lw: LayerWeights, x, q, kt, vt, bias, out_p, lse_p,
                  need_lse: bool, fused: bool):
     """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None."""
@@ -56,7 +63,7 @@ def first(a: ModelArgs, rope: Rope, embed: torch.Tensor, lw: LayerWeights,
     cos, sin = rope.cos_sin(pos, dt)
     bias = mask_bias(mask, a.num_heads // a.num_kv_heads, compute_dtype(dt))
     x = F.embedding(ids, embed)  # [T, E]
-    q = (fused_layer.layer_pre if fused else _pre)(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+    q = _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused)
     return x, q, cos, sin, bias
 
 
@@ -70,7 +77,7 @@ def mid(a: ModelArgs, scale: float, lw_prev: LayerWeights, lw: LayerWeights,
         k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False):
     """-> x [T, E] after layer i-1, q [H, T, D] of layer i."""
     x, _ = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, False, fused)
-    return x, (fused_layer.layer_pre if fused else _pre)(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+    return x, _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused)
 
 
 def last(a: ModelArgs, scale: float, lw_prev: LayerWeights, norm: torch.Tensor, lm_head: torch.Tensor,
