@@ -113,3 +113,15 @@ if [[ $PART == 14 ]]; then  # prefix kernel + fused combine: how many splits pay
 python3 benchmarks/prefix_kernel.py --tokens 1,17,51 --with-combine --split-factors 0.25,0.5,1 > "$OUT/prefix_combine.log" 2>&1
 grep -E "^T=|^\| " "$OUT/prefix_combine.log" | tail -8
 fi
+if [[ $PART == 15 ]]; then  # split graph launches + combine with unrolled split loads: checks, step times, profile
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pytest -q --tb=short tests/test_fused_layer.py tests/test_full_graphs.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+python3 benchmarks/step_times.py --lengths 16384 --reps 10 --cuda-graphs full-fused,full-fused-1 --tree-nodes 16 \
+    --tree-depth 6 > "$OUT/step_times_split.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_split.log" | tail -3
+python3 benchmarks/step_times.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.5b --lengths 16384 --reps 10 \
+    --cuda-graphs full-fused,full-fused-1 --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_split_qwen.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_split_qwen.log" | tail -2
+(cd benchmarks && python3 profile_step.py --only-verify --rows 14 > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
+fi

@@ -83,13 +83,14 @@ def set_graphs(models, mode: str, store: dict) -> None:
     """Each decoder's decode-time forwards: op by op ("off"), piecewise CUDA graphs (models/graphs.py,
     "on"), or those graphs with Inductor-compiled segments ("compiled"); one graph per forward
     (full_graphs.py: "full"), with Inductor ("full-compiled") or with the Triton-fused layer kernels
-    of fused_layer.py ("full-fused")."""
+    of fused_layer.py ("full-fused"; "full-fused-1": in one launch, not split_launch's few)."""
     from specextend.models.full_graphs import FullStepGraphs
     from specextend.models.graphs import StepGraphs
 
     make = {"on": lambda d: StepGraphs(d), "compiled": lambda d: StepGraphs(d, compile=True),
             "full": lambda d: FullStepGraphs(d), "full-compiled": lambda d: FullStepGraphs(d, compile=True),
-            "full-fused": lambda d: FullStepGraphs(d, fused=True)}
+            "full-fused": lambda d: FullStepGraphs(d, fused=True),
+            "full-fused-1": lambda d: FullStepGraphs(d, fused=True, split_launch=False)}
     for m in models:
         dec = m.decoder
         if mode != "off" and (id(dec), mode) not in store:
@@ -181,7 +182,7 @@ def main():
     p.add_argument("--cuda-graphs", default="both",
                    help="comma-separated: decode-time forwards through the piecewise CUDA graphs (on), op by op "
                         "(off), the graphs with Inductor-compiled segments (compiled), one graph per forward with the Triton "
-                        "prefix kernel (full, full-compiled, full-fused); both = off,on; all = the six")
+                        "prefix kernel (full, full-compiled, full-fused, full-fused-1: one launch); both = off,on; all = the seven")
     a = p.parse_args()
     target = load_model(a.target, "target", a.dtype, a.device, "auto")
     draft = load_model(a.draft, "draft", a.dtype, a.device, "auto", vocab_size=target.args.vocab_size,
@@ -190,7 +191,7 @@ def main():
     bw = copy_bandwidth(dev)
     results = []
     saved: dict = {}
-    every = ["off", "on", "compiled", "full", "full-compiled", "full-fused"]
+    every = ["off", "on", "compiled", "full", "full-compiled", "full-fused", "full-fused-1"]
     graph_modes = {"both": ["off", "on"], "all": every}.get(a.cuda_graphs, a.cuda_graphs.split(","))
     if not set(graph_modes) <= set(every):
         p.error(f"--cuda-graphs: unknown mode in {a.cuda_graphs!r}")

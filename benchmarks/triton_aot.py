@@ -73,12 +73,12 @@ def kernels_for(geo: str, call: str, dt: str):
         scale_log2=("fp32", 0), layer=("i32", 3), M=("i32", m)), dict(
         G=g, D=d, DP=_pow2(d), SPLITS=splits, BLOCK_M=c["bm"], BLOCK_N=c["block_n"], IEEE=dt == "fp32",
         INTERPRET=False), dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
-    cc = combine_config(m, n, d, dt == "fp32")
+    cc = combine_config(m, n, d, splits, dt == "fp32")
     yield "tree_combine", LK.tree_combine, dict(
         q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0), bias_ptr=("*fp32", 0), outp_ptr=("*fp32", 0),
         lsep_ptr=("*fp32", 0), out_ptr=(p, 0), lse_ptr=("*fp32", 0), scale_log2=("fp32", 0),
         stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d)), dict(
-        T=t, R=r, N=n, S=splits, D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
+        T=t, R=r, N=n, S=splits, D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"], SB=cc["sb"],
         NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32"), dict(num_warps=cc["warps"])
     yield "rope_scatter", LK.rope_scatter, dict(
         qkv_ptr=(p, 0), cos_ptr=(p, 0), sin_ptr=(p, 0), q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0),

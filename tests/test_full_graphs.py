@@ -19,7 +19,7 @@ from specextend.attention.tree_merge import mask_bias, tree_attention_merged
 from specextend.attention.triton_prefix import (cache_meta, num_splits, partials_reference,
                                                  prefix_partials)
 from specextend.models.decoder import ForwardOptions
-from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported
+from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported, launch_pieces
 from specextend.tree import ancestor_mask
 
 from test_graphs import PARENTS, assert_same_run, decoder_on, run_calls
@@ -94,14 +94,15 @@ def test_full_step_twin_equals_eager(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile,split", [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_captured_full_graphs_equal_twin(dtype, tol, compile):
+def test_captured_full_graphs_equal_twin(dtype, tol, compile, split):
     dec = decoder_on("qwen3", "cuda", dtype)
-    graphs = FullStepGraphs(dec, capture=True, compile=compile)
+    graphs = FullStepGraphs(dec, capture=True, compile=compile, split_launch=split)
     got = run_calls(dec, graphs.forward, "cuda")
     ref = run_calls(dec, FullStepGraphs(dec, capture=False).forward, "cuda")
-    assert graphs.num_graphs == 5  # one graph per shape, replayed in the second round
+    assert len(graphs.pieces) == (2 if split else 1)  # split: the residual and q cross graphs
+    assert graphs.num_graphs == 5 * len(graphs.pieces)  # per shape, replayed in the second round
     assert_same_run(ref, got, atol=tol, rtol=tol)
 
 

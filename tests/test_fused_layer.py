@@ -30,12 +30,13 @@ def _gen(seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,g,t,staged,d,splits,chunk", [(4, 2, 7, 0, 16, 3, 0), (6, 2, 1, 0, 32, 1, 16),
                                                           (4, 1, 5, 9, 24, 2, 16), (8, 8, 3, 70, 16, 1, 0),
-                                                          (8, 2, 12, 3, 64, 2, 0)])
+                                                          (8, 2, 12, 3, 64, 2, 0), (8, 2, 12, 3, 64, 37, 0)])
 @pytest.mark.parametrize("need_lse", [False, True])
 def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, chunk, need_lse):
     """GQA groups, one query, staged keys past one key block (n > 64), a non-power-of-two head dim,
     the head dim in chunks over programs (two of 16, the last one partial), more rows than one row
-    block, S partials (some empty: lse -inf) or the one-prefix layout [H, T, D]."""
+    block, S partials (some empty: lse -inf; 37 of them: ten loads of 4, the last one partial) or the
+    one-prefix layout [H, T, D]."""
     gen = _gen(h * 100 + t * 10 + staged)
     r, n = h // g, staged + t
     rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
@@ -122,16 +123,18 @@ def test_captured_fused_full_graphs_equal_twin(dtype, tol):
     graphs = FullStepGraphs(dec, capture=True, fused=True)
     got = run_calls(dec, graphs.forward, "cuda")
     ref = run_calls(dec, FullStepGraphs(dec, capture=False).forward, "cuda")
-    assert graphs.num_graphs == 5
+    assert graphs.num_graphs == 5 * len(graphs.pieces)
     assert_same_run(ref, got, atol=tol, rtol=tol)
 
 
 
-def test_fused_kernels_are_opt_in_for_full_graphs(monkeypatch):
+def test_fused_kernels_are_the_full_graphs_default(monkeypatch):
     from specextend.models.loader import FUSED_KERNELS_ENV, fused_kernels_enabled
 
     monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
-    assert not fused_kernels_enabled(FullStepGraphs, False)  # off by default
+    assert fused_kernels_enabled(FullStepGraphs, False)  # on by default
+    monkeypatch.setenv(FUSED_KERNELS_ENV, "0")
+    assert not fused_kernels_enabled(FullStepGraphs, False)
     monkeypatch.setenv(FUSED_KERNELS_ENV, "1")
     assert fused_kernels_enabled(FullStepGraphs, False)
     assert not fused_kernels_enabled(FullStepGraphs, True)  # torch_compile is the alternative

@@ -24,7 +24,7 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
                  stride_kg, stride_kn, stride_vg, stride_vn,
                  T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
                  D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr):
     """One program: BLOCK_M folded rows (r = j * T + t: query head g * R + j, token t) of KV head g,
     head dims [c * DC, (c + 1) * DC). Softmax over the S prefix partials (each one column: its lse
     and normalized output) and the N tree keys (scores over all D + additive bias); writes
@@ -50,14 +50,19 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     io = row_ok[:, None] & c_ok[None, :]  # [BM, DC]
     q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, DP]
+    # prefix partials, one score column each, SB splits per loop iteration (unrolled: their loads are
+    # independent, so S partials cost about S / SB memory round trips, not S dependent ones)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
-    for s in range(S):  # prefix partials, one score column each (a loop, not unrolled: S <= 64)
-        row = (g * S + s) * M + offs_m
-        ls = tl.load(lsep_ptr + row, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
-        o = tl.load(outp_ptr + row[:, None] * D + offs_c[None, :], mask=io, other=0.0).to(tl.float32)
-        m_i, l_i, acc = _fold(m_i, l_i, acc, ls, tl.where(ls == float("-inf"), 0.0, 1.0), o)
+    for s0 in range(0, S, SB):
+        for j in tl.static_range(SB):
+            ok = row_ok & (s0 + j < S)
+            row = (g * S + s0 + j) * M + offs_m
+            ls = tl.load(lsep_ptr + row, mask=ok, other=float("-inf")).to(tl.float32) * LOG2E
+            o = tl.load(outp_ptr + row[:, None] * D + offs_c[None, :], mask=ok[:, None] & c_ok[None, :],
+                        other=0.0).to(tl.float32)
+            m_i, l_i, acc = _fold(m_i, l_i, acc, ls, tl.where(ls == float("-inf"), 0.0, 1.0), o)
     for n0 in range(0, N, BLOCK_N):  # tree keys, masked by the additive bias
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
         key_ok = offs_n < N

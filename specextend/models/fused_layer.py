@@ -28,12 +28,16 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
 
-def combine_config(rows: int, n: int, d: int, ieee: bool) -> dict:
+def combine_config(rows: int, n: int, d: int, s: int, ieee: bool) -> dict:
     """tree_combine's tiles: row blocks of at most 32 and head-dim chunks of 32 (more programs: the
-    partials are read at the machine's bandwidth, not one multiprocessor's); tiles that compile
-    for sm_90 without spilling (benchmarks/triton_aot.py, 2026-11-22). Not yet timed."""
+    partials are read at the machine's bandwidth, not one multiprocessor's), and sb of the S
+    partials per loop iteration, unrolled so that their loads are in flight together (H100,
+    2026-11-23: one split per iteration cost 19 us a call for the 8B's 16-node tree, S = 33
+    dependent round trips). float32's IEEE dots keep sb = 1: more spills there (any sb > 1 spilled
+    for some geometry). Tiles that compile for sm_90 without spilling (benchmarks/triton_aot.py)."""
     bn = 16 if ieee else min(64, _pow2(n))  # IEEE float32 dots run on CUDA cores: smaller key blocks
-    return dict(bm=min(32, _pow2(rows)), bn=bn, dc=min(32, _pow2(d)), warps=4)
+    bm, dc, sp = min(32, _pow2(rows)), min(32, _pow2(d)), _pow2(s, 2)
+    return dict(bm=bm, bn=bn, dc=dc, sb=1 if ieee else min(sp, 8), warps=4)
 
 
 def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
@@ -57,12 +61,12 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)  # [T, H * D]
     lse = torch.empty(h, t, dtype=torch.float32, device=q.device) if need_lse else out
     ieee = q.dtype == torch.float32
-    c = combine_config(r * t, n, d, ieee)
+    c = combine_config(r * t, n, d, s, ieee)
     dc = d_chunk or c["dc"]
     grid = (-(-r * t // c["bm"]), g, -(-d // dc))
     kernel[grid](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
                  k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, R=r, N=n, S=s, D=d, DP=_pow2(d),
-                 DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], NEED_LSE=need_lse, IEEE=ieee, num_warps=c["warps"])
+                 DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], SB=c["sb"], NEED_LSE=need_lse, IEEE=ieee, num_warps=c["warps"])
     return out, (lse if need_lse else None)
 
 
