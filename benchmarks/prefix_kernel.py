@@ -79,7 +79,7 @@ def main():
         row = dict(tokens=t, rows=m, flash_us=flash, floor_us=kv_bytes / bw * 1e6)
         best = None
         base_s = num_splits(m, G, sms)
-        bms = (0, 128) if m > 64 else (0,)
+        bms = (0, 64) if m > 64 else (0,)  # 0: config()'s (128 past 64 rows)
         factors = [float(f) for f in a.split_factors.split(",")]
         if a.with_combine:
             from specextend.models.fused_layer import tree_combine

@@ -45,8 +45,11 @@ def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer
     g = tl.program_id(2)
     idx = tl.arange(0, 4)
     mv = tl.load(meta_ptr + idx)  # [4] (offset, L, capacity, unused): scalars by reduction
-    off = tl.multiple_of(tl.sum(tl.where(idx == 0, mv, 0), 0), 16)  # cache.data - kv_ptr, elements
-    L = tl.sum(tl.where(idx == 1, mv, 0), 0)
+    # cache.data - kv_ptr in elements, a multiple of 16 (cache_meta): written as // 16 * 16 so that the
+    # compiler knows it (tl.multiple_of is lost on a scalar) and loads keys 16 bytes at a time with
+    # pipelined async copies; without it they were 2-byte loads, the kernel at ~45% of bandwidth
+    off = tl.sum(tl.where(idx == 0, mv, 0), 0) // 16 * 16
+    L = tl.sum(tl.where(idx == 1, mv, 0), 0).to(tl.int32)  # an int32 loop: i64 loops are not pipelined
     cap = tl.sum(tl.where(idx == 2, mv, 0), 0)
     kv = kv_ptr + off  # the cache, through an aligned pointer (vectorized loads)
     k_ptr = kv + ((layer * 2 + 0) * G + g) * cap * D  # [cap, D] of layer, head g
