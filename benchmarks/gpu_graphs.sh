@@ -139,3 +139,15 @@ python3 benchmarks/step_times.py --target random:qwen2.5-1.5b --draft random:qwe
 grep -E "^\| |Error" "$OUT/step_times_qwen.log" | tail -1
 (cd benchmarks && python3 profile_step.py --only-verify --rows 14 > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
 fi
+if [[ $PART == 17 ]]; then  # re-tuned prefix configs, Triton RMSNorm, in-place residual adds: checks, step times, profile
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pytest -q --tb=short tests/test_fused_layer.py tests/test_full_graphs.py tests/test_draft_expand.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+python3 benchmarks/step_times.py --lengths 16384,4096,32768 --reps 10 --cuda-graphs full-fused --tree-nodes 16 \
+    --tree-depth 6 > "$OUT/step_times.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times.log" | tail -4
+python3 benchmarks/step_times.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.5b --lengths 16384 --reps 10 \
+    --cuda-graphs full-fused --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_qwen.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_qwen.log" | tail -1
+(cd benchmarks && python3 profile_step.py --only-verify --rows 14 > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
+fi

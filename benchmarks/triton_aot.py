@@ -87,6 +87,9 @@ def kernels_for(geo: str, call: str, dt: str):
         T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=call == "draft-level"), dict(num_warps=1)
     block = min(1024, _pow2(inter))
     yield "silu_mul", LK.silu_mul, dict(gu_ptr=(p, 0), out_ptr=(p, 0)), dict(I=inter, BLOCK=block), dict(num_warps=4)
+    e = h * d  # the presets' hidden size
+    yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(
+        E=e, BLOCK=_pow2(e)), dict(num_warps=max(1, min(16, _pow2(e) // 512)))
 
 
 def resource_usage(cubin: bytes) -> dict:

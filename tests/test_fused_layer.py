@@ -91,6 +91,19 @@ def test_silu_mul_equals_torch(dtype, t, i):
     torch.testing.assert_close(fused_layer.silu_mul(gu), F.silu(gate) * up, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e", [(1, 40), (17, 896), (3, 4096)])
+def test_rms_norm_equals_torch(dtype, t, e):
+    """Rows of a non-power-of-two width (masked tail) and of the 8B's 4096."""
+    from specextend.models.decoder import rms_norm
+
+    gen = _gen(e)
+    x = (torch.randn(t, e, generator=gen) * 3 + 1).to(DEVICE, dtype)
+    w = (torch.rand(e, generator=gen) + 0.5).to(DEVICE, dtype)
+    torch.testing.assert_close(fused_layer.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
 def test_fused_full_step_twin_equals_eager(name):
     """The full-step forward with the fused kernels equals the plain forward, for every decode-time

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[1]
-FUSED = {"tree_combine", "rope_scatter", "silu_mul"}
+FUSED = {"tree_combine", "rope_scatter", "silu_mul", "rms_norm"}
 
 
 def test_kernels_compile_for_sm90_within_shared_memory_and_fused_ones_do_not_spill():

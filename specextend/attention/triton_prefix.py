@@ -49,15 +49,17 @@ def cache_meta(data: torch.Tensor, anchor: torch.Tensor, length: int) -> list[in
 
 def config(rows: int, ieee: bool = False) -> dict:
     """Block sizes and launch parameters by folded query rows, from benchmarks/prefix_kernel.py on
-    an H100 (2026-11-22, 16K keys, D=128, bf16; results/prefix_kernel-h100.log): a few rows
-    (AR decode, small trees) are bandwidth-bound, many rows (a 51-node tree: 204) compute-bound.
-    float32 caches (`ieee`: IEEE float32 dots on CUDA cores) take small tiles: the bf16 tiles
-    need 393 KB of shared memory at D=128 (the limit is 227 KB) and spill; these compile for sm_90
-    with neither at D=64 and 128 (benchmarks/triton_aot.py, 2026-11-22; not timed)."""
+    an H100 (2026-11-23, 16K keys, D=128, bf16, each configuration timed with the combine kernel
+    that reads its partials; results/prefix_combine-h100-v2.log): 4 rows (AR) 31.6 us, 68 (a
+    16-node tree) 36.1, 204 (a 50-node tree) 57.9, against a 22.5 us floor and FlashAttention-2's
+    37.4 / 43.4 / 72.8 through torch. float32 caches (`ieee`: IEEE float32 dots on CUDA cores)
+    take small tiles that compile for sm_90 without spilling (benchmarks/triton_aot.py; not timed)."""
     if ieee:
         return dict(bm=16 if rows <= 16 else 32, block_n=32, num_warps=8, num_stages=2)
     if rows <= 64:
-        return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=128, num_warps=4, num_stages=2)
+        return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=64, num_warps=4, num_stages=3)
+    if rows <= 128:
+        return dict(bm=128, block_n=64, num_warps=8, num_stages=4)
     return dict(bm=128, block_n=128, num_warps=8, num_stages=3)
 
 
@@ -66,9 +68,10 @@ def block_m(rows: int, ieee: bool = False) -> int:
 
 
 def num_splits(rows: int, num_kv_heads: int, num_sms: int, ieee: bool = False) -> int:
-    """Splits per (row block, KV head) so that about two programs run per multiprocessor."""
+    """Splits per (row block, KV head) so that about one program runs per multiprocessor (the
+    sweep above: half as many splits as two per multiprocessor won at 4, 68 and 204 rows)."""
     blocks = -(-rows // block_m(rows, ieee)) * num_kv_heads
-    return max(1, min(64, round(2 * num_sms / blocks)))
+    return max(1, min(64, round(num_sms / blocks)))
 
 
 def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T folded rows)

@@ -138,3 +138,16 @@ def silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr):
     gf = gate.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
     tl.store(out_ptr + t * I + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
+
+
+@triton.jit
+def rms_norm(x_ptr, w_ptr, out_ptr, eps, E: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row of x [T, E]: out = x * rsqrt(mean(x^2) + eps) * w, in float32, rounded
+    once to the storage dtype (as F.rms_norm)."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < E
+    x = tl.load(x_ptr + t * E + offs, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / E + eps)
+    tl.store(out_ptr + t * E + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)

@@ -7,6 +7,7 @@ graph nodes per 0.5B draft forward, ~2.5 us each, against 0.3 ms of weights).
     tree_combine   HTA's tree part with its mask and the merge of the S prefix partials,
                    written in the o-projection's [T, H * D] layout                      ~10 -> 1
     silu_mul       the MLP's activation                                                    2 -> 1
+    rms_norm       the two norms, one program per row (PyTorch's took 5.8 us for 17 rows)  1 -> 1
 
 The slow twins are the torch functions the plain segments use (decoder.layer_pre / layer_post,
 tree_merge.tree_attention_merged); tests compare each kernel with its twin and the whole fused
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specextend.models.args import ModelArgs
-from specextend.models.decoder import LayerWeights, rms_norm
+from specextend.models.decoder import LayerWeights
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
@@ -33,11 +34,12 @@ def combine_config(rows: int, n: int, d: int, s: int, ieee: bool) -> dict:
     partials are read at the machine's bandwidth, not one multiprocessor's), and sb of the S
     partials per loop iteration, unrolled so that their loads are in flight together (H100,
     2026-11-23: one split per iteration cost 19 us a call for the 8B's 16-node tree, S = 33
-    dependent round trips). float32's IEEE dots keep sb = 1: more spills there (any sb > 1 spilled
-    for some geometry). Tiles that compile for sm_90 without spilling (benchmarks/triton_aot.py)."""
+    dependent round trips). Key blocks of 64 (trees past 32 nodes) take sb = 4, float32's IEEE
+    dots sb = 1: more spilled (8 and any sb > 1 respectively, for some geometry). Tiles that
+    compile for sm_90 without spilling (benchmarks/triton_aot.py)."""
     bn = 16 if ieee else min(64, _pow2(n))  # IEEE float32 dots run on CUDA cores: smaller key blocks
     bm, dc, sp = min(32, _pow2(rows)), min(32, _pow2(d)), _pow2(s, 2)
-    return dict(bm=bm, bn=bn, dc=dc, sb=1 if ieee else min(sp, 8), warps=4)
+    return dict(bm=bm, bn=bn, dc=dc, sb=1 if ieee else min(sp, 8 if bn <= 32 else 4), warps=4)
 
 
 def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
@@ -102,6 +104,20 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, E] contiguous, w [E] -> RMSNorm [T, E], one program per row (PyTorch's kernel took
+    5.8 us for 17 rows of 4096 on an H100, 2026-11-23: 65 of them per 8B forward). Twin:
+    decoder.rms_norm."""
+    from specextend.models._triton_layer import rms_norm as kernel
+
+    t, e = x.shape
+    assert x.is_contiguous() and w.is_contiguous() and w.shape == (e,)
+    out = torch.empty_like(x)
+    block = _pow2(e)
+    kernel[(t,)](x, w, out, eps, E=e, BLOCK=block, num_warps=max(1, min(16, block // 512)))
+    return out
+
+
 # ---------------------------------------------------------------- the layer pieces, fused
 def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst) -> torch.Tensor:
     """segments._pre with RoPE and the copies fused, for models without QK-norm."""
@@ -111,7 +127,10 @@ def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_ds
 
 
 def layer_post(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """decoder.layer_post on attention already in [T, H * D] (tree_combine's layout)."""
-    x = torch.addmm(x, attn, lw.o.t())  # residual
+    """decoder.layer_post on attention already in [T, H * D] (tree_combine's layout). The residual
+    adds are in place (x is this layer's own input, read by nothing after it): torch.addmm into a
+    new tensor first copies x there, two extra graph nodes a layer (memcpy32_post in the H100
+    profile, 2026-11-23)."""
+    x = x.addmm_(attn, lw.o.t())  # residual
     hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
-    return torch.addmm(x, silu_mul(F.linear(hs, lw.gate_up)), lw.down.t())
+    return x.addmm_(silu_mul(F.linear(hs, lw.gate_up)), lw.down.t())
