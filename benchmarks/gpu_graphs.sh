@@ -151,3 +151,16 @@ python3 benchmarks/step_times.py --target random:qwen2.5-1.5b --draft random:qwe
 grep -E "^\| |Error" "$OUT/step_times_qwen.log" | tail -1
 (cd benchmarks && python3 profile_step.py --only-verify --rows 14 > "$OUT/profile.log" 2>&1); grep -E "^===" "$OUT/profile.log"
 fi
+if [[ $PART == 18 ]]; then  # final numbers of the session: step times at 4K/16K/32K (16-node tree), 50-node tree, end to end
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 benchmarks/step_times.py --lengths 16384,4096,32768 --reps 10 --cuda-graphs full-fused --tree-nodes 16 \
+    --tree-depth 6 > "$OUT/step_times.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times.log" | tail -4
+python3 benchmarks/step_times.py --lengths 16384 --reps 10 --cuda-graphs full-fused > "$OUT/step_times_tree50.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_tree50.log" | tail -1
+python3 benchmarks/e2e.py --lengths 16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
+grep -v '^{' "$OUT/e2e.log" | tail -5
+python3 benchmarks/e2e.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.5b --lengths 8192,16384 \
+    --replay-constant 4 --tree-nodes 16 --skip-hf > "$OUT/e2e_qwen.log" 2>&1
+grep -v '^{' "$OUT/e2e_qwen.log" | tail -6
+fi
