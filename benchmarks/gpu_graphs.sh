@@ -164,3 +164,12 @@ python3 benchmarks/e2e.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.
     --replay-constant 4 --tree-nodes 16 --skip-hf > "$OUT/e2e_qwen.log" 2>&1
 grep -v '^{' "$OUT/e2e_qwen.log" | tail -6
 fi
+if [[ $PART == 19 ]]; then  # the table at 8K with both drafts; where a 68M draft step's time goes
+python3 benchmarks/step_times.py --lengths 8192 --reps 10 --cuda-graphs full-fused --tree-nodes 16 --tree-depth 6 \
+    > "$OUT/step_times_8k.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_8k.log" | tail -1
+python3 benchmarks/step_times.py --draft random:llama-3.2-1b --lengths 16384,32768 --reps 10 --cuda-graphs full-fused \
+    --tree-nodes 16 --tree-depth 6 > "$OUT/step_times_1b.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times_1b.log" | tail -2
+(cd benchmarks && python3 profile_step.py --draft random:llama-68m --rows 24 > "$OUT/profile_68m.log" 2>&1); grep -E "^===" "$OUT/profile_68m.log"
+fi
