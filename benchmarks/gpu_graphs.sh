@@ -173,3 +173,15 @@ python3 benchmarks/step_times.py --draft random:llama-3.2-1b --lengths 16384,327
 grep -E "^\| |Error" "$OUT/step_times_1b.log" | tail -2
 (cd benchmarks && python3 profile_step.py --draft random:llama-68m --rows 24 > "$OUT/profile_68m.log" 2>&1); grep -E "^===" "$OUT/profile_68m.log"
 fi
+if [[ $PART == 20 ]]; then  # the draft's per-level bookkeeping as CUDA graphs (draft/expand.PostGraphs): checks, draft steps, end to end
+timeout 240 python3 -m pytest -q --tb=short tests/test_draft_expand.py tests/test_lossless.py > "$OUT/pytest.log" 2>&1
+grep -E "^E  |passed|failed" "$OUT/pytest.log" | head -12
+python3 benchmarks/step_times.py --lengths 16384 --reps 10 --cuda-graphs full-fused --tree-nodes 16 --tree-depth 6 \
+    > "$OUT/step_times.log" 2>&1
+grep -E "^\| |Error" "$OUT/step_times.log" | tail -1
+python3 benchmarks/e2e.py --lengths 16384 --replay-constant 3 --skip-hf > "$OUT/e2e.log" 2>&1
+grep -v '^{' "$OUT/e2e.log" | grep "^| 16384"
+python3 benchmarks/e2e.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.5b --lengths 8192,16384 \
+    --replay-constant 4 --tree-nodes 16 --skip-hf > "$OUT/e2e_qwen.log" 2>&1
+grep -v '^{' "$OUT/e2e_qwen.log" | grep -E "^\| (8192|16384)"
+fi

@@ -10,7 +10,7 @@ import torch
 
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftSessionParams, Retrieval
-from specextend.draft.expand import expand_tree, expand_tree_host
+from specextend.draft.expand import PostGraphs, expand_tree, expand_tree_host, level_post
 from specextend.draft.session import DraftSession
 from specextend.models.graphs import StepGraphs
 
@@ -69,3 +69,49 @@ def test_expansions_agree_on_pool_and_stop(tiny_models):
     calls = []
     assert expand_tree(forward, root, cfg, L, should_stop=lambda: calls.append(1) or len(calls) > 2) is None
     assert len(calls) == 3  # checked before each forward, stopped before the third
+
+
+def test_level_bookkeeping_is_eager_without_captured_graphs(tiny_models):
+    draft = tiny_models("float64")[1].decoder
+    s = DraftSession(draft, prompt(40, 3), DraftSessionParams(TreeConfig(10, 5, 3), RetrievalConfig(), 64))
+    saved = draft.graphs
+    try:
+        draft.graphs = None
+        assert s._post() is level_post
+        draft.graphs = StepGraphs(draft, capture=False)  # the twin of the graphs: op by op
+        assert s._post() is level_post
+    finally:
+        draft.graphs = saved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_graphed_level_bookkeeping_equals_eager(tiny_models, dtype):
+    """PostGraphs (captured at first use, then replayed) drafts the eager pool; sessions of one
+    model share its graphs and still draft their host twin's trees."""
+    draft = tiny_models(dtype)[1].decoder
+    cfg = TreeConfig(10, 5, 3)
+    s = DraftSession(draft, prompt(40, 3), DraftSessionParams(cfg, RetrievalConfig(), 64))
+    root = s._forward_committed([9])
+
+    def forward(ids, positions, mask, staged):
+        from specextend.models.decoder import ForwardOptions
+
+        return draft.forward(ids, positions, s.work, mask, ForwardOptions(staged=staged))[0]
+
+    L = s.work.length - 1
+    eager = expand_tree(forward, root, cfg, L)
+    post = PostGraphs(draft.device)
+    for _ in range(2):  # captures, then replays
+        assert expand_tree(forward, root, cfg, L, post=post) == eager
+    assert len(post.plans) == cfg.depth - 1 and post.replays == 2 * (cfg.depth - 1)
+    assert draft.graphs is not None and draft.graphs.capture  # the loaded model's own graphs
+    params = DraftSessionParams(TreeConfig(12, 4, 3), RETRIEVAL, max_new_tokens=64)
+    fast = [DraftSession(draft, prompt(150, i), params) for i in (1, 2)]
+    slow = [DraftSession(draft, prompt(150, i), params) for i in (1, 2)]
+    for x in slow:
+        x.expand = expand_tree_host
+    for step in range(3):
+        for f, sl in zip(fast, slow):  # the two sessions alternate through the shared graphs
+            assert f.step(step, [7 + step], None) == sl.step(step, [7 + step], None)
+    assert draft.post_graphs is not None and draft.post_graphs.replays > 0

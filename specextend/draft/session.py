@@ -8,6 +8,7 @@ retrieval the working cache is simply the full cache.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
@@ -15,7 +16,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval
-from specextend.draft.expand import expand_tree
+from specextend.draft.expand import PostGraphs, expand_tree, level_post
 from specextend.kv_cache import CacheFull
 from specextend.models.decoder import Decoder, ForwardOptions
 from specextend.models.rope import apply_rope
@@ -48,6 +49,9 @@ def best_branch(tree: DraftTree) -> list[int]:
         out.append(tree.tokens[node])
         row = node + 1
     return out
+
+
+_POST_LOCK = threading.Lock()
 
 
 class DraftSession:
@@ -152,13 +156,25 @@ class DraftSession:
         if self.store is not None:
             self.store.truncate(spec.store_length)
 
+    def _post(self):
+        """The expansion's per-level bookkeeping: CUDA graphs where the model's forwards are graphed
+        (made once per model, shared by its sessions), else op by op."""
+        m = self.model
+        if m.graphs is None or not m.graphs.capture:
+            return level_post
+        with _POST_LOCK:
+            if m.post_graphs is None:
+                m.post_graphs = PostGraphs(m.device)
+        return m.post_graphs
+
     def _draft_tree(self, root_logits: torch.Tensor,
                     should_stop: Callable[[], bool] = lambda: False) -> Optional[tuple[list[int], list[int]]]:
         """Dynamic tree (EAGLE-2 style, draft/expand.py), then the best `nodes` of its pool."""
         def forward(ids, positions, mask, staged):
             return self.model.forward(ids, positions, self.work, mask, ForwardOptions(staged=staged))[0]
 
-        pool = self.expand(forward, root_logits, self.params.tree, self.work.length - 1, should_stop)
+        pool = self.expand(forward, root_logits, self.params.tree, self.work.length - 1, should_stop,
+                           post=self._post())
         if pool is None:
             return None
         toks, scores, parents, depths = pool

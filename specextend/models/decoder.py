@@ -122,6 +122,7 @@ class Decoder:
         self.backend = backend
         self.scale = 1.0 / math.sqrt(args.head_dim)
         self.graphs = None  # StepGraphs (graphs.py) once enabled
+        self.post_graphs = None  # a draft's tree-expansion bookkeeping as graphs (draft/expand.PostGraphs)
 
     @property
     def device(self) -> torch.device:
