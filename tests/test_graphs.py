@@ -213,3 +213,23 @@ def test_sessions_interleaved_through_shared_plans(capture):
             for c in (cg, ce):
                 c.commit(torch.tensor([0, 2]))
     assert len(graphs.plans) == 2
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
+def test_plans_serve_calls_in_and_out_of_inference_mode(capture):
+    """The engine steps in torch.inference_mode, the draft's gRPC threads do not: a plan built by
+    one must take the other's in-place input copies (H100, 2026-11-23: it raised, and every draft
+    over gRPC fell back to plain decoding)."""
+    device = "cuda" if capture else "cpu"
+    dec = decoder_on("llama3", device, torch.float32 if capture else torch.float64)
+    graphs = StepGraphs(dec, capture=capture)
+    cache = dec.new_cache(64)
+    ids = torch.arange(10, device=device) + 3
+    dec.forward_eager(ids, torch.arange(10, device=device), cache, CAUSAL, ForwardOptions())
+    cache.advance(10)
+    tok, pos = torch.tensor([5], device=device), torch.tensor([10], device=device)
+    with torch.inference_mode():
+        inside = graphs.forward(tok, pos, cache, CAUSAL, ForwardOptions())[0]  # builds the plan
+    outside = graphs.forward(tok, pos, cache, CAUSAL, ForwardOptions())[0]  # the same plan
+    assert torch.equal(inside, outside) and len(graphs.plans) == 1

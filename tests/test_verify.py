@@ -87,6 +87,7 @@ def test_rounding_noise_is_zero_in_float64_and_positive_in_bf16(tiny_models):
     noise = rounding_noise(bf, ids)
     from specextend.attention.backends import CAUSAL
 
-    logits, _ = d.forward(torch.tensor(ids), torch.arange(len(ids)), d.new_cache(64), CAUSAL)
+    logits, _ = d.forward(torch.tensor(ids, device=d.device), torch.arange(len(ids), device=d.device),
+                          d.new_cache(64), CAUSAL)
     scale = float(logits[-1].abs().max())
     assert 0.0 < noise < 0.05 * scale, (noise, scale)  # bf16 moves the logits, but only by rounding

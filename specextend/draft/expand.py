@@ -70,8 +70,9 @@ class PostGraphs:
         key = (tuple(logits.shape), logits.dtype, tuple(mask.shape), k, size)
         with self.lock:
             plan = self.plans.get(key)
-            if plan is None:
-                plan = self.plans[key] = self._build(logits, fr_score, fr_id, mask, k, size)
+            if plan is None:  # normal tensors (see graphs.StepGraphs.forward)
+                with torch.inference_mode(False), torch.no_grad():
+                    plan = self.plans[key] = self._build(logits, fr_score, fr_id, mask, k, size)
             graph, inputs, outputs = plan
             for dst, src in zip(inputs, (logits, fr_score, fr_id, mask)):
                 dst.copy_(src)

@@ -122,8 +122,9 @@ class StepGraphs:
         with self.lock:
             self.forwards += 1
             plan = self.plans.get(key)
-            if plan is None:
-                plan = self.plans[key] = self._build(key, cache)
+            if plan is None:  # static buffers as normal tensors: updated in place from inference mode or not
+                with torch.inference_mode(False), torch.no_grad():
+                    plan = self.plans[key] = self._build(key, cache)
             p = plan
             p.ids.copy_(input_ids, non_blocking=True)
             p.pos.copy_(positions, non_blocking=True)
