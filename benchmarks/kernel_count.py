@@ -61,7 +61,7 @@ def count(arch: str, dtype: torch.dtype, fused: bool) -> dict:
     graphs.forward(torch.arange(7), 20 + depths, cache, ancestor_mask(parents, "cpu"), ForwardOptions())
     plan = next(iter(graphs.plans.values()))
     launches = collections.Counter()
-    saved = {n: getattr(fused_layer, n) for n in ("tree_combine", "rope_scatter", "silu_mul")}
+    saved = {n: getattr(fused_layer, n) for n in ("tree_combine", "rope_scatter", "silu_mul", "rms_norm")}
 
     def counted(name):
         def call(*a, **k):
@@ -85,7 +85,8 @@ def count(arch: str, dtype: torch.dtype, fused: bool) -> dict:
     for k, n in per_norm.items():
         ops[k] -= n * norms
     ops = +ops
-    ops["rms_norm"] = norms
+    if norms:
+        ops["rms_norm"] = norms
     total = sum(ops.values()) + sum(launches.values())
     return dict(arch=arch, dtype=str(dtype), fused=fused, kernels=total, aten=dict(ops), triton=dict(launches))
 
