@@ -11,7 +11,7 @@ A level's bookkeeping (`level_post`: log-softmax, top-k over the vocabulary, the
 and its mask) is ~15 small ops whose host cost dominated a small draft's step on an H100
 (2026-11-23: a 68M draft step took 9.6 ms of wall time for 2.7 ms of kernels; torch.topk alone
 cost ~185 us of host time a call, 11 calls a step). `PostGraphs` replays it as one CUDA graph per
-shape; `PostGraphs(capture=False)` runs the same function op by op (its twin).
+shape; level_post called directly is its twin (the tests compare them).
 
 Both take `forward(ids [F], positions [F], mask [F, staged + F] bool, staged) -> logits [F, V]`:
 the frontier's tokens at one depth, attending to the committed cache, to their forwarded
@@ -53,20 +53,16 @@ def level_post(logits: torch.Tensor,  # [F, V] the frontier's next-token logits
 
 class PostGraphs:
     """level_post replayed as one CUDA graph per shape (F, V, S, k, size), shared by a model's draft
-    sessions: inputs are copied into static buffers and outputs cloned out under a lock.
-    `capture=False` (any device) calls level_post directly."""
+    sessions: inputs are copied into static buffers and outputs cloned out under a lock."""
 
-    def __init__(self, device: torch.device, capture: bool = True):
-        self.capture = capture and device.type == "cuda"
+    def __init__(self, device: torch.device):
         self.plans: dict = {}
         self.lock = threading.Lock()
         self.replays = 0
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._stream = torch.cuda.Stream(device) if self.capture else None
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(device)
 
     def __call__(self, logits, fr_score, fr_id, mask, k: int, size: int) -> tuple[torch.Tensor, ...]:
-        if not self.capture:
-            return level_post(logits, fr_score, fr_id, mask, k, size)
         key = (tuple(logits.shape), logits.dtype, tuple(mask.shape), k, size)
         with self.lock:
             plan = self.plans.get(key)
