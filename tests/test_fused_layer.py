@@ -35,8 +35,8 @@ def _gen(seed):
 def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, chunk, need_lse):
     """GQA groups, one query, staged keys past one key block (n > 64), a non-power-of-two head dim,
     the head dim in chunks over programs (two of 16, the last one partial), more rows than one row
-    block, S partials (some empty: lse -inf; 37 of them: ten loads of 4, the last one partial) or the
-    one-prefix layout [H, T, D]."""
+    block, S partials (some empty: lse -inf; 37 of them: in half precision five unrolled iterations
+    of 8, the last one partial) or the one-prefix layout [H, T, D]."""
     gen = _gen(h * 100 + t * 10 + staged)
     r, n = h // g, staged + t
     rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
