@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 import specextend.engine as engine_mod
-from specextend.builder import load_draft, load_target
+from specextend.builder import load_pair
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.target import TargetSession
 
@@ -123,8 +123,7 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     base = EngineConfig(dtype="float32", device="cpu")
-    target = load_target(base)
-    draft = load_draft(base, target)
+    target, draft = load_pair(base)
     load_s = time.perf_counter() - t_start
     print(f"loaded {target.name} + {draft.name} in {load_s:.0f} s; torch threads {torch.get_num_threads()}",
           file=sys.stderr, flush=True)
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
                 if name.endswith("-k16") and n > a.k16_max_length:
                     continue
                 cfg = all_cfgs[name]
-                eng = Engine(cfg, target, InProcessDraft(draft.decoder, prefill_chunk=cfg.prefill_chunk))
+                eng = Engine(cfg, target, DraftWorker(draft.decoder, prefill_chunk=cfg.prefill_chunk))
                 t0 = time.perf_counter()
                 out, finish, st = eng.generate(ids, params)
                 wall = time.perf_counter() - t0
@@ -174,9 +173,9 @@ def main(argv=None) -> int:
                     prefill_s=st.prefill_s, wall_s=wall,
                     draft_s=st.draft_s, verify_s=st.verify_s, draft_cache_tokens=st.draft_cache_tokens,
                     retrieval_refreshes=st.retrieval_refreshes, budget_tokens=cfg.retrieval.budget_tokens
-                    if cfg.with_mode_defaults().retrieval.enabled else None,
-                    hybrid_attention=cfg.with_mode_defaults().hybrid_attention,
-                    draft_prefill_window=cfg.with_mode_defaults().retrieval.draft_prefill_window,
+                    if cfg.retrieval.enabled else None,
+                    hybrid_attention=cfg.hybrid_attention,
+                    draft_prefill_window=cfg.retrieval.draft_prefill_window,
                     fallback=st.fallback, accepted_per_step=acc, context_per_step=st.context_per_step))
                 tr = traces.setdefault((name, n), dict(
                     target=target.name, draft=draft.name, mode=cfg.mode, config=name, prompt_tokens=len(ids),

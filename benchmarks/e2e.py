@@ -1,8 +1,8 @@
-"""End-to-end decoding on one device (DESIGN 3.5): ar-hf, ar, sd and specextend in one run.
+"""End-to-end decoding on one device (docs/architecture.md, "Baselines"): ar-hf, ar, sd and specextend in one run.
 
 With random weights the draft agrees with its target almost never, so timing uses acceptance
 replay (results say "replayed"): each step accepts the length recorded in a trace of a real run.
-A short unreplayed `sd` vs `ar` run checks losslessness (DESIGN 3.6 near-tie rule).
+A short unreplayed `sd` vs `ar` run checks losslessness (near-tie rule, docs/architecture.md).
 
   python benchmarks/e2e.py --target random:llama-3.1-8b --draft random:llama-68m \
       --lengths 8192,16384 --replay-trace benchmarks/traces/FILE.json
@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.models.loader import load_model
 from prompts import chat_prompt
@@ -71,23 +71,22 @@ def main():
     p.add_argument("--tree-topk", type=int, default=4)
     p.add_argument("--check-tokens", type=int, default=48)
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--piecewise", action="store_true", help="piecewise graphs, not full-step graphs")
-    p.add_argument("--torch-compile", action="store_true", help="graph segments compiled by Inductor")
+    p.add_argument("--execution", default="auto", choices=("auto", "graphs", "eager"))
     p.add_argument("--tie-tol", type=float, default=0.125, help="near-tie tolerance for bf16 logits")
     a = p.parse_args()
     replay = None if a.no_replay else [a.replay_constant]
     if a.replay_trace:
         replay = json.load(open(a.replay_trace))["accepted_per_step"]
-    kw = dict(torch_compile=a.torch_compile, full_graphs=not a.piecewise)
+    kw = dict(execution=a.execution)
     target = load_model(a.target, "target", **kw)
     draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, target_weights=target.decoder.w, **kw)
     dev = target.decoder.device
     tree = TreeConfig(a.tree_nodes, a.tree_depth, a.tree_topk)
     engines = {
         "ar": Engine(EngineConfig(mode="ar"), target),
-        "sd": Engine(EngineConfig(mode="sd", tree=tree), target, InProcessDraft(draft.decoder)),
+        "sd": Engine(EngineConfig(mode="sd", tree=tree), target, DraftWorker(draft.decoder)),
         "specextend": Engine(EngineConfig(mode="specextend", tree=tree, retrieval=RetrievalConfig(
-            enabled=True, draft_prefill_window=512)), target, InProcessDraft(draft.decoder)),
+            enabled=True, draft_prefill_window=512)), target, DraftWorker(draft.decoder)),
     }
     rows, checks = [], []
     for L in [int(x) for x in a.lengths.split(",")]:
@@ -125,8 +124,7 @@ def main():
     meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", target=a.target,
                 draft=a.draft, dtype=str(target.decoder.dtype), tree=[a.tree_nodes, a.tree_depth, a.tree_topk],
                 replay=None if replay is None else (a.replay_trace or f"constant {a.replay_constant}"),
-                text=a.text_file, torch_compile=a.torch_compile,
-                full_graphs=not a.piecewise, date=time.strftime("%Y-%m-%d"))
+                text=a.text_file, execution=a.execution, date=time.strftime("%Y-%m-%d"))
     print(json.dumps(dict(meta=meta, rows=rows, checks=checks)))
 
 

@@ -70,7 +70,7 @@ def main():
     p.add_argument("--text-file", default=None, help="real text (chat prompt of its first L tokens); else random ids")
     p.add_argument("--tokenizer", default=None, help=".gguf whose tokenizer builds the --text-file prompts")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
-    p.add_argument("app_args", nargs="*", help="key=value app arguments (DESIGN's configuration names)")
+    p.add_argument("app_args", nargs="*", help="key=value app arguments (the configuration's flat names, specextend/config.py)")
     a = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray

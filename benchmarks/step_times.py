@@ -1,4 +1,4 @@
-"""Step-level timings at scale (DESIGN 3.5, 7): prefill, verify (HTA vs plain masked), AR decode and
+"""Step-level timings at scale (docs/architecture.md, "Baselines"): prefill, verify (HTA vs plain masked), AR decode and
 draft steps (retrieval working cache vs full cache), each against its memory floor.
 
 Random weights at real geometries (every kernel's time is what it would be with real weights).

@@ -1,7 +1,7 @@
 """Stress the cross-model signal in the disaggregated shape (draft behind a real gRPC server):
 inject RPC latency, apply chunk ids k steps late, drop updates, send them twice, run many sessions
 at once, vary the refresh interval. For every setting: mean acceptance length, tokens/s, per-step
-split, and whether the output still equals plain greedy decoding (DESIGN 3.6).
+split, and whether the output still equals plain greedy decoding (docs/architecture.md, "Losslessness in finite precision").
 
   python benchmarks/stress_signal.py --target random:llama-tiny --draft random:llama-tiny-draft --dtype float64
 """
@@ -16,10 +16,10 @@ from dataclasses import replace
 
 import torch
 
-from specextend.builder import load_draft, load_target
+from specextend.builder import load_pair
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
 from specextend.draft.chaos import Chaos, ChaosDraft
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.near_tie import near_tie_check
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
@@ -52,9 +52,8 @@ def main():
     p.add_argument("--tie-tol", type=float, default=1e-6)
     a = p.parse_args()
     cfg = EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype)
-    target = load_target(cfg)
-    draft = load_draft(cfg, target)
-    server = DraftServerThread(InProcessDraft(draft.decoder), "127.0.0.1", 0)
+    target, draft = load_pair(cfg)
+    server = DraftServerThread(DraftWorker(draft.decoder), "127.0.0.1", 0)
     client = GrpcDraftBackend(server.address, timeout_s=60)
     params = SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True)
     prompts = [torch.randint(0, 256, (a.prompt_tokens,), generator=torch.Generator().manual_seed(s)).tolist()

@@ -2,9 +2,10 @@
 `serve run deploy.app:specextend target=random:llama-tiny draft=random:llama-tiny-draft num_gpus=0`,
 or a Serve YAML config with `import_path: deploy.app:specextend` and `args:`.
 
-Arguments are specextend's configuration names (specextend.serving.settings.AppSettings); a bad
-one fails here, before anything is deployed, with the field named. So does asking for GPUs the
-cluster cannot have (instead of replicas pending forever).
+Arguments are the flat names of specextend's configuration (specextend/config.py); a bad one fails
+here, before anything is deployed, with the field named. So do a draft that does not speak the
+target's token ids ("tokenizer mismatch: ...") and asking for GPUs the cluster cannot have
+(instead of replicas pending forever).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Optional
 import ray
 from ray.serve import Application
 
+from specextend.builder import check_specs
 from specextend.serving.app import build_app
 from specextend.serving.settings import AppSettings, check_cluster_gpus, check_gpus
 
@@ -39,6 +41,7 @@ def _fresh_local_gpus() -> Optional[int]:
 
 def specextend(args: dict) -> Application:
     settings = args if isinstance(args, AppSettings) else AppSettings.model_validate(dict(args or {}))
+    check_specs(settings.to_engine_config())  # a mismatched pair fails here, before deploying
     if ray.is_initialized():  # Serve's build task (YAML, KubeRay), or a script after ray.init()
         check_cluster_gpus(settings)
     elif (local := _fresh_local_gpus()) is not None:

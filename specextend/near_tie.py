@@ -1,5 +1,6 @@
-"""DESIGN 3.6's rule for finite precision: a speculative output may differ from plain decoding
-only where the target's two best logits (nearly) tie. Used by tests and benchmarks."""
+"""The near-tie rule for finite precision: a speculative output may differ from plain decoding only
+where the target's two best logits (nearly) tie (docs/architecture.md, "Losslessness in finite
+precision"). Used by tests and benchmarks."""
 
 from __future__ import annotations
 

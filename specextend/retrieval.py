@@ -1,4 +1,4 @@
-"""Cross-model Retrieval (DESIGN 3.4). Pure functions.
+"""Cross-model Retrieval (docs/architecture.md, "Cross-model retrieval"). Pure functions.
 
 Target side: the final-layer attention probabilities of the last accepted token, recovered from
 its query row and merged log-sum-exp of the verify pass (no eager re-run), averaged over heads,

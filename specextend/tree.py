@@ -1,4 +1,4 @@
-"""Draft-tree tensors (DESIGN 3.1): masks, depths and best-node selection. Pure functions.
+"""Draft-tree tensors (docs/architecture.md, "Draft tree"): masks, depths and best-node selection. Pure functions.
 
 A tree is `tokens[N]`, `parents[N]` in topological order, parents[i] = -1 for the root's
 children. Verification and drafting index the root as 0 and node i as i + 1.

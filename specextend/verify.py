@@ -1,4 +1,4 @@
-"""Lossless verification of a draft tree against the target's logits (DESIGN 3.2). Pure functions.
+"""Lossless verification of a draft tree against the target's logits (docs/architecture.md, "Verification"). Pure functions.
 
 Walk from the root: at each node draw the target's token (argmax, or a sample from the target
 distribution with the request's generator); descend into the child carrying that token if there

@@ -1,5 +1,5 @@
 """Shared test helpers: tiny models of every architecture, engines over the tiny pair, and
-DESIGN 3.6's near-tie rule."""
+the near-tie rule (docs/architecture.md, "Losslessness in finite precision")."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from specextend.attention.backends import get_backend
 from specextend.config import EngineConfig
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.models.args import ModelArgs
 from specextend.models.decoder import Decoder
@@ -47,12 +47,12 @@ def build_pair(name, backend="eager"):
 
 def make_engine(pair, mode="sd", draft_backend=None, **kw) -> Engine:
     target, draft = pair
-    backend = None if mode == "ar" else (draft_backend or InProcessDraft(draft.decoder))
+    backend = None if mode == "ar" else (draft_backend or DraftWorker(draft.decoder))
     return Engine(EngineConfig(mode=mode, **kw), target, backend)
 
 
 def assert_equal_or_near_tie(decoder, prompt, ref, out, tol):
-    """DESIGN 3.6: outputs equal, or the first divergence sits at a near-tie of the target."""
+    """docs/architecture.md, "Losslessness in finite precision": outputs equal, or the first divergence sits at a near-tie of the target."""
     ok, i, gap = near_tie_check(decoder, prompt, ref, out, tol)
     assert ok, f"divergence at generated position {i} with top-2 gap {gap} (tolerance {tol})"
     return i, gap

@@ -43,7 +43,7 @@ def test_record_and_replay_trace(capsys, tmp_path):
     (["--prompt-file", "/no/such/file"], "prompt file not found"),
     (["--prompt", "x", "--draft", "./missing-model"], "model path not found"),
     (["--prompt", "x" * 9000], "the limit is"),
-    (["--prompt", "x", "--tree-depth", "0"], "must all be >= 1"),
+    (["--prompt", "x", "--tree-depth", "0"], "tree_depth: Input should be greater than or equal to 1"),
     (["--prompt", "x", "--replay-trace", "/no/trace.json"], "cannot read trace"),
 ])
 def test_bad_input_is_one_clear_line(capsys, args, message):

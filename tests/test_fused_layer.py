@@ -141,14 +141,16 @@ def test_captured_fused_full_graphs_equal_twin(dtype, tol):
 
 
 
-def test_fused_kernels_are_the_full_graphs_default(monkeypatch):
-    from specextend.models.loader import FUSED_KERNELS_ENV, fused_kernels_enabled
+def test_the_execution_plan_is_chosen_once_from_the_configuration(tiny_models):
+    """execution=auto is the eager plan off CUDA; graphs are refused there with a clear error; the
+    production plan takes the fused kernels for every dtype they support."""
+    import pytest as _pytest
 
-    monkeypatch.delenv(FUSED_KERNELS_ENV, raising=False)
-    assert fused_kernels_enabled(FullStepGraphs, False)  # on by default
-    monkeypatch.setenv(FUSED_KERNELS_ENV, "0")
-    assert not fused_kernels_enabled(FullStepGraphs, False)
-    monkeypatch.setenv(FUSED_KERNELS_ENV, "1")
-    assert fused_kernels_enabled(FullStepGraphs, False)
-    assert not fused_kernels_enabled(FullStepGraphs, True)  # torch_compile is the alternative
-    assert not fused_kernels_enabled(StepGraphs, False)  # piecewise graphs keep the torch ops
+    from specextend.models.loader import ModelLoadError, attach_plan, fused_kernels_supported, load_model
+
+    t = load_model("random:llama-tiny", dtype="float32", device="cpu", execution="auto")
+    assert t.decoder.graphs is None
+    with _pytest.raises(ModelLoadError, match="execution=graphs needs CUDA"):
+        attach_plan(t.decoder, "graphs")
+    assert fused_kernels_supported(t.decoder)
+    assert not fused_kernels_supported(tiny_models("float64")[0].decoder)

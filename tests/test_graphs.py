@@ -12,7 +12,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.models.decoder import ForwardOptions
 from specextend.models.graphs import StepGraphs
@@ -121,7 +121,7 @@ def test_engine_through_twin_is_lossless(tiny_models, twin_pair, mode, kw, tempe
     ref_engine = Engine(EngineConfig(mode="ar"), plain_t, None)
     t, d = twin_pair
     engine = Engine(EngineConfig(mode=mode, tree=TreeConfig(12, 4, 3), **kw), t,
-                    None if mode == "ar" else InProcessDraft(d.decoder))
+                    None if mode == "ar" else DraftWorker(d.decoder))
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=11, ignore_eos=True)
     ref, _, _ = ref_engine.generate(prompt, params)

@@ -1,11 +1,11 @@
-"""Losslessness (DESIGN 3.6): in float64, speculative output == autoregressive output, token for
+"""Losslessness (docs/architecture.md, "Losslessness in finite precision"): in float64, speculative output == autoregressive output, token for
 token, over tree shapes, prompt lengths, seeds, stop positions, HTA/CMR on and off."""
 
 import pytest
 import torch
 
 from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 
 from helpers import make_engine
 
@@ -65,7 +65,7 @@ def test_stops_exactly_where_autoregressive_stops(pair, ar_engine, mode, max_new
 def test_draft_equal_to_target_accepts_everything(pair):
     target, _ = pair
     tree = TreeConfig(nodes=15, depth=5, topk=3)
-    eng = make_engine(pair, "sd", draft_backend=InProcessDraft(target.decoder), tree=tree)
+    eng = make_engine(pair, "sd", draft_backend=DraftWorker(target.decoder), tree=tree)
     out, _, stats = eng.generate(prompt(30, 2), SamplingParams(max_new_tokens=61, ignore_eos=True))
     assert stats.accepted_per_step == [tree.depth] * stats.num_steps
     assert stats.mean_acceptance_length == tree.depth + 1

@@ -1,5 +1,5 @@
 """The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft; GGUF Q4_K_M from PyPI), float32 on
-CPU: speculative output equals plain decoding (DESIGN 3.6: identical, or a near-tie). CI fetches
+CPU: speculative output equals plain decoding (docs/architecture.md, "Losslessness in finite precision": identical, or a near-tie). CI fetches
 the models first (`specextend fetch-models`); this CPU decodes the 1.5B at about 2 tokens/s."""
 
 import json
@@ -24,11 +24,10 @@ FP32_TIE = 1e-3  # float32 on CPU: only an (almost) exact tie may flip an argmax
 
 @pytest.fixture(scope="module")
 def pair():
-    from specextend.builder import load_draft, load_target
+    from specextend.builder import load_pair
 
     cfg = EngineConfig(dtype="float32", device="cpu")
-    target = load_target(cfg)
-    return target, load_draft(cfg, target)
+    return load_pair(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +54,13 @@ def test_pair_geometry(pair):
 
 @pytest.mark.parametrize("mode", ["sd", "specextend"])
 def test_speculative_equals_autoregressive(pair, prompt_ids, reference, mode):
-    from specextend.draft.inprocess import InProcessDraft
+    from specextend.draft.worker import DraftWorker
     from specextend.engine import Engine
 
     # a small retrieval budget so that retrieval really prunes this short prompt
     retrieval = RetrievalConfig(enabled=mode == "specextend", chunk_size=8, top_k=4, every=2, draft_prefill_window=16)
     eng = Engine(EngineConfig(mode=mode, tree=TreeConfig(8, 4, 2), retrieval=retrieval), pair[0],
-                 InProcessDraft(pair[1].decoder))
+                 DraftWorker(pair[1].decoder))
     out, _, stats = eng.generate(prompt_ids, SamplingParams(max_new_tokens=NEW))
     assert_equal_or_near_tie(pair[0].decoder, prompt_ids, reference, out, FP32_TIE)
     assert stats.mean_acceptance_length > 1.0  # the real draft agrees with its target

@@ -8,7 +8,7 @@ import torch
 from specextend.attention.backends import CAUSAL
 from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
 from specextend.draft.base import DraftSessionParams, Retrieval
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 from specextend.draft.session import DraftSession
 from specextend.models.decoder import ForwardOptions
 from specextend.retrieval import (chunk_positions, chunk_scores, initial_chunks, last_token_probs,
@@ -132,7 +132,7 @@ def test_prefill_scores_the_first_tree(tiny_models):
 
     seen = []
 
-    class Recording(InProcessDraft):
+    class Recording(DraftWorker):
         def step(self, session_id, step, accepted_tokens, retrieval=None):
             seen.append((step, retrieval))
             return super().step(session_id, step, accepted_tokens, retrieval)

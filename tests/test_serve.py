@@ -27,7 +27,7 @@ TARGET, DRAFT = "random:llama-tiny", "random:llama-tiny-draft"
 SETTINGS = dict(target=TARGET, draft=DRAFT, num_gpus=0, dtype="float32", tree_nodes=8, tree_depth=4,
                 tree_topk=2, prefill_chunk=32, retrieval_chunk_size=8, retrieval_top_k=4, retrieval_every=2,
                 max_prompt_tokens=256, max_new_tokens=256, max_concurrent_sessions=4,
-                max_queued_requests=12, draft_pipeline=True)  # pipelined drafting: lossless, so every check holds
+                max_queued_requests=12, draft_overlap=True)  # overlapped drafting: lossless, so every check holds
 # 90 tokens: above the CMR budget (32 tokens) and prefilled in 3 chunks, other sessions' steps between
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 
@@ -68,10 +68,10 @@ def reference():
 
     draft = load_model(DRAFT, role="draft", dtype="float32", attention_backend="auto",
                        vocab_size=target.args.vocab_size)  # as the draft actor builds it
-    from specextend.draft.inprocess import InProcessDraft
+    from specextend.draft.worker import DraftWorker
     from specextend.serving.settings import AppSettings
 
-    served = Engine(AppSettings(**SETTINGS).to_engine_config(), target, InProcessDraft(draft.decoder))
+    served = Engine(AppSettings(**SETTINGS).to_engine_config(), target, DraftWorker(draft.decoder))
 
     def sampled(prompt_ids, max_tokens, **kw):
         params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, **kw)
@@ -170,7 +170,8 @@ def test_completion_equals_greedy(client, reference):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 24)
     spec = out.model_extra["speculative_decoding"]
     assert spec["fallback"] is False and spec["num_steps"] >= 1 and spec["mean_acceptance_length"] >= 1
-    assert 0 <= spec["pipeline_hits"] <= spec["num_steps"]
+    assert 0 <= spec["tree_ready_fraction"] <= 1 and spec["target_wait_ms_per_step"] > 0
+    assert spec["draft_ahead_depth"] >= 0
     # the same request streamed: same ids, same text
     stream = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
                                        stream_options={"include_usage": True},

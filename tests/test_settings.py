@@ -106,27 +106,90 @@ def test_serve_run_rejects_a_bad_argument_before_deploying():
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 
-def test_cuda_graphs_setting_reaches_the_engine_config():
-    assert AppSettings(num_gpus=0).to_engine_config().cuda_graphs is True
-    assert AppSettings(num_gpus=0, cuda_graphs=False).to_engine_config().cuda_graphs is False
-    with pytest.raises(ValidationError, match="cuda_graphs"):
-        AppSettings(num_gpus=0, cuda_graphs="sometimes")
+@pytest.mark.parametrize("field", ["cuda_graphs", "full_graphs", "torch_compile", "draft_pipeline"])
+def test_removed_settings_fail_with_what_replaced_them(field):
+    with pytest.raises(ValidationError, match=field) as e:
+        AppSettings(num_gpus=0, **{field: True})
+    assert ("execution" in str(e.value)) or ("draft_overlap" in str(e.value))
 
 
-@pytest.mark.parametrize("field,default", [("full_graphs", True), ("torch_compile", False)])
-def test_graph_settings_reach_the_engine_config(field, default):
-    assert getattr(AppSettings(num_gpus=0).to_engine_config(), field) is default
-    assert getattr(AppSettings(num_gpus=0, **{field: not default}).to_engine_config(), field) is (not default)
-    with pytest.raises(ValidationError, match=field):
-        AppSettings(num_gpus=0, **{field: "sometimes"})
+def test_execution_and_overlap_reach_the_engine_config():
+    cfg = AppSettings(num_gpus=0).to_engine_config()
+    assert cfg.execution == "auto" and cfg.draft_overlap is False  # no own GPU: no overlap
+    assert AppSettings(num_gpus=1).to_engine_config().draft_overlap is True
+    assert AppSettings(num_gpus=0, draft_overlap=True).to_engine_config().overlap
+    assert AppSettings(num_gpus=1, mode="ar").to_engine_config().overlap is False
+    with pytest.raises(ValidationError, match="execution"):
+        AppSettings(num_gpus=0, execution="sometimes")
 
 
-def test_graph_flags_reach_the_engine_config():
+def test_serve_arguments_and_cli_flags_come_from_one_schema():
+    """Every field of the configuration tree is a Serve argument or a CLI flag (or both), under
+    one flat name, with the same default and range: nothing is declared twice."""
+    import argparse
+
+    from specextend.cli import CliSettings, _add_generate
+    from specextend.config import AppConfig
+    from specextend.schema import flat_fields
+
+    fields = flat_fields(AppConfig)
+    names = [f.name for f in fields]
+    assert len(names) == len(set(names))
+    assert set(AppSettings.model_fields) == {f.name for f in fields if "serve" in f.surfaces}
+    assert set(CliSettings.model_fields) == {f.name for f in fields if "cli" in f.surfaces}
+    for name in set(AppSettings.model_fields) & set(CliSettings.model_fields):
+        a, c = AppSettings.model_fields[name], CliSettings.model_fields[name]
+        assert (a.annotation, a.metadata, a.description) == (c.annotation, c.metadata, c.description), name
+    parser = argparse.ArgumentParser()
+    _add_generate(parser.add_subparsers(dest="command"))
+    flags = {a.dest for a in parser._subparsers._group_actions[0].choices["generate"]._actions}
+    assert set(CliSettings.model_fields) <= flags
+
+
+def test_cli_and_serve_resolve_mode_defaults_alike():
     import argparse
 
     from specextend.cli import _add_generate, engine_config
 
     parser = argparse.ArgumentParser()
     _add_generate(parser.add_subparsers(dest="command"))
-    cfg = engine_config(parser.parse_args(["generate", "--prompt", "x", "--no-full-graphs", "--torch-compile"]))
-    assert cfg.full_graphs is False and cfg.torch_compile is True
+    for argv, app in ((["--mode", "sd", "--hybrid-attention"], dict(mode="sd", hybrid_attention=True)),
+                      (["--tree-nodes", "8", "--no-retrieval"], dict(tree_nodes=8, retrieval=False)),
+                      (["--execution", "eager"], dict(execution="eager"))):
+        cli = engine_config(parser.parse_args(["generate", "--prompt", "x", "--device", "cpu", *argv]))
+        served = AppSettings(num_gpus=0, **app).to_engine_config()
+        assert (cli.mode, cli.hybrid_attention, cli.retrieval, cli.tree, cli.execution) == \
+            (served.mode, served.hybrid_attention, served.retrieval, served.tree, served.execution)
+
+
+def tiny_hf_folder(path: Path) -> Path:
+    """A tiny Llama checkpoint with its own (word-level) tokenizer: not the byte tokenizer of the
+    random presets."""
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                                                              unk_token="<unk>")),
+                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_a_mismatched_pair_is_refused_before_deploying(tmp_path):
+    """`serve run` with a draft that does not speak the target's token ids fails in the app
+    builder, naming both models, before any weights load (and each actor checks again)."""
+    from deploy.app import specextend
+    from specextend.builder import IncompatibleModels, load_pair
+    from specextend.config import EngineConfig
+
+    folder = str(tiny_hf_folder(tmp_path / "other-draft"))
+    with pytest.raises(IncompatibleModels, match="tokenizer mismatch") as e:
+        specextend({**TINY, "draft": folder, "num_gpus": 0})
+    assert "other-draft" in str(e.value) and "random:llama-tiny" in str(e.value)
+    with pytest.raises(IncompatibleModels, match="tokenizer mismatch"):
+        load_pair(EngineConfig(target="random:llama-tiny", draft=folder, device="cpu"), roles=("draft",))
+    specextend({**TINY, "draft": folder, "num_gpus": 0, "mode": "ar"})  # no draft in ar mode: fine

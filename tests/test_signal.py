@@ -7,7 +7,7 @@ import torch
 from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
 from specextend.draft.base import DraftSessionParams, Retrieval
 from specextend.draft.chaos import Chaos, ChaosDraft
-from specextend.draft.inprocess import InProcessDraft
+from specextend.draft.worker import DraftWorker
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
 
 from helpers import make_engine
@@ -28,7 +28,7 @@ def setup(tiny_models):
 @pytest.fixture(scope="module")
 def remote(setup):
     pair = setup[0]
-    server = DraftServerThread(InProcessDraft(pair[1].decoder), "127.0.0.1", 0)
+    server = DraftServerThread(DraftWorker(pair[1].decoder), "127.0.0.1", 0)
     client = GrpcDraftBackend(server.address)
     yield client
     client.shutdown()
@@ -58,11 +58,11 @@ def test_grpc_and_in_process_identical(setup, remote):
 
 def test_retried_step_is_applied_once(setup):
     pair, prompt, _ = setup
-    draft = InProcessDraft(pair[1].decoder)
+    draft = DraftWorker(pair[1].decoder)
     draft.open("s", prompt, DraftSessionParams(TREE, RETRIEVAL, 16))
     first = draft.step("s", 0, [7], None)
-    length = draft._sessions["s"][0].work.length
+    length = draft.session("s").work.length
     again = draft.step("s", 0, [7], Retrieval((0, 1), 8))  # a retry carries nothing new
-    assert again == first and draft._sessions["s"][0].work.length == length
+    assert again == first and draft.session("s").work.length == length
     assert draft.refreshes("s") == 1  # the initial selection only
     draft.close("s")

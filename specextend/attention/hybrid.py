@@ -1,7 +1,7 @@
 """One layer's attention of T new queries over a cache prefix of L keys plus the T new keys.
 
 Two compositions (both exact):
-  hybrid  (Hybrid Tree Attention, DESIGN 3.3) prefix part with no mask through the backend's
+  hybrid  (Hybrid Tree Attention, docs/architecture.md, "Hybrid Tree Attention") prefix part with no mask through the backend's
           LSE-returning kernel, new part with its mask (causal block through the kernel, tree
           mask in explicit float32 math), merged by log-sum-exp;
   plain   one masked attention over the L + T keys (the standard verification baseline).

@@ -10,6 +10,9 @@ Protocol of a session (the target drives):
       A step with the same number as the last applied one is a retry: it returns the same tree
       and applies nothing twice.
   close(session_id)                             frees everything of the session (idempotent)
+
+The draft side runs these as jobs on one worker (worker.py): open, step and close in arrival
+order, and, with overlap on, background drafting between them that any arriving job pre-empts.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class DraftTree:
     tokens: tuple[int, ...]  # [N]
     parents: tuple[int, ...]  # [N]
     draft_cache_tokens: int = 0  # working-cache size the draft drafted with (metrics)
-    pipelined: bool = False  # drafted ahead of its request (pipelined drafting hit)
+    ready: bool = False  # answered from the overlap pool (drafted while the target verified)
+    ahead_depth: int = 0  # depth of the ready pool below the new root when answered (0: not ready)
 
 
 class DraftBackend(abc.ABC):

@@ -16,7 +16,9 @@ shape; level_post called directly is its twin (the tests compare them).
 Both take `forward(ids [F], positions [F], mask [F, staged + F] bool, staged) -> logits [F, V]`:
 the frontier's tokens at one depth, attending to the committed cache, to their forwarded
 ancestors among the `staged` tree keys, and to themselves.
-Both return (tokens, scores, parents, depths) of the candidate pool, or None if stopped.
+Both return (tokens, scores, parents, depths, forwarded) of the candidate pool, or None if
+stopped: `forwarded` lists the pool ids whose K/V were staged, in staged-slot order (overlapped
+drafting keeps expanding that pool, pool.py).
 """
 
 from __future__ import annotations
@@ -29,24 +31,26 @@ import torch
 from specextend.config import TreeConfig
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-Pool = tuple[list[int], list[float], list[int], list[int]]
+Pool = tuple[list[int], list[float], list[int], list[int], list[int]]
 
 
 def level_post(logits: torch.Tensor,  # [F, V] the frontier's next-token logits
                fr_score: torch.Tensor,  # [F] its cumulative log-probabilities
                fr_id: torch.Tensor,  # [F] its ids in the pool
                mask: torch.Tensor,  # [F, S] bool: what each frontier node attended to (incl. itself)
-               k: int, size: int) -> tuple[torch.Tensor, ...]:
-    """One level's bookkeeping (`size`: the pool's size before this level's candidates) -> the F * k
-    candidates' tokens, scores and parents, then the next frontier's tokens, scores, pool ids
-    [F' = min(k, F * k)] and mask [F', S + F'] (a child sees what its parent saw, and itself)."""
-    f = logits.shape[0]
-    child = torch.topk(torch.log_softmax(logits.float(), -1), k)  # [F, k]
-    cand_scores = (fr_score[:, None] + child.values).reshape(-1)  # [F * k]
-    cand_tokens = child.indices.reshape(-1)  # [F * k]
-    parents = fr_id.repeat_interleave(k)  # [F * k]
-    best = torch.topk(cand_scores, min(k, f * k)).indices  # [F']
-    rows = mask.index_select(0, torch.div(best, k, rounding_mode="floor"))  # [F', S]
+               k: int, size: int, wide: int = 0) -> tuple[torch.Tensor, ...]:
+    """One level's bookkeeping (`size`: the pool's size before this level's candidates) -> the F * w
+    candidates' tokens, scores and parents (w = `wide` or k children per node: overlapped drafting
+    keeps more alternatives as possible bonus tokens), then the next frontier's tokens, scores, pool
+    ids [F' = min(k, F * w)] and mask [F', S + F'] (a child sees what its parent saw, and itself).
+    The frontier is the same for any w >= k: the global top-k holds at most one node's top-k."""
+    f, w = logits.shape[0], wide or k
+    child = torch.topk(torch.log_softmax(logits.float(), -1), w)  # [F, w]
+    cand_scores = (fr_score[:, None] + child.values).reshape(-1)  # [F * w]
+    cand_tokens = child.indices.reshape(-1)  # [F * w]
+    parents = fr_id.repeat_interleave(w)  # [F * w]
+    best = torch.topk(cand_scores, min(k, f * w)).indices  # [F']
+    rows = mask.index_select(0, torch.div(best, w, rounding_mode="floor"))  # [F', S]
     nxt_mask = torch.cat([rows, torch.eye(best.shape[0], dtype=torch.bool, device=mask.device)], dim=1)
     return cand_tokens, cand_scores, parents, cand_tokens[best], cand_scores[best], size + best, nxt_mask
 
@@ -62,13 +66,13 @@ class PostGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device)
 
-    def __call__(self, logits, fr_score, fr_id, mask, k: int, size: int) -> tuple[torch.Tensor, ...]:
-        key = (tuple(logits.shape), logits.dtype, tuple(mask.shape), k, size)
+    def __call__(self, logits, fr_score, fr_id, mask, k: int, size: int, wide: int = 0) -> tuple[torch.Tensor, ...]:
+        key = (tuple(logits.shape), logits.dtype, tuple(mask.shape), k, size, wide)
         with self.lock:
             plan = self.plans.get(key)
             if plan is None:  # normal tensors (see graphs.StepGraphs.forward)
                 with torch.inference_mode(False), torch.no_grad():
-                    plan = self.plans[key] = self._build(logits, fr_score, fr_id, mask, k, size)
+                    plan = self.plans[key] = self._build(logits, fr_score, fr_id, mask, k, size, wide)
             graph, inputs, outputs = plan
             for dst, src in zip(inputs, (logits, fr_score, fr_id, mask)):
                 dst.copy_(src)
@@ -76,60 +80,67 @@ class PostGraphs:
             self.replays += 1
             return tuple(o.clone() for o in outputs)
 
-    def _build(self, logits, fr_score, fr_id, mask, k, size):
+    def _build(self, logits, fr_score, fr_id, mask, k, size, wide):
         inputs = tuple(x.clone() for x in (logits, fr_score, fr_id, mask))
         s = self._stream
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):  # warm-up off the capture (top-k workspaces)
-            level_post(*inputs, k, size)
+            level_post(*inputs, k, size, wide)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=s, capture_error_mode="thread_local"):
-            outputs = level_post(*inputs, k, size)
+            outputs = level_post(*inputs, k, size, wide)
         return graph, inputs, outputs
 
 
 def expand_tree(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int,
-                should_stop: Callable[[], bool] = lambda: False, post=level_post) -> Optional[Pool]:
-    """`post`: level_post or a PostGraphs (its CUDA-graph replay)."""
+                should_stop: Callable[[], bool] = lambda: False, post=level_post, wide: int = 0) -> Optional[Pool]:
+    """`post`: level_post or a PostGraphs (its CUDA-graph replay); `wide`: children kept per node
+    (default: the tree's top-k)."""
     dev, k = root_logits.device, cfg.topk
-    top = torch.topk(torch.log_softmax(root_logits.float(), -1), k)
-    fr_tok, fr_score = top.indices, top.values  # [k] frontier tokens, cumulative log-probs
+    w = max(wide, k)
+    top = torch.topk(torch.log_softmax(root_logits.float(), -1), w)  # [w], sorted
+    fr_tok, fr_score = top.indices[:k], top.values[:k]  # [k] frontier tokens, cumulative log-probs
     fr_id = torch.arange(k, device=dev)  # [k] frontier's ids in the pool
-    toks, scores = [fr_tok], [fr_score]  # pool, level by level (device tensors)
-    parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
-    depths = [1] * k
+    toks, scores = [top.indices], [top.values]  # pool, level by level (device tensors)
+    parents = [torch.full((w,), -1, dtype=torch.long, device=dev)]
+    depths = [1] * w
     mask = torch.eye(k, dtype=torch.bool, device=dev)  # [F, staged + F]: first level sees itself
-    staged, size = 0, k
+    staged, size = 0, w
+    forwarded = []  # [F] pool ids per level, in staged order
     for d in range(1, cfg.depth):
         if should_stop():
             return None
         f = fr_tok.shape[0]
+        forwarded.append(fr_id)
         logits = forward(fr_tok, torch.full((f,), root_pos + d, device=dev), mask, staged)  # [F, V]
         staged += f
         cand_tokens, cand_scores, parents_d, fr_tok, fr_score, fr_id, mask = post(logits, fr_score, fr_id, mask,
-                                                                                  k, size)
+                                                                                  k, size, w)
         toks.append(cand_tokens)
         scores.append(cand_scores)
         parents.append(parents_d)
-        depths += [d + 1] * (f * k)
-        size += f * k
-    return (torch.cat(toks).tolist(), torch.cat(scores).tolist(), torch.cat(parents).tolist(), depths)
+        depths += [d + 1] * (f * w)
+        size += f * w
+    fwd = torch.cat(forwarded).tolist() if forwarded else []
+    return (torch.cat(toks).tolist(), torch.cat(scores).tolist(), torch.cat(parents).tolist(), depths, fwd)
 
 
 def expand_tree_host(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int,
-                     should_stop: Callable[[], bool] = lambda: False, post=None) -> Optional[Pool]:
+                     should_stop: Callable[[], bool] = lambda: False, post=None, wide: int = 0) -> Optional[Pool]:
     """`post` is ignored: the twin keeps its bookkeeping on the host."""
     dev, k = root_logits.device, cfg.topk
-    top = torch.topk(torch.log_softmax(root_logits.float(), -1), k)
+    w = max(wide, k)
+    top = torch.topk(torch.log_softmax(root_logits.float(), -1), w)
     # candidate pool (parallel lists); slot = staged offset once forwarded, else -1
     toks: list[int] = top.indices.tolist()
     scores: list[float] = top.values.tolist()
-    parents: list[int] = [-1] * k
-    depths: list[int] = [1] * k
-    slots: list[int] = [-1] * k
+    parents: list[int] = [-1] * w
+    depths: list[int] = [1] * w
+    slots: list[int] = [-1] * w
     frontier = list(range(k))
     staged = 0
+    forwarded: list[int] = []
     for d in range(1, cfg.depth):
         if should_stop():
             return None
@@ -143,18 +154,19 @@ def expand_tree_host(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfi
                 a = parents[a]
             mask[r, staged + r] = True
             slots[c] = staged + r
+        forwarded += frontier
         logits = forward(torch.tensor([toks[c] for c in frontier], device=dev),
                          torch.full((f,), root_pos + d, device=dev), mask.to(dev), staged)
         staged += f
-        child = torch.topk(torch.log_softmax(logits.float(), -1), k)  # [F, k]
+        child = torch.topk(torch.log_softmax(logits.float(), -1), w)  # [F, w]
         cand_scores = (torch.tensor([scores[c] for c in frontier])[:, None] + child.values.cpu())
         cand_tokens = child.indices.cpu()
         start = len(toks)
         toks += cand_tokens.reshape(-1).tolist()
         scores += cand_scores.reshape(-1).tolist()
-        parents += [c for c in frontier for _ in range(k)]
-        depths += [d + 1] * (f * k)
-        slots += [-1] * (f * k)
-        best = torch.topk(cand_scores.reshape(-1), min(k, f * k)).indices.tolist()
+        parents += [c for c in frontier for _ in range(w)]
+        depths += [d + 1] * (f * w)
+        slots += [-1] * (f * w)
+        best = torch.topk(cand_scores.reshape(-1), min(k, f * w)).indices.tolist()
         frontier = [start + b for b in best]
-    return toks, scores, parents, depths
+    return toks, scores, parents, depths, forwarded

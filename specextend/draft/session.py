@@ -1,55 +1,42 @@
-"""One request's state on the draft side: caches, retrieval selection, tree drafting.
+"""One request's state on the draft side: caches, retrieval selection, tree drafting, and the
+overlapped drafting pool (docs/architecture.md, "Draft side").
 
-Caches (DESIGN 3.4): `work` is the working cache the draft attends over (rotated K, positions
-renumbered 0..W-1); with retrieval on, `store` keeps every committed token's pre-RoPE K and its V
-at true positions, and the working cache is rebuilt from it when a new selection arrives. Without
-retrieval the working cache is simply the full cache.
+Caches: `work` is the working cache the draft attends over (rotated K, positions renumbered
+0..W-1); with retrieval on, `store` keeps every committed token's pre-RoPE K and its V at true
+positions, and the working cache is rebuilt from it when a new selection arrives. Without
+retrieval the working cache is simply the full cache. Tree nodes' K/V are staged after the
+committed tokens and never committed by the draft's own forwards.
+
+With overlap on, the session keeps the candidate pool of its last tree (pool.py) and the worker
+grows it between steps (`background`, one forward a call). A step whose accepted path and bonus
+token were already forwarded in the pool is answered from it at once: their K/V move from staged
+to committed slots (one gather), the pool is re-rooted at the bonus token, and its best nodes are
+the tree. Any other step drops the pool and drafts as without overlap. A retrieval refresh that
+arrives with a ready tree is applied after the answer, in the background.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval
 from specextend.draft.expand import PostGraphs, expand_tree, level_post
+from specextend.draft.pool import Pool
 from specextend.kv_cache import CacheFull
 from specextend.models.decoder import Decoder, ForwardOptions
 from specextend.models.rope import apply_rope
 from specextend.retrieval import chunk_positions, initial_chunks
-from specextend.tree import children_of, reindex_tree, select_best_nodes
+from specextend.tree import reindex_tree, select_best_nodes
 
-
-@dataclass(frozen=True)
-class Speculation:
-    """A next step drafted ahead of its request (pipelined drafting, DESIGN 4)."""
-
-    path: tuple[int, ...]  # the guess: the target accepts the tree's best branch ...
-    bonus: Optional[int]  # ... then emits the draft's own next token (None until computed)
-    tree: Optional[DraftTree]  # drafted for that guess; None until done, or if abandoned
-    work_length: int  # cache lengths before the guess was committed (rollback)
-    store_length: int
-
-    def may_match(self, accepted: Sequence[int]) -> bool:
-        """Could these accepted tokens be the guess (as far as it is known yet)?"""
-        acc = tuple(accepted)
-        return acc[:-1] == self.path and (self.bonus is None or acc[-1] == self.bonus)
-
-
-def best_branch(tree: DraftTree) -> list[int]:
-    """Tokens along the first-child chain from the root (the draft's best branch)."""
-    children = children_of(tree.parents)
-    out, row = [], 0
-    while children[row]:
-        node = children[row][0]
-        out.append(tree.tokens[node])
-        row = node + 1
-    return out
-
+OVERLAP_ROWS = 16  # pool nodes forwarded per background forward (a small draft's forward costs
+#                    about the same for 4 or 16 rows: it streams its weights either way)
+POOL_SLOTS = 128  # staged slots the pool may use (bounds one session's background work)
+OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the extra ones are the
+#                    likely bonus tokens where the target rejects every child that was sent
 
 _POST_LOCK = threading.Lock()
 
@@ -58,17 +45,21 @@ class DraftSession:
     expand = staticmethod(expand_tree)  # the tree search (expand_tree_host: its twin)
 
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
-                 prefill_chunk: int = 2048):
+                 prefill_chunk: int = 2048, overlap: bool = False):
         self.model = model
         self.params = params
         self.cfg = params.retrieval
+        self.overlap = overlap
         tree = params.tree
         extra = params.max_new_tokens + tree.depth * tree.topk + tree.depth + 8
+        if overlap:
+            extra += POOL_SLOTS + 2 * OVERLAP_ROWS
         self.work = model.new_cache(len(prompt_ids) + extra)
         self.store = model.new_cache(len(prompt_ids) + extra) if self.cfg.enabled else None
         self.refreshes = 0
-        self.speculation: Optional[Speculation] = None
-        self.pipeline_hits = 0
+        self.pool: Optional[Pool] = None  # overlap: candidates below the current root
+        self._refresh: Optional[Retrieval] = None  # overlap: a selection to apply in the background
+        self._restage: list[int] = []  # overlap: pool nodes to forward again after a rebuild
         self._prefill(list(prompt_ids), prefill_chunk)
 
     # ----------------------------------------------------------------- caches
@@ -87,13 +78,18 @@ class DraftSession:
 
     def _prefill(self, prompt: list[int], chunk: int) -> None:
         for lo in range(0, len(prompt), chunk):
-            self._forward_committed(prompt[lo:lo + chunk], window=self.cfg.draft_prefill_window)
+            self._forward_committed(prompt[lo:lo + chunk], window=self.cfg.draft_prefill_window or 0)
         if self.store is not None and len(prompt) > self.cfg.budget_tokens:
             self._rebuild(initial_chunks(len(prompt), self.cfg), self.cfg.chunk_size)
 
-    def _rebuild(self, chunk_ids: Sequence[int], chunk_size: int) -> None:
-        """Working cache := the stored tokens of the selected chunks, re-rotated at 0..W-1."""
-        pos = chunk_positions(chunk_ids, chunk_size, self.store.length).to(self.model.device)  # [W]
+    def _rebuild(self, chunk_ids: Sequence[int], chunk_size: int, keep_last: bool = False) -> None:
+        """Working cache := the stored tokens of the selected chunks, re-rotated at 0..W-1 (and the
+        last stored token when `keep_last`: the root, committed after the selection was made)."""
+        pos = chunk_positions(chunk_ids, chunk_size, self.store.length)  # [W]
+        last = self.store.length - 1
+        if keep_last and (pos.numel() == 0 or int(pos[-1]) != last):
+            pos = torch.cat([pos, torch.tensor([last])])
+        pos = pos.to(self.model.device)
         kv = self.store.data.index_select(3, pos)  # [layers, 2, G, W, D]
         cos, sin = self.model.rope.cos_sin(torch.arange(pos.numel(), device=pos.device), self.model.dtype)
         self.work.load(apply_rope(kv[:, 0], cos, sin), kv[:, 1])
@@ -105,56 +101,23 @@ class DraftSession:
 
     # ----------------------------------------------------------------- step
     def step(self, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval]) -> DraftTree:
-        """Commit the accepted tokens (the last is the next root) and draft the next tree.
-        A speculation that guessed these tokens (and no retrieval to apply) answers at once;
-        any other is rolled back first."""
+        """Commit the accepted tokens (the last is the next root) and draft the next tree."""
         if not accepted_tokens:
             raise ValueError("a step needs at least the bonus token")
         refresh = retrieval is not None and self.store is not None and bool(retrieval.chunk_ids)
-        spec, self.speculation = self.speculation, None
-        if spec is not None:
-            if spec.tree is not None and not refresh and spec.may_match(accepted_tokens):
-                self.pipeline_hits += 1
-                return DraftTree(step=step, tokens=spec.tree.tokens, parents=spec.tree.parents,
-                                 draft_cache_tokens=spec.tree.draft_cache_tokens, pipelined=True)
-            self._rollback(spec)
+        if self.pool is not None:
+            ready = self._from_pool(step, accepted_tokens)
+            if ready is not None:
+                if refresh:
+                    self._refresh = retrieval
+                return ready
+        self.pool, self._refresh, self._restage = None, None, []
         if refresh:
             self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
         root_logits = self._forward_committed(list(accepted_tokens))
         tokens, parents = self._draft_tree(root_logits)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length)
-
-    def speculate(self, tree: DraftTree, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Draft the step after `tree` ahead of its request, guessing that the target accepts the
-        tree's best branch and then emits the draft's own next token. Checked between forwards,
-        `should_stop()` abandons the work (rolled back at the next step). Any tree is verified by
-        the target, so a wrong guess costs time, never correctness."""
-        if self.speculation is not None:
-            return
-        path = tuple(best_branch(tree))
-        spec = Speculation(path, None, None, self.work.length, self.store.length if self.store is not None else 0)
-        self.speculation = spec
-        try:
-            if not path or should_stop():
-                return
-            bonus = int(torch.argmax(self._forward_committed(list(path))))
-            self.speculation = spec = replace(spec, bonus=bonus)
-            if should_stop():
-                return
-            drafted = self._draft_tree(self._forward_committed([bonus]), should_stop)
-        except CacheFull:  # near the end of the request's budget: no room to guess ahead
-            return
-        if drafted is not None:
-            tokens, parents = drafted
-            self.speculation = replace(spec, tree=DraftTree(
-                step=tree.step + 1, tokens=tuple(tokens), parents=tuple(parents),
-                draft_cache_tokens=self.work.length))
-
-    def _rollback(self, spec: Speculation) -> None:
-        self.work.truncate(spec.work_length)
-        if self.store is not None:
-            self.store.truncate(spec.store_length)
 
     def _post(self):
         """The expansion's per-level bookkeeping: CUDA graphs where the model's forwards are graphed
@@ -167,16 +130,87 @@ class DraftSession:
                 m.post_graphs = PostGraphs(m.device)
         return m.post_graphs
 
-    def _draft_tree(self, root_logits: torch.Tensor,
-                    should_stop: Callable[[], bool] = lambda: False) -> Optional[tuple[list[int], list[int]]]:
+    def _draft_tree(self, root_logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Dynamic tree (EAGLE-2 style, draft/expand.py), then the best `nodes` of its pool."""
         def forward(ids, positions, mask, staged):
             return self.model.forward(ids, positions, self.work, mask, ForwardOptions(staged=staged))[0]
 
-        pool = self.expand(forward, root_logits, self.params.tree, self.work.length - 1, should_stop,
-                           post=self._post())
-        if pool is None:
-            return None
-        toks, scores, parents, depths = pool
+        wide = OVERLAP_WIDTH * self.params.tree.topk if self.overlap else 0
+        toks, scores, parents, depths, forwarded = self.expand(
+            forward, root_logits, self.params.tree, self.work.length - 1, post=self._post(), wide=wide)
+        if self.overlap:
+            self.pool = Pool.from_expansion(toks, scores, parents, depths, forwarded)
         chosen = select_best_nodes(scores, depths, parents, self.params.tree.nodes)
         return reindex_tree(chosen, toks, parents)
+
+    # ----------------------------------------------------------------- overlap
+    def _from_pool(self, step: int, accepted: Sequence[int]) -> Optional[DraftTree]:
+        """The next tree from the pool if the accepted path and bonus token were forwarded in it."""
+        pool = self.pool
+        path = pool.walk(accepted)
+        if any(node is None or pool.slots[node] < 0 for node in path):
+            return None
+        new, commit, keep = pool.reroot(path)
+        staged = self.work.staged(0, pool.staged)  # [layers, 2, G, staged, D]
+        if self.store is not None:  # the store keeps pre-RoPE K: undo the working positions' rotation
+            kv = staged[:, :, :, commit]  # [layers, 2, G, c, D]
+            pos = torch.arange(self.work.length, self.work.length + len(commit), device=kv.device)
+            cos, sin = self.model.rope.cos_sin(pos, self.model.dtype)
+            k_pre = apply_rope(kv[:, 0], cos, -sin) / self.model.rope.scaling ** 2
+            self.store.stage_all(k_pre, kv[:, 1])
+            self.store.advance(len(commit))
+        self.work.commit(torch.tensor(commit + keep, device=self.work.data.device))
+        self.work.truncate(self.work.length - len(keep))  # the kept nodes stay staged, at 0..m-1
+        self.pool, self._restage = new, []
+        while len(new) < self.params.tree.nodes and self.background():  # too little ready: grow now
+            pass
+        tokens, parents = new.best_tree(self.params.tree.nodes)
+        return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
+                         draft_cache_tokens=self.work.length, ready=True, ahead_depth=new.ready_depth())
+
+    def background(self) -> bool:
+        """One forward of overlapped drafting (a pending retrieval rebuild, then re-staging, then
+        the pool's best unforwarded nodes). False when there is nothing useful left to do."""
+        pool = self.pool
+        if pool is None:
+            return False
+        try:
+            if self._refresh is not None:
+                r, self._refresh = self._refresh, None
+                self._rebuild(r.chunk_ids, r.chunk_size, keep_last=True)
+                self._restage = pool.unstage()  # staged K/V were for the old working cache
+                return True
+            if self._restage:
+                nodes, self._restage = self._restage[:OVERLAP_ROWS], self._restage[OVERLAP_ROWS:]
+                self._forward_pool(nodes, children=False)
+                return True
+            if pool.staged + OVERLAP_ROWS > POOL_SLOTS:
+                return False
+            nodes = pool.frontier(OVERLAP_ROWS, 2 * self.params.tree.depth)
+            if not nodes:
+                return False
+            self._forward_pool(nodes, children=True)
+            return True
+        except CacheFull:  # near the end of the request's budget: no room to draft ahead
+            return False
+
+    def _forward_pool(self, nodes: list[int], children: bool) -> None:
+        """Forward pool nodes (their ancestors already forwarded) as one tree level; with
+        `children`, add each node's top-k next tokens to the pool. Rows are padded to
+        OVERLAP_ROWS and the start slot rounded up to a multiple of it, so that the forwards
+        take few distinct shapes (one CUDA graph each)."""
+        pool, dev = self.pool, self.model.device
+        start = -(-pool.staged // OVERLAP_ROWS) * OVERLAP_ROWS
+        f = len(nodes)
+        rows = nodes + [nodes[-1]] * (OVERLAP_ROWS - f)  # padding rows write to unused slots
+        mask = torch.zeros(len(rows), start + len(rows), dtype=torch.bool)  # [R, start + R]
+        mask[:f, :start + f] = pool.mask(nodes, start)
+        for r in range(f, len(rows)):  # a padding row sees only itself
+            mask[r, start + r] = True
+        ids = torch.tensor([pool.tokens[i] for i in rows], device=dev)
+        pos = torch.tensor([self.work.length - 1 + pool.depths[i] for i in rows], device=dev)
+        logits, _ = self.model.forward(ids, pos, self.work, mask.to(dev), ForwardOptions(staged=start))
+        pool.mark_forwarded(nodes, start, len(rows))
+        if children:
+            top = torch.topk(torch.log_softmax(logits[:f].float(), -1), OVERLAP_WIDTH * self.params.tree.topk)  # [F, w]
+            pool.add_children(nodes, top.indices, top.values)

@@ -8,7 +8,6 @@ transformers and their weights moved into our compact Decoder.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,9 +94,35 @@ def weights_from_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> Wei
     return Weights(embed=embed, layers=layers, norm=sd["model.norm.weight"], lm_head=head)
 
 
-def _load_hf(spec: str, role: str) -> tuple[str, Any, dict[str, torch.Tensor], Any]:
-    """Returns (name, hf_config, state_dict, tokenizer) of a folder, .gguf file, hub id or `default`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class ModelMeta:
+    """What a model spec names, read before any weights load: its name, config and tokenizer
+    (enough to check a pair, builder.check_pair)."""
+
+    spec: str
+    role: str
+    name: str
+    hf_config: Any
+    tokenizer: Any
+    args: ModelArgs
+    source: Optional[tuple[str, dict]] = None  # (folder, from_pretrained keywords) of a real checkpoint
+
+
+def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None) -> ModelMeta:
+    """The name, config and tokenizer of `spec` (a folder, .gguf file, hub id, `default` or
+    `random:<preset>`); random presets take `vocab_size` (the target's) when given."""
+    if spec.startswith("random:"):
+        from specextend.models.tokenizer import build_byte_tokenizer
+
+        preset = spec.split(":", 1)[1]
+        try:
+            config = presets.hf_config(preset, vocab_size)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+        if preset == presets.TINY_DRAFT:
+            config.num_hidden_layers = presets.TINY_DRAFT_LAYERS
+        return ModelMeta(spec, role, spec, config, build_byte_tokenizer(), ModelArgs.from_hf_config(config))
+    from transformers import AutoConfig, AutoTokenizer
 
     gguf_file = None
     if spec == "default":
@@ -115,63 +140,76 @@ def _load_hf(spec: str, role: str) -> tuple[str, Any, dict[str, torch.Tensor], A
         raise ModelLoadError(f"model path not found: {spec}")
     else:  # a local folder, else a hub id (fails with a clear error when offline)
         name, folder = (Path(spec).name if Path(spec).is_dir() else spec), spec
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        kw = {"gguf_file": gguf_file} if gguf_file else {}
         config = AutoConfig.from_pretrained(folder, **kw)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load model {spec!r}: {str(e).splitlines()[0]}") from e
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    return name, config, sd, tokenizer
+    return ModelMeta(spec, role, name, config, tokenizer, ModelArgs.from_hf_config(config), (folder, kw))
 
 
-FUSED_KERNELS_ENV = "SPECEXTEND_FUSED_KERNELS"
+def _hf_state_dict(meta: ModelMeta) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    folder, kw = meta.source
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load model {meta.spec!r}: {str(e).splitlines()[0]}") from e
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def fused_kernels_enabled(graphs_cls, torch_compile: bool) -> bool:
-    """The Triton-fused layer kernels (fused_layer.py) in the full-step graphs: on by default (H100,
-    2026-11-23: 8B verify at 16K 11.60 -> 9.64 ms, Qwen 0.5B draft step 17.75 -> 13.07 ms);
-    SPECEXTEND_FUSED_KERNELS=0 turns them off; not with torch_compile (its alternative)."""
-    from specextend.models.full_graphs import FullStepGraphs
+def attach_plan(decoder: Decoder, execution: str = "auto") -> None:
+    """The execution plan, chosen once: `graphs` replays every decode-time forward as CUDA graphs
+    with the Triton prefix and fused layer kernels where supported (full_graphs.py; else piecewise
+    graphs around an eager prefix call, graphs.py); `eager` runs op by op; `auto` is graphs on
+    CUDA, eager elsewhere. (Benchmarks compare other variants by setting decoder.graphs to one.)"""
+    dev = decoder.device
+    if execution == "eager" or (execution == "auto" and dev.type != "cuda"):
+        return
+    if dev.type != "cuda":
+        raise ModelLoadError("execution=graphs needs CUDA; use execution=auto or eager on the CPU")
+    from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported
+    from specextend.models.graphs import StepGraphs
 
-    return os.environ.get(FUSED_KERNELS_ENV, "1") != "0" and graphs_cls is FullStepGraphs and not torch_compile
+    if full_graphs_supported(decoder):
+        decoder.graphs = FullStepGraphs(decoder, fused=fused_kernels_supported(decoder))
+    else:
+        decoder.graphs = StepGraphs(decoder)
 
 
-def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str = "auto",
+def fused_kernels_supported(decoder: Decoder) -> bool:
+    """The Triton-fused layer kernels (fused_layer.py) cover every half-precision and float32 model
+    the full-step graphs take (H100, 2026-11-23: 8B verify at 16K 11.60 -> 9.64 ms)."""
+    return decoder.dtype != torch.float64
+
+
+def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "auto",
                attention_backend: str = "auto", vocab_size: Optional[int] = None,
-               target_weights: Optional[Weights] = None, cuda_graphs: bool = True,
-               torch_compile: bool = False, full_graphs: bool = True) -> LoadedModel:
-    """Loads one model. For random drafts, `vocab_size` takes the target's vocabulary and
-    `target_weights` (the tiny target's) makes the correlated tiny draft. On CUDA, decode-time
-    forwards run as piecewise graphs (`cuda_graphs`), their segments compiled by Inductor if
-    `torch_compile` (compiled at each new shape's first use: seconds, once per process); with
-    `full_graphs` (and Triton installed) the whole forward is one graph (full_graphs.py)."""
+               target_weights: Optional[Weights] = None, execution: str = "auto") -> LoadedModel:
+    """Loads one model from a spec or a ModelMeta already read. For random drafts, `vocab_size`
+    takes the target's vocabulary and `target_weights` (the tiny target's) makes the correlated
+    tiny draft. `execution` picks the plan (attach_plan)."""
+    meta = spec if isinstance(spec, ModelMeta) else read_meta(spec, role, vocab_size)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     backend = get_backend(attention_backend, dev)
     t0 = time.perf_counter()
-    if spec.startswith("random:"):
-        from specextend.models.tokenizer import build_byte_tokenizer
-
-        preset = spec.split(":", 1)[1]
-        config = presets.hf_config(preset, vocab_size)
-        args = ModelArgs.from_hf_config(config)
+    config, args, tokenizer = meta.hf_config, meta.args, meta.tokenizer
+    if meta.source is None:  # random:<preset>
+        preset = meta.spec.split(":", 1)[1]
         if preset == presets.TINY_DRAFT:
             if target_weights is None:
                 tiny_args = ModelArgs.from_hf_config(presets.hf_config("llama-tiny"))
                 target_weights = presets.tiny_target_weights(tiny_args, dt, dev)
             weights = presets.tiny_draft_weights(target_weights, dt, dev)
-            config.num_hidden_layers = presets.TINY_DRAFT_LAYERS
-            args = ModelArgs.from_hf_config(config)
         elif preset == "llama-tiny":
             weights = presets.tiny_target_weights(args, dt, dev)
         else:
             weights = presets.random_weights(args, presets.SEED, dt, dev)
-        name, tokenizer = spec, build_byte_tokenizer()
     else:
-        name, config, sd, tokenizer = _load_hf(spec, role)
-        args = ModelArgs.from_hf_config(config)
+        sd = _hf_state_dict(meta)
         weights = weights_from_state_dict(sd, args).to(device=dev, dtype=dt)
         del sd
     extra_eos = set(stop_token_ids(tokenizer)) - set(args.eos_token_ids)
@@ -179,11 +217,6 @@ def load_model(spec: str, role: str = "target", dtype: str = "auto", device: str
         args = dataclasses.replace(args, eos_token_ids=tuple(args.eos_token_ids) + tuple(sorted(extra_eos)))
     inv_freq, scaling = inv_freq_from_config(config)
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
-    if cuda_graphs and dev.type == "cuda":
-        from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported
-        from specextend.models.graphs import StepGraphs
-
-        cls = FullStepGraphs if full_graphs and full_graphs_supported(decoder) else StepGraphs
-        decoder.graphs = cls(decoder, compile=torch_compile, fused=fused_kernels_enabled(cls, torch_compile))
+    attach_plan(decoder, execution)
     decoder.load_seconds = time.perf_counter() - t0
-    return LoadedModel(name=name, decoder=decoder, tokenizer=tokenizer, hf_config=config)
+    return LoadedModel(name=meta.name, decoder=decoder, tokenizer=tokenizer, hf_config=config)

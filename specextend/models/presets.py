@@ -2,7 +2,7 @@
 
 The tiny pair: `llama-tiny` (target) and `llama-tiny-draft`, a *correlated* copy of the target
 (its first layers plus small noise, sharing embeddings and head) so that acceptance is substantial
-and every acceptance length occurs (DESIGN 3.6). The target's later layers are scaled down so the
+and every acceptance length occurs (docs/architecture.md, "Losslessness in finite precision"). The target's later layers are scaled down so the
 draft, which lacks them, agrees with it most of the time but not always.
 """
 

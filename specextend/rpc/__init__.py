@@ -1,4 +1,4 @@
-"""gRPC data plane between the target and the draft (DESIGN.md section 4).
+"""gRPC data plane between the target and the draft (docs/architecture.md, "Wire protocol").
 
 client.GrpcDraftBackend is the DraftBackend the target calls; server.DraftServicer serves any
 DraftBackend (the in-process draft worker in production); errors.py maps status codes to DraftError.

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import grpc
 
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval
+from specextend.rpc.convert import params_to_proto, step_to_proto, tree_from_proto
 from specextend.rpc.errors import RETRYABLE, error_from_rpc
 from specextend.v1 import draft_pb2 as pb
 from specextend.v1 import draft_pb2_grpc
@@ -41,30 +42,6 @@ class DraftHealth:
     ok: bool
     sessions: int  # sessions open on the server
     model: str  # the draft model's name
-
-
-def params_to_proto(params: DraftSessionParams) -> pb.DraftConfig:
-    tree, retrieval = params.tree, params.retrieval
-    return pb.DraftConfig(
-        tree_nodes=tree.nodes,
-        tree_depth=tree.depth,
-        tree_topk=tree.topk,
-        retrieval_enabled=retrieval.enabled,
-        retrieval_chunk_size=retrieval.chunk_size,
-        retrieval_top_k=retrieval.top_k,
-        retrieval_every=retrieval.every,
-        retrieval_sink_chunks=retrieval.sink_chunks,
-        retrieval_recent_chunks=retrieval.recent_chunks,
-        draft_prefill_window=retrieval.draft_prefill_window,
-        max_new_tokens=params.max_new_tokens,
-    )
-
-
-def tree_from_proto(tree: pb.DraftTree) -> DraftTree:
-    return DraftTree(
-        step=tree.step, tokens=tuple(tree.tokens), parents=tuple(tree.parents),
-        draft_cache_tokens=tree.draft_cache_tokens, pipelined=tree.pipelined,
-    )
 
 
 class GrpcDraftBackend(DraftBackend):
@@ -137,11 +114,7 @@ class GrpcDraftBackend(DraftBackend):
         accepted_tokens: Sequence[int],
         retrieval: Optional[Retrieval] = None,
     ) -> DraftTree:
-        request = pb.StepRequest(session_id=session_id, step=step, accepted_tokens=accepted_tokens)
-        if retrieval is not None:  # present even with no chunk ids: "keep none but sink/recent"
-            request.retrieval.SetInParent()
-            request.retrieval.chunk_ids.extend(retrieval.chunk_ids)  # [K]
-            request.retrieval.chunk_size = retrieval.chunk_size
+        request = step_to_proto(session_id, step, accepted_tokens, retrieval)
         tree = tree_from_proto(self._call("Step", request, self.timeout_s, attempts=2))
         if tree.step != step:
             raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")

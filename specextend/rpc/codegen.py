@@ -3,7 +3,7 @@
     python -m specextend.rpc.codegen          # rewrites specextend/v1/draft_pb2*.py in place
 
 The stubs must come from grpcio-tools==1.84.0: stubs from newer tools refuse to load with the
-grpcio 1.84.0 of the GPU machines (DESIGN.md section 4).
+grpcio 1.84.0 of the GPU machines (docs/architecture.md, "Wire protocol").
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ GRPCIO_TOOLS_VERSION = "1.84.0"
 
 
 def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
-    """Runs protoc as DESIGN.md says, writing the stubs under out_dir; returns their paths."""
+    """Runs protoc as docs/architecture.md, "Wire protocol", says, writing the stubs under out_dir; returns their paths."""
     out_dir = Path(out_dir).resolve()
     subprocess.run(
         [

@@ -2,7 +2,7 @@
 registry with the same families, whose exposition the ingress merges over replicas for
 `GET /metrics` on the HTTP port.
 
-Names follow Prometheus conventions with vLLM's meanings (DESIGN 5). Counters are declared
+Names follow Prometheus conventions with vLLM's meanings (docs/architecture.md, "Metrics"). Counters are declared
 without `_total`; both exporters append it. Ray prefixes its copies with `ray_`.
 
 Replicas publish their exposition text to Ray's internal KV under KV_PREFIX (on every finished
@@ -38,6 +38,12 @@ FAMILIES = {
     "specextend_spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted.", ()),
     "specextend_spec_decode_num_accepted_tokens_per_pos": (
         "counter", "Accepted draft tokens by position in the accepted path (0 = first).", ("position",)),
+    "specextend_spec_decode_num_ready_drafts": (
+        "counter", "Draft trees that were ready when the target asked (drafted while it verified).", ()),
+    "specextend_spec_decode_target_wait_seconds": (
+        "counter", "Time the target waited for draft trees (divide by num_drafts for per step).", ()),
+    "specextend_spec_decode_ahead_depth": (
+        "counter", "Sum over steps of the depth drafted ahead of the new root (divide by num_drafts).", ()),
     "specextend_prompt_tokens": ("counter", "Prompt tokens prefilled.", ()),
     "specextend_generation_tokens": ("counter", "Tokens generated.", ()),
     "specextend_request_success": ("counter", "Finished requests by finish reason.", ("finish_reason",)),
@@ -96,6 +102,9 @@ class ReplicaMetrics:
         self.inc("specextend_spec_decode_num_accepted_tokens", sum(stats.accepted_per_step))
         for pos, n in enumerate(accepted_per_position(stats.accepted_per_step)):
             self.inc("specextend_spec_decode_num_accepted_tokens_per_pos", n, position=str(pos))
+        self.inc("specextend_spec_decode_num_ready_drafts", stats.ready_steps)
+        self.inc("specextend_spec_decode_target_wait_seconds", stats.draft_s)
+        self.inc("specextend_spec_decode_ahead_depth", stats.ahead_depth_sum)
         self.inc("specextend_draft_fallbacks", int(stats.fallback))
         self.inc("specextend_request_success", 1, finish_reason=finish_reason or "abort")
 

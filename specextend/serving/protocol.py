@@ -145,7 +145,9 @@ class SpeculativeDecoding(BaseModel):
     fallback: bool
     draft_ms_per_step: float = 0.0  # includes the gRPC round trip
     verify_ms_per_step: float = 0.0
-    pipeline_hits: int = 0  # steps whose tree the draft had drafted ahead (draft_pipeline)
+    target_wait_ms_per_step: float = 0.0  # the target's wait for a tree (draft work not hidden + transport)
+    tree_ready_fraction: float = 0.0  # steps whose tree was drafted while the target verified
+    draft_ahead_depth: float = 0.0  # mean depth drafted ahead of the new root when asked
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 

@@ -1,4 +1,4 @@
-"""The SpecExtend Serve replica: it IS the target actor (DESIGN 2).
+"""The SpecExtend Serve replica: it IS the target actor (docs/architecture.md, "Deployment").
 
 It loads the target, starts its draft actor on bundle 1 of its own placement group, and runs
 Engine.stream for each request. The engine is synchronous torch code: every step of every request
@@ -49,7 +49,9 @@ def spec_decoding(stats: RequestStats) -> dict:
            "retrieval_refreshes": stats.retrieval_refreshes,
            "draft_cache_tokens": stats.draft_cache_tokens, "fallback": stats.fallback,
            "draft_ms_per_step": 1e3 * stats.draft_s / steps,  # includes the gRPC round trip
-           "verify_ms_per_step": 1e3 * stats.verify_s / steps, "pipeline_hits": stats.pipeline_hits}
+           "verify_ms_per_step": 1e3 * stats.verify_s / steps,
+           "target_wait_ms_per_step": stats.target_wait_ms_per_step,
+           "tree_ready_fraction": stats.tree_ready_fraction, "draft_ahead_depth": stats.draft_ahead_depth}
     if stats.replayed:
         out["replayed"] = True
     return out
@@ -57,13 +59,11 @@ def spec_decoding(stats: RequestStats) -> dict:
 
 class SpecExtendReplica:
     def __init__(self, settings: dict) -> None:
-        from specextend.models.loader import load_model
+        from specextend.builder import load_pair
 
         self.settings = s = AppSettings.model_validate(settings)
         self.cfg = cfg = s.to_engine_config()
-        self.target = load_model(cfg.target, role="target", dtype=cfg.dtype, device=cfg.device,
-                                 attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
-                                 torch_compile=cfg.torch_compile, full_graphs=cfg.full_graphs)
+        self.target, _ = load_pair(cfg, roles=("target",))  # checks the pair before loading weights
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")  # the one engine thread
@@ -97,10 +97,7 @@ class SpecExtendReplica:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
         actor_cls = ray.remote(DraftActor)
         return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
-                                 scheduling_strategy=strategy).remote(
-            cfg.draft, self.target.args.vocab_size, cfg.dtype, cfg.device, cfg.attention_backend,
-            cfg.prefill_chunk, cfg.cuda_graphs, s.draft_pipeline, cfg.torch_compile,
-            cfg.full_graphs)
+                                 scheduling_strategy=strategy).remote(cfg)
 
     def _replica_key(self) -> str:
         try:

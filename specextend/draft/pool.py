@@ -1,0 +1,151 @@
+"""The draft's persistent candidate pool for overlapped drafting (docs/architecture.md, "Overlapped
+drafting"). Host-side bookkeeping only: which candidate tokens exist below the current root, their
+path scores, and which of them have been forwarded (their K/V staged in the draft's working cache
+after the committed tokens, at `slot`).
+
+After a tree is sent, the draft keeps expanding this pool, best path score first, while the
+target verifies. Every pool node is a possible next root: the verdict (accepted path + bonus
+token) names one, and when that node has been forwarded, `reroot` keeps its subtree, whose best
+nodes are the next tree, ready at once. Path scores approximate the outcome probabilities: the
+bonus token is, under the draft, a child of the last accepted node with probability
+exp(score), so the expansion order is the order in which outcomes are likely.
+
+Node ids are indices into the parallel lists; the root (the last committed token) is not a node
+(its children have parent -1). Scores are log-probabilities relative to the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from specextend.tree import reindex_tree, select_best_nodes
+
+
+@dataclass
+class Pool:
+    tokens: list[int] = field(default_factory=list)  # [P]
+    scores: list[float] = field(default_factory=list)  # [P] path log-probability from the root
+    parents: list[int] = field(default_factory=list)  # [P] parent id, -1 = the root
+    depths: list[int] = field(default_factory=list)  # [P] root's children = 1
+    slots: list[int] = field(default_factory=list)  # [P] staged offset once forwarded, else -1
+    staged: int = 0  # staged slots in use (forwarded nodes and padding)
+
+    @classmethod
+    def from_expansion(cls, tokens: Sequence[int], scores: Sequence[float], parents: Sequence[int],
+                       depths: Sequence[int], forwarded: Sequence[int]) -> "Pool":
+        """A pool from expand_tree's result; `forwarded` lists node ids in staged-slot order."""
+        slots = [-1] * len(tokens)
+        for slot, node in enumerate(forwarded):
+            slots[node] = slot
+        return cls(list(tokens), list(scores), list(parents), list(depths), slots, len(forwarded))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def forwarded(self) -> int:
+        return sum(s >= 0 for s in self.slots)
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def frontier(self, rows: int, max_depth: int) -> list[int]:
+        """Up to `rows` not yet forwarded nodes with the best scores (their parents all are)."""
+        todo = [i for i, s in enumerate(self.slots) if s < 0 and self.depths[i] < max_depth]
+        todo.sort(key=lambda i: (-self.scores[i], self.depths[i], i))
+        return todo[:rows]
+
+    def ancestors(self, node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def mask(self, nodes: Sequence[int], start: int) -> torch.Tensor:
+        """[F, start + F] bool over staged keys for forwarding `nodes` at slots start, start + 1, ...:
+        each row sees its ancestors' slots (forwarded earlier, or earlier in `nodes`) and its own."""
+        f = len(nodes)
+        slot = {node: start + r for r, node in enumerate(nodes)}
+        mask = torch.zeros(f, start + f, dtype=torch.bool)
+        for r, node in enumerate(nodes):
+            for a in self.ancestors(node):
+                s = slot.get(a, self.slots[a])
+                if s < 0:
+                    raise ValueError(f"pool node {a} is not forwarded before its descendant {node}")
+                mask[r, s] = True
+        return mask
+
+    def mark_forwarded(self, nodes: Sequence[int], start: int, width: int) -> None:
+        """`nodes` now have K/V at slots start + r; `width` slots from `start` are used."""
+        for r, node in enumerate(nodes):
+            self.slots[node] = start + r
+        self.staged = start + width
+
+    def add_children(self, nodes: Sequence[int], child_tokens: torch.Tensor,  # [F, k]
+                     child_logp: torch.Tensor) -> None:  # [F, k] log-probabilities
+        toks, logp = child_tokens.tolist(), child_logp.tolist()
+        for r, node in enumerate(nodes):
+            for tok, lp in zip(toks[r], logp[r]):
+                self.tokens.append(int(tok))
+                self.scores.append(self.scores[node] + float(lp))
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                self.slots.append(-1)
+
+    def best_tree(self, n: int) -> tuple[list[int], list[int]]:
+        """The best n nodes by path score, as a tree (tokens, parents) in topological order."""
+        chosen = select_best_nodes(self.scores, self.depths, self.parents, n)
+        return reindex_tree(chosen, self.tokens, self.parents)
+
+    def ready_depth(self) -> int:
+        """Depth of the deepest node (how far ahead the pool reaches)."""
+        return max(self.depths, default=0)
+
+    def walk(self, tokens: Sequence[int]) -> list[Optional[int]]:
+        """Node ids along `tokens` from the root (None from the first token not in the pool)."""
+        out: list[Optional[int]] = []
+        node = -1
+        for tok in tokens:
+            nxt = None
+            if node is not None:
+                nxt = next((i for i, p in enumerate(self.parents) if p == node and self.tokens[i] == tok), None)
+            out.append(nxt)
+            node = nxt
+        return out
+
+    def unstage(self) -> list[int]:
+        """Forget every staged slot (the working cache was rebuilt); returns the nodes that were
+        forwarded, in their old slot order (parents first), to forward again."""
+        order = sorted((i for i, s in enumerate(self.slots) if s >= 0), key=lambda i: self.slots[i])
+        self.slots = [-1] * len(self.slots)
+        self.staged = 0
+        return order
+
+    def reroot(self, path: Sequence[int]) -> tuple["Pool", list[int], list[int]]:
+        """The verdict's nodes `path` (accepted path + bonus, all forwarded) become committed; the new
+        root is path[-1]. Returns the pool of its descendants and the staged slots to keep: first
+        the committed ones (path order), then the kept descendants' (in the new pool's slot order)."""
+        root = path[-1]
+        keep: dict[int, int] = {root: -1}  # old id -> new id
+        new = Pool()
+        for i in range(root + 1, len(self.tokens)):  # topological order: parents come first
+            p = self.parents[i]
+            # a node's parent must be forwarded (not one still waiting to be re-staged)
+            if p in keep and (p == root or self.slots[p] >= 0):
+                keep[i] = len(new.tokens)
+                new.tokens.append(self.tokens[i])
+                new.scores.append(self.scores[i] - self.scores[root])
+                new.parents.append(keep[p])
+                new.depths.append(self.depths[i] - self.depths[root])
+                new.slots.append(-1)
+        old_ids = sorted((i for i in keep if i != root and self.slots[i] >= 0), key=lambda i: self.slots[i])
+        staged_keep = []
+        for slot, old in enumerate(old_ids):
+            new.slots[keep[old]] = slot
+            staged_keep.append(self.slots[old])
+        new.staged = len(staged_keep)
+        return new, [self.slots[i] for i in path], staged_keep

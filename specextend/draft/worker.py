@@ -1,0 +1,259 @@
+"""The draft side as a worker with an explicit job queue (docs/architecture.md, "Draft side").
+
+One thread owns the draft model and every session's state; nothing else touches them. Jobs:
+`Open`, `Step` and `Close` run in arrival order (the foreground), and, with overlap on, the
+sessions that have drafting left to do between steps get one background forward each, round
+robin, whenever the foreground queue is empty: an arriving job waits at most for the background
+forward in flight. The target reaches the worker directly (in-process, `DraftWorker` is a
+DraftBackend whose calls block on their job) or through the gRPC server, which submits jobs and
+awaits their futures, so that a call whose deadline passes while queued is cancelled before it
+runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from specextend.draft.base import (DraftBackend, DraftError, DraftSessionNotFound, DraftSessionParams,
+                                   DraftStepOutOfOrder, DraftTree, Retrieval)
+from specextend.draft.session import DraftSession
+from specextend.models.decoder import Decoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Open:
+    session_id: str
+    prompt_ids: tuple[int, ...]  # [L]
+    params: DraftSessionParams
+
+
+@dataclass(frozen=True)
+class Step:
+    session_id: str
+    step: int
+    accepted_tokens: tuple[int, ...]
+    retrieval: Optional[Retrieval] = None
+
+
+@dataclass(frozen=True)
+class Close:
+    session_id: str
+
+
+Job = Union[Open, Step, Close]
+
+
+@dataclass
+class SessionEntry:
+    session: DraftSession
+    last_step: int = -1  # the last step applied (a retry of it returns last_tree)
+    last_tree: Optional[DraftTree] = None
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    sessions: int
+    background_forwards: int
+    ready_trees: int  # steps answered from the overlap pool
+
+
+class JobWorker(DraftBackend):
+    """One thread running jobs from a queue: foreground jobs in arrival order; between them, while
+    `_background()` has work, its slices. Subclasses say what a job does (`_do`)."""
+
+    def __init__(self, name: str = "draft") -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Optional[tuple[Job, Future]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards the counters read from other threads
+        self._open_ids: set[str] = set()
+        self._background_forwards = 0
+        self._ready_trees = 0
+        self._thread = threading.Thread(target=self._run, name=f"draft-worker-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        """Queues a job; its future holds the job's result (None, or a DraftTree) or its error. A
+        future cancelled before the job starts drops the job."""
+        fut: Future = Future()
+        self._jobs.put((job, fut))
+        return fut
+
+    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
+        self.submit(Open(session_id, tuple(prompt_ids), params)).result()
+
+    def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
+             retrieval: Optional[Retrieval] = None) -> DraftTree:
+        return self.submit(Step(session_id, step, tuple(accepted_tokens), retrieval)).result()
+
+    def close(self, session_id: str) -> None:
+        self.submit(Close(session_id)).result()
+
+    def health(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_sessions(self) -> int:
+        with self._lock:
+            return len(self._open_ids)
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees)
+
+    def stop(self) -> None:
+        """Stops the worker after the jobs already queued (returns at once)."""
+        self._jobs.put(None)
+
+    def shutdown(self) -> None:
+        """stop(), then wait for the thread."""
+        self.stop()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                item = self._next()
+                if item is None:
+                    return
+                job, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    continue  # cancelled while queued (e.g. its RPC deadline passed)
+                try:
+                    result = self._do(job)
+                except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
+                    fut.set_exception(exc)
+                    continue
+                with self._lock:
+                    if isinstance(job, Open):
+                        self._open_ids.add(job.session_id)
+                    elif isinstance(job, Close):
+                        self._open_ids.discard(job.session_id)
+                    elif isinstance(result, DraftTree) and result.ready:
+                        self._ready_trees += 1
+                fut.set_result(result)
+
+    def _next(self) -> Optional[tuple[Job, Future]]:
+        """The next foreground job; while there is none, background slices."""
+        while True:
+            try:
+                return self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            if not self._background():
+                return self._jobs.get()
+            with self._lock:
+                self._background_forwards += 1
+
+    def _background(self) -> bool:
+        """One slice of background work; False when there is none."""
+        return False
+
+    def _do(self, job: Job):
+        raise NotImplementedError
+
+
+class SerialDraft(JobWorker):
+    """Any DraftBackend behind the job queue (its calls serialized on one thread; no background)."""
+
+    def __init__(self, backend: DraftBackend, name: str = "draft") -> None:
+        self.backend = backend
+        super().__init__(name)
+
+    def _do(self, job: Job):
+        if isinstance(job, Open):
+            return self.backend.open(job.session_id, job.prompt_ids, job.params)
+        if isinstance(job, Step):
+            return self.backend.step(job.session_id, job.step, job.accepted_tokens, job.retrieval)
+        return self.backend.close(job.session_id)
+
+
+def as_worker(backend: DraftBackend) -> JobWorker:
+    return backend if isinstance(backend, JobWorker) else SerialDraft(backend)
+
+
+class DraftWorker(JobWorker):
+    """The draft model's worker: sessions, idempotent steps, overlapped drafting in the background."""
+
+    def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False):
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.overlap = overlap
+        self._sessions: dict[str, SessionEntry] = {}  # the worker thread's only
+        self._pending: OrderedDict[str, None] = OrderedDict()  # sessions with drafting left to do
+        super().__init__(name)
+
+    def _background(self) -> bool:
+        """One background forward of the next session with drafting left to do (round robin)."""
+        while self._pending:
+            sid, _ = self._pending.popitem(last=False)
+            entry = self._sessions.get(sid)
+            if entry is None:
+                continue
+            try:
+                more = entry.session.background()
+            except Exception:  # noqa: BLE001 - drafting ahead is optional: the next step drafts anew
+                log.exception("background drafting failed for session %s", sid)
+                entry.session.pool = None
+                continue
+            if more:
+                self._pending[sid] = None
+                return True
+        return False
+
+    def _do(self, job: Job):
+        if isinstance(job, Open):
+            return self._open(job)
+        if isinstance(job, Step):
+            return self._step(job)
+        if isinstance(job, _Peek):
+            entry = self._sessions.get(job.session_id)
+            return entry.session if entry is not None else None
+        self._sessions.pop(job.session_id, None)
+        self._pending.pop(job.session_id, None)
+        return None
+
+    def _open(self, job: Open) -> None:
+        if not job.prompt_ids:
+            raise DraftError("empty prompt")
+        session = DraftSession(self.model, job.prompt_ids, job.params, self.prefill_chunk, overlap=self.overlap)
+        self._sessions[job.session_id] = SessionEntry(session)
+
+    def _step(self, job: Step) -> DraftTree:
+        entry = self._sessions.get(job.session_id)
+        if entry is None:
+            raise DraftSessionNotFound(f"unknown draft session {job.session_id!r}")
+        if job.step == entry.last_step and entry.last_tree is not None:
+            return entry.last_tree  # a retried step: applied once, same tree
+        if job.step != entry.last_step + 1:
+            raise DraftStepOutOfOrder(f"session {job.session_id!r}: step {job.step} after {entry.last_step}")
+        tree = entry.session.step(job.step, job.accepted_tokens, job.retrieval)
+        entry.last_step, entry.last_tree = job.step, tree
+        if self.overlap:
+            self._pending[job.session_id] = None
+        return tree
+
+    # ------------------------------------------------------------------ introspection (tests)
+    def session(self, session_id: str) -> Optional[DraftSession]:
+        """A session's state, read on the worker (between jobs)."""
+        fut: Future = Future()
+        self._jobs.put((_Peek(session_id), fut))
+        return fut.result()
+
+    def refreshes(self, session_id: str) -> int:
+        s = self.session(session_id)
+        return s.refreshes if s is not None else 0
+
+
+@dataclass(frozen=True)
+class _Peek:
+    session_id: str

@@ -1,0 +1,59 @@
+"""The one place where the draft interface's objects and the wire protocol's messages meet.
+
+DraftConfig's fields are the configuration's flat names (config.py); a value out of range
+raises pydantic's ValidationError (a ValueError), which the server maps to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from specextend.config import RetrievalConfig, TreeConfig
+from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval
+from specextend.v1 import draft_pb2 as pb
+
+
+def params_to_proto(params: DraftSessionParams) -> pb.DraftConfig:
+    tree, r = params.tree, params.retrieval
+    return pb.DraftConfig(
+        tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk,
+        retrieval_enabled=bool(r.enabled), retrieval_chunk_size=r.chunk_size, retrieval_top_k=r.top_k,
+        retrieval_every=r.every, retrieval_sink_chunks=r.sink_chunks, retrieval_recent_chunks=r.recent_chunks,
+        draft_prefill_window=r.draft_prefill_window or 0, max_new_tokens=params.max_new_tokens)
+
+
+def params_from_proto(c: pb.DraftConfig) -> DraftSessionParams:
+    return DraftSessionParams(
+        tree=TreeConfig(nodes=c.tree_nodes, depth=c.tree_depth, topk=c.tree_topk),
+        retrieval=RetrievalConfig(
+            enabled=c.retrieval_enabled, chunk_size=c.retrieval_chunk_size, top_k=c.retrieval_top_k,
+            every=c.retrieval_every, sink_chunks=c.retrieval_sink_chunks,
+            recent_chunks=c.retrieval_recent_chunks, draft_prefill_window=c.draft_prefill_window),
+        max_new_tokens=c.max_new_tokens)
+
+
+def tree_to_proto(tree: DraftTree) -> pb.DraftTree:
+    return pb.DraftTree(step=tree.step, tokens=tree.tokens, parents=tree.parents,
+                        draft_cache_tokens=tree.draft_cache_tokens, ready=tree.ready,
+                        ahead_depth=tree.ahead_depth)
+
+
+def tree_from_proto(tree: pb.DraftTree) -> DraftTree:
+    return DraftTree(step=tree.step, tokens=tuple(tree.tokens), parents=tuple(tree.parents),
+                     draft_cache_tokens=tree.draft_cache_tokens, ready=tree.ready,
+                     ahead_depth=tree.ahead_depth)
+
+
+def step_to_proto(session_id: str, step: int, accepted_tokens, retrieval: Optional[Retrieval]) -> pb.StepRequest:
+    request = pb.StepRequest(session_id=session_id, step=step, accepted_tokens=accepted_tokens)
+    if retrieval is not None:  # present even with no chunk ids: "keep none but sink/recent"
+        request.retrieval.SetInParent()
+        request.retrieval.chunk_ids.extend(retrieval.chunk_ids)  # [K]
+        request.retrieval.chunk_size = retrieval.chunk_size
+    return request
+
+
+def retrieval_from_proto(request: pb.StepRequest) -> Optional[Retrieval]:
+    if not request.HasField("retrieval"):
+        return None
+    return Retrieval(tuple(request.retrieval.chunk_ids), request.retrieval.chunk_size)

@@ -1,0 +1,253 @@
+"""Overlapped drafting (draft/pool.py, DraftSession.background, DraftWorker): the draft keeps
+expanding its candidate pool while the target verifies and answers the next step from it when the
+verdict was foreseen. The target verifies whatever it gets, so output must equal plain decoding
+(float64: exactly) under every interleaving forced here, and ready trees must really be used.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
+from specextend.draft.base import DraftError, DraftSessionParams
+from specextend.draft.chaos import Chaos, ChaosDraft
+from specextend.draft.pool import Pool
+from specextend.draft.session import DraftSession
+from specextend.draft.worker import DraftWorker
+from specextend.engine import Engine
+from specextend.rpc import DraftServerThread, GrpcDraftBackend
+
+TREE = TreeConfig(8, 4, 3)
+
+
+def prompt(n=60, seed=0):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------ the pool (pure bookkeeping)
+
+def small_pool() -> Pool:
+    # root -> a(0) b(1); a -> c(2) d(3); c -> e(4); forwarded: a, b, c in that slot order
+    pool = Pool.from_expansion([10, 11, 12, 13], [-0.1, -2.0, -0.3, -1.5], [-1, -1, 0, 0], [1, 1, 2, 2],
+                               forwarded=[0, 1])
+    pool.mark_forwarded([2], 2, 1)
+    pool.add_children([2], torch.tensor([[14]]), torch.tensor([[-0.2]]))
+    return pool
+
+
+def test_pool_mask_walk_and_frontier():
+    pool = small_pool()
+    assert pool.slots == [0, 1, 2, -1, -1] and pool.staged == 3
+    assert pool.walk([10, 12, 14]) == [0, 2, 4] and pool.walk([10, 99, 14]) == [0, None, None]
+    # e (node 4) at slot 3 sees a (0), c (2) and itself; d sees a and itself
+    m = pool.mask([4, 3], 3)
+    assert m.tolist() == [[True, False, True, True, False], [True, False, False, False, True]]
+    assert pool.frontier(8, max_depth=10) == [4, 3]  # best path score first
+    assert pool.frontier(8, max_depth=3) == [3]  # depth 3 is not forwarded under max_depth 3
+
+
+def test_pool_reroot_keeps_the_subtree_and_its_slots():
+    pool = small_pool()
+    new, commit, keep = pool.reroot([0, 2])  # path a, then bonus c: the new root is c
+    assert commit == [0, 2] and keep == []  # a, c committed; c's only child e was never forwarded
+    assert new.tokens == [14] and new.parents == [-1] and new.depths == [1] and new.slots == [-1]
+    assert new.scores == pytest.approx([-0.2])
+    new2, commit2, keep2 = pool.reroot([0])  # bonus a: keeps c (forwarded), d, e below it
+    assert commit2 == [0] and keep2 == [2]
+    assert new2.tokens == [12, 13, 14] and new2.parents == [-1, -1, 0] and new2.slots == [0, -1, -1]
+    assert new2.depths == [1, 1, 2] and new2.staged == 1
+
+
+def test_pool_unstage_then_reroot_drops_children_of_unforwarded_nodes():
+    pool = small_pool()
+    assert pool.unstage() == [0, 1, 2] and pool.staged == 0
+    pool.mark_forwarded([0], 0, 1)  # only a re-staged so far
+    new, commit, keep = pool.reroot([0])
+    assert new.tokens == [12, 13] and keep == []  # e's parent c is not forwarded: dropped
+
+
+# ------------------------------------------------------------------ one session
+
+@pytest.fixture(scope="module")
+def draft(tiny_models):
+    return tiny_models("float64")[1].decoder
+
+
+def grow(session, forwards=50):
+    n = 0
+    while n < forwards and session.background():
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("retrieval", [False, True])
+def test_a_ready_tree_leaves_the_caches_a_plain_step_would(draft, retrieval):
+    """After answering from the pool, the committed K/V (and the store's pre-RoPE keys) equal those of
+    a session that forwarded the same tokens, and the tree's first level is the draft's top-k."""
+    r = RetrievalConfig(enabled=retrieval, chunk_size=8, top_k=4, draft_prefill_window=0)
+    params = DraftSessionParams(TREE, r, 64)
+    over, plain = DraftSession(draft, prompt(), params, overlap=True), DraftSession(draft, prompt(), params, overlap=True)
+    t0 = over.step(0, [7], None)
+    plain.step(0, [7], None)
+    plain.pool = None  # plain drafts every step from scratch (it keeps the pool it drafts, unused)
+    assert grow(over) > 0
+    # the verdict: the first node accepted, then a forwarded child of it in the pool as the bonus
+    pool = over.pool
+    a = 0
+    bonus = next(i for i in pool.children(a) if pool.slots[i] >= 0)
+    accepted = [t0.tokens[0], pool.tokens[bonus]]
+    hit = over.step(1, accepted, None)
+    ref = plain.step(1, accepted, None)
+    assert hit.ready and not ref.ready and hit.ahead_depth >= 1
+    assert over.work.length == plain.work.length
+    n = plain.work.length
+    assert torch.allclose(over.work.data[:, :, :, :n], plain.work.data[:, :, :, :n], atol=1e-9)
+    if retrieval:
+        assert torch.allclose(over.store.data[:, :, :, :n], plain.store.data[:, :, :, :n], atol=1e-9)
+    # the ready pool's first level is the draft's top-k after the new root, with the same scores
+    def first_level(pool):
+        return sorted((pool.tokens[i], pool.scores[i]) for i in range(len(pool)) if pool.depths[i] == 1)
+
+    got, want = first_level(over.pool), first_level(plain.pool)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-5)  # float32 logits
+
+
+def test_a_missed_verdict_drafts_as_without_overlap(draft):
+    params = DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64)
+    over, plain = DraftSession(draft, prompt(), params, overlap=True), DraftSession(draft, prompt(), params)
+    over.step(0, [7], None)
+    plain.step(0, [7], None)
+    grow(over)
+    miss = [255, 254]  # not in the pool
+    got, ref = over.step(1, miss, None), plain.step(1, miss, None)
+    assert not got.ready and (got.tokens, got.parents) == (ref.tokens, ref.parents)
+    assert torch.equal(over.work.data[:, :, :, :over.work.length], plain.work.data[:, :, :, :plain.work.length])
+
+
+# ------------------------------------------------------------------ end to end, float64
+
+def run(pair, backend, mode="sd", n=40, seed=3, **kw):
+    target = pair[0]
+    # a budget of 80 tokens: the 70-token prompt fits, then refreshes start (the tiny draft accepts
+    # next to nothing from a pruned cache, so hits come from the first steps)
+    cfg = EngineConfig(mode=mode, tree=TREE, retrieval=RetrievalConfig(chunk_size=8, top_k=10, every=2), **kw)
+    ref, _, _ = Engine(EngineConfig(mode="ar"), target, None).generate(prompt(70, seed), SamplingParams(n, ignore_eos=True))
+    out, _, stats = Engine(cfg, target, backend).generate(prompt(70, seed), SamplingParams(n, ignore_eos=True))
+    return ref, out, stats
+
+
+class SlowBackground:
+    """Forces the 'slow draft' interleaving: every background forward takes `delay_s` longer."""
+
+    def __init__(self, monkeypatch, delay_s):
+        original = DraftSession.background
+
+        def slow(session):
+            time.sleep(delay_s)
+            return original(session)
+
+        monkeypatch.setattr(DraftSession, "background", slow)
+
+
+@pytest.mark.parametrize("mode", ["sd", "specextend"])
+@pytest.mark.parametrize("interleaving", ["slow target", "fast target", "slow draft"])
+def test_overlapped_output_equals_plain_decoding(tiny_models, monkeypatch, mode, interleaving):
+    pair = tiny_models("float64")
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    if interleaving == "slow draft":
+        SlowBackground(monkeypatch, 0.02)
+    latency = {"slow target": 0.05, "fast target": 0.0, "slow draft": 0.0}[interleaving]
+    ref, out, stats = run(pair, ChaosDraft(worker, Chaos(latency_s=latency)), mode)
+    assert out == ref
+    if interleaving == "slow target":  # the draft had time: ready trees were really used
+        assert stats.ready_steps > 0 and stats.draft_ahead_depth > 0
+    if mode == "specextend":
+        assert stats.retrieval_refreshes > 1  # refreshes were due on ready steps too
+    worker.shutdown()
+
+
+def test_ready_trees_are_used_over_grpc_with_concurrent_sessions(tiny_models):
+    pair = tiny_models("float64")
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    results = {}
+    with DraftServerThread(worker) as server:
+        def one(seed):
+            client = GrpcDraftBackend(server.address)
+            results[seed] = run(pair, ChaosDraft(client, Chaos(latency_s=0.03)), "specextend", seed=seed)
+            client.shutdown()
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in (1, 2, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for seed, (ref, out, stats) in results.items():
+        assert out == ref, seed
+    assert sum(stats.ready_steps for _, _, stats in results.values()) > 0
+    assert worker.stats().background_forwards > 0 and worker.num_sessions == 0
+    worker.shutdown()
+
+
+def test_a_failing_background_forward_costs_only_its_time(tiny_models, monkeypatch):
+    pair = tiny_models("float64")
+    calls = []
+
+    def broken(session):
+        calls.append(1)
+        raise RuntimeError("injected background failure")
+
+    monkeypatch.setattr(DraftSession, "background", broken)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    ref, out, stats = run(pair, ChaosDraft(worker, Chaos(latency_s=0.01)))
+    assert out == ref and calls and not stats.fallback and stats.ready_steps == 0
+    worker.shutdown()
+
+
+def test_draft_failure_mid_speculation_falls_back_losslessly(tiny_models):
+    pair = tiny_models("float64")
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+
+    class DiesAtStep3(ChaosDraft):
+        def step(self, session_id, step, accepted_tokens, retrieval=None):
+            if step == 3:
+                raise DraftError("injected: the draft died")
+            return super().step(session_id, step, accepted_tokens, retrieval)
+
+    ref, out, stats = run(pair, DiesAtStep3(worker, Chaos(latency_s=0.02)))
+    assert out == ref and stats.fallback and stats.num_steps == 3
+    time.sleep(0.05)
+    assert worker.num_sessions == 0  # the engine closed the draft's session
+    worker.shutdown()
+
+
+def test_a_refresh_due_on_a_ready_step_is_applied_after_it_and_restages_the_pool(draft):
+    """The retrieval rebuild runs in the background after a ready answer; the pool's nodes are then
+    forwarded again over the new working cache: each staged K/V equals a causal forward of its path."""
+    import copy
+
+    from specextend.attention.backends import CAUSAL
+    from specextend.draft.base import Retrieval
+
+    params = DraftSessionParams(TREE, RetrievalConfig(enabled=True, chunk_size=8, top_k=4, draft_prefill_window=0), 64)
+    over = DraftSession(draft, prompt(), params, overlap=True)
+    t0 = over.step(0, [7], None)
+    grow(over)
+    pool = over.pool
+    bonus = next(i for i in pool.children(0) if pool.slots[i] >= 0)
+    refreshes = over.refreshes
+    hit = over.step(1, [t0.tokens[0], pool.tokens[bonus]], Retrieval((0, 2, 5, 7), 8))
+    assert hit.ready and over.refreshes == refreshes  # not yet: the answer came first
+    grow(over)
+    assert over.refreshes == refreshes + 1 and not over._restage and over.pool.forwarded > 0
+    w = over.work
+    for node in [i for i, s in enumerate(over.pool.slots) if s >= 0][:6]:
+        path = over.pool.ancestors(node)
+        cache = copy.deepcopy(w)
+        ids = torch.tensor([over.pool.tokens[i] for i in path])
+        draft.forward(ids, torch.arange(w.length, w.length + len(path)), cache, CAUSAL)
+        want = cache.data[:, :, :, w.length + len(path) - 1]  # [layers, 2, G, D]
+        got = w.data[:, :, :, w.length + over.pool.slots[node]]
+        assert torch.allclose(got, want, atol=1e-9), node
