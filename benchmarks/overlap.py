@@ -28,6 +28,7 @@ import torch
 from prompts import chat_prompt
 from specextend.builder import read_pair
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
+from specextend.draft.base import DraftSessionParams
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.models.loader import load_model
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run(engine, prompt, new_tokens):
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompt[:256], replace(params, max_new_tokens=16))  # warm-up (shapes, graphs)
+    engine.generate(prompt[:2048], replace(params, max_new_tokens=64))  # warm-up (shapes, graphs)
     ids, _, st = engine.generate(prompt, params)
     steps = max(st.num_steps, 1)
     return ids, dict(
@@ -60,6 +61,8 @@ def main() -> None:
     p.add_argument("--modes", default="specextend", help="speculative modes, comma-separated (sd, specextend)")
     p.add_argument("--tree", default="16,6,4", help="nodes,depth,topk")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--overlap", default="16:0", help="overlap variants ROWS:SYNC_DEPTH, comma-separated (rows per "
+                   "background forward; levels drafted before answering a step that found nothing ready, 0 = all)")
     p.add_argument("--tie-tol", type=float, default=0.125, help="near-tie tolerance (bf16 logits)")
     p.add_argument("--out", default=str(REPO / "benchmarks/results/overlap"))
     a = p.parse_args()
@@ -80,10 +83,15 @@ def main() -> None:
     engines = {"ar": Engine(replace(base, mode="ar"), target)}
     workers = []
     for mode in a.modes.split(","):
-        for name, dev, overlap in ((f"{mode}-1gpu", dev0, False), (f"{mode}-2gpu", dev1, False),
-                                   (f"{mode}-2gpu-overlap", dev1, True)):
+        variants = [(f"{mode}-1gpu", dev0, False, None), (f"{mode}-2gpu", dev1, False, None)]
+        specs = [tuple(int(x) for x in v.split(":")) for v in a.overlap.split(",")]
+        variants += [(f"{mode}-2gpu-overlap" + (f"-r{r}s{d}" if len(specs) > 1 else ""), dev1, True, (r, d))
+                     for r, d in specs]
+        for name, dev, overlap, (rows, sync) in [(n, d, o, v if o else (16, 0)) for n, d, o, v in variants]:
             cfg = replace(base, mode=mode, draft_overlap=overlap)
-            worker = DraftWorker(drafts[dev].decoder, prefill_chunk=cfg.prefill_chunk, overlap=overlap)
+            worker = DraftWorker(drafts[dev].decoder, prefill_chunk=cfg.prefill_chunk, overlap=overlap,
+                                 overlap_rows=rows, sync_depth=sync)
+            worker.warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, 64))
             workers.append(worker)
             engines[name] = Engine(cfg, target, worker)
 

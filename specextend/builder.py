@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specextend.config import EngineConfig
+from specextend.draft.base import DraftSessionParams
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.models.loader import LoadedModel, ModelMeta, load_model, read_meta
@@ -69,5 +70,9 @@ def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft")
 def build_engine(config: EngineConfig) -> Engine:
     """In-process engine: both models in this process."""
     target, draft = load_pair(config)
-    backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap) if draft is not None else None
+    backend = None
+    if draft is not None:
+        backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap)
+        if config.overlap:  # capture the background forwards' shapes before the first request
+            backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
     return Engine(config, target, backend)

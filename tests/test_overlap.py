@@ -251,3 +251,13 @@ def test_a_refresh_due_on_a_ready_step_is_applied_after_it_and_restages_the_pool
         want = cache.data[:, :, :, w.length + len(path) - 1]  # [layers, 2, G, D]
         got = w.data[:, :, :, w.length + over.pool.slots[node]]
         assert torch.allclose(got, want, atol=1e-9), node
+
+
+def test_warm_up_runs_the_background_forwards_before_traffic(draft):
+    from specextend.draft.session import POOL_SLOTS
+
+    worker = DraftWorker(draft, overlap=True, overlap_rows=8)
+    n = worker.warm_up(DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64))
+    assert n >= POOL_SLOTS // 8 - 3  # the staged-slot ladder was walked
+    assert worker.num_sessions == 0  # the throwaway session is not kept
+    assert DraftWorker(draft).warm_up(DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64)) == 0

@@ -18,6 +18,7 @@ arrives with a ready tree is applied after the answer, in the background.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -45,15 +46,20 @@ class DraftSession:
     expand = staticmethod(expand_tree)  # the tree search (expand_tree_host: its twin)
 
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
-                 prefill_chunk: int = 2048, overlap: bool = False):
+                 prefill_chunk: int = 2048, overlap: bool = False, overlap_rows: int = OVERLAP_ROWS,
+                 sync_depth: int = 0):
         self.model = model
+        self.rows = overlap_rows
+        # with overlap, a step that finds nothing ready drafts only this deep before answering (0: the
+        # tree's depth); the background deepens the pool while the target verifies
+        self.sync_depth = sync_depth
         self.params = params
         self.cfg = params.retrieval
         self.overlap = overlap
         tree = params.tree
         extra = params.max_new_tokens + tree.depth * tree.topk + tree.depth + 8
         if overlap:
-            extra += POOL_SLOTS + 2 * OVERLAP_ROWS
+            extra += POOL_SLOTS + 2 * overlap_rows
         self.work = model.new_cache(len(prompt_ids) + extra)
         self.store = model.new_cache(len(prompt_ids) + extra) if self.cfg.enabled else None
         self.refreshes = 0
@@ -135,9 +141,13 @@ class DraftSession:
         def forward(ids, positions, mask, staged):
             return self.model.forward(ids, positions, self.work, mask, ForwardOptions(staged=staged))[0]
 
-        wide = OVERLAP_WIDTH * self.params.tree.topk if self.overlap else 0
+        tree, wide = self.params.tree, 0
+        if self.overlap:
+            wide = OVERLAP_WIDTH * tree.topk
+            if 0 < self.sync_depth < tree.depth:
+                tree = replace(tree, depth=self.sync_depth)
         toks, scores, parents, depths, forwarded = self.expand(
-            forward, root_logits, self.params.tree, self.work.length - 1, post=self._post(), wide=wide)
+            forward, root_logits, tree, self.work.length - 1, post=self._post(), wide=wide)
         if self.overlap:
             self.pool = Pool.from_expansion(toks, scores, parents, depths, forwarded)
         chosen = select_best_nodes(scores, depths, parents, self.params.tree.nodes)
@@ -162,11 +172,26 @@ class DraftSession:
         self.work.commit(torch.tensor(commit + keep, device=self.work.data.device))
         self.work.truncate(self.work.length - len(keep))  # the kept nodes stay staged, at 0..m-1
         self.pool, self._restage = new, []
-        while len(new) < self.params.tree.nodes and self.background():  # too little ready: grow now
-            pass
+        # answer with what is ready, however little: growing it now would put draft forwards back on
+        # the critical path (the pool keeps growing while the target verifies this tree)
         tokens, parents = new.best_tree(self.params.tree.nodes)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length, ready=True, ahead_depth=new.ready_depth())
+
+    def warm_up(self) -> int:
+        """Runs the overlap's forwards at every shape they take (start slots up to POOL_SLOTS), so
+        that their CUDA graphs are captured before traffic. Call on a throwaway session."""
+        n = 0
+        for step in range(1, 4):
+            while self.background():
+                n += 1
+            pool = self.pool
+            first = next((i for i in range(len(pool)) if pool.depths[i] == 1 and pool.slots[i] >= 0), None)
+            child = next((i for i in pool.children(first) if pool.slots[i] >= 0), None) if first is not None else None
+            if child is None:
+                break
+            self.step(step, [pool.tokens[first], pool.tokens[child]], None)
+        return n
 
     def background(self) -> bool:
         """One forward of overlapped drafting (a pending retrieval rebuild, then re-staging, then
@@ -181,12 +206,12 @@ class DraftSession:
                 self._restage = pool.unstage()  # staged K/V were for the old working cache
                 return True
             if self._restage:
-                nodes, self._restage = self._restage[:OVERLAP_ROWS], self._restage[OVERLAP_ROWS:]
+                nodes, self._restage = self._restage[:self.rows], self._restage[self.rows:]
                 self._forward_pool(nodes, children=False)
                 return True
-            if pool.staged + OVERLAP_ROWS > POOL_SLOTS:
+            if pool.staged + self.rows > POOL_SLOTS:
                 return False
-            nodes = pool.frontier(OVERLAP_ROWS, 2 * self.params.tree.depth)
+            nodes = pool.frontier(self.rows, 2 * self.params.tree.depth)
             if not nodes:
                 return False
             self._forward_pool(nodes, children=True)
@@ -197,12 +222,12 @@ class DraftSession:
     def _forward_pool(self, nodes: list[int], children: bool) -> None:
         """Forward pool nodes (their ancestors already forwarded) as one tree level; with
         `children`, add each node's top-k next tokens to the pool. Rows are padded to
-        OVERLAP_ROWS and the start slot rounded up to a multiple of it, so that the forwards
+        `rows` and the start slot rounded up to a multiple of it, so that the forwards
         take few distinct shapes (one CUDA graph each)."""
         pool, dev = self.pool, self.model.device
-        start = -(-pool.staged // OVERLAP_ROWS) * OVERLAP_ROWS
+        start = -(-pool.staged // self.rows) * self.rows
         f = len(nodes)
-        rows = nodes + [nodes[-1]] * (OVERLAP_ROWS - f)  # padding rows write to unused slots
+        rows = nodes + [nodes[-1]] * (self.rows - f)  # padding rows write to unused slots
         mask = torch.zeros(len(rows), start + len(rows), dtype=torch.bool)  # [R, start + R]
         mask[:f, :start + f] = pool.mask(nodes, start)
         for r in range(f, len(rows)):  # a padding row sees only itself

@@ -25,7 +25,7 @@ import torch
 
 from specextend.draft.base import (DraftBackend, DraftError, DraftSessionNotFound, DraftSessionParams,
                                    DraftStepOutOfOrder, DraftTree, Retrieval)
-from specextend.draft.session import DraftSession
+from specextend.draft.session import OVERLAP_ROWS, DraftSession
 from specextend.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -194,10 +194,13 @@ def as_worker(backend: DraftBackend) -> JobWorker:
 class DraftWorker(JobWorker):
     """The draft model's worker: sessions, idempotent steps, overlapped drafting in the background."""
 
-    def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False):
+    def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
+                 overlap_rows: int = OVERLAP_ROWS, sync_depth: int = 0):
         self.model = model
+        self.sync_depth = sync_depth
         self.prefill_chunk = prefill_chunk
         self.overlap = overlap
+        self.overlap_rows = overlap_rows
         if overlap and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._sessions: dict[str, SessionEntry] = {}  # the worker thread's only
@@ -232,6 +235,8 @@ class DraftWorker(JobWorker):
             return self._open(job)
         if isinstance(job, Step):
             return self._step(job)
+        if isinstance(job, _WarmUp):
+            return self._warm_up(job)
         if isinstance(job, _Peek):
             entry = self._sessions.get(job.session_id)
             return entry.session if entry is not None else None
@@ -242,7 +247,8 @@ class DraftWorker(JobWorker):
     def _open(self, job: Open) -> None:
         if not job.prompt_ids:
             raise DraftError("empty prompt")
-        session = DraftSession(self.model, job.prompt_ids, job.params, self.prefill_chunk, overlap=self.overlap)
+        session = DraftSession(self.model, job.prompt_ids, job.params, self.prefill_chunk, overlap=self.overlap,
+                               overlap_rows=self.overlap_rows, sync_depth=self.sync_depth)
         self._sessions[job.session_id] = SessionEntry(session)
 
     def _step(self, job: Step) -> DraftTree:
@@ -259,6 +265,22 @@ class DraftWorker(JobWorker):
             self._pending[job.session_id] = None
         return tree
 
+    def warm_up(self, params: DraftSessionParams, prompt_len: int = 64) -> int:
+        """Before traffic: a throwaway session drafts and, with overlap, runs the background forwards
+        at every shape they take, so their CUDA graphs are captured now, not on a request's path.
+        Returns the background forwards run."""
+        fut: Future = Future()
+        self._jobs.put((_WarmUp(params, prompt_len), fut))
+        return fut.result()
+
+    def _warm_up(self, job: "_WarmUp") -> int:
+        vocab = self.model.args.vocab_size
+        prompt = [(17 * i + 3) % vocab for i in range(job.prompt_len)]
+        session = DraftSession(self.model, prompt, job.params, self.prefill_chunk, overlap=self.overlap,
+                               overlap_rows=self.overlap_rows, sync_depth=self.sync_depth)
+        session.step(0, [prompt[-1]], None)
+        return session.warm_up() if self.overlap else 0
+
     # ------------------------------------------------------------------ introspection (tests)
     def session(self, session_id: str) -> Optional[DraftSession]:
         """A session's state, read on the worker (between jobs)."""
@@ -274,3 +296,9 @@ class DraftWorker(JobWorker):
 @dataclass(frozen=True)
 class _Peek:
     session_id: str
+
+
+@dataclass(frozen=True)
+class _WarmUp:
+    params: DraftSessionParams
+    prompt_len: int
