@@ -100,14 +100,16 @@ def main():
         rows.append(dict(length=L, **r))
         print(f"L={L}: {r}", flush=True)
     print(f"\nstart-up {startup:.0f} s; GPU processes (pid, name, memory, bus):\n{placement}")
-    print("| L | tok/s | decode tok/s | TTFT s | mean acc. len | steps | draft ms/step (incl. gRPC) | "
-          "verify ms/step | draft cache |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| L | tok/s | decode tok/s | TTFT s | mean acc. len | steps | target wait ms/step (incl. gRPC) | "
+          "verify ms/step | ready | ahead depth | draft cache |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["speculative_decoding"] or {}
         print(f"| {r['length']} | {r['tokens_per_s']:.1f} | {r['decode_tokens_per_s'] or 0:.1f} | {r['ttft_s'] or 0:.3f} | "
-              f"{s.get('mean_acceptance_length', 0):.2f} | {s.get('num_steps')} | {s.get('draft_ms_per_step', 0):.2f} | "
-              f"{s.get('verify_ms_per_step', 0):.2f} | {s.get('draft_cache_tokens')} |")
+              f"{s.get('mean_acceptance_length', 0):.2f} | {s.get('num_steps')} | "
+              f"{s.get('target_wait_ms_per_step', 0):.2f} | {s.get('verify_ms_per_step', 0):.2f} | "
+              f"{s.get('tree_ready_fraction', 0):.2f} | {s.get('draft_ahead_depth', 0):.2f} | "
+              f"{s.get('draft_cache_tokens')} |")
     print(json.dumps(dict(app_args=args, startup_s=startup, placement=placement, rows=rows,
                           date=time.strftime("%Y-%m-%d"))))
     serve.shutdown()
