@@ -261,3 +261,29 @@ def test_warm_up_runs_the_background_forwards_before_traffic(draft):
     assert n >= POOL_SLOTS // 8 - 3  # the staged-slot ladder was walked
     assert worker.num_sessions == 0  # the throwaway session is not kept
     assert DraftWorker(draft).warm_up(DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64)) == 0
+
+
+def test_an_arriving_job_preempts_background_work(draft, monkeypatch):
+    """Background drafting runs one forward at a time between jobs: a step queued behind it waits
+    for at most the slice in flight, however much background work remains."""
+    worker = DraftWorker(draft, overlap=True)
+    worker.open("s", prompt(), DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64))
+    slices = []
+
+    def endless(session):  # a background that always has more to do, 50 ms a slice
+        slices.append(time.perf_counter())
+        time.sleep(0.05)
+        return True
+
+    monkeypatch.setattr(DraftSession, "background", endless)
+    tree = worker.step("s", 0, [7])
+    time.sleep(0.2)  # the worker is now busy with background slices
+    t0 = time.perf_counter()
+    worker.step("s", 1, [tree.tokens[0], 5])
+    assert time.perf_counter() - t0 < 0.2  # one slice in flight at most (50 ms), then the step
+    assert len(slices) >= 3
+    worker.close("s")
+    n = len(slices)
+    time.sleep(0.15)
+    assert len(slices) <= n + 1  # a closed session gets no more background work
+    worker.shutdown()
