@@ -17,7 +17,7 @@ case "$1" in
   join) install .whl2; cp .mc/028 .mc/MANIFEST /tmp/mc/ && MC_DIR=/tmp/mc bash .mc/join.sh --join $M > /dev/null \
           && cp .mc/nodejs.txt /tmp/nodejs.txt && ls $M ;;
   overlap) cd benchmarks && python3 overlap.py --target $T --draft $D --text-file /tmp/nodejs.txt --lengths $LENGTHS \
-             --modes ${MODES:-specextend} --overlap ${OVERLAP:-16:0} > "$OUT/overlap.log" 2>&1; grep -E "^\||^check" "$OUT/overlap.log" | tail -30 ;;
+             --modes ${MODES:-specextend} --overlap ${OVERLAP:-8:3} > "$OUT/overlap.log" 2>&1; grep -E "^\||^check" "$OUT/overlap.log" | tail -30 ;;
   serve) install .whlray .whl2; shift; for mode in "$@"; do
            python3 benchmarks/serve_bench.py --lengths $LENGTHS --text-file /tmp/nodejs.txt --tokenizer $T \
              target=$T draft=$D num_gpus=1 mode=$mode > "$OUT/serve-$mode.log" 2>&1

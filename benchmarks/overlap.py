@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--modes", default="specextend", help="speculative modes, comma-separated (sd, specextend)")
     p.add_argument("--tree", default="16,6,4", help="nodes,depth,topk")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--overlap", default="16:0", help="overlap variants ROWS:SYNC_DEPTH, comma-separated (rows per "
+    p.add_argument("--overlap", default="8:3", help="overlap variants ROWS:SYNC_DEPTH, comma-separated (rows per "
                    "background forward; levels drafted before answering a step that found nothing ready, 0 = all)")
     p.add_argument("--tie-tol", type=float, default=0.125, help="near-tie tolerance (bf16 logits)")
     p.add_argument("--out", default=str(REPO / "benchmarks/results/overlap"))

@@ -18,6 +18,7 @@ from specextend.draft.session import DraftSession
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
+from specextend.tree import node_depths
 
 TREE = TreeConfig(8, 4, 3)
 
@@ -116,8 +117,13 @@ def test_a_ready_tree_leaves_the_caches_a_plain_step_would(draft, retrieval):
 
 
 def test_a_missed_verdict_drafts_as_without_overlap(draft):
+    """With sync_depth 0 a miss drafts the whole tree, exactly as without overlap (the wider pool
+    changes nothing in the selected tree here); with sync_depth 2, only two levels."""
     params = DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64)
-    over, plain = DraftSession(draft, prompt(), params, overlap=True), DraftSession(draft, prompt(), params)
+    short = DraftSession(draft, prompt(), params, overlap=True, sync_depth=2)
+    assert max(node_depths(short.step(0, [7], None).parents)) <= 2
+    over = DraftSession(draft, prompt(), params, overlap=True, sync_depth=0)
+    plain = DraftSession(draft, prompt(), params)
     over.step(0, [7], None)
     plain.step(0, [7], None)
     grow(over)

@@ -33,8 +33,11 @@ from specextend.models.rope import apply_rope
 from specextend.retrieval import chunk_positions, initial_chunks
 from specextend.tree import reindex_tree, select_best_nodes
 
-OVERLAP_ROWS = 16  # pool nodes forwarded per background forward (a small draft's forward costs
-#                    about the same for 4 or 16 rows: it streams its weights either way)
+# Defaults from the H200x2 run of 2026-11-23 (benchmarks/README.md, "Overlapped drafting"): 8 rows
+# and 3 levels drafted on a miss beat 16 rows and all 6 levels at 8K and 16K (1.07x and 1.09x of
+# plain decoding against 1.01x), and tied at 30K.
+OVERLAP_ROWS = 8  # pool nodes forwarded per background forward
+SYNC_DEPTH = 3  # levels drafted before answering a step that found nothing ready (0: the tree's depth)
 POOL_SLOTS = 128  # staged slots the pool may use (bounds one session's background work)
 OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the extra ones are the
 #                    likely bonus tokens where the target rejects every child that was sent
@@ -47,7 +50,7 @@ class DraftSession:
 
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
                  prefill_chunk: int = 2048, overlap: bool = False, overlap_rows: int = OVERLAP_ROWS,
-                 sync_depth: int = 0):
+                 sync_depth: int = SYNC_DEPTH):
         self.model = model
         self.rows = overlap_rows
         # with overlap, a step that finds nothing ready drafts only this deep before answering (0: the

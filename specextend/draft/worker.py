@@ -25,7 +25,7 @@ import torch
 
 from specextend.draft.base import (DraftBackend, DraftError, DraftSessionNotFound, DraftSessionParams,
                                    DraftStepOutOfOrder, DraftTree, Retrieval)
-from specextend.draft.session import OVERLAP_ROWS, DraftSession
+from specextend.draft.session import OVERLAP_ROWS, SYNC_DEPTH, DraftSession
 from specextend.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ class DraftWorker(JobWorker):
     """The draft model's worker: sessions, idempotent steps, overlapped drafting in the background."""
 
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
-                 overlap_rows: int = OVERLAP_ROWS, sync_depth: int = 0):
+                 overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH):
         self.model = model
         self.sync_depth = sync_depth
         self.prefill_chunk = prefill_chunk
