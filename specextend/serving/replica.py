@@ -31,6 +31,7 @@ from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
 from specextend.serving.draft_actor import DraftActor
 from specextend.serving.errors import BadRequestError
+from specextend.serving.pump import StepPump
 from specextend.serving.settings import MODEL_CPUS, AppSettings
 from specextend.serving.textstream import TextStream
 
@@ -192,23 +193,33 @@ class SpecExtendReplica:
         steps = engine.stream(prompt_ids, params, session_id=req.get("request_id"), prefill_events=True,
                               replay=replay)
         stats, finish, last = None, None, None
+        pump = StepPump(steps, self.executor, loop)  # the engine steps ahead of the streaming
         try:
             while finish is None:
-                ev = await loop.run_in_executor(self.executor, next, steps, None)  # one engine step
-                if ev is None:
-                    break
-                now, stats = time.perf_counter(), ev.stats
-                stats.fallback |= fallback
-                if not ev.token_ids and ev.finish_reason is None:
-                    continue  # a prefill chunk: other sessions' steps ran in between
+                tokens, reason, ended = [], None, False
+                for ev in await pump.events():  # every step ready now, in one chunk
+                    if ev is None:
+                        ended = True
+                        break
+                    stats = ev.stats
+                    stats.fallback |= fallback
+                    tokens += ev.token_ids
+                    if ev.finish_reason is not None:
+                        reason = ev.finish_reason
+                        break
+                if not tokens and reason is None:
+                    if ended:
+                        break
+                    continue  # prefill chunks: other sessions' steps ran in between
+                now = time.perf_counter()
                 if last is None:
                     self.metrics.observe("specextend_time_to_first_token_seconds", now - t_arrival)
                 else:
-                    for _ in ev.token_ids:  # tokens of one step arrive together: share the gap
-                        self.metrics.observe("specextend_inter_token_latency_seconds", (now - last) / len(ev.token_ids))
+                    for _ in tokens:  # tokens that arrive together share the gap
+                        self.metrics.observe("specextend_inter_token_latency_seconds", (now - last) / len(tokens))
                 last = now
-                delta = text.push(ev.token_ids)
-                finish = "stop" if delta.stopped else ev.finish_reason
+                delta = text.push(tokens)
+                finish = "stop" if delta.stopped else reason
                 item = {"text": delta.text, "token_ids": delta.token_ids, "finish_reason": finish}
                 if finish:
                     item["text"] += text.finish()
@@ -218,10 +229,12 @@ class SpecExtendReplica:
                         item["prompt_token_ids"] = list(prompt_ids)
                 if item["text"] or item["token_ids"] or finish:
                     yield item
+                if ended:
+                    break
         finally:
-            # On the engine thread, after any step still running: the engine's `finally` closes
-            # the draft session (client gone, stop string, error or done).
-            self.executor.submit(steps.close)
+            # No more steps; then, on the engine thread after any step still running, the engine's
+            # `finally` closes the draft session (client gone, stop string, error or done).
+            pump.stop()
             if stats is not None:
                 self.metrics.record_request(stats, finish)
                 if stats.fallback and engine is self.engine:
