@@ -82,7 +82,7 @@ def main() -> None:
 
     engines = {"ar": Engine(replace(base, mode="ar"), target)}
     workers = []
-    for mode in a.modes.split(","):
+    for mode in [m for m in a.modes.split(",") if m]:
         variants = [(f"{mode}-1gpu", dev0, False, None), (f"{mode}-2gpu", dev1, False, None)]
         specs = [tuple(int(x) for x in v.split(":")) for v in a.overlap.split(",")]
         variants += [(f"{mode}-2gpu-overlap" + (f"-r{r}s{d}" if len(specs) > 1 else ""), dev1, True, (r, d))
