@@ -293,3 +293,18 @@ def test_an_arriving_job_preempts_background_work(draft, monkeypatch):
     time.sleep(0.15)
     assert len(slices) <= n + 1  # a closed session gets no more background work
     worker.shutdown()
+
+
+def test_a_selection_waiting_in_the_background_is_applied_by_a_missed_step(draft):
+    from specextend.draft.base import Retrieval
+
+    params = DraftSessionParams(TREE, RetrievalConfig(enabled=True, chunk_size=8, top_k=4, draft_prefill_window=0), 64)
+    over = DraftSession(draft, prompt(), params, overlap=True)
+    t0 = over.step(0, [7], None)
+    grow(over)
+    pool = over.pool
+    bonus = next(i for i in pool.children(0) if pool.slots[i] >= 0)
+    refreshes = over.refreshes
+    assert over.step(1, [t0.tokens[0], pool.tokens[bonus]], Retrieval((0, 2, 5, 7), 8)).ready
+    got = over.step(2, [255, 254], None)  # a miss before the background ran: the selection is not lost
+    assert not got.ready and over.refreshes == refreshes + 1

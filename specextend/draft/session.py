@@ -120,6 +120,8 @@ class DraftSession:
                 if refresh:
                     self._refresh = retrieval
                 return ready
+        if not refresh and self._refresh is not None:  # a selection still waiting: apply it now
+            retrieval, refresh = self._refresh, True
         self.pool, self._refresh, self._restage = None, None, []
         if refresh:
             self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
