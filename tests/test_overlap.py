@@ -308,3 +308,11 @@ def test_a_selection_waiting_in_the_background_is_applied_by_a_missed_step(draft
     assert over.step(1, [t0.tokens[0], pool.tokens[bonus]], Retrieval((0, 2, 5, 7), 8)).ready
     got = over.step(2, [255, 254], None)  # a miss before the background ran: the selection is not lost
     assert not got.ready and over.refreshes == refreshes + 1
+
+
+def test_a_stopped_worker_fails_calls_instead_of_hanging(draft):
+    worker = DraftWorker(draft)
+    worker.shutdown()
+    with pytest.raises(DraftError, match="stopped"):
+        worker.open("s", prompt(), DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64))
+    assert not worker.health()

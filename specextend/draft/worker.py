@@ -82,6 +82,7 @@ class JobWorker(DraftBackend):
         self._jobs: queue.SimpleQueue[Optional[tuple[Job, Future]]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards the counters read from other threads
         self._open_ids: set[str] = set()
+        self._stopped = False
         self._background_forwards = 0
         self._ready_trees = 0
         self._thread = threading.Thread(target=self._run, name=f"draft-worker-{name}", daemon=True)
@@ -89,9 +90,13 @@ class JobWorker(DraftBackend):
 
     def submit(self, job: Job) -> Future:
         """Queues a job; its future holds the job's result (None, or a DraftTree) or its error. A
-        future cancelled before the job starts drops the job."""
+        future cancelled before the job starts drops the job. A stopped worker fails it at once."""
         fut: Future = Future()
-        self._jobs.put((job, fut))
+        with self._lock:
+            if not self._stopped:
+                self._jobs.put((job, fut))
+                return fut
+        fut.set_exception(DraftError(f"the draft worker {self.name!r} is stopped"))
         return fut
 
     def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
@@ -117,7 +122,11 @@ class JobWorker(DraftBackend):
             return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees)
 
     def stop(self) -> None:
-        """Stops the worker after the jobs already queued (returns at once)."""
+        """Stops the worker after the jobs already queued (returns at once); later jobs fail."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
         self._jobs.put(None)
 
     def shutdown(self) -> None:
@@ -126,28 +135,42 @@ class JobWorker(DraftBackend):
         self._thread.join()
 
     def _run(self) -> None:
-        self._setup()
-        with torch.inference_mode():
+        try:
+            self._setup()
+            with torch.inference_mode():
+                self._loop()
+        finally:  # stopped, or the thread died: no job waits forever
+            with self._lock:
+                self._stopped = True
             while True:
-                item = self._next()
-                if item is None:
-                    return
-                job, fut = item
-                if not fut.set_running_or_notify_cancel():
-                    continue  # cancelled while queued (e.g. its RPC deadline passed)
                 try:
-                    result = self._do(job)
-                except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
-                    fut.set_exception(exc)
-                    continue
-                with self._lock:
-                    if isinstance(job, Open):
-                        self._open_ids.add(job.session_id)
-                    elif isinstance(job, Close):
-                        self._open_ids.discard(job.session_id)
-                    elif isinstance(result, DraftTree) and result.ready:
-                        self._ready_trees += 1
-                fut.set_result(result)
+                    item = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None and item[1].set_running_or_notify_cancel():
+                    item[1].set_exception(DraftError(f"the draft worker {self.name!r} is stopped"))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            job, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while queued (e.g. its RPC deadline passed)
+            try:
+                result = self._do(job)
+            except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
+                fut.set_exception(exc)
+                continue
+            with self._lock:
+                if isinstance(job, Open):
+                    self._open_ids.add(job.session_id)
+                elif isinstance(job, Close):
+                    self._open_ids.discard(job.session_id)
+                elif isinstance(result, DraftTree) and result.ready:
+                    self._ready_trees += 1
+            fut.set_result(result)
 
     def _next(self) -> Optional[tuple[Job, Future]]:
         """The next foreground job; while there is none, background slices."""
@@ -269,9 +292,7 @@ class DraftWorker(JobWorker):
         """Before traffic: a throwaway session drafts and, with overlap, runs the background forwards
         at every shape they take, so their CUDA graphs are captured now, not on a request's path.
         Returns the background forwards run."""
-        fut: Future = Future()
-        self._jobs.put((_WarmUp(params, prompt_len), fut))
-        return fut.result()
+        return self.submit(_WarmUp(params, prompt_len)).result()
 
     def _warm_up(self, job: "_WarmUp") -> int:
         vocab = self.model.args.vocab_size
@@ -284,9 +305,7 @@ class DraftWorker(JobWorker):
     # ------------------------------------------------------------------ introspection (tests)
     def session(self, session_id: str) -> Optional[DraftSession]:
         """A session's state, read on the worker (between jobs)."""
-        fut: Future = Future()
-        self._jobs.put((_Peek(session_id), fut))
-        return fut.result()
+        return self.submit(_Peek(session_id)).result()
 
     def refreshes(self, session_id: str) -> int:
         s = self.session(session_id)
