@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--modes", default="specextend", help="speculative modes, comma-separated (sd, specextend)")
     p.add_argument("--tree", default="16,6,4", help="nodes,depth,topk")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--tree-policy", default="fixed", choices=("fixed", "adaptive"))
     p.add_argument("--overlap", default="8:3", help="overlap variants ROWS:SYNC_DEPTH, comma-separated (rows per "
                    "background forward; levels drafted before answering a step that found nothing ready, 0 = all)")
     p.add_argument("--tie-tol", type=float, default=0.125, help="near-tie tolerance (bf16 logits)")
@@ -69,7 +70,7 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     dev0 = "cuda:0" if gpus else "cpu"
     dev1 = "cuda:1" if gpus > 1 else dev0
-    base = EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, device=dev0,
+    base = EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, device=dev0, tree_policy=a.tree_policy,
                         tree=TreeConfig(*[int(x) for x in a.tree.split(",")]))
     t0 = time.perf_counter()
     target_meta, draft_meta = read_pair(base)

@@ -91,6 +91,9 @@ class EngineConfig:
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     hybrid_attention: Optional[bool] = Field(
         None, description="Hybrid Tree Attention verification (default: on in specextend mode)")
+    tree_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: speculate only while it pays, measured per session (else plain "
+                                "steps, with probes); fixed: every step speculative")
     draft_overlap: Optional[bool] = Field(
         None, description="the draft keeps drafting while the target verifies (default: on when the draft "
                           "has its own GPU)")

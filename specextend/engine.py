@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from specextend.config import EngineConfig, SamplingParams
+from specextend.controller import AlwaysSpeculate, TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
 from specextend.models.loader import LoadedModel
 from specextend.sampling import make_generator, next_token
@@ -38,6 +39,7 @@ class RequestStats:
     retrieval_refreshes: int = 0
     draft_cache_tokens: int = 0
     ready_steps: int = 0  # trees the draft had ready when asked (overlapped drafting)
+    plain_steps: int = 0  # plain decoding steps the adaptive policy chose while a draft was available
     ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
     fallback: bool = False
     replayed: bool = False
@@ -78,7 +80,7 @@ class RequestStats:
                     num_steps=self.num_steps, prefill_s=self.prefill_s, decode_s=self.decode_s,
                     tokens_per_s=self.tokens_per_s, retrieval_refreshes=self.retrieval_refreshes,
                     draft_cache_tokens=self.draft_cache_tokens,
-                    target_wait_ms_per_step=self.target_wait_ms_per_step,
+                    target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,
                     fallback=self.fallback,
                     replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
@@ -122,6 +124,10 @@ class Engine:
         if self.config.mode != "ar" and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
+
+    def new_controller(self):
+        """Per request: the step-by-step choice between speculative and plain steps (controller.py)."""
+        return TreeController() if self.config.tree_policy == "adaptive" else AlwaysSpeculate()
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -200,11 +206,13 @@ class Engine:
             ev = out.emit([token])
             yield ev
             step, committed = 0, [token]
+            pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
+            ctl = self.new_controller()
             while out.finish is None:
-                if use_draft:
+                if use_draft and ctl.speculate():
                     try:
-                        ts = time.perf_counter()
-                        tree = self.draft.step(sid, step, committed, retrieval)
+                        t_step = ts = time.perf_counter()
+                        tree = self.draft.step(sid, step, pending, retrieval)
                         stats.draft_s += time.perf_counter() - ts
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)
@@ -226,10 +234,16 @@ class Engine:
                     stats.draft_cache_tokens = tree.draft_cache_tokens
                     stats.ready_steps += tree.ready
                     stats.ahead_depth_sum += tree.ahead_depth
-                    committed = verdict.tokens
+                    committed = pending = verdict.tokens
                     step += 1
+                    ctl.record_spec(time.perf_counter() - t_step, len(committed))
                 else:
+                    ts = time.perf_counter()
                     committed = [next_token(target.decode(committed[-1]), params, gen)]
+                    if use_draft:
+                        pending = pending + committed
+                        ctl.record_plain(time.perf_counter() - ts)
+                        stats.plain_steps += 1
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1
                 yield ev

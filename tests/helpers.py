@@ -46,9 +46,10 @@ def build_pair(name, backend="eager"):
 
 
 def make_engine(pair, mode="sd", draft_backend=None, **kw) -> Engine:
+    """An engine over the pair; every step speculative (tree_policy=fixed) unless `kw` says."""
     target, draft = pair
     backend = None if mode == "ar" else (draft_backend or DraftWorker(draft.decoder))
-    return Engine(EngineConfig(mode=mode, **kw), target, backend)
+    return Engine(EngineConfig(mode=mode, **{"tree_policy": "fixed", **kw}), target, backend)
 
 
 def assert_equal_or_near_tie(decoder, prompt, ref, out, tol):

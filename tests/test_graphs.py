@@ -120,7 +120,7 @@ def test_engine_through_twin_is_lossless(tiny_models, twin_pair, mode, kw, tempe
     plain_t, _ = tiny_models("float64")
     ref_engine = Engine(EngineConfig(mode="ar"), plain_t, None)
     t, d = twin_pair
-    engine = Engine(EngineConfig(mode=mode, tree=TreeConfig(12, 4, 3), **kw), t,
+    engine = Engine(EngineConfig(mode=mode, tree=TreeConfig(12, 4, 3), tree_policy="fixed", **kw), t,
                     None if mode == "ar" else DraftWorker(d.decoder))
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=11, ignore_eos=True)

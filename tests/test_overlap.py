@@ -139,7 +139,8 @@ def run(pair, backend, mode="sd", n=40, seed=3, **kw):
     target = pair[0]
     # a budget of 80 tokens: the 70-token prompt fits, then refreshes start (the tiny draft accepts
     # next to nothing from a pruned cache, so hits come from the first steps)
-    cfg = EngineConfig(mode=mode, tree=TREE, retrieval=RetrievalConfig(chunk_size=8, top_k=10, every=2), **kw)
+    cfg = EngineConfig(mode=mode, tree=TREE, retrieval=RetrievalConfig(chunk_size=8, top_k=10, every=2),
+                       tree_policy="fixed", **kw)
     ref, _, _ = Engine(EngineConfig(mode="ar"), target, None).generate(prompt(70, seed), SamplingParams(n, ignore_eos=True))
     out, _, stats = Engine(cfg, target, backend).generate(prompt(70, seed), SamplingParams(n, ignore_eos=True))
     return ref, out, stats

@@ -59,7 +59,7 @@ def test_speculative_equals_autoregressive(pair, prompt_ids, reference, mode):
 
     # a small retrieval budget so that retrieval really prunes this short prompt
     retrieval = RetrievalConfig(enabled=mode == "specextend", chunk_size=8, top_k=4, every=2, draft_prefill_window=16)
-    eng = Engine(EngineConfig(mode=mode, tree=TreeConfig(8, 4, 2), retrieval=retrieval), pair[0],
+    eng = Engine(EngineConfig(mode=mode, tree=TreeConfig(8, 4, 2), retrieval=retrieval, tree_policy="fixed"), pair[0],
                  DraftWorker(pair[1].decoder))
     out, _, stats = eng.generate(prompt_ids, SamplingParams(max_new_tokens=NEW))
     assert_equal_or_near_tie(pair[0].decoder, prompt_ids, reference, out, FP32_TIE)

@@ -44,6 +44,8 @@ FAMILIES = {
         "counter", "Time the target waited for draft trees (divide by num_drafts for per step).", ()),
     "specextend_spec_decode_ahead_depth": (
         "counter", "Sum over steps of the depth drafted ahead of the new root (divide by num_drafts).", ()),
+    "specextend_spec_decode_num_plain_steps": (
+        "counter", "Plain decoding steps taken because speculation did not pay (tree_policy=adaptive).", ()),
     "specextend_prompt_tokens": ("counter", "Prompt tokens prefilled.", ()),
     "specextend_generation_tokens": ("counter", "Tokens generated.", ()),
     "specextend_request_success": ("counter", "Finished requests by finish reason.", ("finish_reason",)),
@@ -105,6 +107,7 @@ class ReplicaMetrics:
         self.inc("specextend_spec_decode_num_ready_drafts", stats.ready_steps)
         self.inc("specextend_spec_decode_target_wait_seconds", stats.draft_s)
         self.inc("specextend_spec_decode_ahead_depth", stats.ahead_depth_sum)
+        self.inc("specextend_spec_decode_num_plain_steps", stats.plain_steps)
         self.inc("specextend_draft_fallbacks", int(stats.fallback))
         self.inc("specextend_request_success", 1, finish_reason=finish_reason or "abort")
 

@@ -148,6 +148,7 @@ class SpeculativeDecoding(BaseModel):
     target_wait_ms_per_step: float = 0.0  # the target's wait for a tree (draft work not hidden + transport)
     tree_ready_fraction: float = 0.0  # steps whose tree was drafted while the target verified
     draft_ahead_depth: float = 0.0  # mean depth drafted ahead of the new root when asked
+    plain_steps: int = 0  # plain decoding steps chosen because speculation did not pay (tree_policy=adaptive)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
