@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -167,12 +167,15 @@ class Engine:
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
-               replay: Optional[Sequence[int]] = None, prefill_events: bool = False) -> Iterator[StepEvent]:
+               replay: Optional[Sequence[int]] = None, prefill_events: bool = False,
+               speculate: bool = True, max_tree_nodes: Optional[int] = None) -> Iterator[StepEvent]:
         """Yields one StepEvent per forward of the target; the last has a finish_reason.
 
         `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled.
         `prefill_events`: also yield an empty event after each prefill chunk but the last (a
-        server interleaves other sessions' steps there instead of stalling them for the prompt)."""
+        server interleaves other sessions' steps there instead of stalling them for the prompt).
+        `speculate=False` decodes plainly (no draft session); `max_tree_nodes` bounds this request's
+        trees (per-request control)."""
         self.check_request(prompt_ids, params)
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
@@ -181,13 +184,14 @@ class Engine:
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
                                hybrid=cfg.hybrid_attention)
-        use_draft = cfg.mode != "ar"
+        use_draft = cfg.mode != "ar" and speculate
+        tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
         try:
             t0 = time.perf_counter()
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 opening = self._openers.submit(self.draft.open, sid, list(prompt_ids),
-                                               DraftSessionParams(cfg.tree, cfg.retrieval, params.max_new_tokens))
+                                               DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens))
             capture = use_draft and cfg.retrieval.enabled  # the first retrieval is scored from the prefill
             for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk, capture=capture):
                 if logits is None and prefill_events:

@@ -88,3 +88,17 @@ def test_adaptive_is_the_default_and_fixed_speculates_every_step(tiny_models):
     prompt = list(range(1, 60))
     _, _, stats = make_engine(pair, "sd", tree_policy="fixed").generate(prompt, SamplingParams(30, ignore_eos=True))
     assert stats.plain_steps == 0
+
+
+def test_per_request_control_in_the_engine(tiny_models):
+    """speculate=False is plain decoding (no draft session, no steps); max_tree_nodes bounds every
+    tree of that request."""
+    pair = tiny_models("float64")
+    prompt = list(range(3, 70))
+    params = SamplingParams(30, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
+    engine = make_engine(pair, "sd", tree=TreeConfig(8, 4, 3))
+    off, _, stats = engine.generate(prompt, params, speculate=False)
+    assert off == ref and stats.num_steps == 0 and stats.draft_tokens == 0
+    small, _, stats = engine.generate(prompt, params, max_tree_nodes=2)
+    assert small == ref and 0 < stats.draft_tokens <= 2 * stats.num_steps

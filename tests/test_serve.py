@@ -264,6 +264,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools"),
+    ("/v1/completions", {"prompt": "x", "speculative_decoding": {"max_tree_nodes": 0}}, 400,
+     "speculative_decoding.max_tree_nodes"),
+    ("/v1/completions", {"prompt": "x", "speculative_decoding": {"max_tree_nodes": 9}}, 400,
+     "speculative_decoding.max_tree_nodes"),  # over the app's tree_nodes (8)
+    ("/v1/completions", {"prompt": "x", "speculative_decoding": {"enable": False}}, 400,
+     "speculative_decoding.enable"),  # unknown keys are refused, not silently dropped
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("/v1/nothing", {}, 404, None),
 ]
@@ -278,6 +284,21 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     assert err["message"] and err["type"] and err["code"] == status
     if param:
         assert err["param"] == param, err
+
+
+def test_per_request_speculation_control(client, reference):
+    """`enabled: false` decodes plainly (no steps, same ids); `max_tree_nodes` bounds the trees."""
+    ref = reference(reference.tokenizer.encode(PROMPT), 16)
+    off = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=16, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                "speculative_decoding": {"enabled": False}})
+    assert off.choices[0].token_ids == ref and off.model_extra["speculative_decoding"]["num_steps"] == 0
+    small = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=16, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                  "speculative_decoding": {"max_tree_nodes": 1}})
+    spec = small.model_extra["speculative_decoding"]
+    assert small.choices[0].token_ids == ref and spec["num_steps"] >= 1
+    assert spec["mean_acceptance_length"] <= 2.0  # one node a tree: at most one accepted per step
 
 
 def test_server_still_serves_after_errors(client):

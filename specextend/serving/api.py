@@ -35,6 +35,9 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+NESTED_PARAMS = ("speculative_decoding", "stream_options")  # request objects whose fields errors name
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 (and malformed JSON) as OpenAI's 400, naming the first offending field."""
@@ -42,6 +45,8 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     first = errors[0] if errors else {}
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None
+    if param in NESTED_PARAMS and len(loc) > 1:  # e.g. speculative_decoding.max_tree_nodes
+        param = f"{param}.{loc[1]}"
     where = ".".join(loc) or "body"
     msg = f"{where}: {first.get('msg', 'invalid request')}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
     return BadRequestError(msg, param).response()

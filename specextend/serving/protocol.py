@@ -25,6 +25,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SpeculativeDecodingRequest(BaseModel):
+    """Per-request control of speculation: `{"enabled": false}` decodes plainly, `{"max_tree_nodes":
+    N}` bounds the draft tree (1 <= N <= the app's tree_nodes). Unknown keys are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    max_tree_nodes: Optional[int] = Field(None, ge=1)
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -44,13 +53,15 @@ class SamplingFields(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    speculative_decoding: Optional[SpeculativeDecodingRequest] = None  # specextend extension
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling(self) -> dict:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos}
+                "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos,
+                "speculative_decoding": (self.speculative_decoding or SpeculativeDecodingRequest()).model_dump()}
 
 
 # field -> (is the value unsupported?, why)

@@ -159,6 +159,14 @@ class SpecExtendReplica:
         except ValueError as e:
             raise BadRequestError(str(e)) from e
 
+    def _speculation(self, req: dict) -> dict:
+        spec = req.get("speculative_decoding") or {"enabled": True, "max_tree_nodes": None}
+        n = spec.get("max_tree_nodes")
+        if n is not None and n > self.cfg.tree.nodes:
+            raise BadRequestError(f"max_tree_nodes {n} exceeds the server's tree_nodes {self.cfg.tree.nodes}",
+                                  "speculative_decoding.max_tree_nodes")
+        return spec
+
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Serve streaming method. Yields {text, token_ids, finish_reason}; the last item (with a
         finish_reason) adds prompt_tokens, completion_tokens, speculative_decoding (and
@@ -166,6 +174,7 @@ class SpecExtendReplica:
         t_arrival = time.perf_counter()
         prompt_ids = self._prompt_ids(req)
         params = self._params(req, len(prompt_ids))
+        self._speculation(req)  # a bad value is a 400 before admission
         engine = self.engine if self.draft_ok else self.ar_engine
         try:
             engine.check_request(prompt_ids, params)
@@ -191,8 +200,9 @@ class SpecExtendReplica:
         loop = asyncio.get_running_loop()
         text = TextStream(self.tokenizer, prompt_ids, req.get("stop") or ())
         replay = [self.settings.replay_accept_length] if self.settings.replay_accept_length is not None else None
+        spec = self._speculation(req)
         steps = engine.stream(prompt_ids, params, session_id=req.get("request_id"), prefill_events=True,
-                              replay=replay)
+                              replay=replay, speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"])
         stats, finish, last = None, None, None
         pump = StepPump(steps, self.executor, loop)  # the engine steps ahead of the streaming
         try:
