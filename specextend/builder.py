@@ -73,6 +73,5 @@ def build_engine(config: EngineConfig) -> Engine:
     backend = None
     if draft is not None:
         backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap)
-        if config.overlap:  # capture the background forwards' shapes before the first request
-            backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
+        backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
     return Engine(config, target, backend)

@@ -67,17 +67,6 @@ def nest(fields: list[FlatField], values: dict[str, Any]) -> dict:
     return tree
 
 
-def flatten(obj: Any, fields: list[FlatField]) -> dict[str, Any]:
-    """A built tree -> its flat values."""
-    out = {}
-    for f in fields:
-        v = obj
-        for key in f.path:
-            v = getattr(v, key)
-        out[f.name] = v
-    return out
-
-
 class FlatSettings(BaseModel):
     """Base of the generated flat models: validates the flat values, then builds the tree once
     (the tree's own cross-field checks run here, so errors surface at the boundary)."""
@@ -149,8 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser, model: type[FlatSettings]) ->
             parser.add_argument(flag, dest=f.name, type=tp, default=None, help=help_)
 
 
-def from_arguments(model: type[FlatSettings], ns: argparse.Namespace, **overrides: Any) -> FlatSettings:
-    """The flags that were given (and `overrides`), validated; raises ValidationError."""
+def from_arguments(model: type[FlatSettings], ns: argparse.Namespace) -> FlatSettings:
+    """The flags that were given, validated; raises ValidationError."""
     given = {f.name: getattr(ns, f.name) for f in model._fields if getattr(ns, f.name, None) is not None}
-    return model.model_validate({**given, **overrides})
+    return model.model_validate(given)
 

@@ -230,12 +230,9 @@ def test_draft_failure_mid_speculation_falls_back_losslessly(tiny_models):
     worker.shutdown()
 
 
-def test_a_refresh_due_on_a_ready_step_is_applied_after_it_and_restages_the_pool(draft):
-    """The retrieval rebuild runs in the background after a ready answer; the pool's nodes are then
-    forwarded again over the new working cache: each staged K/V equals a causal forward of its path."""
-    import copy
-
-    from specextend.attention.backends import CAUSAL
+def ready_step_with_a_selection(draft):
+    """A session with retrieval whose step 1 is answered from the pool while a retrieval selection
+    arrives with it; returns the session and its rebuild count before that step."""
     from specextend.draft.base import Retrieval
 
     params = DraftSessionParams(TREE, RetrievalConfig(enabled=True, chunk_size=8, top_k=4, draft_prefill_window=0), 64)
@@ -247,6 +244,17 @@ def test_a_refresh_due_on_a_ready_step_is_applied_after_it_and_restages_the_pool
     refreshes = over.refreshes
     hit = over.step(1, [t0.tokens[0], pool.tokens[bonus]], Retrieval((0, 2, 5, 7), 8))
     assert hit.ready and over.refreshes == refreshes  # not yet: the answer came first
+    return over, refreshes
+
+
+def test_a_refresh_due_on_a_ready_step_is_applied_after_it_and_restages_the_pool(draft):
+    """The retrieval rebuild runs in the background after a ready answer; the pool's nodes are then
+    forwarded again over the new working cache: each staged K/V equals a causal forward of its path."""
+    import copy
+
+    from specextend.attention.backends import CAUSAL
+
+    over, refreshes = ready_step_with_a_selection(draft)
     grow(over)
     assert over.refreshes == refreshes + 1 and not over._restage and over.pool.forwarded > 0
     w = over.work
@@ -297,16 +305,7 @@ def test_an_arriving_job_preempts_background_work(draft, monkeypatch):
 
 
 def test_a_selection_waiting_in_the_background_is_applied_by_a_missed_step(draft):
-    from specextend.draft.base import Retrieval
-
-    params = DraftSessionParams(TREE, RetrievalConfig(enabled=True, chunk_size=8, top_k=4, draft_prefill_window=0), 64)
-    over = DraftSession(draft, prompt(), params, overlap=True)
-    t0 = over.step(0, [7], None)
-    grow(over)
-    pool = over.pool
-    bonus = next(i for i in pool.children(0) if pool.slots[i] >= 0)
-    refreshes = over.refreshes
-    assert over.step(1, [t0.tokens[0], pool.tokens[bonus]], Retrieval((0, 2, 5, 7), 8)).ready
+    over, refreshes = ready_step_with_a_selection(draft)
     got = over.step(2, [255, 254], None)  # a miss before the background ran: the selection is not lost
     assert not got.ready and over.refreshes == refreshes + 1
 

@@ -289,9 +289,11 @@ class DraftWorker(JobWorker):
         return tree
 
     def warm_up(self, params: DraftSessionParams, prompt_len: int = 64) -> int:
-        """Before traffic: a throwaway session drafts and, with overlap, runs the background forwards
+        """Before traffic, with overlap: a throwaway session drafts and runs the background forwards
         at every shape they take, so their CUDA graphs are captured now, not on a request's path.
-        Returns the background forwards run."""
+        Returns the background forwards run (0 without overlap, which has nothing to capture)."""
+        if not self.overlap:
+            return 0
         return self.submit(_WarmUp(params, prompt_len)).result()
 
     def _warm_up(self, job: "_WarmUp") -> int:
@@ -300,7 +302,7 @@ class DraftWorker(JobWorker):
         session = DraftSession(self.model, prompt, job.params, self.prefill_chunk, overlap=self.overlap,
                                overlap_rows=self.overlap_rows, sync_depth=self.sync_depth)
         session.step(0, [prompt[-1]], None)
-        return session.warm_up() if self.overlap else 0
+        return session.warm_up()
 
     # ------------------------------------------------------------------ introspection (tests)
     def session(self, session_id: str) -> Optional[DraftSession]:

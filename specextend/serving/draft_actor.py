@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 class DraftActor:
     def __init__(self, config: EngineConfig) -> None:
         from specextend.builder import load_pair
+        from specextend.draft.base import DraftSessionParams
         from specextend.draft.worker import DraftWorker
         from specextend.rpc import DraftServerThread
 
@@ -29,10 +30,8 @@ class DraftActor:
         _, self.model = load_pair(config, roles=("draft",))
         self.backend = DraftWorker(self.model.decoder, name=self.model.name, prefill_chunk=config.prefill_chunk,
                                    overlap=config.overlap)
-        if config.overlap:  # the background forwards' graphs are captured now, not on a request's path
-            from specextend.draft.base import DraftSessionParams
-
-            self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
+        # with overlap, the background forwards' graphs are captured now, not on a request's path
+        self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
         host = ray.util.get_node_ip_address()
         self.server = DraftServerThread(self.backend, host=host, port=0, model=self.model.name)
         log.info("draft %s serving on %s (pid %d, CUDA_VISIBLE_DEVICES=%s, overlap %s)", self.model.name,

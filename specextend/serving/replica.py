@@ -174,7 +174,7 @@ class SpecExtendReplica:
         t_arrival = time.perf_counter()
         prompt_ids = self._prompt_ids(req)
         params = self._params(req, len(prompt_ids))
-        self._speculation(req)  # a bad value is a 400 before admission
+        spec = self._speculation(req)  # a bad value is a 400 before admission
         engine = self.engine if self.draft_ok else self.ar_engine
         try:
             engine.check_request(prompt_ids, params)
@@ -189,18 +189,17 @@ class SpecExtendReplica:
         self.metrics.set("specextend_num_requests_running", self.admission.active)
         try:
             fallback = engine is self.ar_engine and self.draft is not None
-            async for item in self._run(engine, req, prompt_ids, params, t_arrival, fallback):
+            async for item in self._run(engine, req, prompt_ids, params, spec, t_arrival, fallback):
                 yield item
         finally:
             self.admission.release(need)
             self.metrics.set("specextend_num_requests_running", self.admission.active)
 
-    async def _run(self, engine: Engine, req: dict, prompt_ids: list[int], params: SamplingParams,
+    async def _run(self, engine: Engine, req: dict, prompt_ids: list[int], params: SamplingParams, spec: dict,
                    t_arrival: float, fallback: bool) -> AsyncIterator[dict]:
         loop = asyncio.get_running_loop()
         text = TextStream(self.tokenizer, prompt_ids, req.get("stop") or ())
         replay = [self.settings.replay_accept_length] if self.settings.replay_accept_length is not None else None
-        spec = self._speculation(req)
         steps = engine.stream(prompt_ids, params, session_id=req.get("request_id"), prefill_events=True,
                               replay=replay, speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"])
         stats, finish, last = None, None, None

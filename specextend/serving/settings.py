@@ -20,9 +20,6 @@ INGRESS_CPUS = 0.25
 
 
 class _AppSettingsBase(FlatSettings):
-    def to_app_config(self) -> AppConfig:
-        return self.to_config()
-
     def to_engine_config(self) -> EngineConfig:
         return self.to_config().engine
 
