@@ -1,0 +1,77 @@
+"""One target forward for the steps of several sessions (docs/architecture.md, "Batched steps").
+
+Each session's forward is a `ForwardCall` over its own KV cache (a prefill chunk, a decode
+token, a verification tree). `forward_batch` runs their rows together through every matrix
+product (embedding, QKV, output projection, MLP, LM head: the weights are read once for the
+whole batch) and each call's attention over its own cache, with its own mask. A single call goes
+through `Decoder.forward` (the step graphs when they take it); `forward_each` is the slow twin
+(one forward per call), and the tests compare them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from specextend.attention.backends import Mask
+from specextend.attention.hybrid import layer_attention
+from specextend.kv_cache import KVCache
+from specextend.models.decoder import Captured, Decoder, ForwardOptions
+
+
+@dataclass
+class ForwardCall:
+    """One session's forward: Decoder.forward's arguments."""
+
+    ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    cache: KVCache
+    mask: Mask  # CAUSAL, or [T, staged + T] bool
+    opts: ForwardOptions = field(default_factory=ForwardOptions)
+
+
+Result = tuple[torch.Tensor, Optional[Captured]]  # logits [T', V], captured last layer
+
+
+def forward_each(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
+    """The slow twin: one Decoder.forward per call."""
+    return [model.forward(c.ids, c.positions, c.cache, c.mask, c.opts) for c in calls]
+
+
+def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
+    """The calls' forwards with their rows batched through the matrix products; results in order."""
+    if len(calls) == 1:
+        return forward_each(model, calls)
+    a = model.args
+    sizes = [c.ids.shape[0] for c in calls]  # T_i
+    ids = torch.cat([c.ids for c in calls])  # [T], T = sum T_i
+    cos, sin = model.rope.cos_sin(torch.cat([c.positions for c in calls]), model.dtype)  # [T, D]
+    prefix = [c.cache.length for c in calls]  # each call's committed prefix L_i
+    x = model.embed(ids)  # [T, E]
+    captured: list[Optional[Captured]] = [None] * len(calls)
+    last = a.num_layers - 1
+    for i in range(a.num_layers):
+        q, k, v, k_pre = model.layer_pre(i, x, cos, sin)  # q [H, T, D]; k, v, k_pre [G, T, D]
+        outs = []
+        for j, (c, qj, kj, vj, kpj) in enumerate(zip(calls, q.split(sizes, 1), k.split(sizes, 1),
+                                                     v.split(sizes, 1), k_pre.split(sizes, 1))):
+            if c.opts.store is not None:
+                c.opts.store.stage(i, kpj, vj)
+            c.cache.stage(i, kj, vj, offset=c.opts.staged)
+            kc, vc = c.cache.layer(i)
+            need_lse = i == last and c.opts.capture_last
+            out, lse = layer_attention(model.backend, qj, kc, vc, prefix[j], c.mask, model.scale,
+                                       hybrid=c.opts.hybrid, need_lse=need_lse, window=c.opts.window)
+            if need_lse:
+                captured[j] = Captured(q=qj, lse=lse.float())
+            outs.append(out)  # [H, T_j, D]
+        x = model.layer_post(i, x, torch.cat(outs, 1))
+    rows, starts = [], 0
+    for c, t in zip(calls, sizes):  # each call's logits rows, as offsets into the batch
+        r = c.opts.logits_rows
+        rows.append(torch.arange(starts, starts + t, device=ids.device) if r is None else r.to(ids.device) + starts)
+        starts += t
+    logits = model.head(x, torch.cat(rows))  # [sum T'_i, V]
+    return list(zip(logits.split([r.numel() for r in rows]), captured))
