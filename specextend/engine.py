@@ -11,7 +11,8 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional, Sequence
+from functools import partial
+from typing import Generator, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -19,11 +20,16 @@ from specextend.config import EngineConfig, SamplingParams
 from specextend.controller import AlwaysSpeculate, TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
 from specextend.models.loader import LoadedModel
+from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
+from specextend.scheduler import DraftCall, drive_alone
 from specextend.target import TargetSession
 from specextend.verify import verify_tree
 
 log = logging.getLogger(__name__)
+
+
+Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
 
 class RequestError(ValueError):
@@ -166,10 +172,18 @@ class Engine:
         return tokens, finish, stats
 
     @torch.inference_mode()
-    def stream(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
-               replay: Optional[Sequence[int]] = None, prefill_events: bool = False,
-               speculate: bool = True, max_tree_nodes: Optional[int] = None) -> Iterator[StepEvent]:
-        """Yields one StepEvent per forward of the target; the last has a finish_reason.
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> Iterator[StepEvent]:
+        """One request run alone: `session`'s forwards and draft calls made in place, one at a time.
+        Yields one StepEvent per forward of the target; the last has a finish_reason."""
+        yield from drive_alone(self.session(prompt_ids, params, **kw), self.target.decoder)
+
+    def session(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
+                replay: Optional[Sequence[int]] = None, prefill_events: bool = False,
+                speculate: bool = True, max_tree_nodes: Optional[int] = None) -> Session:
+        """One request as a coroutine (docs/architecture.md, "Batched steps"): it yields the target
+        forwards it needs (ForwardCall, answered with the forward's result), the draft calls
+        (DraftCall, answered with the call's value or its exception thrown in) and its StepEvents.
+        A driver runs it alone (`stream`) or batched with other sessions (scheduler.Batcher).
 
         `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled.
         `prefill_events`: also yield an empty event after each prefill chunk but the last (a
@@ -177,6 +191,10 @@ class Engine:
         `speculate=False` decodes plainly (no draft session); `max_tree_nodes` bounds this request's
         trees (per-request control)."""
         self.check_request(prompt_ids, params)
+        return self._session(prompt_ids, params, session_id, replay, prefill_events, speculate, max_tree_nodes)
+
+    @torch.inference_mode()
+    def _session(self, prompt_ids, params, session_id, replay, prefill_events, speculate, max_tree_nodes) -> Session:
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
@@ -193,13 +211,15 @@ class Engine:
                 opening = self._openers.submit(self.draft.open, sid, list(prompt_ids),
                                                DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens))
             capture = use_draft and cfg.retrieval.enabled  # the first retrieval is scored from the prefill
-            for logits in target.prefill_chunks(prompt_ids, cfg.prefill_chunk, capture=capture):
+            ids = torch.tensor(list(prompt_ids), device=self.target.decoder.device)
+            for lo in range(0, ids.numel(), cfg.prefill_chunk):
+                logits = yield from target.prefill_chunk_co(ids, lo, cfg.prefill_chunk, capture)
                 if logits is None and prefill_events:
                     yield StepEvent([], None, stats)
             token = next_token(logits, params, gen)
             if opening is not None:
                 try:
-                    opening.result()
+                    yield DraftCall(opening.result, opening=True)
                 except DraftError as e:
                     use_draft = self._fall_back(stats, sid, e)
             retrieving = use_draft and cfg.retrieval.enabled
@@ -216,14 +236,14 @@ class Engine:
                 if use_draft and ctl.speculate():
                     try:
                         t_step = ts = time.perf_counter()
-                        tree = self.draft.step(sid, step, pending, retrieval)
+                        tree = yield DraftCall(partial(self.draft.step, sid, step, pending, retrieval))
                         stats.draft_s += time.perf_counter() - ts
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)
                         continue
                     ts = time.perf_counter()
                     refresh = cfg.retrieval.enabled and (step + 1) % cfg.retrieval.every == 0
-                    logits = target.verify(committed[-1], tree.tokens, tree.parents, capture=refresh)
+                    logits = yield from target.verify_co(committed[-1], tree.tokens, tree.parents, capture=refresh)
                     forced = replay[step % len(replay)] if replay else None
                     verdict = verify_tree(logits, tree.tokens, tree.parents, params, gen, forced)
                     target.commit(verdict.accepted)
@@ -243,7 +263,8 @@ class Engine:
                     ctl.record_spec(time.perf_counter() - t_step, len(committed))
                 else:
                     ts = time.perf_counter()
-                    committed = [next_token(target.decode(committed[-1]), params, gen)]
+                    logits = yield from target.decode_co(committed[-1])
+                    committed = [next_token(logits, params, gen)]
                     if use_draft:
                         pending = pending + committed
                         ctl.record_plain(time.perf_counter() - ts)

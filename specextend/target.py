@@ -6,15 +6,18 @@ root of the next draft tree (or the next autoregressive input).
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Generator, Optional, Sequence, TypeVar
 
 import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.config import RetrievalConfig
+from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 from specextend.retrieval import chunk_scores, last_token_probs, select_chunks
 from specextend.tree import ancestor_mask, node_depths
+
+T = TypeVar("T")
 
 
 class TargetSession:
@@ -24,46 +27,64 @@ class TargetSession:
         self.hybrid = hybrid
         self.captured: Optional[Captured] = None
 
+    # Each forward comes in two forms: a coroutine (`*_co`) that yields its ForwardCall and gets the
+    # forward's result back (the engine's sessions, batched with other sessions' forwards,
+    # docs/architecture.md, "Batched steps"), and a plain method that runs it in place.
+    def run(self, co: Generator[ForwardCall, Result, T]) -> T:
+        """Drives a forward coroutine with this session's model, one forward at a time."""
+        try:
+            call = next(co)
+            while True:
+                call = co.send(self.model.forward(call.ids, call.positions, call.cache, call.mask, call.opts))
+        except StopIteration as stop:
+            return stop.value
+
     def prefill(self, prompt_ids: Sequence[int], chunk: int, capture: bool = False) -> torch.Tensor:
         """Chunked causal prefill of the prompt; returns the last position's logits [V]."""
-        for logits in self.prefill_chunks(prompt_ids, chunk, capture):
-            pass
+        ids = torch.tensor(list(prompt_ids), device=self.model.device)
+        for lo in range(0, ids.numel(), chunk):
+            logits = self.run(self.prefill_chunk_co(ids, lo, chunk, capture))
         return logits
 
-    def prefill_chunks(self, prompt_ids: Sequence[int], chunk: int,
-                       capture: bool = False) -> Iterator[Optional[torch.Tensor]]:
-        """prefill() one chunk per iteration: None after each chunk but the last, then the last
-        position's logits [V] (lets a server interleave other sessions' steps between chunks).
-        `capture` keeps the last chunk's final-layer queries and LSE for the first retrieval."""
+    def prefill_chunk_co(self, ids: torch.Tensor, lo: int, chunk: int,
+                         capture: bool = False) -> Generator[ForwardCall, Result, Optional[torch.Tensor]]:
+        """The causal prefill of ids[lo:lo + chunk] (ids [P] on the model's device): None, or after
+        the last chunk the last position's logits [V]. `capture` keeps the last chunk's
+        final-layer queries and LSE for the first retrieval."""
         dev = self.model.device
-        ids = torch.tensor(list(prompt_ids), device=dev)
-        for lo in range(0, ids.numel(), chunk):
-            part = ids[lo:lo + chunk]
-            t = part.numel()
-            last = lo + t >= ids.numel()
-            logits, captured = self.model.forward(
-                part, torch.arange(lo, lo + t, device=dev), self.cache, CAUSAL,
-                ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev),
-                               capture_last=capture and last))
-            self.cache.advance(t)
-            if last:
-                self.captured = captured
-            yield logits[0] if last else None
+        part = ids[lo:lo + chunk]
+        t = part.numel()
+        last = lo + t >= ids.numel()
+        logits, captured = yield ForwardCall(
+            part, torch.arange(lo, lo + t, device=dev), self.cache, CAUSAL,
+            ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev),
+                           capture_last=capture and last))
+        self.cache.advance(t)
+        if last:
+            self.captured = captured
+        return logits[0] if last else None
 
     def decode(self, token: int) -> torch.Tensor:
         """Autoregressive step: forward the last committed token; returns its logits [V]."""
+        return self.run(self.decode_co(token))
+
+    def decode_co(self, token: int) -> Generator[ForwardCall, Result, torch.Tensor]:
         dev = self.model.device
         pos = torch.tensor([self.cache.length], device=dev)
-        logits, _ = self.model.forward(torch.tensor([token], device=dev), pos, self.cache, CAUSAL)
+        logits, _ = yield ForwardCall(torch.tensor([token], device=dev), pos, self.cache, CAUSAL)
         self.cache.advance(1)
         return logits[0]
 
     def verify(self, root: int, tokens: Sequence[int], parents: Sequence[int], capture: bool) -> torch.Tensor:
         """One forward over [root] + tree with the tree mask; returns logits [N+1, V]."""
+        return self.run(self.verify_co(root, tokens, parents, capture))
+
+    def verify_co(self, root: int, tokens: Sequence[int], parents: Sequence[int],
+                  capture: bool) -> Generator[ForwardCall, Result, torch.Tensor]:
         dev = self.model.device
         depths = torch.tensor([0] + node_depths(parents), device=dev)  # [N+1]
         ids = torch.tensor([root] + list(tokens), device=dev)  # [N+1]
-        logits, self.captured = self.model.forward(
+        logits, self.captured = yield ForwardCall(
             ids, self.cache.length + depths, self.cache, ancestor_mask(parents, dev),
             ForwardOptions(hybrid=self.hybrid, capture_last=capture))
         return logits

@@ -60,3 +60,109 @@ def test_forward_batch_equals_each(arch):
         torch.testing.assert_close(b.cache.data[..., :n, :], e.cache.data[..., :n, :], rtol=1e-10, atol=1e-10)
         if b.opts.store is not None:
             torch.testing.assert_close(b.opts.store.data, e.opts.store.data, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------- the batched engine
+import threading  # noqa: E402
+
+from specextend.config import RetrievalConfig, SamplingParams, TreeConfig  # noqa: E402
+from specextend.draft.base import DraftError  # noqa: E402
+from specextend.draft.chaos import Chaos, ChaosDraft  # noqa: E402
+from specextend.draft.worker import DraftWorker  # noqa: E402
+from specextend.scheduler import Batcher  # noqa: E402
+
+from helpers import make_engine  # noqa: E402
+
+RETRIEVAL = RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=2, draft_prefill_window=16)
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_batched(engine, requests, max_batch=8):
+    """Every request through one Batcher on its own thread -> (tokens, finish) per request, batcher."""
+    b = Batcher(engine.target.decoder, max_batch)
+    outs = [[] for _ in requests]
+    ends: dict = {}
+    all_done = threading.Event()
+
+    def sink_for(i):
+        def sink(item):
+            if item is None or isinstance(item, BaseException):
+                ends[i] = item
+                if len(ends) == len(requests):
+                    all_done.set()
+            else:
+                outs[i].append(item)
+            return True
+        return sink
+
+    for i, (p, params, kw) in enumerate(requests):
+        b.add(engine.session(p, params, **kw), sink_for(i))
+    thread = threading.Thread(target=b.run, daemon=True)
+    thread.start()
+    assert all_done.wait(120), "the batcher did not finish every session"
+    b.shutdown()
+    thread.join(10)
+    for i, end in ends.items():
+        assert end is None, f"request {i} failed: {end!r}"
+    return [([t for ev in evs for t in ev.token_ids], evs[-1].finish_reason, evs[-1].stats) for evs in outs], b
+
+
+def _requests():
+    """Prompts of several lengths (one spans several prefill chunks), greedy and seeded sampling,
+    a stop token, per-request speculation off and a bounded tree."""
+    reqs = []
+    for i, n in enumerate([3, 30, 150, 70, 9, 44]):
+        params = SamplingParams(max_new_tokens=12 + 5 * i, ignore_eos=True,
+                                **({"temperature": 0.8, "seed": 100 + i} if i % 2 else {}))
+        kw = {"speculate": False} if i == 4 else ({"max_tree_nodes": 3} if i == 5 else {})
+        reqs.append((_prompt(n, i), params, kw))
+    return reqs
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "specextend"])
+def test_batched_sessions_equal_each_alone(tiny_models, mode):
+    pair = tiny_models("float64")
+    kw = dict(retrieval=RETRIEVAL) if mode == "specextend" else {}
+    engine = make_engine(pair, mode, tree=TreeConfig(12, 4, 3), prefill_chunk=64, **kw)
+    reqs = _requests()
+    alone = [engine.generate(p, params, **k) for p, params, k in reqs]
+    got, b = run_batched(engine, reqs, max_batch=4)
+    for (tokens, finish, stats), (ref, ref_finish, ref_stats) in zip(got, alone):
+        assert tokens == ref and finish == ref_finish
+        assert stats.num_steps == ref_stats.num_steps and not stats.fallback
+    assert b.max_calls == 4, "the sessions' forwards were not batched"
+    assert b.calls > b.forwards
+    if mode != "ar":  # every draft session closed (the close follows the last step, asynchronously)
+        for _ in range(100):
+            if engine.draft.num_sessions == 0:
+                break
+            threading.Event().wait(0.05)
+        assert engine.draft.num_sessions == 0
+
+
+class FailingDraft(ChaosDraft):
+    """Fails every step of the sessions named, from their `after`-th step on."""
+
+    def __init__(self, inner, failing: set, after: int):
+        super().__init__(inner, Chaos())
+        self.failing, self.after = failing, after
+
+    def step(self, session_id, step, accepted_tokens, retrieval=None):
+        if session_id in self.failing and step >= self.after:
+            raise DraftError("injected")
+        return super().step(session_id, step, accepted_tokens, retrieval)
+
+
+def test_batched_draft_failure_falls_back(tiny_models):
+    """A draft that fails mid-request: that session goes on plainly (lossless), the others speculate."""
+    pair = tiny_models("float64")
+    ar = make_engine(pair, "ar")
+    engine = make_engine(pair, "sd", draft_backend=FailingDraft(DraftWorker(pair[1].decoder), {"s1"}, 2))
+    reqs = [(p, params, {**k, "session_id": f"s{i}"}) for i, (p, params, k) in enumerate(_requests()[:4])]
+    got, _ = run_batched(engine, reqs)
+    for (tokens, finish, stats), (p, params, k) in zip(got, reqs):
+        assert (tokens, finish) == ar.generate(p, params)[:2]
+    assert [stats.fallback for _, _, stats in got] == [False, True, False, False]

@@ -1,0 +1,217 @@
+"""Drivers of the engine's session coroutines (docs/architecture.md, "Batched steps").
+
+A session (Engine.session) yields what it needs: a `ForwardCall` (a target forward over its own
+KV cache), a `DraftCall` (a call to the draft backend, which may wait on another process or
+GPU) or a step event for its client. `drive_alone` runs one session in place. `Batcher` runs many
+on one thread in rounds: it advances every session that can move until each waits on a forward or
+a draft call, makes the draft calls concurrently on a small pool (the draft side queues them), and
+runs the collected forwards as one batched target forward (models/batch.forward_batch, up to
+`max_batch` calls each). A session that waits on a draft call does not hold the others' forward
+back, except that a round waits for the draft steps it issued itself (milliseconds) so that the
+sessions' verifications meet in one forward; a draft session still opening (its prefill) is
+never waited on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Iterator, Optional
+
+import torch
+
+from specextend.models.batch import ForwardCall, forward_batch
+from specextend.models.decoder import Decoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftCall:
+    """A call to the draft backend: its value (or exception) goes back into the session."""
+
+    fn: Callable[[], Any]
+    opening: bool = False  # the draft's session is still opening (its prefill): rounds never wait for it
+
+
+def drive_alone(co: Generator, model: Decoder) -> Iterator[Any]:
+    """Runs one session in place: its forwards one at a time, its draft calls inline. Yields its
+    events; closing this iterator closes the session (its `finally` frees the draft session)."""
+    send, exc = None, None
+    try:
+        while True:
+            try:
+                item = co.throw(exc) if exc is not None else co.send(send)
+            except StopIteration:
+                return
+            send, exc = None, None
+            if isinstance(item, ForwardCall):
+                send = model.forward(item.ids, item.positions, item.cache, item.mask, item.opts)
+            elif isinstance(item, DraftCall):
+                try:
+                    send = item.fn()
+                except Exception as e:  # noqa: BLE001 - thrown into the session, which decides
+                    exc = e
+            else:
+                yield item
+    finally:
+        co.close()
+
+
+Sink = Callable[[Any], bool]  # receives an event, None (the session ended) or an exception; False pauses
+
+
+class _Entry:
+    """A session in the batcher: what goes into it next, and what it waits on."""
+
+    __slots__ = ("co", "sink", "send", "exc", "call", "future", "opening_call", "paused", "stopped")
+
+    def __init__(self, co: Generator, sink: Sink) -> None:
+        self.co, self.sink = co, sink
+        self.send: Any = None
+        self.exc: Optional[BaseException] = None
+        self.call: Optional[ForwardCall] = None  # waiting on this round's forward
+        self.future: Optional[Future] = None  # waiting on a draft call
+        self.opening_call = False  # ... on the draft session's opening (not waited for by a round)
+        self.paused = False  # its client lags (the sink said so): not advanced until resumed
+        self.stopped = False
+
+
+class Batcher:
+    """Runs sessions in rounds on one thread (`run`, or `run_round` from a test), every round one
+    batched target forward. `add`, `resume` and `stop` may be called from any thread."""
+
+    def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        self._pool = ThreadPoolExecutor(draft_threads, thread_name_prefix="draft-call")
+        self._sessions: list[_Entry] = []
+        self._lock = threading.Condition()
+        self._incoming: list[_Entry] = []
+        self._closing = False
+        self.forwards = 0  # batched forwards run
+        self.calls = 0  # forward calls they carried
+        self.max_calls = 0  # the most calls one forward carried
+
+    # ------------------------------------------------------------------ any thread
+    def add(self, co: Generator, sink: Sink) -> _Entry:
+        entry = _Entry(co, sink)
+        with self._lock:
+            self._incoming.append(entry)
+            self._lock.notify()
+        return entry
+
+    def resume(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.paused = False
+            self._lock.notify()
+
+    def stop(self, entry: _Entry) -> None:
+        """The session is closed on the batcher's thread at the next round (its `finally` runs there)."""
+        with self._lock:
+            entry.stopped = True
+            self._lock.notify()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+
+    # ------------------------------------------------------------------ the batcher's thread
+    def run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing and not self._has_work():
+                    self._lock.wait(timeout=self._poll_s())
+                if self._closing:
+                    break
+            self.run_round()
+        for e in self._sessions + self._incoming:
+            e.co.close()
+
+    def _poll_s(self) -> Optional[float]:
+        """Wake up for draft futures (their callbacks notify too; this bounds a missed one)."""
+        return 0.05 if any(e.future is not None for e in self._sessions) else None
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming) or any(
+            e.stopped or (not e.paused and (e.future is None or e.future.done())) for e in self._sessions)
+
+    @torch.inference_mode()
+    def run_round(self) -> None:
+        with self._lock:
+            self._sessions += self._incoming
+            self._incoming = []
+        for e in [e for e in self._sessions if e.stopped]:
+            self._finish(e, close=True)
+        step_futures = []
+        for e in list(self._sessions):
+            self._advance(e)
+            if e.future is not None and not e.future.done() and e.call is None:
+                step_futures.append(e)
+        # the draft steps issued this round: wait for them so their verifications join this forward
+        waited = [e.future for e in step_futures if not e.opening_call]
+        if waited:
+            wait(waited)
+            for e in step_futures:
+                if e.future.done():
+                    self._advance(e)
+        calls = [e for e in self._sessions if e.call is not None]
+        for lo in range(0, len(calls), self.max_batch):
+            group = calls[lo:lo + self.max_batch]
+            try:
+                results = forward_batch(self.model, [e.call for e in group])
+            except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
+                results = [exc] * len(group)
+            self.forwards += 1
+            self.calls += len(group)
+            self.max_calls = max(self.max_calls, len(group))
+            for e, r in zip(group, results):
+                e.call = None
+                if isinstance(r, Exception):
+                    e.exc = r
+                else:
+                    e.send = r
+
+    def _advance(self, e: _Entry) -> None:
+        """Moves a session until it waits on a forward or a draft call, pauses, or ends."""
+        while not e.paused and e.call is None and e in self._sessions:
+            if e.future is not None:
+                if not e.future.done():
+                    return
+                f, e.future = e.future, None
+                try:
+                    e.send = f.result()
+                except Exception as exc:  # noqa: BLE001 - thrown into the session
+                    e.exc = exc
+            try:
+                exc, e.exc = e.exc, None
+                item = e.co.throw(exc) if exc is not None else e.co.send(e.send)
+            except StopIteration:
+                self._finish(e, end=None)
+                return
+            except Exception as exc:  # noqa: BLE001 - the session failed: its client gets the error
+                self._finish(e, end=exc)
+                return
+            e.send = None
+            if isinstance(item, ForwardCall):
+                e.call = item
+            elif isinstance(item, DraftCall):
+                e.future = self._pool.submit(item.fn)
+                e.opening_call = item.opening
+                e.future.add_done_callback(self._notify)
+            elif not e.sink(item):
+                e.paused = True
+
+    def _notify(self, _: Future) -> None:
+        with self._lock:
+            self._lock.notify()
+
+    def _finish(self, e: _Entry, end: Any = None, close: bool = False) -> None:
+        self._sessions.remove(e)
+        if close:
+            e.co.close()
+        else:
+            e.sink(end)
