@@ -149,6 +149,8 @@ class ServingConfig:
     num_gpus: float = Field(default_factory=_default_num_gpus, ge=0, le=8,
                             description="GPUs per model (target replica, draft actor); 0 = CPU")
     max_concurrent_sessions: int = Field(16, ge=1, le=4096, description="sessions a replica runs at once")
+    max_batch_sessions: int = Field(8, ge=1, le=256,
+                                    description="sessions whose steps one target forward carries (1: one at a time)")
     max_queued_requests: int = Field(64, ge=0, le=65536, description="requests a replica queues beyond that; then 429")
     served_model_name: Optional[str] = Field(None, min_length=1, description="model id of the API (default: the target's)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")

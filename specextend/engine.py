@@ -178,23 +178,22 @@ class Engine:
         yield from drive_alone(self.session(prompt_ids, params, **kw), self.target.decoder)
 
     def session(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
-                replay: Optional[Sequence[int]] = None, prefill_events: bool = False,
-                speculate: bool = True, max_tree_nodes: Optional[int] = None) -> Session:
+                replay: Optional[Sequence[int]] = None, speculate: bool = True, max_tree_nodes: Optional[int] = None) -> Session:
         """One request as a coroutine (docs/architecture.md, "Batched steps"): it yields the target
         forwards it needs (ForwardCall, answered with the forward's result), the draft calls
         (DraftCall, answered with the call's value or its exception thrown in) and its StepEvents.
         A driver runs it alone (`stream`) or batched with other sessions (scheduler.Batcher).
 
         `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled.
-        `prefill_events`: also yield an empty event after each prefill chunk but the last (a
-        server interleaves other sessions' steps there instead of stalling them for the prompt).
+        Each prefill chunk is its own forward, so a batched driver runs other sessions' steps
+        between chunks instead of stalling them for a long prompt.
         `speculate=False` decodes plainly (no draft session); `max_tree_nodes` bounds this request's
         trees (per-request control)."""
         self.check_request(prompt_ids, params)
-        return self._session(prompt_ids, params, session_id, replay, prefill_events, speculate, max_tree_nodes)
+        return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes)
 
     @torch.inference_mode()
-    def _session(self, prompt_ids, params, session_id, replay, prefill_events, speculate, max_tree_nodes) -> Session:
+    def _session(self, prompt_ids, params, session_id, replay, speculate, max_tree_nodes) -> Session:
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
@@ -214,8 +213,6 @@ class Engine:
             ids = torch.tensor(list(prompt_ids), device=self.target.decoder.device)
             for lo in range(0, ids.numel(), cfg.prefill_chunk):
                 logits = yield from target.prefill_chunk_co(ids, lo, cfg.prefill_chunk, capture)
-                if logits is None and prefill_events:
-                    yield StepEvent([], None, stats)
             token = next_token(logits, params, gen)
             if opening is not None:
                 try:

@@ -66,7 +66,7 @@ Sink = Callable[[Any], bool]  # receives an event, None (the session ended) or a
 class _Entry:
     """A session in the batcher: what goes into it next, and what it waits on."""
 
-    __slots__ = ("co", "sink", "send", "exc", "call", "future", "opening_call", "paused", "stopped")
+    __slots__ = ("co", "sink", "send", "exc", "call", "future", "opening_call", "paused", "resumed", "stopped")
 
     def __init__(self, co: Generator, sink: Sink) -> None:
         self.co, self.sink = co, sink
@@ -76,6 +76,7 @@ class _Entry:
         self.future: Optional[Future] = None  # waiting on a draft call
         self.opening_call = False  # ... on the draft session's opening (not waited for by a round)
         self.paused = False  # its client lags (the sink said so): not advanced until resumed
+        self.resumed = False  # a resume that arrived before the pause it answers
         self.stopped = False
 
 
@@ -83,8 +84,9 @@ class Batcher:
     """Runs sessions in rounds on one thread (`run`, or `run_round` from a test), every round one
     batched target forward. `add`, `resume` and `stop` may be called from any thread."""
 
-    def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8) -> None:
+    def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8, forward=forward_batch) -> None:
         self.model = model
+        self._forward = forward  # forward_batch (its signature; tests pass a fake)
         self.max_batch = max_batch
         self._pool = ThreadPoolExecutor(draft_threads, thread_name_prefix="draft-call")
         self._sessions: list[_Entry] = []
@@ -104,8 +106,12 @@ class Batcher:
         return entry
 
     def resume(self, entry: _Entry) -> None:
+        """Answers one pause (one sink call that returned False), whether or not it is in force yet."""
         with self._lock:
-            entry.paused = False
+            if entry.paused:
+                entry.paused = False
+            else:
+                entry.resumed = True
             self._lock.notify()
 
     def stop(self, entry: _Entry) -> None:
@@ -162,7 +168,7 @@ class Batcher:
         for lo in range(0, len(calls), self.max_batch):
             group = calls[lo:lo + self.max_batch]
             try:
-                results = forward_batch(self.model, [e.call for e in group])
+                results = self._forward(self.model, [e.call for e in group])
             except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
                 results = [exc] * len(group)
             self.forwards += 1
@@ -202,16 +208,29 @@ class Batcher:
                 e.future = self._pool.submit(item.fn)
                 e.opening_call = item.opening
                 e.future.add_done_callback(self._notify)
-            elif not e.sink(item):
-                e.paused = True
+            elif not self._deliver(e, item):
+                if e not in self._sessions:
+                    return
+                with self._lock:
+                    e.paused, e.resumed = not e.resumed, False
 
     def _notify(self, _: Future) -> None:
         with self._lock:
             self._lock.notify()
+
+    def _deliver(self, e: _Entry, item: Any) -> bool:
+        """The sink's answer (False: pause); a sink that fails (its consumer is gone) stops the session."""
+        try:
+            return e.sink(item)
+        except Exception:  # noqa: BLE001 - never let one consumer take the engine thread down
+            log.exception("a session's consumer failed; closing the session")
+            if e in self._sessions:
+                self._finish(e, close=True)
+            return False
 
     def _finish(self, e: _Entry, end: Any = None, close: bool = False) -> None:
         self._sessions.remove(e)
         if close:
             e.co.close()
         else:
-            e.sink(end)
+            self._deliver(e, end)

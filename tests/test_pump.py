@@ -1,21 +1,24 @@
-"""StepPump: the engine steps ahead of the streaming side, sessions interleave on the one engine
-thread, a lagging consumer gets steps coalesced, run-ahead is bounded, errors and stops propagate."""
+"""SessionPump over the Batcher: the engine steps ahead of the streaming side, sessions' steps
+share rounds (one batched forward each), a lagging consumer gets steps coalesced, run-ahead is
+bounded, errors and stops propagate."""
 
 import asyncio
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from specextend.engine import RequestStats, StepEvent
-from specextend.serving.pump import StepPump
+from specextend.models.batch import ForwardCall
+from specextend.scheduler import Batcher
+from specextend.serving.pump import EngineThread, SessionPump
 
 
 def engine_steps(name, n, log, closed=None, fail_at=None):
+    """A fake session: one forward, then one event, per step."""
     stats = RequestStats()
     try:
         for i in range(n):
+            yield ForwardCall(None, None, None, "causal")
             log.append((name, i))
             if i == fail_at:
                 raise ValueError("injected engine error")
@@ -23,6 +26,13 @@ def engine_steps(name, n, log, closed=None, fail_at=None):
     finally:
         if closed is not None:
             closed.append(name)
+
+
+def fake_forward(batches):
+    def forward(model, calls):
+        batches.append(len(calls))
+        return [(None, None)] * len(calls)
+    return forward
 
 
 async def drain(pump):
@@ -36,49 +46,72 @@ async def drain(pump):
                 return out
 
 
-def test_steps_run_ahead_are_coalesced_and_sessions_interleave():
+def engine(batches, max_batch=8):
+    return EngineThread(Batcher(None, max_batch, forward=fake_forward(batches)))
+
+
+def test_steps_run_ahead_are_coalesced_and_sessions_share_rounds():
     async def main():
-        ex, log = ThreadPoolExecutor(1), []
+        log, batches = [], []
         loop = asyncio.get_running_loop()
-        gate = threading.Event()
-        ex.submit(gate.wait)  # both sessions' first steps queue behind this
-        a = StepPump(engine_steps("a", 6, log), ex, loop)
-        b = StepPump(engine_steps("b", 6, log), ex, loop)
-        gate.set()
-        await asyncio.sleep(0.2)  # nobody consumes: the engine keeps stepping
+        batcher = Batcher(None, 8, forward=fake_forward(batches))
+        a = SessionPump(batcher, engine_steps("a", 6, log), loop)
+        b = SessionPump(batcher, engine_steps("b", 6, log), loop)
+        th = EngineThread(batcher)  # both sessions are there before the first round
+        await asyncio.sleep(0.3)  # nobody consumes: the engine keeps stepping
         assert len(log) == 12
         assert log[:4] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]  # one step each, in turn
+        assert batches[:6] == [2] * 6  # each round's two forwards ran as one
         first = await a.events()
-        assert [e.token_ids[0] for e in first] == list(range(6))  # all ready steps in one chunk
+        assert [e.token_ids[0] for e in first[:6]] == list(range(6))  # all ready steps in one chunk
+        assert first[6:] == [None]  # and the session's end
         assert await drain(b) == list(range(6))
+        th.shutdown()
+
+    asyncio.run(main())
+
+
+def test_batches_are_capped_at_max_batch():
+    async def main():
+        log, batches = [], []
+        th = engine(batches, max_batch=3)
+        pumps = [SessionPump(th.batcher, engine_steps(f"s{i}", 4, log), asyncio.get_running_loop())
+                 for i in range(7)]
+        assert [await drain(p) for p in pumps] == [list(range(4))] * 7
+        assert max(batches) == 3 and sum(batches) == 28
+        th.shutdown()
 
     asyncio.run(main())
 
 
 def test_run_ahead_is_bounded_and_resumes():
     async def main():
-        ex, log = ThreadPoolExecutor(1), []
-        pump = StepPump(engine_steps("a", 50, log), ex, asyncio.get_running_loop(), max_ahead=4)
+        log, batches = [], []
+        th = engine(batches)
+        pump = SessionPump(th.batcher, engine_steps("a", 50, log), asyncio.get_running_loop(), max_ahead=4)
         await asyncio.sleep(0.2)
         assert len(log) == 4  # paused with 4 undelivered
         assert await drain(pump) == list(range(50))
+        th.shutdown()
 
     asyncio.run(main())
 
 
-def test_engine_errors_reach_the_consumer_and_stop_closes_the_engine():
+def test_engine_errors_reach_the_consumer_and_stop_closes_the_session():
     async def main():
-        ex, log, closed = ThreadPoolExecutor(1), [], []
+        log, closed, batches = [], [], []
         loop = asyncio.get_running_loop()
-        bad = StepPump(engine_steps("bad", 9, log, closed, fail_at=2), ex, loop)
+        th = engine(batches)
+        bad = SessionPump(th.batcher, engine_steps("bad", 9, log, closed, fail_at=2), loop)
         with pytest.raises(ValueError, match="injected"):
             await drain(bad)
-        slow = StepPump(engine_steps("slow", 10_000, log, closed), ex, loop, max_ahead=10_000)
+        slow = SessionPump(th.batcher, engine_steps("slow", 10_000, log, closed), loop, max_ahead=10_000)
         await slow.events()
         slow.stop()
         await asyncio.sleep(0.1)
         n = len(log)
         time.sleep(0.1)
-        assert len(log) == n and "slow" in closed  # no step after stop; the engine's finally ran
+        assert len(log) == n and "slow" in closed  # no step after stop; the session's finally ran
+        th.shutdown()
 
     asyncio.run(main())

@@ -1,12 +1,12 @@
-"""Runs one request's engine steps on the replica's engine thread, ahead of the HTTP side.
+"""Runs the replica's sessions on its engine thread, ahead of the HTTP side.
 
-The engine thread is shared by every session of the replica: each step is one task on it, so
-sessions interleave step by step. A finished step queues the session's next step itself, on the
-engine thread, and hands its event to the event loop; the engine never waits for the loop to
-stream a step out before computing the next (it used to: each step was scheduled by the loop
-after the previous one had been consumed). The consumer takes every event that is ready at once,
-so a client that lags gets several steps' tokens in one chunk. At most `max_ahead` events wait
-undelivered; beyond that the session's steps pause until the consumer catches up.
+The engine thread runs a scheduler.Batcher: every round advances each session one step and runs
+their target forwards as one batched forward (docs/architecture.md, "Batched steps"). A
+`SessionPump` is one request's end of it: the batcher hands each of the session's events to the
+event loop as soon as the step is done, and goes on with the next step without waiting for the
+loop to stream it out. The consumer takes every event that is ready at once, so a client that
+lags gets several steps' tokens in one chunk. At most `max_ahead` events wait undelivered; beyond
+that the session's steps pause until the consumer catches up.
 
 docs/architecture.md, "Serving surface".
 """
@@ -15,46 +15,45 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import Executor
-from typing import Iterator, Optional
+from typing import Any, Generator
 
 from specextend.engine import StepEvent
+from specextend.scheduler import Batcher
 
 MAX_AHEAD = 32  # undelivered events per session before its steps pause
 
 
-class StepPump:
-    def __init__(self, steps: Iterator[StepEvent], executor: Executor, loop: asyncio.AbstractEventLoop,
+class EngineThread:
+    """The replica's one engine thread, running a Batcher until shut down."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher = batcher
+        self._thread = threading.Thread(target=batcher.run, name="engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self.batcher.shutdown()
+
+
+class SessionPump:
+    def __init__(self, batcher: Batcher, session: Generator, loop: asyncio.AbstractEventLoop,
                  max_ahead: int = MAX_AHEAD) -> None:
-        self._steps = steps
-        self._executor = executor
+        self._batcher = batcher
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._max_ahead = max_ahead
-        self._lock = threading.Lock()  # guards the two flags below and the undelivered count
+        self._lock = threading.Lock()  # guards the undelivered count and the paused flag
         self._undelivered = 0
         self._paused = False
-        self._stopped = False
-        self._executor.submit(self._step)
+        self._entry = batcher.add(session, self._sink)
 
-    def _step(self) -> None:  # on the engine thread
-        with self._lock:
-            if self._stopped:
-                return
-        try:
-            ev: Optional[StepEvent] = next(self._steps, None)
-            item = ev
-        except BaseException as exc:  # noqa: BLE001 - the consumer re-raises it
-            ev, item = None, exc
-        done = ev is None or ev.finish_reason is not None
+    def _sink(self, item: Any) -> bool:  # on the engine thread: an event, None (ended) or an exception
         with self._lock:
             self._undelivered += 1
-            again = not done and not self._stopped
-            if again and self._undelivered >= self._max_ahead:
-                self._paused, again = True, False
+            go_on = self._undelivered < self._max_ahead
+            self._paused = not go_on
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        if again:
-            self._executor.submit(self._step)
+        return go_on
 
     async def events(self) -> list[StepEvent]:
         """The next events: at least one, and every other one already there. An event of None ends
@@ -64,18 +63,15 @@ class StepPump:
             items.append(self._queue.get_nowait())
         with self._lock:
             self._undelivered -= len(items)
-            resume = self._paused and not self._stopped
-            self._paused = False
+            resume, self._paused = self._paused, False
         if resume:
-            self._executor.submit(self._step)
+            self._batcher.resume(self._entry)
         for item in items:
             if isinstance(item, BaseException):
                 raise item
         return items
 
     def stop(self) -> None:
-        """No more steps are queued; then closes the engine's iterator on the engine thread (after
-        any step in flight), which releases the request's draft session and caches."""
-        with self._lock:
-            self._stopped = True
-        self._executor.submit(self._steps.close)
+        """No more steps; the engine thread closes the session at its next round (after any forward
+        in flight), which releases the request's draft session and caches."""
+        self._batcher.stop(self._entry)

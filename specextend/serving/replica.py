@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 import ray
@@ -31,7 +30,8 @@ from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
 from specextend.serving.draft_actor import DraftActor
 from specextend.serving.errors import BadRequestError
-from specextend.serving.pump import StepPump
+from specextend.scheduler import Batcher
+from specextend.serving.pump import EngineThread, SessionPump
 from specextend.serving.settings import MODEL_CPUS, AppSettings
 from specextend.serving.textstream import TextStream
 
@@ -68,7 +68,6 @@ class SpecExtendReplica:
         self.target, _ = load_pair(cfg, roles=("target",))  # checks the pair before loading weights
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")  # the one engine thread
         self.ar_engine = Engine(dataclasses.replace(cfg, mode="ar"), self.target)
         self.engine, self.draft, self.draft_actor = self.ar_engine, None, None
         if s.uses_draft:
@@ -85,6 +84,8 @@ class SpecExtendReplica:
         warm = self._warm_up()
         self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget())
         self.draft_ok = self.draft is not None and not warm.fallback
+        # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
+        self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions))
         log.info("replica ready: target %s, draft %s, KV budget %.0f MiB", self.target.name,
                  self.draft.address if self.draft else "none", self.admission.budget_bytes / 2**20)
 
@@ -200,10 +201,10 @@ class SpecExtendReplica:
         loop = asyncio.get_running_loop()
         text = TextStream(self.tokenizer, prompt_ids, req.get("stop") or ())
         replay = [self.settings.replay_accept_length] if self.settings.replay_accept_length is not None else None
-        steps = engine.stream(prompt_ids, params, session_id=req.get("request_id"), prefill_events=True,
-                              replay=replay, speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"])
+        session = engine.session(prompt_ids, params, session_id=req.get("request_id"), replay=replay,
+                                 speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"])
         stats, finish, last = None, None, None
-        pump = StepPump(steps, self.executor, loop)  # the engine steps ahead of the streaming
+        pump = SessionPump(self.engine_thread.batcher, session, loop)  # the engine steps ahead of the streaming
         try:
             while finish is None:
                 tokens, reason, ended = [], None, False
@@ -220,7 +221,7 @@ class SpecExtendReplica:
                 if not tokens and reason is None:
                     if ended:
                         break
-                    continue  # prefill chunks: other sessions' steps ran in between
+                    continue
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.observe("specextend_time_to_first_token_seconds", now - t_arrival)
@@ -325,6 +326,7 @@ class SpecExtendReplica:
         (the draft actor, a child of this actor, goes with it)."""
         try:
             m.unpublish(self._metrics_key)
+            self.engine_thread.shutdown()
             if self.draft is not None:
                 self.draft.shutdown()
         except Exception:  # noqa: BLE001 - best effort at shutdown
