@@ -216,7 +216,7 @@ class Engine:
             token = next_token(logits, params, gen)
             if opening is not None:
                 try:
-                    yield DraftCall(opening.result, opening=True)
+                    yield DraftCall(future=opening)
                 except DraftError as e:
                     use_draft = self._fall_back(stats, sid, e)
             retrieving = use_draft and cfg.retrieval.enabled
@@ -233,7 +233,7 @@ class Engine:
                 if use_draft and ctl.speculate():
                     try:
                         t_step = ts = time.perf_counter()
-                        tree = yield DraftCall(partial(self.draft.step, sid, step, pending, retrieval))
+                        tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval))
                         stats.draft_s += time.perf_counter() - ts
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)

@@ -30,10 +30,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DraftCall:
-    """A call to the draft backend: its value (or exception) goes back into the session."""
+    """A call to the draft backend: its value (or exception) goes back into the session. Either
+    `fn`, to be called, or `future`, a call already under way (the draft session's opening, its
+    prefill: rounds never wait for it, and it holds no thread of the batcher's pool)."""
 
-    fn: Callable[[], Any]
-    opening: bool = False  # the draft's session is still opening (its prefill): rounds never wait for it
+    fn: Optional[Callable[[], Any]] = None
+    future: Optional[Future] = None
+
+    def result(self) -> Any:
+        return self.future.result() if self.future is not None else self.fn()
 
 
 def drive_alone(co: Generator, model: Decoder) -> Iterator[Any]:
@@ -51,7 +56,7 @@ def drive_alone(co: Generator, model: Decoder) -> Iterator[Any]:
                 send = model.forward(item.ids, item.positions, item.cache, item.mask, item.opts)
             elif isinstance(item, DraftCall):
                 try:
-                    send = item.fn()
+                    send = item.result()
                 except Exception as e:  # noqa: BLE001 - thrown into the session, which decides
                     exc = e
             else:
@@ -205,8 +210,8 @@ class Batcher:
             if isinstance(item, ForwardCall):
                 e.call = item
             elif isinstance(item, DraftCall):
-                e.future = self._pool.submit(item.fn)
-                e.opening_call = item.opening
+                e.opening_call = item.future is not None
+                e.future = item.future if e.opening_call else self._pool.submit(item.fn)
                 e.future.add_done_callback(self._notify)
             elif not self._deliver(e, item):
                 if e not in self._sessions:

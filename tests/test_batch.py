@@ -166,3 +166,49 @@ def test_batched_draft_failure_falls_back(tiny_models):
     for (tokens, finish, stats), (p, params, k) in zip(got, reqs):
         assert (tokens, finish) == ar.generate(p, params)[:2]
     assert [stats.fallback for _, _, stats in got] == [False, True, False, False]
+
+
+class GatedOpen(ChaosDraft):
+    """Its sessions' opening (the draft's prefill) waits until `gate` is set."""
+
+    def __init__(self, inner, gate: threading.Event):
+        super().__init__(inner, Chaos())
+        self.gate = gate
+
+    def open(self, session_id, prompt_ids, params):
+        assert self.gate.wait(60)
+        super().open(session_id, prompt_ids, params)
+
+
+def test_a_draft_still_opening_holds_no_other_session(tiny_models):
+    pair = tiny_models("float64")
+    gate = threading.Event()
+    engine = make_engine(pair, "sd", draft_backend=GatedOpen(DraftWorker(pair[1].decoder), gate))
+    b = Batcher(engine.target.decoder, 8)
+    finished = {}
+
+    def sink_for(name):
+        def sink(item):
+            if item is None or isinstance(item, BaseException):
+                finished[name] = item
+            return True
+        return sink
+
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    b.add(engine.session(_prompt(40, 1), params), sink_for("waits"))
+    b.add(engine.session(_prompt(40, 2), params, speculate=False), sink_for("plain"))
+    th = threading.Thread(target=b.run, daemon=True)
+    th.start()
+    for _ in range(600):
+        if "plain" in finished:
+            break
+        threading.Event().wait(0.05)
+    assert finished == {"plain": None}  # done while the other's draft is still opening
+    gate.set()
+    for _ in range(600):
+        if "waits" in finished:
+            break
+        threading.Event().wait(0.05)
+    b.shutdown()
+    th.join(10)
+    assert finished == {"plain": None, "waits": None}
