@@ -4,8 +4,9 @@ Each session's forward is a `ForwardCall` over its own KV cache (a prefill chunk
 token, a verification tree). `forward_batch` runs their rows together through every matrix
 product (embedding, QKV, output projection, MLP, LM head: the weights are read once for the
 whole batch) and each call's attention over its own cache, with its own mask. A single call goes
-through `Decoder.forward` (the step graphs when they take it); `forward_each` is the slow twin
-(one forward per call), and the tests compare them.
+through `Decoder.forward` (the step graphs when they take it), and so do a few calls when the model
+has step graphs (GRAPHS_BATCH_MIN); `forward_each` is the slow twin (one forward per call), and the
+tests compare them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class ForwardCall:
     opts: ForwardOptions = field(default_factory=ForwardOptions)
 
 
+# With step graphs (CUDA), one call replays a captured graph while a batch runs eagerly, launch by
+# launch: a few calls are cheaper replayed one after the other. An estimate, not yet measured on a
+# GPU (benchmarks/batching.py measures it): a 1.5B target's eager step costs about 2x its replay.
+GRAPHS_BATCH_MIN = 4
+
 Result = tuple[torch.Tensor, Optional[Captured]]  # logits [T', V], captured last layer
 
 
@@ -42,7 +48,7 @@ def forward_each(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
 
 def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
     """The calls' forwards with their rows batched through the matrix products; results in order."""
-    if len(calls) == 1:
+    if len(calls) == 1 or (model.graphs is not None and len(calls) < GRAPHS_BATCH_MIN):
         return forward_each(model, calls)
     a = model.args
     sizes = [c.ids.shape[0] for c in calls]  # T_i
