@@ -156,6 +156,12 @@ class ServingConfig:
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
     kv_cache_memory_gb: Optional[float] = Field(
         None, gt=0, description="KV budget for admission (default: 90 percent of free GPU memory, a quarter of host memory on CPU)")
+    max_request_bytes: int = Field(
+        32 * 2**20, ge=1024, description="largest request body in bytes, then 413 (the default holds a 1M-token "
+                                         "prompt as token ids)")
+    request_read_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="deadline for a request body to arrive in full, then 408 (slow or "
+                                         "short bodies)")
     replay_accept_length: Optional[int] = Field(
         None, ge=0, le=64, description="benchmarks only: force every step to accept this many draft tokens (replayed)")
 

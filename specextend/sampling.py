@@ -16,8 +16,15 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [R, V] -> probabilities [R, V] after temperature, top-k and top-p (float32/64)."""
-    x = logits / params.temperature
+    """logits [R, V] -> probabilities [R, V] after temperature, top-k and top-p (float32/64).
+
+    Safe at the limits (docs/architecture.md, *Verification*): the logits are shifted so that the
+    maximum is 0 before dividing, so a tiny temperature sends the others to -inf (no overflow to
+    +inf and NaN); as temperature -> 0 this is the uniform distribution over the argmax ties, i.e.
+    greedy. top_p keeps at least the most likely token, however small it is (it may round to 0 in
+    the logits' dtype)."""
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # max 0; a temperature below float32's range
+    x = torch.where(shifted == 0, 0.0, shifted / params.temperature)  # divides by 0: 0/0 -> 0, <0 -> -inf
     if params.top_k > 0 and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [R, 1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -26,6 +33,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
         drop = (cum - sorted_p) >= params.top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False  # ... and the top token always (top_p -> 0 is greedy)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -102,3 +102,17 @@ def test_eos_in_accepted_path_stops(pair, ar_engine):
     ref, ref_finish, _ = ar_engine.generate(p, params)
     out, finish, _ = make_engine(pair, tree=TreeConfig(12, 4, 3)).generate(p, params)
     assert (out, finish) == (ref, ref_finish)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "specextend"])
+def test_tiny_temperature_and_top_p_are_greedy(tiny_models, mode):
+    """The limits temperature -> 0 and top_p -> 0 are greedy decoding, in float32 too (where
+    logits / 1e-38 overflows and top_p=1e-46 rounds to 0), plain and speculative."""
+    pair = tiny_models("float32")
+    p = prompt(40, 5)
+    greedy, _, _ = make_engine(pair, "ar").generate(p, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    kw = {"ar": {}, **MODES}[mode]
+    engine = make_engine(pair, **({"mode": "ar"} if mode == "ar" else {"tree": TreeConfig(12, 4, 3), **kw}))
+    for temperature, top_p in ((1e-38, 1.0), (5e-324, 1.0), (1.0, 1e-46), (0.8, 1e-300)):
+        params = SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p, seed=7, ignore_eos=True)
+        assert engine.generate(p, params)[0] == greedy, (temperature, top_p)

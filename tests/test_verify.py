@@ -91,3 +91,16 @@ def test_rounding_noise_is_zero_in_float64_and_positive_in_bf16(tiny_models):
                           d.new_cache(64), CAUSAL)
     scale = float(logits[-1].abs().max())
     assert 0.0 < noise < 0.05 * scale, (noise, scale)  # bf16 moves the logits, but only by rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("temperature,top_p", [(1e-38, 1.0), (1e-46, 1.0), (1e-300, 1.0), (5e-324, 1.0),
+                                               (1.0, 1e-46), (0.7, 1e-300)])
+def test_target_probs_at_the_limits_is_the_argmax(dtype, temperature, top_p):
+    """temperature -> 0 and top_p -> 0 tend to greedy: all mass on the argmax (ties share it),
+    never NaN (which inverse-CDF sampling turned into the last vocabulary id)."""
+    logits = torch.tensor([[4.0, 9.5, -3.0, 7.0, 0.0], [2.0, 2.0, -1.0, 1.0, 2.0]], dtype=dtype) * 10
+    probs = target_probs(logits, SamplingParams(temperature=temperature, top_p=top_p))
+    assert torch.equal(probs[0], torch.tensor([0, 1, 0, 0, 0], dtype=dtype))
+    tied = torch.tensor([1, 1, 0, 0, 1], dtype=dtype) / 3 if top_p == 1.0 else torch.tensor([1, 0, 0, 0, 0], dtype=dtype)
+    assert torch.allclose(probs[1], tied)

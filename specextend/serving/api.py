@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specextend.serving import limits
 from specextend.serving import metrics as m
 from specextend.serving import protocol as p
 from specextend.serving.errors import APIError, BadRequestError, ModelNotFoundError, NotReadyError, api_error
@@ -26,6 +27,7 @@ from specextend.serving.settings import INGRESS_CPUS, AppSettings, check_cluster
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="specextend", description="Lossless speculative decoding for long inputs")
+app.add_middleware(limits.BodyLimitMiddleware)  # body size and read deadline (serving/limits.py)
 CONTROL_TIMEOUT_S = 3.0  # health / model-info calls to a replica (probes time out at 5 s)
 DONE = {"data": "[DONE]"}
 
@@ -43,10 +45,13 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     """FastAPI's 422 (and malformed JSON) as OpenAI's 400, naming the first offending field."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = loc[0] if loc else None
+    raw = [x for x in first.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in raw]
+    param = loc[0] if loc and first.get("type") != "json_invalid" else None  # not a character offset
     if param in NESTED_PARAMS and len(loc) > 1:  # e.g. speculative_decoding.max_tree_nodes
         param = f"{param}.{loc[1]}"
+    elif param == "messages" and len(raw) > 2 and isinstance(raw[1], int):  # e.g. messages[1].role
+        param = f"messages[{raw[1]}].{raw[2]}"
     where = ".".join(loc) or "body"
     msg = f"{where}: {first.get('msg', 'invalid request')}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
     return BadRequestError(msg, param).response()
@@ -123,6 +128,8 @@ class OpenAIIngress:
         self.stream_handle = engine.options(stream=True)
         self.handle = engine.options(stream=False)
         self._model: Optional[str] = self.settings.served_model_name
+        self._max_prompt_tokens: Optional[int] = None
+        limits.configure(limits.BodyLimits(self.settings.max_request_bytes, self.settings.request_read_timeout_s))
 
     async def _control(self, method: str):
         try:
@@ -141,7 +148,7 @@ class OpenAIIngress:
             raise ModelNotFoundError(f"the model `{model}` does not exist; this server serves `{name}`", "model")
         return name
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> JSONResponse:
         try:
             info = await self._control("health")
@@ -160,10 +167,22 @@ class OpenAIIngress:
         text = m.merge_expositions(await asyncio.to_thread(m.collect_published))
         return PlainResponse(text, media_type=CONTENT_TYPE_LATEST)
 
+    async def _check_prompt_ids(self, prompt: dict) -> None:
+        """A token-id prompt over the limit is refused here, before it is shipped to a replica."""
+        if prompt.get("prompt_ids") is None:
+            return
+        if self._max_prompt_tokens is None:
+            self._max_prompt_tokens = (await self._control("model_info"))["max_prompt_tokens"]
+        if len(prompt["prompt_ids"]) > self._max_prompt_tokens:
+            raise BadRequestError(f"the prompt has {len(prompt['prompt_ids'])} token ids; at most "
+                                  f"{self._max_prompt_tokens} are allowed", "prompt")
+
     @app.post("/v1/completions")
     async def completions(self, body: p.CompletionRequest):
         p.check_supported(body)
-        return await self._serve(body, body.engine_prompt(), chat=False)
+        prompt = body.engine_prompt()
+        await self._check_prompt_ids(prompt)
+        return await self._serve(body, prompt, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: p.ChatCompletionRequest):
@@ -184,6 +203,8 @@ class OpenAIIngress:
             if gen is not None:
                 gen.cancel()
             raise api_error(e) if isinstance(e, Exception) else e
+        if "error" in first:  # the request's own fault (4xx), handed back as an item
+            raise APIError.from_body(first["error"])
         fmt = _Formatter(rid, model, chat, body.return_token_ids)
         if not body.stream:
             try:

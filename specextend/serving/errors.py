@@ -1,7 +1,10 @@
 """Typed serving errors and their one mapping to OpenAI's error JSON and HTTP status.
 
-Replicas raise these; they cross the DeploymentHandle wrapped in a RayTaskError, which
-`api_error` unwraps. Constructors take only the message (and param) so they pickle.
+A replica hands a request's own errors (4xx) back as an item `{"error": body()["error"]}`, which
+the ingress turns back into the error with `APIError.from_body` (an exception would be logged by
+Serve as an ERROR with a traceback); anything else crosses the DeploymentHandle wrapped in a
+RayTaskError, which `api_error` unwraps. Constructors take only the message (and param) so they
+pickle.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from fastapi.responses import JSONResponse
 class APIError(Exception):
     status = 500
     type = "internal_error"  # OpenAI's error.type
+    headers: dict[str, str] = {}
 
     def __init__(self, message: str, param: Optional[str] = None) -> None:
         super().__init__(message, param)
@@ -28,7 +32,13 @@ class APIError(Exception):
                           "code": self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+    @staticmethod
+    def from_body(error: dict) -> "APIError":
+        """The error a replica handed back as an item (`body()["error"]`)."""
+        cls = next((c for c in _CLIENT_ERRORS if c.status == error.get("code")), APIError)
+        return cls(error.get("message", "error"), error.get("param"))
 
 
 class BadRequestError(APIError):
@@ -39,12 +49,24 @@ class ModelNotFoundError(APIError):
     status, type = 404, "not_found_error"
 
 
+class RequestTimeoutError(APIError):
+    status, type = 408, "invalid_request_error"
+
+
+class PayloadTooLargeError(APIError):
+    status, type = 413, "invalid_request_error"
+
+
 class QueueFullError(APIError):
     status, type = 429, "rate_limit_error"
+    headers = {"Retry-After": "1"}
 
 
 class NotReadyError(APIError):
     status, type = 503, "service_unavailable"
+
+
+_CLIENT_ERRORS = (BadRequestError, ModelNotFoundError, RequestTimeoutError, PayloadTooLargeError, QueueFullError)
 
 
 def api_error(exc: BaseException) -> APIError:

@@ -6,13 +6,16 @@ Names follow Prometheus conventions with vLLM's meanings (docs/architecture.md, 
 without `_total`; both exporters append it. Ray prefixes its copies with `ray_`.
 
 Replicas publish their exposition text to Ray's internal KV under KV_PREFIX (on every finished
-request and every PUBLISH_EVERY_S); the ingress reads every fresh entry and sums samples with
-equal names and labels (histogram buckets are equal across replicas: same code).
+request, after its admission slot is released, and every PUBLISH_EVERY_S from a thread); the
+ingress reads every fresh entry and sums samples with equal names and labels (histogram buckets
+are equal across replicas: same code). An entry not refreshed for STALE_AFTER_S is a replica that
+died without unpublishing (killed): it is left out and deleted.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Iterable, Sequence
 
@@ -23,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 KV_PREFIX = "specextend:metrics:"
 KV_NAMESPACE = "specextend"
-PUBLISH_EVERY_S = 5.0
-STALE_AFTER_S = 60.0  # an entry not refreshed for this long belongs to a replica that is gone
+PUBLISH_EVERY_S = 2.0
+STALE_AFTER_S = 10.0  # an entry not refreshed for this long belongs to a replica that is gone
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # seconds
@@ -136,8 +139,33 @@ def unpublish(key: str) -> None:
     internal_kv._internal_kv_del(KV_PREFIX + key, namespace=KV_NAMESPACE)
 
 
+class Publisher:
+    """Publishes one replica's exposition every PUBLISH_EVERY_S from a daemon thread (the
+    replica's event loop may be busy), and on demand; `stop` unpublishes."""
+
+    def __init__(self, key: str, metrics: ReplicaMetrics, every_s: float = PUBLISH_EVERY_S) -> None:
+        self.key, self.metrics, self.every_s = key, metrics, every_s
+        self._stop = threading.Event()
+        threading.Thread(target=self._loop, name="metrics-publisher", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.publish()
+            except Exception:  # noqa: BLE001 - the GCS is briefly unreachable: next period
+                pass
+
+    def publish(self) -> None:
+        if not self._stop.is_set():
+            publish(self.key, self.metrics.exposition())
+
+    def stop(self) -> None:
+        self._stop.set()
+        unpublish(self.key)
+
+
 def collect_published(now: float | None = None) -> list[str]:
-    """Exposition texts of replicas that published within STALE_AFTER_S."""
+    """Exposition texts of replicas that published within STALE_AFTER_S (older entries: deleted)."""
     from ray.experimental import internal_kv
 
     now = time.time() if now is None else now
@@ -149,6 +177,8 @@ def collect_published(now: float | None = None) -> list[str]:
         entry = json.loads(raw)
         if now - entry["ts"] <= STALE_AFTER_S:
             texts.append(entry["text"])
+        else:
+            internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
     return texts
 
 

@@ -10,15 +10,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from specextend.serving.errors import BadRequestError
 
 
 def _omit_none(value: Any) -> bool:
     return value is None
+
+
+def _unicode(value: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"): not text a tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode text: a lone surrogate at character {e.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+# Chat roles (docs/architecture.md, *Serving surface*): OpenAI's `developer` is rendered as `system`;
+# `tool` needs tools, which are not supported.
+ROLES = ("system", "user", "assistant", "developer")
 
 
 class StreamOptions(BaseModel):
@@ -42,8 +57,8 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)  # vLLM extension; -1 or 0: off
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # the request's own generator
-    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**63)  # signed 64-bit, as vLLM: distinct generators
+    stop: Optional[Union[Text, list[Text]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: bool = False  # vLLM extension: generated (and prompt) token ids
@@ -89,7 +104,7 @@ def check_supported(req: BaseModel) -> None:
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[Text, list[int], list[Text], list[list[int]]]
     best_of: Optional[int] = None
     logprobs: Optional[int] = None
     echo: bool = False
@@ -108,13 +123,13 @@ class CompletionRequest(SamplingFields):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
-    text: Optional[str] = None
+    text: Optional[Text] = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: Optional[Union[str, list[ContentPart]]] = None
+    role: Literal[ROLES]
+    content: Optional[Union[Text, list[ContentPart]]] = None
 
     def template_dict(self) -> dict:
         content = self.content
@@ -122,7 +137,7 @@ class ChatMessage(BaseModel):
             if any(part.type != "text" for part in content):
                 raise BadRequestError("only text content parts are supported", "messages")
             content = "".join(part.text or "" for part in content)
-        return {"role": self.role, "content": content or ""}
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -26,10 +26,11 @@ from ray.exceptions import ActorUnavailableError
 
 from specextend.config import SamplingParams
 from specextend.engine import Engine, RequestError, RequestStats
+from specextend.models.chat import encode_chat
 from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
 from specextend.serving.draft_actor import DraftActor
-from specextend.serving.errors import BadRequestError
+from specextend.serving.errors import APIError, BadRequestError
 from specextend.scheduler import Batcher
 from specextend.serving.pump import EngineThread, SessionPump
 from specextend.serving.settings import MODEL_CPUS, AppSettings
@@ -80,7 +81,7 @@ class SpecExtendReplica:
         self.draft_ok = self.draft is not None
         self._restoring: Optional[asyncio.Task] = None
         self.metrics = m.ReplicaMetrics()
-        self._metrics_key = self._replica_key()
+        self.publisher = m.Publisher(self._replica_key(), self.metrics)
         warm = self._warm_up()
         self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget())
         self.draft_ok = self.draft is not None and not warm.fallback
@@ -133,14 +134,14 @@ class SpecExtendReplica:
     # ------------------------------------------------------------------ requests
 
     def _prompt_ids(self, req: dict) -> list[int]:
-        """On the event loop (fast tokenizers take milliseconds even for long prompts)."""
+        """In a worker thread: megabytes of text take seconds to tokenize (the fast tokenizer
+        releases the GIL, so the event loop keeps serving). Chat content is encoded as text."""
         tok = self.tokenizer
         if req.get("messages") is not None:
             try:
-                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, tokenize=False)
+                return encode_chat(tok, req["messages"])
             except Exception as e:  # noqa: BLE001 - template errors are the request's fault
                 raise BadRequestError(f"cannot apply the chat template: {e}", "messages") from e
-            return tok.encode(text, add_special_tokens=False)
         if req.get("prompt_ids") is not None:
             return [int(i) for i in req["prompt_ids"]]
         return tok.encode(req["prompt"])
@@ -171,9 +172,27 @@ class SpecExtendReplica:
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Serve streaming method. Yields {text, token_ids, finish_reason}; the last item (with a
         finish_reason) adds prompt_tokens, completion_tokens, speculative_decoding (and
-        prompt_token_ids if req["return_prompt_ids"])."""
+        prompt_token_ids if req["return_prompt_ids"]). A request refused before it starts (4xx)
+        yields one item {"error": ...} instead (serving/errors.py)."""
         t_arrival = time.perf_counter()
-        prompt_ids = self._prompt_ids(req)
+        try:
+            engine, prompt_ids, params, spec, need = await self._admit(req)
+        except APIError as e:
+            yield {"error": e.body()["error"]}
+            return
+        self.metrics.set("specextend_num_requests_running", self.admission.active)
+        try:
+            fallback = engine is self.ar_engine and self.draft is not None
+            async for item in self._run(engine, req, prompt_ids, params, spec, t_arrival, fallback):
+                yield item
+        finally:
+            self.admission.release(need)
+            self.metrics.set("specextend_num_requests_running", self.admission.active)
+            asyncio.get_running_loop().run_in_executor(None, self.publisher.publish)  # after the release
+
+    async def _admit(self, req: dict) -> tuple:
+        """Tokenizes, checks and admits a request: (engine, prompt ids, params, speculation, KV bytes)."""
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
         params = self._params(req, len(prompt_ids))
         spec = self._speculation(req)  # a bad value is a 400 before admission
         engine = self.engine if self.draft_ok else self.ar_engine
@@ -187,14 +206,7 @@ class SpecExtendReplica:
             await self.admission.acquire(need)
         finally:
             self.metrics.set("specextend_num_requests_waiting", self.admission.waiting)
-        self.metrics.set("specextend_num_requests_running", self.admission.active)
-        try:
-            fallback = engine is self.ar_engine and self.draft is not None
-            async for item in self._run(engine, req, prompt_ids, params, spec, t_arrival, fallback):
-                yield item
-        finally:
-            self.admission.release(need)
-            self.metrics.set("specextend_num_requests_running", self.admission.active)
+        return engine, prompt_ids, params, spec, need
 
     async def _run(self, engine: Engine, req: dict, prompt_ids: list[int], params: SamplingParams, spec: dict,
                    t_arrival: float, fallback: bool) -> AsyncIterator[dict]:
@@ -250,7 +262,6 @@ class SpecExtendReplica:
                 self.metrics.record_request(stats, finish)
                 if stats.fallback and engine is self.engine:
                     self._draft_failed()
-            loop.run_in_executor(None, m.publish, self._metrics_key, self.metrics.exposition())
 
     # ------------------------------------------------------------------ draft recovery
 
@@ -290,10 +301,9 @@ class SpecExtendReplica:
     # ------------------------------------------------------------------ control
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: publishes metrics and notices a dead idle draft."""
+        """Serve's periodic health check: notices a dead idle draft."""
         if self.draft is not None and self.draft_ok and not await asyncio.to_thread(self.draft.health):
             self._draft_failed()
-        await asyncio.to_thread(m.publish, self._metrics_key, self.metrics.exposition())
 
     async def health(self) -> dict:
         draft = "off" if self.draft is None else ("ok" if self.draft_ok else "restoring")
@@ -325,7 +335,7 @@ class SpecExtendReplica:
         """Serve's replica shutdown: drop this replica's published metrics, close the channel
         (the draft actor, a child of this actor, goes with it)."""
         try:
-            m.unpublish(self._metrics_key)
+            self.publisher.stop()
             self.engine_thread.shutdown()
             if self.draft is not None:
                 self.draft.shutdown()
