@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specextend.serving import auth
 from specextend.serving import metrics as m
 from specextend.serving import protocol as p
 from specextend.serving.errors import APIError, BadRequestError, ModelNotFoundError, NotReadyError, api_error
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 app = FastAPI(title="specextend", description="Lossless speculative decoding for long inputs")
 CONTROL_TIMEOUT_S = 3.0  # health / model-info calls to a replica (probes time out at 5 s)
 DONE = {"data": "[DONE]"}
+# the API key (serving/auth.py) is the one this replica's ingress resolved at start
+app.add_middleware(auth.APIKeyMiddleware, key=lambda: serve.get_replica_context().servable_object.api_key)
 
 
 @app.exception_handler(APIError)
@@ -118,6 +121,7 @@ class _Formatter:
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, settings: dict) -> None:
         self.settings = AppSettings.model_validate(settings)
+        self.api_key = auth.resolve_key(self.settings.api_key)
         # In the cluster: catches `serve run` without a cluster at build time (fails the app).
         check_cluster_gpus(self.settings)
         self.stream_handle = engine.options(stream=True)
