@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass as _std_dataclass
 from dataclasses import replace
-from typing import Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field, SecretStr
 from pydantic.dataclasses import dataclass
 
 MODES = ("ar", "sd", "specextend")
@@ -32,6 +32,7 @@ DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 EXECUTIONS = ("auto", "eager", "graphs")
 DEFAULT_PREFILL_WINDOW = 512  # the reference's draft prefill window with retrieval
 _FROZEN = ConfigDict(extra="forbid")
+_SECRETS = ConfigDict(extra="forbid", hide_input_in_errors=True)  # holds a secret: errors never echo input
 
 
 def _flat(name: str) -> dict:
@@ -40,6 +41,19 @@ def _flat(name: str) -> dict:
 
 def _only(surface: str) -> dict:
     return {"surfaces": (surface,)}
+
+
+def _secret_input(value: Any) -> Any:
+    """A secret's input never reaches an error message: a number (YAML `api_key: 1234`) is its
+    digits, any other non-string an invalid, masked value that ServingConfig refuses by name."""
+    if value is None or isinstance(value, (str, SecretStr)):
+        return value
+    return SecretStr(str(value) if isinstance(value, int) and not isinstance(value, bool) else "")
+
+
+def header_token(value: str) -> bool:
+    """A value that fits `Authorization: Bearer <value>` as it is."""
+    return 0 < len(value) <= 1024 and all("!" <= c <= "~" for c in value)
 
 
 @dataclass(frozen=True, config=_FROZEN)
@@ -142,7 +156,7 @@ def _default_num_gpus() -> float:
         return 0.0
 
 
-@dataclass(frozen=True, config=_FROZEN)
+@dataclass(frozen=True, config=_SECRETS)
 class ServingConfig:
     """What only the served application needs (Serve arguments)."""
 
@@ -164,13 +178,19 @@ class ServingConfig:
                                          "short bodies)")
     replay_accept_length: Optional[int] = Field(
         None, ge=0, le=64, description="benchmarks only: force every step to accept this many draft tokens (replayed)")
+    api_key: Annotated[Optional[SecretStr], BeforeValidator(_secret_input)] = Field(
+        None, description="clients must send `Authorization: Bearer <key>` (default: $SPECEXTEND_API_KEY, read "
+                          "where the ingress runs; neither: no authentication). Prefer the environment "
+                          "variable: Serve shows arguments in its dashboard")
 
     def __post_init__(self) -> None:
         if self.num_gpus > 1 and not float(self.num_gpus).is_integer():
             raise ValueError("num_gpus above 1 must be a whole number")
+        if self.api_key is not None and not header_token(self.api_key.get_secret_value()):
+            raise ValueError("api_key must be a string of 1 to 1024 printable ASCII characters without spaces")
 
 
-@dataclass(frozen=True, config=_FROZEN)
+@dataclass(frozen=True, config=_SECRETS)
 class AppConfig:
     """The root of the tree for the served application."""
 

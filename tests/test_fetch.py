@@ -158,3 +158,19 @@ def test_pip_download_failure_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(FetchError, match=r"pip download specextend-no-such-pkg==0.0.1 failed") as err:
         fetch.pip_download("specextend-no-such-pkg", "0.0.1", tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_provenance_doc_matches_the_pins():
+    """docs/models.md names what the default pair is; its table must be fetch.py's pins."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0] in fetch.MODELS:
+            rows[cells[0]] = cells
+    assert set(rows) == set(fetch.MODELS)
+    for role, spec in fetch.MODELS.items():
+        _, upstream, filename, _, sha256, packages, version = rows[role]
+        assert (upstream, filename, sha256, version) == (spec.hf_id, spec.filename, spec.sha256, spec.version)
+        assert packages == f"{spec.packages[0]} ... {spec.packages[-1]}"
+        assert [int(p.rsplit("part", 1)[1]) for p in spec.packages] == list(range(1, len(spec.packages) + 1))

@@ -217,6 +217,50 @@ def test_token_auth_from_secret(name):
                      readme.replace("\\\n", " "))
 
 
+API_KEY_ENV = "SPECEXTEND_API_KEY"  # serving/auth.py's ENV
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_pod_and_container_is_locked_down(name):
+    """Pods: non-root as the image's user, RuntimeDefault seccomp; containers (and the autoscaler
+    sidecar): no privilege escalation, no capabilities."""
+    (user, group), = re.findall(r"^USER (\d+):(\d+)$", DOCKERFILE.read_text(), re.M)
+    assert DOCKERFILE.read_text().rstrip().splitlines()[-1] == f"USER {user}:{group}", "the image ends as it"
+    cluster = ks.load(name)["spec"]["rayClusterConfig"]
+    for group_spec in ks.groups(cluster):
+        pod = group_spec["template"]["spec"]
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert (ctx["runAsUser"], ctx["runAsGroup"]) == (int(user), int(group))
+        for ctr in pod["containers"] + pod.get("initContainers", []):
+            sc = ctr["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc.get("privileged") is not True and sc.get("runAsUser") in (None, int(user))
+    sidecar = cluster.get("autoscalerOptions")
+    if sidecar is not None:
+        assert sidecar["securityContext"]["allowPrivilegeEscalation"] is False
+        assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_api_key_from_a_secret_on_every_container(name):
+    cluster = ks.load(name)["spec"]["rayClusterConfig"]
+    refs = set()
+    for group_spec in ks.groups(cluster):
+        for ctr in group_spec["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in ctr.get("env", [])}
+            entry = env[API_KEY_ENV]
+            assert "value" not in entry, "the key comes from a Secret, never inline"
+            ref = entry["valueFrom"]["secretKeyRef"]
+            assert ref.get("optional") is not True, "a pod without its key must not start open"
+            refs.add((ref["name"], ref["key"]))
+    assert "api_key" not in ks.the_app(ks.load(name))["args"], "arguments show in the dashboard"
+    (secret, key), = refs
+    readme = README.read_text().replace("\\\n", " ")
+    assert re.search(rf"kubectl create secret generic {secret}\b.*--from-literal={key}=", readme)
+    assert "Authorization: Bearer" in readme and API_KEY_ENV in readme
+
+
 def test_gpu_worker_holds_one_draft_target_pair():
     doc = ks.load("gpu")
     per_replica = 2 * ks.the_app(doc)["args"]["num_gpus"]  # target + draft, one GPU each

@@ -268,3 +268,41 @@ def test_stop_releases_threads(fake):
     while time.monotonic() < deadline and started():
         time.sleep(0.01)
     assert not started()
+
+
+def test_token_keeps_stray_clients_out(fake, caplog):
+    """With a token (as the served app always runs it), a plain gRPC client without it, or with a
+    wrong one, is UNAUTHENTICATED on every method and reaches nothing; the right one works."""
+    from specextend.rpc.auth import new_token
+
+    token = new_token()
+    caplog.set_level(logging.DEBUG)
+    with DraftServerThread(fake, model="fake-draft", token=token) as server:
+        assert server.address.startswith("127.0.0.1:")
+        with grpc.insecure_channel(server.address) as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            calls = {"OpenSession": pb.OpenSessionRequest(session_id="x", prompt_ids=[1]),
+                     "Step": pb.StepRequest(session_id="x", step=0, accepted_tokens=[1]),
+                     "CloseSession": pb.CloseSessionRequest(session_id="x"),
+                     "Health": pb.HealthRequest()}
+            for metadata in ((), (("authorization", "Bearer " + token[:-1] + "A"),),
+                             (("authorization", token),), (("x-token", token),)):
+                for method, request in calls.items():
+                    with pytest.raises(grpc.RpcError) as info:
+                        getattr(stub, method)(request, timeout=2.0, metadata=metadata)
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
+                    assert token not in (info.value.details() or "")
+        for wrong in (None, new_token()):
+            stray = GrpcDraftBackend(server.address, timeout_s=2.0, token=wrong)
+            with pytest.raises(DraftError, match="UNAUTHENTICATED"):
+                stray.open("s", [1], PARAMS)
+            assert not stray.health()
+            stray.shutdown()
+        assert fake.sessions == {} and fake.applied == []
+        client = GrpcDraftBackend(server.address, timeout_s=2.0, token=token)
+        client.open("s", [1, 2], PARAMS)
+        assert client.step("s", 0, [2]) == expected_tree("s", 0, [2])
+        assert client.server_health().sessions == 1
+        client.close("s")
+        client.shutdown()
+    assert token not in caplog.text

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import grpc
 
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval
+from specextend.rpc.auth import call_metadata
 from specextend.rpc.convert import params_to_proto, step_to_proto, tree_from_proto
 from specextend.rpc.errors import RETRYABLE, error_from_rpc
 from specextend.v1 import draft_pb2 as pb
@@ -48,13 +49,16 @@ class GrpcDraftBackend(DraftBackend):
     """DraftBackend over DraftService at `address` ("host:port"); safe to share between threads.
 
     timeout_s bounds Step, CloseSession and Health; open_timeout_s bounds OpenSession, which
-    includes the draft's prefill of the whole prompt."""
+    includes the draft's prefill of the whole prompt. `token` is the server's (rpc/auth.py),
+    sent on every call."""
 
     def __init__(
-        self, address: str, timeout_s: float = 10.0, open_timeout_s: float = 300.0
+        self, address: str, timeout_s: float = 10.0, open_timeout_s: float = 300.0, *,
+        token: Optional[str] = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.open_timeout_s = open_timeout_s
+        self._metadata = call_metadata(token)
         self._lock = threading.Lock()  # guards the (address, channel, stub) triple
         self._address = address
         self._channel: Optional[grpc.Channel] = None
@@ -88,7 +92,7 @@ class GrpcDraftBackend(DraftBackend):
             raise DraftError(f"the draft client for {address} is shut down")
         for attempt in range(1, attempts + 1):
             try:
-                return getattr(stub, method)(request, timeout=timeout_s)
+                return getattr(stub, method)(request, timeout=timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
                 if attempt < attempts and err.code() in RETRYABLE:
                     logger.warning("draft %s at %s: %s, retrying", method, address, err.code().name)

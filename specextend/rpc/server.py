@@ -10,6 +10,7 @@ A call whose deadline passes, or whose client gives up, while its job waits in t
 job cancelled before it reaches the model; one already running completes, which is what makes a
 client's retry of the same step find it applied (base.py's step contract). An open whose caller
 gave up is undone once it has run, so no session outlives a failed OpenSession.
+With a token, every call must carry it (rpc/auth.py); the served app always sets one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import grpc
 
 from specextend.draft.base import DraftBackend
 from specextend.draft.worker import Close, Job, Open, Step, as_worker
+from specextend.rpc.auth import TokenInterceptor
 from specextend.rpc.convert import params_from_proto, retrieval_from_proto, tree_to_proto
 from specextend.rpc.errors import status_for
 from specextend.v1 import draft_pb2 as pb
@@ -104,13 +106,15 @@ def _format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def start_draft_server(worker: DraftBackend, host: str = "127.0.0.1", port: int = 0, *,
-                       model: str = "") -> tuple[grpc.Server, DraftServicer, str]:
+def start_draft_server(worker: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = "",
+                       token: Optional[str] = None) -> tuple[grpc.Server, DraftServicer, str]:
     """Starts DraftService on host:port (0 = any free port). host is both where it binds and what
-    clients dial: on Ray, the node's IP (ray.util.get_node_ip_address()), not 0.0.0.0. Returns the
-    started server, its servicer and its "host:port"."""
+    clients dial; on Ray the draft actor shares its node with the target, so loopback. With a
+    `token`, a call without `authorization: Bearer <token>` is UNAUTHENTICATED (rpc/auth.py).
+    Returns the started server, its servicer and its "host:port"."""
     servicer = DraftServicer(worker, model)
-    server = grpc.server(servicer.executor, options=SERVER_OPTIONS)
+    interceptors = (TokenInterceptor(token),) if token is not None else ()
+    server = grpc.server(servicer.executor, interceptors=interceptors, options=SERVER_OPTIONS)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     try:
         bound = server.add_insecure_port(_format_address(host, port))  # raises if it cannot bind
@@ -126,8 +130,10 @@ class DraftServerThread:
 
     Construction returns once the server listens (or raises what start-up raised)."""
 
-    def __init__(self, worker: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = "") -> None:
-        self._server, self._servicer, self.address = start_draft_server(worker, host, port, model=model)
+    def __init__(self, worker: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = "",
+                 token: Optional[str] = None) -> None:
+        self._server, self._servicer, self.address = start_draft_server(worker, host, port, model=model,
+                                                                        token=token)
         self._stopped: Optional[bool] = None
 
     def stop(self, grace_s: float = 0.0) -> None:

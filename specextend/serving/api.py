@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specextend.serving import limits
+from specextend.serving import auth, limits
 from specextend.serving import metrics as m
 from specextend.serving import protocol as p
 from specextend.serving.errors import APIError, BadRequestError, ModelNotFoundError, NotReadyError, api_error
@@ -28,6 +28,9 @@ from specextend.serving.settings import INGRESS_CPUS, AppSettings, check_cluster
 log = logging.getLogger(__name__)
 app = FastAPI(title="specextend", description="Lossless speculative decoding for long inputs")
 app.add_middleware(limits.BodyLimitMiddleware)  # body size and read deadline (serving/limits.py)
+# the API key (serving/auth.py) is the one this replica's ingress resolved at start; added last, it
+# runs first: a caller without the key is refused before its body is read
+app.add_middleware(auth.APIKeyMiddleware, key=lambda: serve.get_replica_context().servable_object.api_key)
 CONTROL_TIMEOUT_S = 3.0  # health / model-info calls to a replica (probes time out at 5 s)
 DONE = {"data": "[DONE]"}
 
@@ -123,6 +126,7 @@ class _Formatter:
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, settings: dict) -> None:
         self.settings = AppSettings.model_validate(settings)
+        self.api_key = auth.resolve_key(self.settings.api_key)
         # In the cluster: catches `serve run` without a cluster at build time (fails the app).
         check_cluster_gpus(self.settings)
         self.stream_handle = engine.options(stream=True)

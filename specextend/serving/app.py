@@ -38,5 +38,6 @@ def replica_options(s: AppSettings) -> dict[str, Any]:
 def build_app(settings: Union[AppSettings, dict]) -> Application:
     s = settings if isinstance(settings, AppSettings) else AppSettings.model_validate(settings)
     args = s.model_dump()
-    replica = serve.deployment(SpecExtendReplica, **replica_options(s)).bind(args)
+    model_args = {k: v for k, v in args.items() if k != "api_key"}  # only the ingress needs the key
+    replica = serve.deployment(SpecExtendReplica, **replica_options(s)).bind(model_args)
     return OpenAIIngress.bind(replica, args)

@@ -4,6 +4,10 @@
 A thin shell: load_pair + DraftWorker + DraftServerThread, built from the engine configuration. Ray is the control plane (start,
 address, restart); gRPC is the per-step data plane. After a restart (`max_restarts`) the actor
 runs __init__ again and serves on a new port: the target asks `address()` again.
+
+The server listens on loopback only and accepts only calls carrying the token its replica made
+(rpc/auth.py): the replica and this actor are one STRICT_PACK placement group, so always on one
+node, and nothing else on the node or the network can open or step sessions.
 """
 
 from __future__ import annotations
@@ -11,15 +15,14 @@ from __future__ import annotations
 import logging
 import os
 
-import ray
-
 from specextend.config import EngineConfig
 
 log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"  # the target is on this node (STRICT_PACK): the narrowest address that works
 
 
 class DraftActor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, token: str) -> None:
         from specextend.builder import load_pair
         from specextend.draft.base import DraftSessionParams
         from specextend.draft.worker import DraftWorker
@@ -32,8 +35,7 @@ class DraftActor:
                                    overlap=config.overlap)
         # with overlap, the background forwards' graphs are captured now, not on a request's path
         self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
-        host = ray.util.get_node_ip_address()
-        self.server = DraftServerThread(self.backend, host=host, port=0, model=self.model.name)
+        self.server = DraftServerThread(self.backend, host=LOOPBACK, port=0, model=self.model.name, token=token)
         log.info("draft %s serving on %s (pid %d, CUDA_VISIBLE_DEVICES=%s, overlap %s)", self.model.name,
                  self.server.address, os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), config.overlap)
 

@@ -73,10 +73,12 @@ class SpecExtendReplica:
         self.engine, self.draft, self.draft_actor = self.ar_engine, None, None
         if s.uses_draft:
             from specextend.rpc import GrpcDraftBackend
+            from specextend.rpc.auth import new_token
 
+            self._draft_token = new_token()  # this replica's draft accepts only this replica
             self.draft_actor = self._start_draft_actor()
             address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
-            self.draft = GrpcDraftBackend(address, timeout_s=s.draft_timeout_s)
+            self.draft = GrpcDraftBackend(address, timeout_s=s.draft_timeout_s, token=self._draft_token)
             self.engine = Engine(cfg, self.target, self.draft)
         self.draft_ok = self.draft is not None
         self._restoring: Optional[asyncio.Task] = None
@@ -101,7 +103,7 @@ class SpecExtendReplica:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
         actor_cls = ray.remote(DraftActor)
         return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
-                                 scheduling_strategy=strategy).remote(cfg)
+                                 scheduling_strategy=strategy).remote(cfg, self._draft_token)
 
     def _replica_key(self) -> str:
         try:

@@ -1,0 +1,57 @@
+"""The draft channel's authentication: a per-replica token (docs/architecture.md, "Wire protocol").
+
+The replica makes a random token (`new_token`) and hands it to its draft actor at start; the draft
+server accepts a call only when its `authorization` metadata is `Bearer <token>`, compared in
+constant time, and answers anything else UNAUTHENTICATED before the call reaches the servicer.
+The client sends the metadata on every call (`call_metadata`). The token never appears in a log
+line or a status message.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from typing import Optional
+
+import grpc
+
+HEADER = "authorization"  # gRPC metadata keys are lowercase
+SCHEME = "Bearer "
+TOKEN_BYTES = 32  # 256 bits, URL-safe base64 (43 characters)
+UNAUTHENTICATED_DETAILS = "missing or wrong draft channel token"
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def call_metadata(token: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """The metadata a client sends on every call (none without a token)."""
+    return ((HEADER, SCHEME + token),) if token else ()
+
+
+def _deny(request, context: grpc.ServicerContext):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+
+
+# DraftService is unary-unary only; the request is left as bytes (never deserialized)
+_DENIED = grpc.unary_unary_rpc_method_handler(_deny)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Lets a call through only with `authorization: Bearer <token>` (constant-time compare)."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the draft channel token must not be empty")
+        self._expected = (SCHEME + token).encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        given = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == HEADER:
+                given = value.encode() if isinstance(value, str) else value
+                break
+        if hmac.compare_digest(given, self._expected):
+            return continuation(handler_call_details)
+        return _DENIED
