@@ -34,10 +34,10 @@ def check_pair(target, draft) -> None:
 
 def read_pair(config: EngineConfig) -> tuple[ModelMeta, Optional[ModelMeta]]:
     """Both models' metadata, checked as a pair (no weights loaded); no draft in `ar` mode."""
-    target = read_meta(config.target, "target")
+    target = read_meta(config.target, "target", cache=config.model_cache)
     if not config.uses_draft:
         return target, None
-    draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size)
+    draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size, cache=config.model_cache)
     check_pair(target, draft)
     return target, draft
 
