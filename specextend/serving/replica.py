@@ -65,16 +65,22 @@ class SpecExtendReplica:
 
         self.settings = s = AppSettings.model_validate(settings)
         self.cfg = cfg = s.to_engine_config()
-        self.target, _ = load_pair(cfg, roles=("target",))  # checks the pair before loading weights
+        self.draft_actor = None
+
+        def start_draft() -> None:
+            self.draft_actor = self._start_draft_actor()
+
+        # the pair is checked before any weights load; the draft actor then loads the draft's
+        # weights while this process loads the target's (docs/architecture.md, "Deployment")
+        self.target, _ = load_pair(cfg, roles=("target",), checked=start_draft if s.uses_draft else None)
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")  # the one engine thread
         self.ar_engine = Engine(dataclasses.replace(cfg, mode="ar"), self.target)
-        self.engine, self.draft, self.draft_actor = self.ar_engine, None, None
+        self.engine, self.draft = self.ar_engine, None
         if s.uses_draft:
             from specextend.rpc import GrpcDraftBackend
 
-            self.draft_actor = self._start_draft_actor()
             address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
             self.draft = GrpcDraftBackend(address, timeout_s=s.draft_timeout_s)
             self.engine = Engine(cfg, self.target, self.draft)
