@@ -7,7 +7,7 @@ loads the weights that process needs (the replica the target's, the draft actor 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from specextend.config import EngineConfig
 from specextend.draft.base import DraftSessionParams
@@ -34,10 +34,10 @@ def check_pair(target, draft) -> None:
 
 def read_pair(config: EngineConfig) -> tuple[ModelMeta, Optional[ModelMeta]]:
     """Both models' metadata, checked as a pair (no weights loaded); no draft in `ar` mode."""
-    target = read_meta(config.target, "target")
+    target = read_meta(config.target, "target", cache=config.model_cache)
     if not config.uses_draft:
         return target, None
-    draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size)
+    draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size, cache=config.model_cache)
     check_pair(target, draft)
     return target, draft
 
@@ -54,10 +54,14 @@ def _load(meta: ModelMeta, config: EngineConfig, **kw) -> LoadedModel:
                       execution=config.execution, **kw)
 
 
-def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft")
-              ) -> tuple[Optional[LoadedModel], Optional[LoadedModel]]:
-    """Checks the pair, then loads the weights of the `roles` asked for (None for the others)."""
+def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft"),
+              checked: Optional[Callable[[], None]] = None) -> tuple[Optional[LoadedModel], Optional[LoadedModel]]:
+    """Checks the pair, calls `checked()` if given (the replica starts its draft actor there, so
+    that the two load their weights at once), then loads the weights of the `roles` asked for
+    (None for the others)."""
     target_meta, draft_meta = read_pair(config)
+    if checked is not None:
+        checked()
     target = _load(target_meta, config) if "target" in roles else None
     draft = None
     if draft_meta is not None and "draft" in roles:

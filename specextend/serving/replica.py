@@ -27,11 +27,12 @@ from ray.exceptions import ActorUnavailableError
 from specextend.config import SamplingParams
 from specextend.engine import Engine, RequestError, RequestStats
 from specextend.models.chat import encode_chat
+from specextend.rpc.auth import new_token
+from specextend.scheduler import Batcher
 from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
 from specextend.serving.draft_actor import DraftActor
 from specextend.serving.errors import APIError, BadRequestError
-from specextend.scheduler import Batcher
 from specextend.serving.pump import EngineThread, SessionPump
 from specextend.serving.settings import MODEL_CPUS, AppSettings
 from specextend.serving.textstream import TextStream
@@ -66,17 +67,22 @@ class SpecExtendReplica:
 
         self.settings = s = AppSettings.model_validate(settings)
         self.cfg = cfg = s.to_engine_config()
-        self.target, _ = load_pair(cfg, roles=("target",))  # checks the pair before loading weights
+        self.draft_actor = None
+        self._draft_token = new_token()  # this replica's draft accepts only this replica (*Wire protocol*)
+
+        def start_draft() -> None:
+            self.draft_actor = self._start_draft_actor()
+
+        # the pair is checked before any weights load; the draft actor then loads the draft's
+        # weights while this process loads the target's (docs/architecture.md, "Deployment")
+        self.target, _ = load_pair(cfg, roles=("target",), checked=start_draft if s.uses_draft else None)
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
         self.ar_engine = Engine(dataclasses.replace(cfg, mode="ar"), self.target)
-        self.engine, self.draft, self.draft_actor = self.ar_engine, None, None
+        self.engine, self.draft = self.ar_engine, None
         if s.uses_draft:
             from specextend.rpc import GrpcDraftBackend
-            from specextend.rpc.auth import new_token
 
-            self._draft_token = new_token()  # this replica's draft accepts only this replica
-            self.draft_actor = self._start_draft_actor()
             address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
             self.draft = GrpcDraftBackend(address, timeout_s=s.draft_timeout_s, token=self._draft_token)
             self.engine = Engine(cfg, self.target, self.draft)
