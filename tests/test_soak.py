@@ -97,7 +97,10 @@ def _complete(i: int, max_tokens: int = 16, stream: bool = False) -> list[int]:
 
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:])["choices"]:
+                data = json.loads(line[6:])
+                if "error" in data:  # the stream ended with an error event
+                    raise ValueError(data["error"]["message"])
+                for choice in data["choices"]:
                     ids += choice.get("token_ids") or []
     return ids
 
@@ -149,13 +152,17 @@ def test_soak_memory_flat_no_leaked_sessions(server, solo):
         assert _complete(i, 8, stream=i % 2 == 0) == solo(_prompt(i), 8)
 
     half = REQUESTS // 2
+    start = _replica_rss()
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, range(half)))
         _idle(server)
         before = _replica_rss()
         list(pool.map(one, range(half, REQUESTS)))
     _idle(server)
-    grown = (_replica_rss() - before) / 2**20
+    end = _replica_rss()
+    grown = (end - before) / 2**20
+    print(f"\nsoak: replica RSS {start / 2**20:.0f} MiB at 0, {before / 2**20:.0f} at {half}, "
+          f"{end / 2**20:.0f} at {REQUESTS} requests")
     assert grown < 32, f"the replica grew by {grown:.0f} MiB over {REQUESTS - half} requests"
 
 
@@ -182,3 +189,43 @@ def test_draft_killed_under_load(server, solo):
                                                       ignore_eos=True, return_token_ids=True), timeout=120)
     assert r.json()["choices"][0]["token_ids"] == solo(_prompt(7), 8)
     assert r.json()["speculative_decoding"]["fallback"] is False
+
+
+def test_replica_killed_under_load(server, solo):
+    """The target replica dies while streams decode: each client gets its whole output or an error,
+    none hangs; Serve starts a new replica and requests are served (and equal) again."""
+    import ray
+
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if "SpecExtend" in a["name"] and "REPLICA" in a["name"].upper()]
+    assert len(replicas) == 1, replicas
+    actor = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+
+    def stream(i):
+        try:
+            return _complete(2000 + i, 60, stream=True)
+        except (AssertionError, httpx.HTTPError, ValueError) as e:
+            return e
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream, i) for i in range(4)]
+        time.sleep(1.0)
+        t_kill = time.time()
+        ray.kill(actor, no_restart=False)
+        outcomes = [f.result(timeout=180) for f in futures]
+    for i, out in enumerate(outcomes):  # a whole output is the right one; anything else is an error
+        if isinstance(out, list) and len(out) == 60:
+            assert out == solo(_prompt(2000 + i), 60)
+    while True:
+        try:
+            r = httpx.post(f"{BASE}/v1/completions", json=dict(prompt=_prompt(9), max_tokens=8, temperature=0,
+                                                              ignore_eos=True, return_token_ids=True), timeout=30)
+            if r.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.time() - t_kill < 180, "no replica served again"
+        time.sleep(1.0)
+    print(f"\nreplica killed: served again after {time.time() - t_kill:.1f} s; outcomes "
+          f"{[len(o) if isinstance(o, list) else type(o).__name__ for o in outcomes]}")
+    assert r.json()["choices"][0]["token_ids"] == solo(_prompt(9), 8)
