@@ -1,0 +1,81 @@
+"""`specextend bench` on the tiny pair at a tiny size: the table, the JSON record, the plots, the
+results page rebuilt from the record; and the benchmark texts."""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from specextend.bench import texts
+from specextend.cli import main
+from specextend.models.tokenizer import build_byte_tokenizer
+
+MODES = ["ar", "sd", "sd-masked", "specextend", "hf", "hf-assisted"]
+
+
+@pytest.fixture(scope="module")
+def e2e_run(tmp_path_factory):
+    """One run of the e2e suite (every mode), shared by the tests below."""
+    out = tmp_path_factory.mktemp("results")
+    argv = ["bench", "--suite", "e2e", "--device", "cpu", "--pair", "tiny=48", "--docs", "python",
+            "--new-tokens", "6", "--threads", "1", "--out", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(argv) == 0
+    return out, argv, stdout.getvalue()
+
+
+def test_e2e_suite_writes_table_json_and_plots(e2e_run):
+    out, argv, stdout = e2e_run
+    assert "| pair | L | mode | prompts | decode tok/s | x ar |" in stdout
+    for mode in MODES:
+        assert f"| tiny | 48 | {mode} | 1 |" in stdout
+    record = json.loads((out / "e2e" / "cpu.json").read_text())
+    meta = record["meta"]
+    assert meta["suite"] == "e2e" and meta["device"] == "cpu" and meta["command"] == "specextend " + " ".join(argv)
+    assert meta["commit"] and meta["date"][:2] == "20"
+    assert {r["mode"] for r in record["rows"]} == set(MODES)
+    for r in record["rows"]:
+        assert r["decode_tokens_per_s"] > 0 and r["ttft_s"] > 0 and not r["replayed"]
+    spec = [r for r in record["rows"] if r["mode"] in ("sd", "sd-masked", "specextend")]
+    assert all(r["num_steps"] > 0 and r["mean_acceptance_length"] >= 1 for r in spec)
+    summary = {s["mode"]: s for s in record["summary"]}
+    assert summary["ar"]["x_ar"] == 1.0 and summary["specextend"]["x_ar"] > 0
+    # every other mode's output equals ar's or first differs at a near-tie (float32)
+    assert {c["mode"] for c in record["checks"]} == set(MODES) - {"ar"}
+    assert all(c["near_tie"] for c in record["checks"])
+    for kind in ("tokens_per_s", "step_split", "acceptance", "ttft"):
+        png = out / "e2e" / f"cpu-{kind}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_rebuilds_the_page_from_the_record(e2e_run, tmp_path):
+    from specextend.bench.report import BEGIN, END
+
+    out, _, _ = e2e_run
+    page, readme = tmp_path / "README.md", tmp_path / "TOP.md"
+    page.write_text(f"# Results\n\nhand-written\n\n{BEGIN}\nold\n{END}\n\nfooter\n")
+    readme.write_text(f"## Performance at a glance\n\n{BEGIN}\n{END}\n")
+    assert main(["bench", "--report", "--out", str(out), "--page", str(page), "--readme", str(readme)]) == 0
+    text = page.read_text()
+    assert text.startswith("# Results\n\nhand-written") and text.endswith("footer\n") and "\nold\n" not in text
+    assert "### e2e: cpu" in text and "| tiny | 48 | specextend | 1 |" in text
+    links = [line for line in text.splitlines() if line.startswith("![")]
+    assert links and all((page.parent / link.split("](")[1].split(")")[0]).is_file()
+                         for line in links for link in line.split(" "))
+    assert "**e2e**, cpu" in readme.read_text() and "specextend" in readme.read_text()
+
+
+def test_bench_needs_a_suite_or_report(capsys):
+    assert main(["bench"]) == 2
+    assert "give --suite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("doc", texts.DOCUMENTS, ids=lambda d: d.name)
+def test_each_document_gives_a_prompt_of_the_asked_length(doc):
+    tok = build_byte_tokenizer()
+    ids = texts.prompt_ids(tok, doc, 300)
+    body = tok.decode(ids)
+    assert doc.question in body and len(ids) > 300
+    assert tok.decode(list(texts._document_ids(tok, doc.name, 300))) in body
