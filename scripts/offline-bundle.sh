@@ -27,10 +27,9 @@ print("\n".join(p["dependencies"] + p["optional-dependencies"]["bench"]))' > "$d
     $PYTHON -c 'import json, re, sys
 folder, with_torch = sys.argv[1], sys.argv[2] == "1"
 host = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$", re.I)
-pins = [f"{i[\"metadata\"][\"name\"]}=={i[\"metadata\"][\"version\"]}"
-        for i in json.load(open(f"{folder}/resolved.json"))["install"]
-        if with_torch or not host.match(i["metadata"]["name"])]
-open(f"{folder}/pinned.txt", "w").write("\n".join(pins) + "\n")' "$dir" "${WITH_TORCH:-0}"
+meta = [i["metadata"] for i in json.load(open(folder + "/resolved.json"))["install"]]
+pins = [m["name"] + "==" + m["version"] for m in meta if with_torch or not host.match(m["name"])]
+open(folder + "/pinned.txt", "w").write("\n".join(pins) + "\n")' "$dir" "${WITH_TORCH:-0}"
     $PYTHON -m pip download -q --no-deps --dest "$dir/wheels" --only-binary=:all: --implementation cp \
       --python-version "$py" $plat -r "$dir/pinned.txt"
     $PYTHON -m pip wheel -q --no-deps --wheel-dir "$dir/wheels" .

@@ -98,6 +98,8 @@ def run_suite(a, argv: list[str]) -> int:
     docs = [d for d in a.docs.split(",") if d]
     if a.threads:
         torch.set_num_threads(a.threads)
+    meta = record.meta(a.suite, device, argv, pairs=pairs, new_tokens=new_tokens, docs=docs, dtype=a.dtype,
+                       tree_policy=a.tree_policy)  # the commit as the run starts
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if a.suite == "kernels":
         unknown = set(pairs) - set(KERNEL_PAIRS)
@@ -119,8 +121,7 @@ def run_suite(a, argv: list[str]) -> int:
         else:
             result = e2e.run(pairs, modes, new_tokens, docs, a.dtype, a.tree_policy, device, progress=progress)
         table = e2e.table(result)
-    result["meta"] = record.meta(a.suite, device, argv, pairs=pairs, new_tokens=new_tokens, docs=docs,
-                                 dtype=a.dtype, tree_policy=a.tree_policy)
+    result["meta"] = meta
     path = record.write(a.out, result)
     stem = path.with_suffix("")
     title = f"{a.suite}, {result['meta']['device']}"
