@@ -43,7 +43,7 @@ open(folder + "/pinned.txt", "w").write("\n".join(pins) + "\n")' "$dir" "${WITH_
     tmp=$(mktemp -d)
     if (cd "$tmp" && apt-get download nodejs-doc >/dev/null 2>&1); then
       dpkg-deb -x "$tmp"/nodejs-doc_*.deb "$tmp/x"
-      cp "$tmp"/x/usr/share/doc/nodejs/api/*.md "$dir/texts/nodejs-api/"
+      cp "$tmp"/x/usr/share/doc/nodejs/api/*.md* "$dir/texts/nodejs-api/"  # large pages are .md.gz
     else
       cp /usr/share/doc/nodejs/api/*.md "$dir/texts/nodejs-api/"
     fi

@@ -79,3 +79,35 @@ def test_each_document_gives_a_prompt_of_the_asked_length(doc):
     body = tok.decode(ids)
     assert doc.question in body and len(ids) > 300
     assert tok.decode(list(texts._document_ids(tok, doc.name, 300))) in body
+
+
+def test_nodejs_docs_read_plain_or_gzipped_pages(tmp_path, monkeypatch):
+    """Debian's nodejs-doc ships the larger pages as .md.gz; a missing page is a clear error."""
+    import gzip
+
+    names = ("fs", "stream", "http", "child_process", "buffer", "crypto", "net", "process", "events",
+             "worker_threads", "url", "util")
+    for i, name in enumerate(names):
+        page = f"# {name}\n"
+        if i % 2:
+            (tmp_path / f"{name}.md.gz").write_bytes(gzip.compress(page.encode()))
+        else:
+            (tmp_path / f"{name}.md").write_text(page)
+    monkeypatch.setenv("SPECEXTEND_NODEJS_DOCS", str(tmp_path))
+    assert texts.BY_NAME["nodejs"].text() == "\n\n".join(f"# {n}\n" for n in names)
+    (tmp_path / "url.md").unlink()
+    with pytest.raises(texts.TextUnavailable, match="apt-get install nodejs-doc"):
+        texts.BY_NAME["nodejs"].text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "e2e", "--modes", "ar,warp"], "unknown modes ['warp']"),
+    (["--suite", "e2e", "--device", "cpu", "--modes", "ar,sd-2gpu"], "the -2gpu modes need two GPUs"),
+    (["--suite", "e2e", "--pair", "huge=1024"], "unknown pair ['huge']"),
+    (["--suite", "e2e", "--pair", "tiny"], "give lengths"),
+    (["--suite", "kernels", "--pair", "tiny=64", "--pair", "8b=64"], "one --pair at a time"),
+])
+def test_bad_bench_arguments_are_one_clear_line(capsys, args, message):
+    assert main(["bench", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

@@ -74,7 +74,16 @@ def _pairs(a, suite: str, kind: str) -> dict[str, list[int]]:
 
 def _modes(a, suite: str, gpus: int) -> list[str]:
     if a.modes:
-        return [m for m in a.modes.split(",") if m]
+        from specextend.bench.e2e import LABELS
+
+        modes = [m for m in a.modes.split(",") if m]
+        known = ["ar", "sd", "sd-masked", "specextend"] if suite == "serve" else list(LABELS)
+        unknown = [m for m in modes if m not in known]
+        if unknown:
+            raise ValueError(f"{suite}: unknown modes {unknown}; known: {', '.join(known)}")
+        if gpus < 2 and any(m.endswith("-2gpu") for m in modes):
+            raise ValueError(f"the -2gpu modes need two GPUs; this machine has {gpus}")
+        return modes
     if suite == "serve":
         return ["ar", "sd", "specextend"]
     modes = ["ar", "sd", "sd-masked", "specextend"]

@@ -13,6 +13,7 @@ Nothing is copied into the repository. `SPECEXTEND_NODEJS_DOCS` points at anothe
 
 from __future__ import annotations
 
+import gzip
 import importlib.metadata
 import os
 import sysconfig
@@ -40,11 +41,17 @@ def _nodejs() -> str:
     folder = Path(os.environ.get("SPECEXTEND_NODEJS_DOCS", "/usr/share/doc/nodejs/api"))
     names = ("fs", "stream", "http", "child_process", "buffer", "crypto", "net", "process", "events",
              "worker_threads", "url", "util")
-    files = [folder / f"{n}.md" for n in names]
-    if not all(f.is_file() for f in files):
-        raise TextUnavailable(f"the Node.js API docs are not in {folder}: `apt-get install nodejs-doc` "
-                              "(Debian) or set SPECEXTEND_NODEJS_DOCS to an api/ folder")
-    return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+    texts = []
+    for n in names:  # Debian's nodejs-doc compresses the larger pages
+        plain, packed = folder / f"{n}.md", folder / f"{n}.md.gz"
+        if plain.is_file():
+            texts.append(plain.read_text(encoding="utf-8"))
+        elif packed.is_file():
+            texts.append(gzip.decompress(packed.read_bytes()).decode("utf-8"))
+        else:
+            raise TextUnavailable(f"the Node.js API docs are not in {folder}: `apt-get install nodejs-doc` "
+                                  "(Debian) or set SPECEXTEND_NODEJS_DOCS to an api/ folder")
+    return "\n\n".join(texts)
 
 
 def _shakespeare() -> str:
