@@ -111,3 +111,8 @@ def test_bad_bench_arguments_are_one_clear_line(capsys, args, message):
     assert main(["bench", "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_unknown_document_fails_before_loading(capsys):
+    assert main(["bench", "--suite", "e2e", "--device", "cpu", "--pair", "tiny=64", "--docs", "poems"]) == 2
+    assert "unknown documents ['poems']" in capsys.readouterr().err

@@ -127,9 +127,9 @@ def _run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Opti
         draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction)
 
 
-def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: list[str], dtype: str = "auto",
+def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], dtype: str = "auto",
         tree_policy: str = "fixed", device: str = "auto", progress=print) -> dict:
-    """Every mode on one prompt per document in `docs` at each pair's lengths.
+    """Every mode on one prompt per document in `docs[pair]` at each pair's lengths.
     Returns {"rows": per prompt and mode, "checks": near-tie checks, "summary": mean and spread}."""
     rows, checks = [], []
     for pair_name, lengths in pairs.items():
@@ -139,7 +139,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: li
         warm: set = set()
         try:
             for length in lengths:
-                for doc in documents(docs):
+                for doc in documents(docs[pair_name]):
                     prompt = prompt_ids(target.tokenizer, doc, length)
                     ref = None
                     for mode in modes:

@@ -30,6 +30,12 @@ def _table(run: dict) -> str:
     return kernels.table(run) if run["meta"]["suite"] == "kernels" else e2e.table(run)
 
 
+def _docs(docs) -> str:
+    if isinstance(docs, dict):
+        return "; ".join(f"{pair}: {', '.join(names)}" for pair, names in docs.items())
+    return ", ".join(docs or []) or "-"
+
+
 def section(run: dict, page_dir: Path) -> str:
     m = run["meta"]
     path = Path(run["path"])
@@ -38,7 +44,7 @@ def section(run: dict, page_dir: Path) -> str:
     lines = [f"### {m['suite']}: {m['device']}", "",
              f"{m['date']}, commit `{m['commit']}`, `{m['command']}`; {m.get('dtype', 'auto')} weights, "
              f"{m.get('new_tokens', '-')} new tokens, one prompt per length from each of "
-             f"{', '.join(m.get('docs', [])) or '-'}, tree policy {m.get('tree_policy', '-')}. Data: [{path.name}]({Path(os.path.relpath(path, page_dir)).as_posix()}).",
+             f"{_docs(m.get('docs'))}, tree policy {m.get('tree_policy', '-')}. Data: [{path.name}]({Path(os.path.relpath(path, page_dir)).as_posix()}).",
              "", _table(run), ""]
     if links:
         lines += [links, ""]

@@ -74,7 +74,7 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
     return out
 
 
-def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: list[str], port: int = 8000,
+def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], port: int = 8000,
         progress=print) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -104,7 +104,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: li
                     name = f"{mode}-{where}" if mode != "ar" else "ar"
                     warm = False
                     for length in lengths:
-                        for doc in documents(docs):
+                        for doc in documents(docs[pair_name]):
                             prompt = prompt_ids(tokenizer, doc, length)
                             if not warm:
                                 one_request(url, model, prompt[:64], 8)
