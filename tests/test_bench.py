@@ -116,3 +116,25 @@ def test_bad_bench_arguments_are_one_clear_line(capsys, args, message):
 def test_unknown_document_fails_before_loading(capsys):
     assert main(["bench", "--suite", "e2e", "--device", "cpu", "--pair", "tiny=64", "--docs", "poems"]) == 2
     assert "unknown documents ['poems']" in capsys.readouterr().err
+
+
+def test_transformers_anchor_matches_plain_decoding_through_an_eos():
+    """The anchor runs our weights: greedy `generate` equals `ar` token for token, here through an
+    EOS at position 13 that both emit and continue past (ignore_eos), plain and assisted."""
+    from specextend.bench import hf
+    from specextend.config import EngineConfig, SamplingParams
+    from specextend.engine import Engine
+    from specextend.models.loader import load_model
+
+    target = load_model("random:llama-tiny", "target", "float32", "cpu")
+    draft = load_model("random:llama-tiny-draft", "draft", "float32", "cpu", vocab_size=target.args.vocab_size,
+                       target_weights=target.decoder.w)
+    prompt = texts.prompt_ids(target.tokenizer, texts.BY_NAME["nodejs"], 1024)
+    ar = Engine(EngineConfig(mode="ar", dtype="float32", device="cpu"), target)
+    ref, _, _ = ar.generate(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert set(ref) & set(target.args.eos_token_ids), "the case needs an EOS inside the output"
+    anchors = hf.anchors(target, draft)
+    for name, (model, assistant) in anchors.items():
+        out, timing = hf.generate(model, prompt, 16, assistant)
+        assert out == ref, name
+        assert 0 < timing["ttft_s"] and timing["decode_tokens_per_s"] > 0

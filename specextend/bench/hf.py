@@ -51,6 +51,7 @@ def hf_model(model: LoadedModel):
         sd.pop("lm_head.weight")
     hf.load_state_dict(sd, assign=True, strict=True)
     hf.tie_weights() if model.args.tie_word_embeddings else None
+    hf.generation_config.eos_token_id = None  # runs to max_new_tokens, EOS included, like ignore_eos
     # buffers (rotary inv_freq) were created on meta: rebuild the rotary module on the device
     for name, module in hf.named_modules():
         if name.endswith("rotary_emb"):
@@ -84,7 +85,9 @@ class _FirstToken:
 
 
 def generate(hf, prompt: list[int], new_tokens: int, assistant=None) -> tuple[list[int], dict]:
-    """Greedy `generate` of exactly `new_tokens` tokens (EOS ignored), with `assistant` as assisted
+    """Greedy `generate` of exactly `new_tokens` tokens (EOS emitted and ignored, as our engine's
+    `ignore_eos` does: hf_model clears the stop ids; `min_new_tokens` would forbid EOS instead and
+    change the output), with `assistant` as assisted
     generation's draft; time to first token from a streamer in the same call."""
     dev = hf.device
     ids = torch.tensor([prompt], device=dev)
@@ -92,11 +95,12 @@ def generate(hf, prompt: list[int], new_tokens: int, assistant=None) -> tuple[li
     if assistant is not None:
         kw["assistant_model"] = assistant
     with torch.inference_mode():
-        hf.generate(ids[:, :64], max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        hf.generate(ids[:, :64], attention_mask=torch.ones_like(ids[:, :64]), max_new_tokens=4, **kw)  # warm-up
         first = _FirstToken(dev)
         _sync(dev)
         t0 = time.perf_counter()
-        out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=first, **kw)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, streamer=first,
+                          **kw)
         _sync(dev)
         total = time.perf_counter() - t0
     tokens = out[0, len(prompt):].tolist()
