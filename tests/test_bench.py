@@ -138,3 +138,24 @@ def test_transformers_anchor_matches_plain_decoding_through_an_eos():
         out, timing = hf.generate(model, prompt, 16, assistant)
         assert out == ref, name
         assert 0 < timing["ttft_s"] and timing["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.serve
+def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["bench", "--suite", "serve", "--device", "cpu", "--pair", "tiny=64", "--docs", "python", "--modes",
+            "ar,specextend", "--new-tokens", "8", "--port", str(port), "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert "| tiny | 64 | specextend-cpu | 1 |" in capsys.readouterr().out
+    record = json.loads((tmp_path / "serve" / "cpu.json").read_text())
+    assert [r["mode"] for r in record["rows"]] == ["ar", "specextend-cpu"]
+    assert all(r["tokens"] == 8 and r["ttft_s"] > 0 for r in record["rows"])
+    spec = record["rows"][1]
+    assert spec["num_steps"] > 0 and spec["mean_acceptance_length"] >= 1 and spec["verify_ms"] > 0
+    assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
+                                     near_tie=True)]
+    assert (tmp_path / "serve" / "cpu-step_split.png").is_file()

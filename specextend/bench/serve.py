@@ -6,7 +6,9 @@ Placements: on one GPU (`num_gpus=0.5`: the target and the draft share it) and o
 (`num_gpus=1`: the draft on its own GPU, drafting while the target verifies), as the machine
 allows; on the CPU, `num_gpus=0`. Tokens/s, time to first token and the per-step split come from
 the client's clock and each response's `speculative_decoding` object. Random-weight pairs accept
-a constant replayed length (`replay_accept_length`), labelled "replayed".
+a constant replayed length (`replay_accept_length`), labelled "replayed". Other pairs' outputs
+are compared with served `ar`'s token for token (identical only: the near-tie rule needs the
+target's logits, which stay in the replica).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
                 stream_options={"include_usage": True}, return_token_ids=True)
     t0 = time.perf_counter()
-    ttft, spec, n = None, {}, 0
+    ttft, spec, ids = None, {}, []
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=1800) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -56,14 +58,14 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
                 continue
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices", []):
-                got = len(choice.get("token_ids") or [])
+                got = choice.get("token_ids") or []
                 if ttft is None and got:
                     ttft = time.perf_counter() - t0
-                n += got
+                ids += got
             spec = chunk.get("speculative_decoding") or spec
     wall = time.perf_counter() - t0
-    ttft = ttft or wall
-    out = dict(tokens=n, tokens_per_s=n / wall, decode_tokens_per_s=(n - 1) / max(wall - ttft, 1e-9), ttft_s=ttft)
+    ttft, n = ttft or wall, len(ids)
+    out = dict(token_ids=ids, tokens=n, tokens_per_s=n / wall, decode_tokens_per_s=(n - 1) / max(wall - ttft, 1e-9), ttft_s=ttft)
     steps = spec.get("num_steps") or 0
     if steps:
         wait, verify = spec.get("target_wait_ms_per_step", 0.0), spec.get("verify_ms_per_step", 0.0)
@@ -84,7 +86,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
     from specextend.models.loader import read_meta
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    rows = []
+    rows, checks, refs = [], [], {}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -110,6 +112,14 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                 one_request(url, model, prompt[:64], 8)
                                 warm = True
                             r = one_request(url, model, prompt, new_tokens)
+                            ids = r.pop("token_ids")
+                            key = (pair_name, length, doc.name)
+                            if mode == "ar":
+                                refs[key] = ids
+                            elif key in refs and not pair.replayed:
+                                same = ids == refs[key]  # served greedy output against served ar's
+                                checks.append(dict(pair=pair_name, length=length, doc=doc.name, mode=name,
+                                                   identical=same, near_tie=same))
                             rows.append(dict(pair=pair_name, length=length, prompt_tokens=len(prompt), doc=doc.name,
                                              mode=name, replayed=pair.replayed and mode != "ar",
                                              startup_s=startup, **r))
@@ -119,4 +129,4 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
     finally:
         serve.shutdown()
         ray.shutdown()
-    return dict(rows=rows, checks=[], summary=summarize(rows))
+    return dict(rows=rows, checks=checks, summary=summarize(rows))
