@@ -42,7 +42,7 @@ def section(run: dict, page_dir: Path) -> str:
     plots = sorted(path.parent.glob(path.stem + "-*.png"))
     links = " ".join(f"![{p.stem}]({Path(os.path.relpath(p, page_dir)).as_posix()})" for p in plots)
     lines = [f"### {m['suite']}: {m['device']}", "",
-             f"{m['date']}, commit `{m['commit']}`, `{m['command']}`; {m.get('dtype', 'auto')} weights, "
+             f"{m['date']}, commit `{m['commit']}`, `{m['command']}`; dtype {m.get('dtype', 'auto')}, "
              f"{m.get('new_tokens', '-')} new tokens, one prompt per length from each of "
              f"{_docs(m.get('docs'))}, tree policy {m.get('tree_policy', '-')}. Data: [{path.name}]({Path(os.path.relpath(path, page_dir)).as_posix()}).",
              "", _table(run), ""]
