@@ -9,8 +9,9 @@ be identical (the engine is lossless), which is checked and recorded instead of 
 The target's prefill of a prompt is computed once and copied into later configurations of the
 same prompt (it does not depend on the configuration); decode tok/s therefore excludes prefill.
 
-Writes benchmarks/traces/qwen2.5-coder-{config}-{len}.json (the CLI's --record-trace format, all
-documents of that length concatenated, per-document detail under "samples") and
+Writes specextend/bench/traces/qwen2.5-coder-{config}-{len}.json (replayed by `specextend bench`;
+the CLI's --record-trace format, all documents of that length concatenated, per-document detail
+under "samples") and
 benchmarks/results/acceptance-cpu.json; prints a table and the full JSON on the last line.
 
     python benchmarks/acceptance.py --lengths 1024,2048 --docs fs,stream
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 import specextend.engine as engine_mod
+from specextend.bench.e2e import TRACES
 from specextend.builder import load_pair
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
 from specextend.draft.worker import DraftWorker
@@ -133,10 +135,9 @@ def main(argv=None) -> int:
 
     def write() -> dict:
         total_s = time.perf_counter() - t_start
-        (a.out / "traces").mkdir(parents=True, exist_ok=True)
         (a.out / "results").mkdir(parents=True, exist_ok=True)
         for (name, n), tr in traces.items():
-            (a.out / "traces" / f"qwen2.5-coder-{name}-{n}.json").write_text(json.dumps(tr) + "\n")
+            (TRACES / f"qwen2.5-coder-{name}-{n}.json").write_text(json.dumps(tr) + "\n")
         result = dict(
             benchmark="acceptance", device=f"2-core CPU, float32 ({platform.processor() or platform.machine()})",
             date=a.date, command="python benchmarks/acceptance.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -21,7 +21,7 @@ from specextend.draft.session import DraftSession
 from specextend.models.loader import load_model
 from specextend.target import TargetSession
 
-from step_times import fixed_tree
+from specextend.bench.kernels import dense_tree as fixed_tree
 
 
 def prof(name, fn, reps, out, rows=10):

@@ -1,4 +1,4 @@
-"""Command line: `specextend generate ...` and `specextend fetch-models`.
+"""Command line: `specextend generate ...`, `specextend fetch-models` and `specextend bench ...`.
 
 The engine's flags are the configuration tree's flat names with dashes, derived by schema.py.
 Errors print one line and exit non-zero.
@@ -125,15 +125,22 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     sub.add_parser("fetch-models", help="download and verify the default Qwen2.5-Coder GGUF pair")
+    from specextend.bench.cli import add_parser as add_bench, cmd_bench
+
+    add_bench(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from specextend.bench.texts import TextUnavailable
     from specextend.builder import IncompatibleModels
     from specextend.fetch import FetchError
     from specextend.models.loader import ModelLoadError
 
     try:
+        if a.command == "bench":
+            return cmd_bench(a, argv)
         return cmd_generate(a) if a.command == "generate" else cmd_fetch(a)
-    except (CliError, ModelLoadError, IncompatibleModels, FetchError, ValueError) as e:
+    except (CliError, ModelLoadError, IncompatibleModels, FetchError, TextUnavailable, ValueError) as e:
         print(f"specextend: error: {e}", file=sys.stderr)
         return 2
 

@@ -50,7 +50,7 @@ def cache_meta(data: torch.Tensor, anchor: torch.Tensor, length: int) -> list[in
 def config(rows: int, ieee: bool = False) -> dict:
     """Block sizes and launch parameters by folded query rows, from benchmarks/prefix_kernel.py on
     an H100 (2026-11-23, 16K keys, D=128, bf16, each configuration timed with the combine kernel
-    that reads its partials; results/prefix_combine-h100-v2.log): 4 rows (AR) 31.6 us, 68 (a
+    that reads its partials; benchmarks/ at commit 77940b1): 4 rows (AR) 31.6 us, 68 (a
     16-node tree) 36.1, 204 (a 50-node tree) 57.9, against a 22.5 us floor and FlashAttention-2's
     37.4 / 43.4 / 72.8 through torch. float32 caches (`ieee`: IEEE float32 dots on CUDA cores)
     take small tiles that compile for sm_90 without spilling (benchmarks/triton_aot.py; not timed)."""

@@ -33,7 +33,7 @@ from specextend.models.rope import apply_rope
 from specextend.retrieval import chunk_positions, initial_chunks
 from specextend.tree import reindex_tree, select_best_nodes
 
-# Defaults from the H200x2 run of 2026-11-23 (benchmarks/README.md, "Overlapped drafting"): 8 rows
+# Defaults from the H200x2 run of 2026-11-23 (benchmarks/README.md at commit 77940b1): 8 rows
 # and 3 levels drafted on a miss beat 16 rows and all 6 levels at 8K and 16K (1.07x and 1.09x of
 # plain decoding against 1.01x), and tied at 30K.
 OVERLAP_ROWS = 8  # pool nodes forwarded per background forward

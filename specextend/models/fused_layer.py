@@ -1,6 +1,6 @@
 """Fused decode-time layer kernels (Triton) for the full-step graphs: 10 kernels per layer instead
 of 22 (float32; 26 in bf16 with the casts to the float32 compute dtype; benchmarks/kernel_count.py). A
-graphed forward of a few tokens is bound by its count of small kernels (benchmarks/README.md: ~750
+graphed forward of a few tokens is bound by its count of small kernels (benchmarks/README.md at 77940b1: ~750
 graph nodes per 0.5B draft forward, ~2.5 us each, against 0.3 ms of weights).
 
     rope_scatter   RoPE on q and k, the per-head copies of q, k, v (and pre-RoPE k)   ~7 -> 1

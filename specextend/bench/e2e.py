@@ -1,0 +1,225 @@
+"""End-to-end decoding in one process: every baseline on the same prompts, in one run
+(docs/architecture.md, "Baselines"). Used by the `e2e` and `sweep` suites.
+
+Modes (`MODES`): `ar` our plain decoding, the honest baseline; `sd` tree speculative decoding as a
+modern server runs it (HTA verification, the draft's full cache); `sd-masked` the same with plain
+masked verification (the SpecExtend paper's baseline); `specextend` (HTA + retrieval). With two
+GPUs, `sd-2gpu` and `specextend-2gpu` put the draft on the second GPU, drafting while the target
+verifies. `hf` and `hf-assisted` are transformers `generate` without and with assisted generation
+on the same weights and device (bench/hf.py), the external anchor.
+
+Pairs with random weights cannot accept anything real: their speculative modes replay the
+per-step accepted lengths of real-pair traces (`traces/`) and are labelled "replayed"; pairs with
+real acceptance check every speculative output against `ar` by the near-tie rule
+(docs/architecture.md, "Losslessness in finite precision").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specextend.bench import hf as hf_anchor
+from specextend.bench.texts import documents, prompt_ids
+from specextend.builder import read_pair
+from specextend.config import EngineConfig, SamplingParams
+from specextend.draft.base import DraftSessionParams
+from specextend.draft.worker import DraftWorker
+from specextend.engine import Engine
+from specextend.models.loader import load_model
+from specextend.near_tie import near_tie_check
+
+log = logging.getLogger(__name__)
+TRACES = Path(__file__).resolve().parent / "traces"
+
+
+@dataclass(frozen=True)
+class Pair:
+    target: str
+    draft: str
+    replayed: bool  # random weights: acceptance replayed from real-pair traces
+
+
+PAIRS = {
+    "tiny": Pair("random:llama-tiny", "random:llama-tiny-draft", False),  # correlated random pair (presets.py)
+    "real": Pair("default", "default", False),  # Qwen2.5-Coder 1.5B + 0.5B (fetch.py)
+    "8b": Pair("random:llama-3.1-8b", "random:llama-68m", True),
+}
+MODES = {  # EngineConfig fields of each speculative or plain mode of our engine
+    "ar": dict(mode="ar"),
+    "sd": dict(mode="sd", hybrid_attention=True),
+    "sd-masked": dict(mode="sd", hybrid_attention=False),
+    "specextend": dict(mode="specextend"),
+}
+LABELS = {
+    "ar": "ar: our plain decoding (the baseline)",
+    "sd": "sd: tree SD, HTA verify, full draft cache (a modern server's)",
+    "sd-masked": "sd-masked: tree SD, masked verify (the SpecExtend paper's baseline)",
+    "specextend": "specextend: HTA + retrieval",
+    "sd-2gpu": "sd on two GPUs (draft on its own, overlapped)",
+    "specextend-2gpu": "specextend on two GPUs (draft on its own, overlapped)",
+    "hf": "transformers generate",
+    "hf-assisted": "transformers assisted generation",
+}
+HF_MODES = ("hf", "hf-assisted")
+TIE_TOLERANCE = {torch.bfloat16: 0.125, torch.float16: 0.0157, torch.float32: 1e-3, torch.float64: 0.0}
+
+
+def trace_for(mode: str, length: int) -> tuple[str, list[int]]:
+    """The real-pair trace replayed for `mode` at `length`: its name and accepted lengths per step."""
+    kind = "specextend" if mode.startswith("specextend") else "sd"
+    size = 2048 if length >= 2048 else 1024
+    path = TRACES / f"qwen2.5-coder-{kind}-{size}.json"
+    return path.name, [int(x) for x in json.loads(path.read_text())["accepted_per_step"]]
+
+
+def _engines(pair: Pair, modes: list[str], dtype: str, tree_policy: str, device: str):
+    """Loads the pair (a second draft on cuda:1 for the -2gpu modes) and builds each mode's engine."""
+    gpus = torch.cuda.device_count() if device != "cpu" else 0
+    dev0 = "cuda:0" if gpus else "cpu"
+    base = EngineConfig(target=pair.target, draft=pair.draft, dtype=dtype, device=dev0, tree_policy=tree_policy)
+    target_meta, draft_meta = read_pair(base)
+    target = load_model(target_meta, "target", dtype, dev0, execution=base.execution)
+    vocab = target.args.vocab_size
+    draft = load_model(draft_meta, "draft", dtype, dev0, vocab_size=vocab, target_weights=target.decoder.w)
+    engines, workers = {}, []
+    for mode in modes:
+        if mode in HF_MODES:
+            continue
+        two = mode.endswith("-2gpu")
+        cfg = replace(base, **MODES[mode.removesuffix("-2gpu")], draft_overlap=two)
+        backend = None
+        if cfg.uses_draft:
+            model = draft
+            if two:
+                model = load_model(draft_meta, "draft", dtype, "cuda:1", vocab_size=vocab, target_weights=None)
+            backend = DraftWorker(model.decoder, prefill_chunk=cfg.prefill_chunk, overlap=two)
+            backend.warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, 64))
+            workers.append(backend)
+        engines[mode] = Engine(cfg, target, backend)
+    wanted = [m for m in modes if m in HF_MODES and not (m == "hf-assisted" and pair.replayed)]
+    anchors = {m: a for m, a in hf_anchor.anchors(target, draft).items() if m in wanted} if wanted else {}
+    return target, engines, anchors, workers
+
+
+def _run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optional[list[int]], warm: set):
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    if id(engine) not in warm:  # first use: shapes, graphs, lazy initialisation
+        engine.generate(prompt[:64], replace(params, max_new_tokens=8), replay=replay)
+        warm.add(id(engine))
+    ids, _, st = engine.generate(prompt, params, replay=replay)
+    steps = st.num_steps
+    per_step = max(steps + st.plain_steps if engine.config.uses_draft else st.num_generated - 1, 1)
+    step_ms = 1e3 * st.decode_s / per_step
+    wait_ms = 1e3 * st.draft_s / steps if steps else 0.0
+    verify_ms = 1e3 * st.verify_s / steps if steps else 0.0
+    return ids, dict(
+        tokens_per_s=st.tokens_per_s, decode_tokens_per_s=(st.num_generated - 1) / max(st.decode_s, 1e-9),
+        ttft_s=st.prefill_s, mean_acceptance_length=st.mean_acceptance_length, num_steps=steps,
+        plain_steps=st.plain_steps, step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
+        other_ms=max(step_ms - wait_ms - verify_ms, 0.0) if steps else step_ms,
+        draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction)
+
+
+def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], dtype: str = "auto",
+        tree_policy: str = "fixed", device: str = "auto", progress=print) -> dict:
+    """Every mode on one prompt per document in `docs[pair]` at each pair's lengths.
+    Returns {"rows": per prompt and mode, "checks": near-tie checks, "summary": mean and spread}."""
+    rows, checks = [], []
+    for pair_name, lengths in pairs.items():
+        pair = PAIRS[pair_name]
+        target, engines, anchors, workers = _engines(pair, modes, dtype, tree_policy, device)
+        tol = TIE_TOLERANCE.get(target.decoder.dtype, 0.125)
+        warm: set = set()
+        try:
+            for length in lengths:
+                for doc in documents(docs[pair_name]):
+                    prompt = prompt_ids(target.tokenizer, doc, length)
+                    ref = None
+                    for mode in modes:
+                        base = dict(pair=pair_name, length=length, prompt_tokens=len(prompt), doc=doc.name, mode=mode)
+                        if mode in engines:
+                            spec = engines[mode].config.uses_draft
+                            trace, replay = trace_for(mode, length) if spec and pair.replayed else (None, None)
+                            ids, r = _run_engine(engines[mode], prompt, new_tokens, replay, warm)
+                            r.update(replayed=replay is not None, trace=trace)
+                        elif mode in anchors:
+                            hf, assistant = anchors[mode]
+                            ids, r = hf_anchor.generate(hf, prompt, new_tokens, assistant)
+                            r.update(replayed=False, trace=None)
+                        else:
+                            continue
+                        if mode == "ar":
+                            ref = ids
+                        elif ref is not None and not r["replayed"]:
+                            ok, div, gap = near_tie_check(target.decoder, prompt, ref, ids, tol)
+                            checks.append(dict(base, identical=div is None, near_tie=ok, first_divergence=div,
+                                               top2_gap=gap, tolerance=tol))
+                        rows.append(dict(base, **r))
+                        progress(f"{pair_name} L={length} {doc.name} {mode}: "
+                                 f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s"
+                                 + (f", acceptance {r['mean_acceptance_length']:.2f}" if "num_steps" in r else ""))
+        finally:
+            for w in workers:
+                w.stop()
+            del engines, anchors
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return dict(rows=rows, checks=checks, summary=summarize(rows))
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean and spread (sample standard deviation) over prompts per (pair, length, mode); `x_ar` is
+    the mean over prompts of decode tok/s over `ar`'s on the same prompt."""
+    ar = {(r["pair"], r["length"], r["doc"]): r["decode_tokens_per_s"] for r in rows if r["mode"] == "ar"}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["pair"], r["length"], r["mode"]), []).append(r)
+    out = []
+    for (pair, length, mode), rs in groups.items():
+        s = dict(pair=pair, length=length, mode=mode, prompts=len(rs), replayed=any(r["replayed"] for r in rs),
+                 prompt_tokens=round(statistics.fmean(r["prompt_tokens"] for r in rs)))
+        for key in ("decode_tokens_per_s", "tokens_per_s", "ttft_s", "mean_acceptance_length", "step_ms",
+                    "draft_wait_ms", "verify_ms", "other_ms"):
+            vals = [r[key] for r in rs if key in r]
+            if vals:
+                s[key], s[key + "_std"] = _stats(vals)
+        ratios = [r["decode_tokens_per_s"] / ar[k] for r in rs
+                  if (k := (pair, length, r["doc"])) in ar and ar[k] > 0]
+        if ratios:
+            s["x_ar"], s["x_ar_std"] = _stats(ratios)
+        out.append(s)
+    return out
+
+
+def table(result: dict) -> str:
+    """Markdown table of the summary: mean ± spread over prompts."""
+    def pm(s, key, fmt):
+        return f"{fmt.format(s[key])} ± {fmt.format(s[key + '_std'])}" if key in s else "-"
+
+    lines = ["| pair | L | mode | prompts | decode tok/s | x ar | TTFT s | mean acc. len | step ms "
+             "(draft wait / verify / other) |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in result["summary"]:
+        split = (f"{s['step_ms']:.2f} ({s['draft_wait_ms']:.2f} / {s['verify_ms']:.2f} / {s['other_ms']:.2f})"
+                 if "step_ms" in s else "-")
+        lines.append(f"| {s['pair']} | {s['length']} | {s['mode']}{' (replayed)' if s['replayed'] else ''} | "
+                     f"{s['prompts']} | {pm(s, 'decode_tokens_per_s', '{:.1f}')} | {pm(s, 'x_ar', '{:.2f}')} | "
+                     f"{pm(s, 'ttft_s', '{:.3f}')} | {pm(s, 'mean_acceptance_length', '{:.2f}')} | {split} |")
+    bad = [c for c in result["checks"] if not c["near_tie"]]
+    if result["checks"]:
+        lines.append("")
+        lines.append(f"Lossless checks: {len(result['checks'])} outputs of the other modes against `ar`, "
+                     f"{sum(c['identical'] for c in result['checks'])} identical, "
+                     f"{len(result['checks']) - len(bad)} identical or first differing at a near-tie, "
+                     f"{len(bad)} not.")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""What a benchmark run records: its commit, device, date and command, next to its results, in one
+JSON file per suite and device (`<out>/<suite>/<device>.json`). A new run of the same suite on
+the same device replaces the file; history lives in git."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def device_name(device: str) -> str:
+    """'cpu', or 'N x <GPU name>' for the GPUs a run may use."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def commit() -> str:
+    """The checkout's short commit (`-dirty` with uncommitted changes), else $SPECEXTEND_COMMIT."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        if sha:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("SPECEXTEND_COMMIT", "unknown")
+
+
+def meta(suite: str, device: str, argv: list[str], **extra) -> dict:
+    return dict(suite=suite, commit=commit(), device=device_name(device), date=time.strftime("%Y-%m-%d %H:%M"),
+                command="specextend " + " ".join(argv), host=platform.node(), torch=torch.__version__,
+                python=sys.version.split()[0], **extra)
+
+
+def result_path(out: Path, suite: str, device: str) -> Path:
+    return Path(out) / suite / f"{slug(device)}.json"
+
+
+def write(out: Path, result: dict) -> Path:
+    m = result["meta"]
+    path = result_path(out, m["suite"], m["device"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def load_all(out: Path) -> list[dict]:
+    """Every recorded run under `out`, with its file's path, latest first per suite and device."""
+    runs = []
+    for path in sorted(Path(out).glob("*/*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if isinstance(data, dict) and {"suite", "device", "date"} <= set(data.get("meta", {})):
+            data["path"] = path
+            runs.append(data)
+    return sorted(runs, key=lambda r: (r["meta"]["suite"], r["meta"]["device"], r["meta"]["date"]), reverse=True)

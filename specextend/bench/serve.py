@@ -1,0 +1,132 @@
+"""The served application under test (the `serve` suite): the real Ray Serve app (target replica,
+its draft actor, gRPC between them) started locally once per mode and placement, streaming
+requests over HTTP at each input length (docs/architecture.md, "Deployment").
+
+Placements: on one GPU (`num_gpus=0.5`: the target and the draft share it) and on two
+(`num_gpus=1`: the draft on its own GPU, drafting while the target verifies), as the machine
+allows; on the CPU, `num_gpus=0`. Tokens/s, time to first token and the per-step split come from
+the client's clock and each response's `speculative_decoding` object. Random-weight pairs accept
+a constant replayed length (`replay_accept_length`), labelled "replayed". Other pairs' outputs
+are compared with served `ar`'s token for token (identical only: the near-tie rule needs the
+target's logits, which stay in the replica).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import requests
+import torch
+
+from specextend.bench.e2e import PAIRS, summarize
+from specextend.bench.texts import documents, prompt_ids
+
+REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (real pairs' traces: 2-6)
+
+
+def placements() -> list[tuple[str, float]]:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return [("cpu", 0.0)]
+    return [("1gpu", 0.5)] + ([("2gpu", 1.0)] if gpus >= 2 else [])
+
+
+def _wait_ready(url: str, timeout_s: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the app did not become ready in {timeout_s:.0f} s")
+
+
+def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: client-side tokens/s and TTFT, the server's per-step split."""
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True}, return_token_ids=True)
+    t0 = time.perf_counter()
+    ttft, spec, ids = None, {}, []
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                got = choice.get("token_ids") or []
+                if ttft is None and got:
+                    ttft = time.perf_counter() - t0
+                ids += got
+            spec = chunk.get("speculative_decoding") or spec
+    wall = time.perf_counter() - t0
+    ttft, n = ttft or wall, len(ids)
+    out = dict(token_ids=ids, tokens=n, tokens_per_s=n / wall, decode_tokens_per_s=(n - 1) / max(wall - ttft, 1e-9), ttft_s=ttft)
+    steps = spec.get("num_steps") or 0
+    if steps:
+        wait, verify = spec.get("target_wait_ms_per_step", 0.0), spec.get("verify_ms_per_step", 0.0)
+        step_ms = 1e3 * (wall - ttft) / (steps + (spec.get("plain_steps") or 0))
+        out.update(mean_acceptance_length=spec.get("mean_acceptance_length", 1.0), num_steps=steps,
+                   step_ms=step_ms, draft_wait_ms=wait, verify_ms=verify, other_ms=max(step_ms - wait - verify, 0.0),
+                   tree_ready_fraction=spec.get("tree_ready_fraction", 0.0))
+    return out
+
+
+def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], port: int = 8000,
+        progress=print) -> dict:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from deploy.app import specextend
+    from specextend.models.loader import read_meta
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    rows, checks, refs = [], [], {}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = f"http://127.0.0.1:{port}"
+        for pair_name, lengths in pairs.items():
+            pair = PAIRS[pair_name]
+            tokenizer = read_meta(pair.target, "target").tokenizer
+            for mode in modes:
+                for where, gpus in placements() if mode != "ar" else placements()[:1]:
+                    args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy="fixed")
+                    if pair.replayed and mode != "ar":
+                        args["replay_accept_length"] = REPLAY_ACCEPT
+                    t0 = time.perf_counter()
+                    serve.run(specextend(args), name="bench", blocking=False)
+                    _wait_ready(url, 1800)
+                    startup = time.perf_counter() - t0
+                    model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+                    name = f"{mode}-{where}" if mode != "ar" else "ar"
+                    warm = False
+                    for length in lengths:
+                        for doc in documents(docs[pair_name]):
+                            prompt = prompt_ids(tokenizer, doc, length)
+                            if not warm:
+                                one_request(url, model, prompt[:64], 8)
+                                warm = True
+                            r = one_request(url, model, prompt, new_tokens)
+                            ids = r.pop("token_ids")
+                            key = (pair_name, length, doc.name)
+                            if mode == "ar":
+                                refs[key] = ids
+                            elif key in refs and not pair.replayed:
+                                same = ids == refs[key]  # served greedy output against served ar's
+                                checks.append(dict(pair=pair_name, length=length, doc=doc.name, mode=name,
+                                                   identical=same, near_tie=same))
+                            rows.append(dict(pair=pair_name, length=length, prompt_tokens=len(prompt), doc=doc.name,
+                                             mode=name, replayed=pair.replayed and mode != "ar",
+                                             startup_s=startup, **r))
+                            progress(f"served {pair_name} L={length} {doc.name} {name}: "
+                                     f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s")
+                    serve.delete("bench")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return dict(rows=rows, checks=checks, summary=summarize(rows))

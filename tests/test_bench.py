@@ -1,0 +1,161 @@
+"""`specextend bench` on the tiny pair at a tiny size: the table, the JSON record, the plots, the
+results page rebuilt from the record; and the benchmark texts."""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from specextend.bench import texts
+from specextend.cli import main
+from specextend.models.tokenizer import build_byte_tokenizer
+
+MODES = ["ar", "sd", "sd-masked", "specextend", "hf", "hf-assisted"]
+
+
+@pytest.fixture(scope="module")
+def e2e_run(tmp_path_factory):
+    """One run of the e2e suite (every mode), shared by the tests below."""
+    out = tmp_path_factory.mktemp("results")
+    argv = ["bench", "--suite", "e2e", "--device", "cpu", "--pair", "tiny=48", "--docs", "python",
+            "--new-tokens", "6", "--threads", "1", "--out", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(argv) == 0
+    return out, argv, stdout.getvalue()
+
+
+def test_e2e_suite_writes_table_json_and_plots(e2e_run):
+    out, argv, stdout = e2e_run
+    assert "| pair | L | mode | prompts | decode tok/s | x ar |" in stdout
+    for mode in MODES:
+        assert f"| tiny | 48 | {mode} | 1 |" in stdout
+    record = json.loads((out / "e2e" / "cpu.json").read_text())
+    meta = record["meta"]
+    assert meta["suite"] == "e2e" and meta["device"] == "cpu" and meta["command"] == "specextend " + " ".join(argv)
+    assert meta["commit"] and meta["date"][:2] == "20"
+    assert {r["mode"] for r in record["rows"]} == set(MODES)
+    for r in record["rows"]:
+        assert r["decode_tokens_per_s"] > 0 and r["ttft_s"] > 0 and not r["replayed"]
+    spec = [r for r in record["rows"] if r["mode"] in ("sd", "sd-masked", "specextend")]
+    assert all(r["num_steps"] > 0 and r["mean_acceptance_length"] >= 1 for r in spec)
+    summary = {s["mode"]: s for s in record["summary"]}
+    assert summary["ar"]["x_ar"] == 1.0 and summary["specextend"]["x_ar"] > 0
+    # every other mode's output equals ar's or first differs at a near-tie (float32)
+    assert {c["mode"] for c in record["checks"]} == set(MODES) - {"ar"}
+    assert all(c["near_tie"] for c in record["checks"])
+    for kind in ("tokens_per_s", "step_split", "acceptance", "ttft"):
+        png = out / "e2e" / f"cpu-{kind}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_rebuilds_the_page_from_the_record(e2e_run, tmp_path):
+    from specextend.bench.report import BEGIN, END
+
+    out, _, _ = e2e_run
+    page, readme = tmp_path / "README.md", tmp_path / "TOP.md"
+    page.write_text(f"# Results\n\nhand-written\n\n{BEGIN}\nold\n{END}\n\nfooter\n")
+    readme.write_text(f"## Performance at a glance\n\n{BEGIN}\n{END}\n")
+    assert main(["bench", "--report", "--out", str(out), "--page", str(page), "--readme", str(readme)]) == 0
+    text = page.read_text()
+    assert text.startswith("# Results\n\nhand-written") and text.endswith("footer\n") and "\nold\n" not in text
+    assert "### e2e: cpu" in text and "| tiny | 48 | specextend | 1 |" in text
+    links = [line for line in text.splitlines() if line.startswith("![")]
+    assert links and all((page.parent / link.split("](")[1].split(")")[0]).is_file()
+                         for line in links for link in line.split(" "))
+    assert "**e2e**, cpu" in readme.read_text() and "specextend" in readme.read_text()
+
+
+def test_bench_needs_a_suite_or_report(capsys):
+    assert main(["bench"]) == 2
+    assert "give --suite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("doc", texts.DOCUMENTS, ids=lambda d: d.name)
+def test_each_document_gives_a_prompt_of_the_asked_length(doc):
+    tok = build_byte_tokenizer()
+    ids = texts.prompt_ids(tok, doc, 300)
+    body = tok.decode(ids)
+    assert doc.question in body and len(ids) > 300
+    assert tok.decode(list(texts._document_ids(tok, doc.name, 300))) in body
+
+
+def test_nodejs_docs_read_plain_or_gzipped_pages(tmp_path, monkeypatch):
+    """Debian's nodejs-doc ships the larger pages as .md.gz; a missing page is a clear error."""
+    import gzip
+
+    names = ("fs", "stream", "http", "child_process", "buffer", "crypto", "net", "process", "events",
+             "worker_threads", "url", "util")
+    for i, name in enumerate(names):
+        page = f"# {name}\n"
+        if i % 2:
+            (tmp_path / f"{name}.md.gz").write_bytes(gzip.compress(page.encode()))
+        else:
+            (tmp_path / f"{name}.md").write_text(page)
+    monkeypatch.setenv("SPECEXTEND_NODEJS_DOCS", str(tmp_path))
+    assert texts.BY_NAME["nodejs"].text() == "\n\n".join(f"# {n}\n" for n in names)
+    (tmp_path / "url.md").unlink()
+    with pytest.raises(texts.TextUnavailable, match="apt-get install nodejs-doc"):
+        texts.BY_NAME["nodejs"].text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "e2e", "--modes", "ar,warp"], "unknown modes ['warp']"),
+    (["--suite", "e2e", "--device", "cpu", "--modes", "ar,sd-2gpu"], "the -2gpu modes need two GPUs"),
+    (["--suite", "e2e", "--pair", "huge=1024"], "unknown pair ['huge']"),
+    (["--suite", "e2e", "--pair", "tiny"], "give lengths"),
+    (["--suite", "kernels", "--pair", "tiny=64", "--pair", "8b=64"], "one --pair at a time"),
+])
+def test_bad_bench_arguments_are_one_clear_line(capsys, args, message):
+    assert main(["bench", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_unknown_document_fails_before_loading(capsys):
+    assert main(["bench", "--suite", "e2e", "--device", "cpu", "--pair", "tiny=64", "--docs", "poems"]) == 2
+    assert "unknown documents ['poems']" in capsys.readouterr().err
+
+
+def test_transformers_anchor_matches_plain_decoding_through_an_eos():
+    """The anchor runs our weights: greedy `generate` equals `ar` token for token, here through an
+    EOS at position 13 that both emit and continue past (ignore_eos), plain and assisted."""
+    from specextend.bench import hf
+    from specextend.config import EngineConfig, SamplingParams
+    from specextend.engine import Engine
+    from specextend.models.loader import load_model
+
+    target = load_model("random:llama-tiny", "target", "float32", "cpu")
+    draft = load_model("random:llama-tiny-draft", "draft", "float32", "cpu", vocab_size=target.args.vocab_size,
+                       target_weights=target.decoder.w)
+    prompt = texts.prompt_ids(target.tokenizer, texts.BY_NAME["nodejs"], 1024)
+    ar = Engine(EngineConfig(mode="ar", dtype="float32", device="cpu"), target)
+    ref, _, _ = ar.generate(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert set(ref) & set(target.args.eos_token_ids), "the case needs an EOS inside the output"
+    anchors = hf.anchors(target, draft)
+    for name, (model, assistant) in anchors.items():
+        out, timing = hf.generate(model, prompt, 16, assistant)
+        assert out == ref, name
+        assert 0 < timing["ttft_s"] and timing["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.serve
+def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["bench", "--suite", "serve", "--device", "cpu", "--pair", "tiny=64", "--docs", "python", "--modes",
+            "ar,specextend", "--new-tokens", "8", "--port", str(port), "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert "| tiny | 64 | specextend-cpu | 1 |" in capsys.readouterr().out
+    record = json.loads((tmp_path / "serve" / "cpu.json").read_text())
+    assert [r["mode"] for r in record["rows"]] == ["ar", "specextend-cpu"]
+    assert all(r["tokens"] == 8 and r["ttft_s"] > 0 for r in record["rows"])
+    spec = record["rows"][1]
+    assert spec["num_steps"] > 0 and spec["mean_acceptance_length"] >= 1 and spec["verify_ms"] > 0
+    assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
+                                     near_tie=True)]
+    assert (tmp_path / "serve" / "cpu-step_split.png").is_file()
