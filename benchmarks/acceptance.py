@@ -59,31 +59,40 @@ def configs(tree: TreeConfig) -> dict[str, EngineConfig]:
 
 
 class _PrefillCache:
-    """TargetSession whose prefill is computed once per prompt and then copied (benchmark only)."""
+    """TargetSession whose prefill is computed once per prompt and then copied (benchmark only):
+    the engine prefills chunk by chunk through `prefill_chunk_co`; on a hit the first chunk loads
+    the whole cached prefix (K/V, last logits, captured last layer) and no chunk runs a forward."""
     store: dict = {}
 
     @classmethod
     def session_class(cls):
         class CachedTarget(TargetSession):
-            def prefill(self, prompt_ids, chunk):
-                key = (tuple(prompt_ids), chunk)
+            def prefill_chunk_co(self, ids, lo, chunk, capture=False):
+                key = (tuple(ids.tolist()), chunk)
+                last = lo + chunk >= ids.numel()
                 hit = cls.store.get(key)
-                if hit is None:
-                    t0 = time.perf_counter()
-                    logits = super().prefill(prompt_ids, chunk)
+                if hit is not None:
+                    kv, logits, captured, _ = hit
+                    if lo == 0:
+                        self.cache.data[:, :, :, :kv.shape[3]] = kv
+                        self.cache.length = kv.shape[3]
+                    if last:
+                        self.captured = captured
+                        return logits.clone()
+                    return None
+                if lo == 0:
+                    self._t0 = time.perf_counter()
+                logits = yield from super().prefill_chunk_co(ids, lo, chunk, capture)
+                if last:  # keep only the current prompt
                     n = self.cache.length
-                    cls.store = {key: (self.cache.data[:, :, :, :n].clone(), logits.clone(),
-                                       time.perf_counter() - t0)}  # keep only the current prompt
-                    return logits
-                kv, logits, _ = hit
-                self.cache.data[:, :, :, :kv.shape[3]] = kv
-                self.cache.length = kv.shape[3]
-                return logits.clone()
+                    cls.store = {key: (self.cache.data[:, :, :, :n].clone(), logits.clone(), self.captured,
+                                       time.perf_counter() - self._t0)}
+                return logits
         return CachedTarget
 
     @classmethod
     def seconds(cls, prompt_ids, chunk) -> float:
-        return cls.store[(tuple(prompt_ids), chunk)][2]
+        return cls.store[(tuple(prompt_ids), chunk)][3]
 
 
 def prompt_ids(tok, doc: str, n: int) -> list[int]:
