@@ -210,9 +210,7 @@ class Engine:
                 opening = self._openers.submit(self.draft.open, sid, list(prompt_ids),
                                                DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens))
             capture = use_draft and cfg.retrieval.enabled  # the first retrieval is scored from the prefill
-            ids = torch.tensor(list(prompt_ids), device=self.target.decoder.device)
-            for lo in range(0, ids.numel(), cfg.prefill_chunk):
-                logits = yield from target.prefill_chunk_co(ids, lo, cfg.prefill_chunk, capture)
+            logits = yield from target.prefill_co(prompt_ids, cfg.prefill_chunk, capture)
             token = next_token(logits, params, gen)
             if opening is not None:
                 try:

@@ -53,7 +53,7 @@ def drive_alone(co: Generator, model: Decoder) -> Iterator[Any]:
                 return
             send, exc = None, None
             if isinstance(item, ForwardCall):
-                send = model.forward(item.ids, item.positions, item.cache, item.mask, item.opts)
+                send = item.run(model)
             elif isinstance(item, DraftCall):
                 try:
                     send = item.result()

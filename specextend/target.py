@@ -35,15 +35,21 @@ class TargetSession:
         try:
             call = next(co)
             while True:
-                call = co.send(self.model.forward(call.ids, call.positions, call.cache, call.mask, call.opts))
+                call = co.send(call.run(self.model))
         except StopIteration as stop:
             return stop.value
 
     def prefill(self, prompt_ids: Sequence[int], chunk: int, capture: bool = False) -> torch.Tensor:
         """Chunked causal prefill of the prompt; returns the last position's logits [V]."""
+        return self.run(self.prefill_co(prompt_ids, chunk, capture))
+
+    def prefill_co(self, prompt_ids: Sequence[int], chunk: int,
+                   capture: bool = False) -> Generator[ForwardCall, Result, torch.Tensor]:
+        """The prefill one chunk per forward (a batched driver runs other sessions' steps between
+        them): the last position's logits [V]."""
         ids = torch.tensor(list(prompt_ids), device=self.model.device)
         for lo in range(0, ids.numel(), chunk):
-            logits = self.run(self.prefill_chunk_co(ids, lo, chunk, capture))
+            logits = yield from self.prefill_chunk_co(ids, lo, chunk, capture)
         return logits
 
     def prefill_chunk_co(self, ids: torch.Tensor, lo: int, chunk: int,

@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 
 from specextend.attention.backends import Mask
-from specextend.attention.hybrid import layer_attention
 from specextend.kv_cache import KVCache
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 
@@ -32,6 +31,10 @@ class ForwardCall:
     mask: Mask  # CAUSAL, or [T, staged + T] bool
     opts: ForwardOptions = field(default_factory=ForwardOptions)
 
+    def run(self, model: Decoder) -> "Result":
+        """This forward alone, through Decoder.forward (the step graphs when they take it)."""
+        return model.forward(self.ids, self.positions, self.cache, self.mask, self.opts)
+
 
 # With step graphs (CUDA), one call replays a captured graph while a batch runs eagerly, launch by
 # launch: a few calls are cheaper replayed one after the other. An estimate, not yet measured on a
@@ -43,7 +46,7 @@ Result = tuple[torch.Tensor, Optional[Captured]]  # logits [T', V], captured las
 
 def forward_each(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
     """The slow twin: one Decoder.forward per call."""
-    return [model.forward(c.ids, c.positions, c.cache, c.mask, c.opts) for c in calls]
+    return [c.run(model) for c in calls]
 
 
 def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
@@ -57,21 +60,13 @@ def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
     prefix = [c.cache.length for c in calls]  # each call's committed prefix L_i
     x = model.embed(ids)  # [T, E]
     captured: list[Optional[Captured]] = [None] * len(calls)
-    last = a.num_layers - 1
     for i in range(a.num_layers):
         q, k, v, k_pre = model.layer_pre(i, x, cos, sin)  # q [H, T, D]; k, v, k_pre [G, T, D]
         outs = []
         for j, (c, qj, kj, vj, kpj) in enumerate(zip(calls, q.split(sizes, 1), k.split(sizes, 1),
                                                      v.split(sizes, 1), k_pre.split(sizes, 1))):
-            if c.opts.store is not None:
-                c.opts.store.stage(i, kpj, vj)
-            c.cache.stage(i, kj, vj, offset=c.opts.staged)
-            kc, vc = c.cache.layer(i)
-            need_lse = i == last and c.opts.capture_last
-            out, lse = layer_attention(model.backend, qj, kc, vc, prefix[j], c.mask, model.scale,
-                                       hybrid=c.opts.hybrid, need_lse=need_lse, window=c.opts.window)
-            if need_lse:
-                captured[j] = Captured(q=qj, lse=lse.float())
+            out, cap = model.attend(i, qj, kj, vj, kpj, c.cache, prefix[j], c.mask, c.opts)
+            captured[j] = cap or captured[j]
             outs.append(out)  # [H, T_j, D]
         x = model.layer_post(i, x, torch.cat(outs, 1))
     rows, starts = [], 0

@@ -176,14 +176,22 @@ class Decoder:
         captured = None
         for i in range(a.num_layers):
             q, k, v, k_pre = self.layer_pre(i, x, cos, sin)
-            if opts.store is not None:
-                opts.store.stage(i, k_pre, v)
-            cache.stage(i, k, v, offset=opts.staged)
-            kc, vc = cache.layer(i)
-            need_lse = i == a.num_layers - 1 and opts.capture_last
-            attn, lse = layer_attention(self.backend, q, kc, vc, L, new_mask, self.scale,
-                                        hybrid=opts.hybrid, need_lse=need_lse, window=opts.window)
-            if need_lse:
-                captured = Captured(q=q, lse=lse.float())
+            attn, cap = self.attend(i, q, k, v, k_pre, cache, L, new_mask, opts)
+            captured = cap or captured
             x = self.layer_post(i, x, attn)
         return self.head(x, opts.logits_rows), captured
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre: torch.Tensor,
+               cache: KVCache, prefix_len: int, new_mask: Mask,
+               opts: ForwardOptions) -> tuple[torch.Tensor, Optional[Captured]]:
+        """Layer i's attention of one sequence (q [H, T, D]; k, v, k_pre [G, T, D]): stages the new
+        K/V (and pre-RoPE K in opts.store), attends over the cache's prefix_len committed keys plus
+        the new ones; returns out [H, T, D] and, on the last layer with capture_last, the capture."""
+        if opts.store is not None:
+            opts.store.stage(i, k_pre, v)
+        cache.stage(i, k, v, offset=opts.staged)
+        kc, vc = cache.layer(i)
+        need_lse = i == self.args.num_layers - 1 and opts.capture_last
+        attn, lse = layer_attention(self.backend, q, kc, vc, prefix_len, new_mask, self.scale,
+                                    hybrid=opts.hybrid, need_lse=need_lse, window=opts.window)
+        return attn, Captured(q=q, lse=lse.float()) if need_lse else None
