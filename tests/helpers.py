@@ -3,6 +3,9 @@ the near-tie rule (docs/architecture.md, "Losslessness in finite precision")."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -77,3 +80,31 @@ def start_local_ray(**kw):
         subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
         time.sleep(5)
         return ray.init(**kw)
+
+
+def free_port() -> int:
+    """A free local port: the machine may run other Serve apps (other test runs) on 8000."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def served_app(settings: dict, port: int) -> Iterator:
+    """The real Serve app (deploy.app) on a fresh local Ray, HTTP on 127.0.0.1:`port`; yields the
+    SpecExtend deployment's handle, and shuts Serve and Ray down after."""
+    import ray
+    from ray import serve
+
+    from deploy.app import specextend
+
+    start_local_ray(num_cpus=2)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(specextend(dict(settings)), name="specextend", route_prefix="/")
+        yield serve.get_deployment_handle("SpecExtend", app_name="specextend")
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -14,7 +14,7 @@ from specextend.serving import auth
 from specextend.serving import protocol as p
 from specextend.serving.settings import AppSettings
 
-from helpers import start_local_ray
+from helpers import free_port, served_app
 
 KEY = "sk-test-" + "7f3a9c" * 6  # what a client is given
 MISSING = auth.error_body(auth.MISSING)
@@ -108,7 +108,8 @@ def test_middleware_before_routing_and_validation():
 
 # ------------------------------------------------------------------ the served app
 
-BASE = "http://127.0.0.1:8000"
+PORT = free_port()
+BASE = f"http://127.0.0.1:{PORT}"
 TARGET = "random:llama-tiny"
 SETTINGS = dict(target=TARGET, draft="random:llama-tiny-draft", num_gpus=0, dtype="float32", tree_nodes=8,
                 tree_depth=4, tree_topk=2, max_prompt_tokens=256, max_new_tokens=64)
@@ -118,19 +119,9 @@ SETTINGS = dict(target=TARGET, draft="random:llama-tiny-draft", num_gpus=0, dtyp
 def served(monkeypatch_module):
     """The app with its key from the environment (as the KubeRay manifests pass it): Ray's
     workers, the ingress among them, inherit the environment of the process that starts Ray."""
-    import ray
-    from ray import serve
-
-    from deploy.app import specextend
-
     monkeypatch_module.setenv(auth.ENV, KEY)
-    start_local_ray(num_cpus=2)
-    try:
-        serve.run(specextend(dict(SETTINGS)), name="specextend", route_prefix="/")
-        yield serve
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with served_app(SETTINGS, PORT) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +178,12 @@ def test_served_app_requires_the_key(served):
 def test_argument_key_wins_and_stays_out_of_logs(served):
     """`api_key=` as an app argument (here not the environment's) is the one checked; neither key
     shows up in any Ray log of the session."""
+    from ray import serve
+
     from deploy.app import specextend
 
     arg_key = "sk-arg-" + "c0ffee" * 6
-    served.run(specextend(dict(SETTINGS, mode="ar", api_key=arg_key)), name="specextend", route_prefix="/")
+    serve.run(specextend(dict(SETTINGS, mode="ar", api_key=arg_key)), name="specextend", route_prefix="/")
     models = f"{BASE}/v1/models"
     assert httpx.get(models, headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 401
     assert httpx.get(models, headers={"Authorization": f"Bearer {arg_key}"}, timeout=30).status_code == 200

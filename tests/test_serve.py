@@ -18,22 +18,14 @@ from specextend.serving.errors import QueueFullError
 from specextend.serving.metrics import ReplicaMetrics, merge_expositions
 from specextend.serving.textstream import TextStream
 
-from helpers import start_local_ray
+from helpers import free_port, served_app
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 
-def _free_port() -> int:
-    """The machine may run other Serve apps (other test runs) on 8000: a port of our own."""
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-PORT = _free_port()
+PORT = free_port()
 BASE = f"http://127.0.0.1:{PORT}"
 TARGET, DRAFT = "random:llama-tiny", "random:llama-tiny-draft"
 SETTINGS = dict(target=TARGET, draft=DRAFT, num_gpus=0, dtype="float32", tree_nodes=8, tree_depth=4,
@@ -49,20 +41,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 
 @pytest.fixture(scope="module")
 def server():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    from ray import serve
-
-    from deploy.app import specextend
-
-    start_local_ray(num_cpus=2)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(specextend(dict(SETTINGS)), name="specextend", route_prefix="/")
-        yield serve.get_deployment_handle("SpecExtend", app_name="specextend")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with served_app(SETTINGS, PORT) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")

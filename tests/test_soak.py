@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from helpers import start_local_ray
+from helpers import free_port, served_app
 
 pytestmark = [pytest.mark.serve, pytest.mark.soak, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -27,33 +27,15 @@ SETTINGS = dict(target=TARGET, draft=DRAFT, num_gpus=0, dtype="float64", tree_no
                 max_batch_sessions=16, draft_timeout_s=3)
 
 
-def _free_port() -> int:
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-PORT = _free_port()
+PORT = free_port()
 BASE = f"http://127.0.0.1:{PORT}"
 
 
 @pytest.fixture(scope="module")
 def server():
-    import ray
-    from ray import serve
-
-    from deploy.app import specextend
-
-    start_local_ray(num_cpus=2)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(specextend(dict(SETTINGS)), name="specextend", route_prefix="/")
-        yield serve.get_deployment_handle("SpecExtend", app_name="specextend")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with served_app(SETTINGS, PORT) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")

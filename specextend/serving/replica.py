@@ -238,10 +238,8 @@ class SpecExtendReplica:
                     if ev.finish_reason is not None:
                         reason = ev.finish_reason
                         break
-                if not tokens and reason is None:
-                    if ended:
-                        break
-                    continue
+                if not tokens and reason is None:  # ended with no new token (every event carries one)
+                    break
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.observe("specextend_time_to_first_token_seconds", now - t_arrival)
