@@ -27,10 +27,18 @@ from specextend.serving.settings import INGRESS_CPUS, AppSettings, check_cluster
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="specextend", description="Lossless speculative decoding for long inputs")
-app.add_middleware(limits.BodyLimitMiddleware)  # body size and read deadline (serving/limits.py)
-# the API key (serving/auth.py) is the one this replica's ingress resolved at start; added last, it
-# runs first: a caller without the key is refused before its body is read
-app.add_middleware(auth.APIKeyMiddleware, key=lambda: serve.get_replica_context().servable_object.api_key)
+# Both middlewares read their settings from this replica's ingress (Serve runs a copy of `app`, so
+# the ingress cannot configure the app object it sees): body size and read deadline
+# (serving/limits.py); the API key (serving/auth.py), added last so it runs first: a caller
+# without the key is refused before its body is read.
+app.add_middleware(limits.BodyLimitMiddleware, limits=lambda: _ingress().body_limits)
+app.add_middleware(auth.APIKeyMiddleware, key=lambda: _ingress().api_key)
+
+
+def _ingress() -> "OpenAIIngress":
+    return serve.get_replica_context().servable_object
+
+
 CONTROL_TIMEOUT_S = 3.0  # health / model-info calls to a replica (probes time out at 5 s)
 DONE = {"data": "[DONE]"}
 
@@ -133,7 +141,7 @@ class OpenAIIngress:
         self.handle = engine.options(stream=False)
         self._model: Optional[str] = self.settings.served_model_name
         self._max_prompt_tokens: Optional[int] = None
-        limits.configure(limits.BodyLimits(self.settings.max_request_bytes, self.settings.request_read_timeout_s))
+        self.body_limits = limits.BodyLimits(self.settings.max_request_bytes, self.settings.request_read_timeout_s)
 
     async def _control(self, method: str):
         try:

@@ -6,8 +6,9 @@ and a body that has not fully arrived within `request_read_timeout_s` (a slow cl
 sends less than its Content-Length) is a 408; both in OpenAI's error JSON. The body is read once
 here and replayed to the app. After the body, a failing `receive` (Serve cancels it when the
 client goes away) reads as a disconnect, so a streaming response ends quietly. The ingress sets
-the limits with `configure` (this module's state: Serve runs a copy of the FastAPI app, so the
-app object the ingress sees is not the one serving).
+the limits: `limits()` returns those in force (the ingress passes a function that reads its own,
+as for the API key: Serve runs a copy of the FastAPI app, so the app object the ingress sees is not
+the one serving).
 """
 
 from __future__ import annotations
@@ -27,13 +28,6 @@ class BodyLimits:
     max_bytes: int
     read_timeout_s: float
 
-
-_limits: Optional[BodyLimits] = None
-
-
-def configure(limits: BodyLimits) -> None:
-    global _limits
-    _limits = limits
 
 
 class _Disconnected(Exception):
@@ -67,12 +61,15 @@ def _declared_length(scope: dict, max_bytes: int) -> None:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: Callable) -> None:
-        self.app = app
+    def __init__(self, app: Callable, limits: Callable[[], Optional[BodyLimits]]) -> None:
+        self.app, self.limits = app, limits
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
-        limits = _limits
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD") or limits is None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        limits = self.limits()
+        if limits is None:
             await self.app(scope, receive, send)
             return
         try:
