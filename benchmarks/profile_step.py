@@ -54,10 +54,17 @@ def main():
     ap.add_argument("--rows", type=int, default=10, help="rows of the device-time table")
     ap.add_argument("--only-verify", action="store_true")
     ap.add_argument("--execution", default="auto", choices=("auto", "graphs", "eager"))
+    ap.add_argument("--skinny", default="auto", choices=("auto", "on", "off"),
+                    help="the skinny linear kernels in the full-step graphs (auto: the loader's choice)")
     a = ap.parse_args()
     kw = dict(execution=a.execution)
     target = load_model(a.target, "target", **kw)
     draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, **kw)
+    if a.skinny != "auto":
+        from specextend.models.full_graphs import FullStepGraphs
+
+        for m in (target, draft):
+            m.decoder.graphs = FullStepGraphs(m.decoder, fused=True, skinny=a.skinny == "on")
     prompt = torch.randint(0, 256, (a.length,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     sess = TargetSession(target.decoder, a.length + 64, hybrid=True)

@@ -35,6 +35,9 @@ from specextend.attention import _triton_kernels as PK  # noqa: E402
 from specextend.attention.triton_prefix import config, num_splits  # noqa: E402
 from specextend.models import _triton_layer as LK  # noqa: E402
 from specextend.models.fused_layer import _pow2, combine_config  # noqa: E402
+from specextend.attention.triton_prefix import MIN_CHUNK  # noqa: E402
+from specextend.models import _triton_skinny as SK  # noqa: E402
+from specextend.models.skinny import config as skinny_config  # noqa: E402
 
 # name: (H, G, D, intermediate) of the presets (models/presets.py)
 GEOMETRIES = {"llama-3.1-8b": (32, 8, 128, 14336), "llama-3.2-1b": (32, 8, 64, 8192),
@@ -71,15 +74,15 @@ def kernels_for(geo: str, call: str, dt: str):
     yield "prefix_partials", PK.prefix_partials, dict(
         q_ptr=(p, 0), kv_ptr=(p, 0), meta_ptr=("*i64", 0), out_ptr=("*fp32", 0), lse_ptr=("*fp32", 0),
         scale_log2=("fp32", 0), layer=("i32", 3), M=("i32", m)), dict(
-        G=g, D=d, DP=_pow2(d), SPLITS=splits, BLOCK_M=c["bm"], BLOCK_N=c["block_n"], IEEE=dt == "fp32",
+        G=g, D=d, DP=_pow2(d), SPLITS=splits, BLOCK_M=c["bm"], BLOCK_N=c["block_n"], MIN_CHUNK=MIN_CHUNK, IEEE=dt == "fp32",
         INTERPRET=False), dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
     cc = combine_config(m, n, d, splits, dt == "fp32")
     yield "tree_combine", LK.tree_combine, dict(
         q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0), bias_ptr=("*fp32", 0), outp_ptr=("*fp32", 0),
         lsep_ptr=("*fp32", 0), out_ptr=(p, 0), lse_ptr=("*fp32", 0), scale_log2=("fp32", 0),
         stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d)), dict(
-        T=t, R=r, N=n, S=splits, D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"], SB=cc["sb"],
-        NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32"), dict(num_warps=cc["warps"])
+        T=t, R=r, N=n, S=splits, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
+        SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False), dict(num_warps=cc["warps"])
     yield "rope_scatter", LK.rope_scatter, dict(
         qkv_ptr=(p, 0), cos_ptr=(p, 0), sin_ptr=(p, 0), q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0),
         kpre_ptr=(p, 0), stride_kg=("i32", n * d), stride_kt=("i32", d), stride_vg=("i32", n * d),
@@ -88,6 +91,15 @@ def kernels_for(geo: str, call: str, dt: str):
     block = min(1024, _pow2(inter))
     yield "silu_mul", LK.silu_mul, dict(gu_ptr=(p, 0), out_ptr=(p, 0)), dict(I=inter, BLOCK=block), dict(num_warps=4)
     e = h * d  # the presets' hidden size
+    # the skinny projections (models/skinny.py): QKV with the norm and bias, gate/up, down + residual
+    for what, n, k, norm, bias, glu, res in (("qkv", (h + 2 * g) * d, e, True, True, False, False),
+                                             ("gate_up", inter, e, True, False, True, False),
+                                             ("down", e, inter, False, False, False, True)):
+        sc = skinny_config(t, n, k, H100_SMS, dt == "fp32")
+        yield "skinny_linear", SK.skinny_linear, dict(
+            x_ptr=(p, 0), nw_ptr=(p, 0), w_ptr=(p, 0), b_ptr=(p, 0), y_ptr=(p, 0), eps=("fp32", 0), T=("i32", t)), dict(
+            K=k, N=n, NORM=norm, BIAS=bias, GLU=glu, RESIDUAL=res, IEEE=dt == "fp32", BT=sc["BT"], BN=sc["BN"],
+            BK=sc["BK"]), dict(num_warps=sc["num_warps"], num_stages=sc["num_stages"])
     yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(
         E=e, BLOCK=_pow2(e)), dict(num_warps=max(1, min(16, _pow2(e) // 512)))
 

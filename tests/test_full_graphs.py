@@ -16,7 +16,7 @@ pytest.importorskip("triton")  # a dev dependency: present in CI
 
 from specextend.attention.backends import CAUSAL, sdpa_lse
 from specextend.attention.tree_merge import mask_bias, tree_attention_merged
-from specextend.attention.triton_prefix import (cache_meta, num_splits, partials_reference,
+from specextend.attention.triton_prefix import (cache_meta, num_splits, partials_reference, split_chunk,
                                                  prefix_partials)
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported, launch_pieces
@@ -33,10 +33,12 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("length,splits,d", [(200, 4, 32), (37, 8, 24), (1, 3, 16)])
-def test_prefix_partials_equal_reference(dtype, length, splits, d):
+@pytest.mark.parametrize("length,splits,d,min_chunk", [(200, 4, 32, 16), (37, 8, 24, 16), (1, 3, 16, 16),
+                                                      (200, 8, 32, 64)])
+def test_prefix_partials_equal_reference(dtype, length, splits, d, min_chunk):
     """Every split's (out, lse), empty splits included (lse -inf, out 0), and their merge equals
-    attention over the whole prefix; the kernel reads layer 1 of a cache through its address."""
+    attention over the whole prefix; the kernel reads layer 1 of a cache through its address. A
+    minimum chunk of 64 keys fills 4 of 8 splits with 200 keys (25 keys a split without it)."""
     gen = torch.Generator().manual_seed(length)
     layers, g, cap, rows = 2, 2, 256, 10
     data = torch.randn(layers, 2, g, cap, d, generator=gen).to(DEVICE, dtype)  # KVCache.data layout
@@ -45,12 +47,15 @@ def test_prefix_partials_equal_reference(dtype, length, splits, d):
     meta = torch.tensor(cache_meta(data, anchor, length), dtype=torch.int64, device=DEVICE)
     out = torch.full((g, splits, rows, d), float("nan"), device=DEVICE)  # poisoned: all must be written
     lse = torch.full((g, splits, rows), float("nan"), device=DEVICE)
-    prefix_partials(q, anchor, meta, 1, 0.3, out, lse, block_n=16)
-    ref_out, ref_lse = partials_reference(q, data[1, 0], data[1, 1], length, splits, 0.3, block_n=16)
+    prefix_partials(q, anchor, meta, 1, 0.3, out, lse, block_n=16, min_chunk=min_chunk)
+    ref_out, ref_lse = partials_reference(q, data[1, 0], data[1, 1], length, splits, 0.3, block_n=16,
+                                          min_chunk=min_chunk)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
     torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
-    assert torch.isinf(lse).any() == (-(-length // 16) < splits)  # some splits empty when short
+    used = -(-length // split_chunk(length, splits, 16, min_chunk))
+    assert used == (4 if min_chunk == 64 else min(splits, -(-length // 16)))
+    assert torch.isinf(lse[:, used:]).all() and not torch.isinf(lse[:, :used]).any()  # the first `used` filled
     w = torch.softmax(lse, dim=1)  # [G, S, rows]
     merged = (w[..., None] * out).sum(1)
     whole, _ = sdpa_lse(q.float()[None], data[1, 0, :, :length].float()[None],
@@ -67,7 +72,7 @@ def test_tree_merge_of_partials_equals_single_prefix():
     kp, vp = torch.randn(2, g, L, d, generator=gen, dtype=torch.float64)
     bias = mask_bias(ancestor_mask([-1, 0, 0], "cpu"), h // g, torch.float64)
     qf = q.reshape(g, (h // g) * t, d)
-    parts = partials_reference(qf, kp, vp, L, s, 0.4, block_n=4)
+    parts = partials_reference(qf, kp, vp, L, s, 0.4, block_n=4, min_chunk=4)
     whole, whole_lse = sdpa_lse(qf[None], kp[None], vp[None], False, 0.4)
     ref, ref_lse = tree_attention_merged(q, kt, vt, bias, whole[0].reshape(h, t, d), whole_lse[0].reshape(h, t),
                                          0.4, need_lse=True)

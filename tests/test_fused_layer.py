@@ -35,7 +35,7 @@ def _gen(seed):
 def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, chunk, need_lse):
     """GQA groups, one query, staged keys past one key block (n > 64), a non-power-of-two head dim,
     the head dim in chunks over programs (two of 16, the last one partial), more rows than one row
-    block, S partials (some empty: lse -inf; 37 of them: in half precision five unrolled iterations
+    block, S partials (some empty: lse -inf; 37 of them, the last 5 empty: four unrolled iterations
     of 8, the last one partial) or the one-prefix layout [H, T, D]."""
     gen = _gen(h * 100 + t * 10 + staged)
     r, n = h // g, staged + t
@@ -51,7 +51,12 @@ def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, sp
         out_p, lse_p = rnd(g, splits, r * t, d), rnd(g, splits, r * t) * 3
         lse_p[:, 0] = float("-inf")  # an empty split
         out_p[:, 0] = 0
+        if splits > 8:  # trailing empty splits (a short prefix)
+            lse_p[:, -5:] = float("-inf")
+            out_p[:, -5:] = 0
     ref, ref_lse = tree_attention_merged(q, k, v, bias, out_p, lse_p, 0.3, need_lse=need_lse)  # [H, T, D]
+    if splits > 8:
+        out_p[:, -5:] = float("nan")  # the kernel reads no split past the last non-empty one
     got, lse = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, need_lse, chunk)  # [T, H * D]
     tol = TOL[dtype]
     torch.testing.assert_close(got.view(t, h, d).transpose(0, 1).float(), ref.float(), atol=tol, rtol=tol)
@@ -105,12 +110,14 @@ def test_rms_norm_equals_torch(dtype, t, e):
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
-def test_fused_full_step_twin_equals_eager(name):
-    """The full-step forward with the fused kernels equals the plain forward, for every decode-time
-    call kind (AR, draft levels with staged keys and the store, verification with CMR capture)."""
+@pytest.mark.parametrize("skinny", [False, True])
+def test_fused_full_step_twin_equals_eager(name, skinny):
+    """The full-step forward with the fused kernels (and the skinny linear ones) equals the plain
+    forward, for every decode-time call kind (AR, draft levels with staged keys and the store,
+    verification with CMR capture)."""
     dec = decoder_on(name, DEVICE, torch.float32)
     ref = run_calls(dec, dec.forward_eager, DEVICE)
-    got = run_calls(dec, FullStepGraphs(dec, capture=False, fused=True).forward, DEVICE)
+    got = run_calls(dec, FullStepGraphs(dec, capture=False, fused=True, skinny=skinny).forward, DEVICE)
     assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
 
 
@@ -125,15 +132,18 @@ def test_fused_piecewise_twin_equals_eager():
 def test_fused_and_compiled_are_alternatives_and_float64_is_refused():
     with pytest.raises(ValueError, match="pick one"):
         Segments(compile=True, fused=True)
+    with pytest.raises(ValueError, match="come with the fused"):
+        Segments(skinny=True)
     with pytest.raises(ValueError, match="not torch.float64"):
         FullStepGraphs(decoder_on("llama3", DEVICE, torch.float64), capture=False, fused=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_captured_fused_full_graphs_equal_twin(dtype, tol):
+@pytest.mark.parametrize("skinny", [False, True])
+def test_captured_fused_full_graphs_equal_twin(dtype, tol, skinny):
     dec = decoder_on("qwen2", "cuda", dtype)
-    graphs = FullStepGraphs(dec, capture=True, fused=True)
+    graphs = FullStepGraphs(dec, capture=True, fused=True, skinny=skinny)
     got = run_calls(dec, graphs.forward, "cuda")
     ref = run_calls(dec, FullStepGraphs(dec, capture=False).forward, "cuda")
     assert graphs.num_graphs == 5 * len(graphs.pieces)

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[1]
-FUSED = {"tree_combine", "rope_scatter", "silu_mul", "rms_norm"}
+FUSED = {"tree_combine", "rope_scatter", "silu_mul", "rms_norm", "skinny_linear"}
 
 
 def test_kernels_compile_for_sm90_within_shared_memory_and_fused_ones_do_not_spill():
@@ -31,4 +31,5 @@ def test_kernels_compile_for_sm90_within_shared_memory_and_fused_ones_do_not_spi
     spills = [r for r in rows if r["kernel"] in FUSED and r["stack"]]
     assert not spills, spills
     # half-precision attention dots run on the tensor cores (wgmma where the tile allows)
-    assert all(r["mma"] for r in rows if r["kernel"] in ("tree_combine", "prefix_partials") and r["dtype"] == "bf16")
+    assert all(r["mma"] for r in rows if r["kernel"] in ("tree_combine", "prefix_partials", "skinny_linear")
+               and r["dtype"] == "bf16")

@@ -38,7 +38,7 @@ def key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
 @triton.jit
 def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
                     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr,
                     INTERPRET: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
@@ -54,7 +54,7 @@ def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer
     kv = kv_ptr + off  # the cache, through an aligned pointer (vectorized loads)
     k_ptr = kv + ((layer * 2 + 0) * G + g) * cap * D  # [cap, D] of layer, head g
     v_ptr = kv + ((layer * 2 + 1) * G + g) * cap * D
-    chunk = tl.cdiv(tl.cdiv(L, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(L, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)  # split_chunk's
     start = s * chunk
     end = tl.minimum(L, start + chunk)
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]

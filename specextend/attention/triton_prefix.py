@@ -63,6 +63,16 @@ def config(rows: int, ieee: bool = False) -> dict:
     return dict(bm=128, block_n=128, num_warps=8, num_stages=3)
 
 
+MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only those)
+
+
+def split_chunk(L: int, splits: int, block_n: int, min_chunk: int = MIN_CHUNK) -> int:
+    """Keys per split: L spread over the splits in whole key blocks, at least min_chunk (a multiple
+    of block_n) so that a cache of a few thousand keys, like the draft's retrieval working cache,
+    fills a few splits whose partials the combine reads, not ~64 nearly empty ones."""
+    return max(-(-(-(-L // splits)) // block_n) * block_n, -(-min_chunk // block_n) * block_n)
+
+
 def block_m(rows: int, ieee: bool = False) -> int:
     return config(rows, ieee)["bm"]
 
@@ -80,10 +90,11 @@ def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T fold
                     layer: int, scale: float,
                     out: torch.Tensor,  # [G, S, M, D] float32
                     lse: torch.Tensor,  # [G, S, M] float32
-                    block_n: int = 0, num_warps: int = 0, num_stages: int = 0, bm: int = 0) -> None:
+                    block_n: int = 0, num_warps: int = 0, num_stages: int = 0, bm: int = 0,
+                    min_chunk: int = MIN_CHUNK) -> None:
     """Writes each split's attention of q over keys [s*chunk, min(L, (s+1)*chunk)) of the cache's
-    layer `layer` into out / lse (empty splits: out 0, lse -inf). Launch parameters left 0 come
-    from config(M, float32)."""
+    layer `layer` into out / lse (chunk = split_chunk(L, S, block_n, min_chunk); empty splits: out
+    0, lse -inf). Launch parameters left 0 come from config(M, float32)."""
     g, m, d = q.shape
     splits = out.shape[1]
     c = config(m, q.dtype == torch.float32)
@@ -95,17 +106,18 @@ def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T fold
 
     kernel[grid](q, anchor, meta, out, lse, scale * math.log2(math.e), layer, m, G=g, D=d,
                  DP=1 << (d - 1).bit_length(), SPLITS=splits, BLOCK_M=bm, BLOCK_N=block_n,
+                 MIN_CHUNK=-(-min_chunk // block_n) * block_n,
                  IEEE=q.dtype == torch.float32, INTERPRET=INTERPRETED,
                  num_warps=num_warps, num_stages=num_stages)
 
 
 def partials_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L: int, splits: int, scale: float,
-                       block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_n: int = 64, min_chunk: int = MIN_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The same partials in plain torch: q [G, M, D], k, v [G, >= L, D] -> out [G, S, M, D], lse [G, S, M]
     (float32; float64 stays float64)."""
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     g, m, d = q.shape
-    chunk = -(-(-(-L // splits)) // block_n) * block_n
+    chunk = split_chunk(L, splits, block_n, min_chunk)
     out = torch.zeros(g, splits, m, d, dtype=cd, device=q.device)
     lse = torch.full((g, splits, m), float("-inf"), dtype=cd, device=q.device)
     for s in range(splits):

@@ -20,19 +20,36 @@ def _fold(m_i, l_i, acc, m_blk, s_blk, a_blk):
 
 
 @triton.jit
+def _partial(outp_ptr, lsep_ptr, g, s, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
+             S: tl.constexpr, M: tl.constexpr, D: tl.constexpr):
+    """Split s's weighted output w [BM, 1] * out_s [BM, DC] (0 past n_used) and its weight w [BM]."""
+    ok = row_ok & (s < n_used)
+    row = (g * S + s) * M + offs_m  # [BM]
+    w = tl.exp2(tl.load(lsep_ptr + row, mask=ok, other=float("-inf")).to(tl.float32) * LOG2E - m_safe)
+    o = tl.load(outp_ptr + row[:, None] * D + offs_c[None, :], mask=ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)
+    return w[:, None] * o, w
+
+
+@triton.jit
 def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
                  stride_kg, stride_kn, stride_vg, stride_vn,
-                 T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
+                 T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
                  D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     """One program: BLOCK_M folded rows (r = j * T + t: query head g * R + j, token t) of KV head g,
     head dims [c * DC, (c + 1) * DC). Softmax over the S prefix partials (each one column: its lse
     and normalized output) and the N tree keys (scores over all D + additive bias); writes
     out[t, g * R + j, chunk] and, if NEED_LSE, lse[g * R + j, t] (chunk 0).
 
-    Chunks of the head dim multiply the programs (a few row blocks x KV heads would leave most
-    multiprocessors idle while the S partials, [G, S, R*T, D] float32, are read): each chunk
-    recomputes the tree scores (a small dot) and reads only its columns of the partials.
+    The partials in two passes: all S lse at once ([BM, SP], one load), whose maximum fixes every
+    split's weight, then the weighted sum of the outputs, SB splits an iteration with no dependence
+    between their loads (a running-max fold per split was a chain of S dependent steps: 13.5 us a
+    call for the 1.5B's AR step at 16K on an H100, 2026-11-23). Only splits up to the last non-empty
+    one are read: a short cache fills few (prefix_partials' minimum chunk), and the draft's
+    retrieval cache of ~1K keys read 64 splits, 14 us a call. Chunks of the head dim multiply the
+    programs: each recomputes the tree scores (a small dot) and reads only its columns.
     Half-precision inputs (IEEE False) use the tensor cores with float32 accumulation: q.k products
     of bf16/fp16 values are exact in float32, and p (float32) goes in as p_hi + p_lo, two half
     values whose sum carries ~16 bits of it, so the result matches the float32 twin to well within
@@ -44,25 +61,36 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, DP)  # [DP] all head dims (scores)
     offs_c = c * DC + tl.arange(0, DC)  # [DC] this program's head dims (outputs)
+    offs_s = tl.arange(0, SP)  # [SP]
     row_ok = offs_m < M
     d_ok = offs_d < D
     c_ok = offs_c < D
     io = row_ok[:, None] & c_ok[None, :]  # [BM, DC]
     q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, DP]
-    # prefix partials, one score column each, SB splits per loop iteration (unrolled: their loads are
-    # independent, so S partials cost about S / SB memory round trips, not S dependent ones)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # pass 1: every split's lse -> the prefix maximum and the splits in use
+    ls = tl.load(lsep_ptr + (g * S + offs_s)[None, :] * M + offs_m[:, None],
+                 mask=row_ok[:, None] & (offs_s < S)[None, :], other=float("-inf")).to(tl.float32) * LOG2E  # [BM, SP]
+    m_i = tl.max(ls, 1)  # [BM]
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    n_used = tl.max(tl.max(tl.where(ls > float("-inf"), offs_s[None, :] + 1, 0), 1), 0)  # splits 0..n_used-1
+    # pass 2: sum of w_s * out_s, SB independent splits per iteration
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
-    for s0 in range(0, S, SB):
-        for j in tl.static_range(SB):
-            ok = row_ok & (s0 + j < S)
-            row = (g * S + s0 + j) * M + offs_m
-            ls = tl.load(lsep_ptr + row, mask=ok, other=float("-inf")).to(tl.float32) * LOG2E
-            o = tl.load(outp_ptr + row[:, None] * D + offs_c[None, :], mask=ok[:, None] & c_ok[None, :],
-                        other=0.0).to(tl.float32)
-            m_i, l_i, acc = _fold(m_i, l_i, acc, ls, tl.where(ls == float("-inf"), 0.0, 1.0), o)
+    if INTERPRET:  # the interpreter's scalars cannot bound a range()
+        s0 = 0
+        while s0 < n_used:
+            for j in tl.static_range(SB):
+                a_j, w_j = _partial(outp_ptr, lsep_ptr, g, s0 + j, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D)
+                acc += a_j
+                l_i += w_j
+            s0 += SB
+    else:
+        for s0 in range(0, n_used, SB):
+            for j in tl.static_range(SB):
+                a_j, w_j = _partial(outp_ptr, lsep_ptr, g, s0 + j, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D)
+                acc += a_j
+                l_i += w_j
     for n0 in range(0, N, BLOCK_N):  # tree keys, masked by the additive bias
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
         key_ok = offs_n < N

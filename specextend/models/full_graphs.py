@@ -52,8 +52,8 @@ def launch_pieces(steps: int, split: bool = True) -> list[range]:
 
 class FullStepGraphs(StepGraphs):
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False,
-                 fused: bool = False, split_launch: bool = True):
-        super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile, fused=fused)
+                 fused: bool = False, split_launch: bool = True, skinny: bool = False):
+        super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile, fused=fused, skinny=skinny)
         self.pieces = launch_pieces(model.args.num_layers + 1, split_launch)
         dev = model.device
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8

@@ -23,23 +23,23 @@ import torch
 import torch.nn.functional as F
 
 from specextend.models.args import ModelArgs
+from specextend.models import skinny as skinny_mod
 from specextend.models.decoder import LayerWeights
+from specextend.models.skinny import supported as skinny_rows
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
 
 def combine_config(rows: int, n: int, d: int, s: int, ieee: bool) -> dict:
-    """tree_combine's tiles: row blocks of at most 32 and head-dim chunks of 32 (more programs: the
-    partials are read at the machine's bandwidth, not one multiprocessor's), and sb of the S
-    partials per loop iteration, unrolled so that their loads are in flight together (H100,
-    2026-11-23: one split per iteration cost 19 us a call for the 8B's 16-node tree, S = 33
-    dependent round trips). Key blocks of 64 (trees past 32 nodes) take sb = 4, float32's IEEE
-    dots sb = 1: more spilled (8 and any sb > 1 respectively, for some geometry). Tiles that
-    compile for sm_90 without spilling (benchmarks/triton_aot.py)."""
-    bn = 16 if ieee else min(64, _pow2(n))  # IEEE float32 dots run on CUDA cores: smaller key blocks
-    bm, dc, sp = min(32, _pow2(rows)), min(32, _pow2(d)), _pow2(s, 2)
-    return dict(bm=bm, bn=bn, dc=dc, sb=1 if ieee else min(sp, 8 if bn <= 32 else 4), warps=4)
+    """tree_combine's tiles: row blocks of 16 and head-dim chunks of 16, so that even an AR step's
+    few rows spread over G * D / 16 programs (the S float32 partials are read at the machine's
+    bandwidth, not a few multiprocessors'), and sb of the S partials per loop iteration, unrolled
+    so that their loads are in flight together. Key blocks of 64 for the tree part (16 for float32's
+    IEEE dots on CUDA cores). Tiles that compile for sm_90 without spilling
+    (benchmarks/triton_aot.py)."""
+    bn = 16 if ieee else min(64, _pow2(n))
+    return dict(bm=16, bn=bn, dc=min(32 if ieee else 16, _pow2(d)), sp=_pow2(s, 2), sb=1 if ieee else min(_pow2(s, 2), 8), warps=8 if ieee else 4)
 
 
 def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
@@ -52,6 +52,7 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     """-> attention over prefix + tree keys as [T, H * D] (q's dtype) and the merged lse [H, T]
     (float32) if need_lse. d_chunk (a power of two >= 16; 0 = combine_config's) splits the head dim
     over programs. Twin: tree_merge.tree_attention_merged (its out, transposed)."""
+    from specextend.attention._triton_kernels import INTERPRETED
     from specextend.models._triton_layer import tree_combine as kernel
 
     h, t, d = q.shape
@@ -67,8 +68,9 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     dc = d_chunk or c["dc"]
     grid = (-(-r * t // c["bm"]), g, -(-d // dc))
     kernel[grid](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
-                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, R=r, N=n, S=s, D=d, DP=_pow2(d),
-                 DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], SB=c["sb"], NEED_LSE=need_lse, IEEE=ieee, num_warps=c["warps"])
+                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, R=r, N=n, S=s, SP=c["sp"], D=d,
+                 DP=_pow2(d), DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], SB=c["sb"], NEED_LSE=need_lse, IEEE=ieee,
+                 INTERPRET=INTERPRETED, num_warps=c["warps"])
     return out, (lse if need_lse else None)
 
 
@@ -119,18 +121,25 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the layer pieces, fused
-def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst) -> torch.Tensor:
-    """segments._pre with RoPE and the copies fused, for models without QK-norm."""
+def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst, skinny: bool = False) -> torch.Tensor:
+    """segments._pre with RoPE and the copies fused, for models without QK-norm; `skinny`: the norm
+    and the QKV projection (+ bias) in one kernel too (skinny.norm_linear)."""
     assert lw.q_norm is None, "QK-norm models take segments._pre"
-    qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
+    if skinny and skinny_rows(x, lw.qkv):
+        qkv = skinny_mod.norm_linear(x, lw.input_norm, a.rms_norm_eps, lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
+    else:
+        qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.qkv, lw.qkv_bias)
     return rope_scatter(a, qkv, cos, sin, k_dst, v_dst, kpre_dst)
 
 
-def layer_post(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+def layer_post(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor, skinny: bool = False) -> torch.Tensor:
     """decoder.layer_post on attention already in [T, H * D] (tree_combine's layout). The residual
     adds are in place (x is this layer's own input, read by nothing after it): torch.addmm into a
     new tensor first copies x there, two extra graph nodes a layer (memcpy32_post in the H100
-    profile, 2026-11-23)."""
+    profile, 2026-11-23). `skinny`: three kernels (skinny.py) instead of six."""
+    if skinny and skinny_rows(x, lw.o):
+        x = skinny_mod.linear_residual_(x, attn, lw.o)  # residual
+        return skinny_mod.linear_residual_(x, skinny_mod.norm_glu(x, lw.post_norm, a.rms_norm_eps, lw.gate_up), lw.down)
     x = x.addmm_(attn, lw.o.t())  # residual
     hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
     return x.addmm_(silu_mul(F.linear(hs, lw.gate_up)), lw.down.t())

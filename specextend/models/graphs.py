@@ -92,11 +92,11 @@ class _Plan:
 
 class StepGraphs:
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS,
-                 compile: bool = False, fused: bool = False):
+                 compile: bool = False, fused: bool = False, skinny: bool = False):
         self.model = model
         if fused and model.dtype not in TRITON_DTYPES:
             raise ValueError(f"the fused layer kernels take bf16, fp16 or fp32 models, not {model.dtype}")
-        self.seg = Segments(compile, fused=fused)  # segment functions: as written, Inductor or Triton-fused
+        self.seg = Segments(compile, fused=fused, skinny=skinny)  # as written, Inductor or Triton-fused
         self.capture = capture and model.device.type == "cuda"
         self.max_tokens = max_tokens
         self.plans: dict[ShapeKey, _Plan] = {}

@@ -188,7 +188,8 @@ def attach_plan(decoder: Decoder, execution: str = "auto") -> None:
     from specextend.models.graphs import StepGraphs
 
     if full_graphs_supported(decoder):
-        decoder.graphs = FullStepGraphs(decoder, fused=fused_kernels_supported(decoder))
+        fused = fused_kernels_supported(decoder)
+        decoder.graphs = FullStepGraphs(decoder, fused=fused, skinny=fused and skinny_kernels_supported(decoder))
     else:
         decoder.graphs = StepGraphs(decoder)
 
@@ -197,6 +198,13 @@ def fused_kernels_supported(decoder: Decoder) -> bool:
     """The Triton-fused layer kernels (fused_layer.py) cover every half-precision and float32 model
     the full-step graphs take (H100, 2026-11-23: 8B verify at 16K 11.60 -> 9.64 ms)."""
     return decoder.dtype != torch.float64
+
+
+def skinny_kernels_supported(decoder: Decoder) -> bool:
+    """The skinny linear kernels (skinny.py) for the projections of decode-time forwards: off until
+    they beat cuBLAS (H100, 2026-11-23, first tiles: 0.5B draft step 7.56 -> 9.90 ms of kernels,
+    1.5B AR step at 16K 2.23 -> 2.98 ms, 8B verify 7.12 -> 9.72 ms; benchmarks/skinny_tune.py)."""
+    return False
 
 
 def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "auto",

@@ -36,19 +36,21 @@ def _pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst) ->
     return q.contiguous()  # contiguous: the prefix call's GQA fold is then a view
 
 
-def _layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst, fused: bool) -> torch.Tensor:
-    """_pre, or with RoPE and the copies in one Triton kernel (QK-norm models keep the torch path)."""
+def _layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst, fused: bool,
+               skinny: bool = False) -> torch.Tensor:
+    """_pre, or with RoPE and the copies in one Triton kernel (QK-norm models keep the torch path);
+    `skinny`: the norm and QKV projection in one kernel too (skinny.py)."""
     if fused and lw.q_norm is None:
-        return fused_layer.layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
+        return fused_layer.layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, skinny)
     return _pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst)
 
 
 def _attend_post(a: ModelArgs, scale: float, lw: LayerWeights, x, q, kt, vt, bias, out_p, lse_p,
-                 need_lse: bool, fused: bool):
+                 need_lse: bool, fused: bool, skinny: bool = False):
     """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None."""
     if fused:  # one Triton kernel for the attention, written in the o-proj's layout
         attn, lse = fused_layer.tree_combine(q, kt, vt, bias, out_p, lse_p, scale, need_lse)  # [T, H*D]
-        return fused_layer.layer_post(a, lw, x, attn), lse
+        return fused_layer.layer_post(a, lw, x, attn, skinny), lse
     attn, lse = tree_attention_merged(q, kt, vt, bias, out_p, lse_p, scale, need_lse=need_lse)  # [H, T, D]
     return layer_post(a, lw, x, attn), lse
 
@@ -57,13 +59,14 @@ def first(a: ModelArgs, rope: Rope, embed: torch.Tensor, lw: LayerWeights,
           ids: torch.Tensor,  # [T]
           pos: torch.Tensor,  # [T]
           mask: torch.Tensor,  # [T, staged + T] bool
-          k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False):
+          k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False,
+          skinny: bool = False):
     """-> x [T, E], q [H, T, D], cos, sin [T, D], bias [(H/G) * T, staged + T]."""
     dt = embed.dtype
     cos, sin = rope.cos_sin(pos, dt)
     bias = mask_bias(mask, a.num_heads // a.num_kv_heads, compute_dtype(dt))
     x = F.embedding(ids, embed)  # [T, E]
-    q = _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused)
+    q = _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused, skinny)
     return x, q, cos, sin, bias
 
 
@@ -74,18 +77,19 @@ def mid(a: ModelArgs, scale: float, lw_prev: LayerWeights, lw: LayerWeights,
         bias: torch.Tensor,
         out_p: torch.Tensor, lse_p: torch.Tensor,  # [H, T, D], [H, T] layer i-1's prefix part
         cos: torch.Tensor, sin: torch.Tensor,
-        k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False):
+        k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False,
+        skinny: bool = False):
     """-> x [T, E] after layer i-1, q [H, T, D] of layer i."""
-    x, _ = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, False, fused)
-    return x, _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused)
+    x, _ = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, False, fused, skinny)
+    return x, _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused, skinny)
 
 
 def last(a: ModelArgs, scale: float, lw_prev: LayerWeights, norm: torch.Tensor, lm_head: torch.Tensor,
          x, q_prev, kt, vt, bias, out_p, lse_p,
          rows: Optional[torch.Tensor],  # [R] logits rows (None = all)
-         need_lse: bool, fused: bool = False):
+         need_lse: bool, fused: bool = False, skinny: bool = False):
     """-> logits [R or T, V] (float32/64), merged lse [H, T] of the last layer (or None)."""
-    x, lse = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, need_lse, fused)
+    x, lse = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, need_lse, fused, skinny)
     return head(a, norm, lm_head, x, rows), lse
 
 
@@ -97,12 +101,15 @@ class Segments:
     compile recompiles once with dynamic sizes; recompiles happen in a plan's warm-up, never
     inside a graph capture."""
 
-    def __init__(self, compile: bool = False, backend: str = "inductor", fused: bool = False):
+    def __init__(self, compile: bool = False, backend: str = "inductor", fused: bool = False, skinny: bool = False):
         if compile and fused:
             raise ValueError("fused layer kernels and torch.compile are alternatives: pick one")
-        self.compiled, self.fused = compile, fused
+        if skinny and not fused:
+            raise ValueError("the skinny linear kernels come with the fused layer kernels")
+        self.compiled, self.fused, self.skinny = compile, fused, skinny
         if fused:
-            self.first, self.mid, self.last = (functools.partial(f, fused=True) for f in (first, mid, last))
+            self.first, self.mid, self.last = (functools.partial(f, fused=True, skinny=skinny)
+                                               for f in (first, mid, last))
         elif compile:
             import torch._dynamo
 
