@@ -159,3 +159,18 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
     assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
                                      near_tie=True)]
     assert (tmp_path / "serve" / "cpu-step_split.png").is_file()
+
+
+def test_e2e_modes_state_their_retrieval():
+    """`sd` is the draft with its full cache, whatever mode the base config was resolved in."""
+    from dataclasses import replace
+
+    from specextend.bench.e2e import MODES
+    from specextend.config import EngineConfig
+
+    for base_mode in ("specextend", "sd", "ar"):
+        base = EngineConfig(target="random:llama-tiny", draft="random:llama-tiny-draft", mode=base_mode)
+        for mode in ("sd", "sd-masked", "specextend"):
+            r = replace(base, **MODES[mode]).retrieval
+            assert r.enabled == (mode == "specextend"), (base_mode, mode)
+            assert r.draft_prefill_window == (512 if mode == "specextend" else 0), (base_mode, mode)
