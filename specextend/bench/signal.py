@@ -144,8 +144,8 @@ class Remote:
     """The draft as the deployment runs it: a DraftWorker behind a gRPC server on 127.0.0.1 with a
     token, and one client."""
 
-    def __init__(self, model, overlap: bool, params: DraftSessionParams):
-        self.worker = DraftWorker(model.decoder, overlap=overlap)
+    def __init__(self, model, overlap: bool, params: DraftSessionParams, prefill_chunk: int):
+        self.worker = DraftWorker(model.decoder, prefill_chunk=prefill_chunk, overlap=overlap)
         self.worker.warm_up(params)
         token = new_token()
         self.server = DraftServerThread(self.worker, "127.0.0.1", 0, token=token)
@@ -205,7 +205,8 @@ def run(pairs: dict[str, list[int]], new_tokens: int, docs: dict[str, list[str]]
                                                ("cuda:1",) if two else ())
         draft_model = drafts["cuda:1" if two else base.device]
         cfgs = {s: _config(base, s, two) for s in settings}
-        remote = Remote(draft_model, two, DraftSessionParams(base.tree, cfgs[settings[0]].retrieval, 64))
+        remote = Remote(draft_model, two, DraftSessionParams(base.tree, cfgs[settings[0]].retrieval, 64),
+                        base.prefill_chunk)
         tol = e2e.TIE_TOLERANCE.get(target.decoder.dtype, 0.125)
         try:
             engines, meters = {"ar": Engine(replace(base, mode="ar"), target)}, {}

@@ -52,22 +52,24 @@ class SectionTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) of each section
         self._host_s = 0.0
-        self._t0 = 0.0
+        self._start = None
 
     def start(self) -> None:
         if self.cuda:
-            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-            self._events[-1][0].record()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
         else:
-            self._t0 = time.perf_counter()
+            self._start = time.perf_counter()
 
     def stop(self) -> None:
         if self.cuda:
-            self._events[-1][1].record()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
         else:
-            self._host_s += time.perf_counter() - self._t0
+            self._host_s += time.perf_counter() - self._start
 
     def seconds(self) -> float:
         for _, end in self._events[-1:]:
