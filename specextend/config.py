@@ -76,6 +76,9 @@ class RetrievalConfig:
     every: int = Field(4, ge=1, description="steps between retrieval refreshes")
     sink_chunks: int = Field(1, ge=0, description="first chunks always kept (attention sink)")
     recent_chunks: int = Field(1, ge=0, description="last chunks always kept")
+    select: Literal["attention", "recency"] = Field(
+        "attention", description="attention: the target's final-layer attention picks the chunks; recency: "
+                                 "sink + most recent chunks (a plain window of the same budget, a baseline)")
     draft_prefill_window: Optional[int] = Field(
         None, ge=0, description="sliding window of the draft's prefill (default 512 with retrieval, else 0 = full)",
         json_schema_extra=_flat("draft_prefill_window"))

@@ -55,6 +55,7 @@ class RequestStats:
     decode_s: float = 0.0
     draft_s: float = 0.0  # time in DraftBackend.step (includes RPC when remote)
     verify_s: float = 0.0
+    retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -88,7 +89,7 @@ class RequestStats:
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,
-                    fallback=self.fallback,
+                    fallback=self.fallback, retrieval_s=self.retrieval_s,
                     replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
 
 
@@ -209,7 +210,8 @@ class Engine:
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 opening = self._openers.submit(self.draft.open, sid, list(prompt_ids),
                                                DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens))
-            capture = use_draft and cfg.retrieval.enabled  # the first retrieval is scored from the prefill
+            capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
+            # retrieval is scored from the prefill
             logits = yield from target.prefill_co(prompt_ids, cfg.prefill_chunk, capture)
             token = next_token(logits, params, gen)
             if opening is not None:
@@ -218,7 +220,7 @@ class Engine:
                 except DraftError as e:
                     use_draft = self._fall_back(stats, sid, e)
             retrieving = use_draft and cfg.retrieval.enabled
-            retrieval = self._retrieval(target, -1) if retrieving else None  # first tree: scored chunks
+            retrieval = self._retrieval(target, -1, stats) if retrieving else None  # first tree: scored chunks
             stats.retrieval_refreshes += retrieval is not None
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -238,12 +240,13 @@ class Engine:
                         continue
                     ts = time.perf_counter()
                     refresh = cfg.retrieval.enabled and (step + 1) % cfg.retrieval.every == 0
-                    logits = yield from target.verify_co(committed[-1], tree.tokens, tree.parents, capture=refresh)
+                    scored = refresh and cfg.retrieval.select == "attention"
+                    logits = yield from target.verify_co(committed[-1], tree.tokens, tree.parents, capture=scored)
                     forced = replay[step % len(replay)] if replay else None
                     verdict = verify_tree(logits, tree.tokens, tree.parents, params, gen, forced)
                     target.commit(verdict.accepted)
                     row = verdict.accepted[-1] + 1 if verdict.accepted else 0
-                    retrieval = self._retrieval(target, row) if refresh else None
+                    retrieval = self._retrieval(target, row, stats) if refresh else None
                     stats.retrieval_refreshes += retrieval is not None
                     stats.verify_s += time.perf_counter() - ts
                     stats.num_steps += 1
@@ -271,8 +274,10 @@ class Engine:
             if opening is not None:  # once the open has finished (now, or later if still running)
                 opening.add_done_callback(lambda f: f.exception() is None and self._close_draft(sid))
 
-    def _retrieval(self, target: TargetSession, row: int) -> Optional[Retrieval]:
-        ids = target.retrieval_chunks(row, self.config.retrieval)
+    def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:
+        t0 = time.perf_counter()
+        ids = target.retrieval_chunks(row, self.config.retrieval)  # ends on the host: timed whole
+        stats.retrieval_s += time.perf_counter() - t0
         return Retrieval(tuple(ids), self.config.retrieval.chunk_size) if ids else None
 
     def _fall_back(self, stats: RequestStats, sid: str, err: Exception) -> bool:

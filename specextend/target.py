@@ -14,7 +14,7 @@ from specextend.attention.backends import CAUSAL
 from specextend.config import RetrievalConfig
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
-from specextend.retrieval import chunk_scores, last_token_probs, select_chunks
+from specextend.retrieval import chunk_scores, initial_chunks, last_token_probs, select_chunks
 from specextend.tree import ancestor_mask, node_depths
 
 T = TypeVar("T")
@@ -106,12 +106,15 @@ class TargetSession:
         After a verification, the row of the last accepted node: its final-layer probabilities
         over every key it saw (prefix, root and accepted path, now cache slots [0, length)) from
         its query row and merged LSE. After the prefill, the prompt's last token (row -1): the
-        draft's first tree then drafts from retrieved chunks, not from a recency guess."""
-        if self.captured is None:
-            return None
+        draft's first tree then drafts from retrieved chunks, not from a recency guess. With
+        `select="recency"`, the sink and most recent chunks (docs/architecture.md, "Baselines")."""
         ctx = self.cache.length
         if -(-ctx // cfg.chunk_size) <= cfg.top_k:
             return None  # everything fits the budget: retrieval is a no-op
+        if cfg.select == "recency":  # the baseline window: no scores needed
+            return initial_chunks(ctx, cfg)
+        if self.captured is None:
+            return None
         keys = self.cache.layer(self.model.args.num_layers - 1)[0][:, :ctx]  # [G, ctx, D]
         probs = last_token_probs(self.captured.q[:, row], self.captured.lse[:, row], keys, self.model.scale)
         return select_chunks(chunk_scores(probs, cfg.chunk_size), cfg)

@@ -159,3 +159,55 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
     assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
                                      near_tie=True)]
     assert (tmp_path / "serve" / "cpu-step_split.png").is_file()
+
+
+def test_e2e_modes_state_their_retrieval():
+    """`sd` is the draft with its full cache, whatever mode the base config was resolved in."""
+    from dataclasses import replace
+
+    from specextend.bench.e2e import MODES
+    from specextend.config import EngineConfig
+
+    for base_mode in ("specextend", "sd", "ar"):
+        base = EngineConfig(target="random:llama-tiny", draft="random:llama-tiny-draft", mode=base_mode)
+        for mode in ("sd", "sd-masked", "specextend"):
+            r = replace(base, **MODES[mode]).retrieval
+            assert r.enabled == (mode == "specextend"), (base_mode, mode)
+            assert r.draft_prefill_window == (512 if mode == "specextend" else 0), (base_mode, mode)
+
+
+def test_signal_suite_has_every_cell_is_lossless_and_really_stresses_the_signal(tmp_path):
+    """The signal suite on the tiny pair (draft over gRPC on 127.0.0.1): every point of the asked
+    sweeps in the table and the JSON, every output lossless against `ar`, and the faults visible in
+    what the draft received (counters, not timing)."""
+    from specextend.bench.signal import CPU_GRID, plan
+
+    sweeps = ["late", "drop", "budget"]
+    argv = ["bench", "--suite", "signal", "--device", "cpu", "--pair", "tiny=320", "--docs", "python",
+            "--sweeps", ",".join(sweeps), "--new-tokens", "24", "--threads", "1", "--out", str(tmp_path)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(argv) == 0
+    record = json.loads((tmp_path / "signal" / "cpu.json").read_text())
+    assert record["meta"]["suite"] == "signal" and record["meta"]["sweeps"] == sweeps
+    summary = {(s["sweep"], s["value"], s["baseline"]): s for s in record["summary"]}
+    points = plan(CPU_GRID, sweeps)
+    assert set(summary) == {(sw, v, b) for sw, v, b, _ in points} and len(summary) == len(points)
+    for (sweep, value, baseline), s in summary.items():
+        shown = "-" if sweep == "nominal" else value
+        assert f"| tiny | 320 | {sweep} | {shown} | {baseline} |" in stdout.getvalue()
+        assert s["prompts"] == 1 and s["lossless"] == 1
+    assert all(c["lossless"] for c in record["cells"] if c["baseline"] != "ar")
+    assert {c["baseline"] for c in record["cells"]} == {
+        "ar", "retrieval", "recency", "full"}
+    nominal, dropped = summary[("nominal", 0, "retrieval")], summary[("drop", 50, "retrieval")]
+    assert nominal["updates_dropped"] == 0 and nominal["updates_delivered"] == nominal["updates_updates"] > 2
+    assert 0 < dropped["updates_dropped"] and dropped["updates_delivered"] == dropped["updates_updates"] - dropped[
+        "updates_dropped"]
+    assert dropped["draft_rebuilds"] < nominal["draft_rebuilds"]  # the draft really got fewer selections
+    assert summary[("late", 2, "retrieval")]["updates_late"] > 0 == nominal["updates_late"]
+    assert summary[("budget", 4, "retrieval")]["draft_cache_tokens"] < summary[("budget", 16, "retrieval")][
+        "draft_cache_tokens"]
+    assert nominal["signal_bytes_per_step"] > 0 == summary[("nominal", 0, "full")]["signal_bytes_per_step"]
+    assert "0 not." in stdout.getvalue()
+    assert {p.name for p in (tmp_path / "signal").glob("*.png")} == {f"cpu-{s}.png" for s in sweeps}

@@ -66,3 +66,31 @@ def test_retried_step_is_applied_once(setup):
     assert again == first and draft.session("s").work.length == length
     assert draft.refreshes("s") == 1  # the initial selection only
     draft.close("s")
+
+
+def test_recency_window_sends_sink_and_recent_chunks_and_keeps_output(setup, remote):
+    """`retrieval_select=recency` (a baseline): the ids are the sink and most recent chunks of the
+    committed context, never scored; the output is plain decoding's."""
+    from dataclasses import replace
+
+    from specextend.retrieval import initial_chunks
+
+    pair, prompt, ref = setup
+    recency = replace(RETRIEVAL, select="recency")
+
+    class Recorder(ChaosDraft):
+        def step(self, session_id, step, accepted_tokens, retrieval=None):
+            if retrieval is not None:
+                self.sent.append(retrieval.chunk_ids)
+            return super().step(session_id, step, accepted_tokens, retrieval)
+
+    draft = Recorder(remote, Chaos())
+    draft.sent = []
+    out, _, stats = make_engine(pair, "specextend", draft_backend=draft, tree=TREE, retrieval=recency).generate(
+        prompt, PARAMS)
+    assert out == ref and not stats.fallback and stats.retrieval_refreshes > 2
+    assert len(draft.sent) in (stats.retrieval_refreshes, stats.retrieval_refreshes - 1)  # the last may be unsent
+    assert draft.sent[0] == tuple(initial_chunks(len(prompt), recency))
+    for ids in draft.sent[1:]:  # sink, then a run of the most recent chunks, as the context grows
+        assert ids[0] == 0 and list(ids[1:]) == list(range(ids[1], ids[1] + recency.top_k - 1))
+    assert draft.sent[-1][-1] > draft.sent[0][-1] and draft.counters.delivered == len(draft.sent)

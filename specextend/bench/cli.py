@@ -10,6 +10,7 @@ Suites and their defaults (`--pair NAME=L1,L2` and the other flags override them
 | e2e | every baseline on three prompts per length | real pair, 1K-30K | tiny pair, real pair (1 prompt), 1K |
 | sweep | length sweep | 8B geometry 4K-128K (replayed), real pair 1K-30K | tiny pair, 256-4K |
 | serve | the Serve app over HTTP, one and two GPUs | real pair, 1K-30K | tiny pair, 512 |
+| signal | the cross-model signal late, dropped, repeated; refresh, budget, chunk size | real pair, 16K and 30K | tiny pair, 512 |
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-SUITES = ("kernels", "e2e", "sweep", "serve")
+SUITES = ("kernels", "e2e", "sweep", "serve", "signal")
 REAL = [1024, 4096, 8192, 16384, 30000]  # the real pair's context is 32K
 LONG = [4096, 8192, 16384, 32768, 65536, 129024]  # "128K": room for the question and new tokens
 SMALL = [256, 1024, 4096]
@@ -29,11 +30,13 @@ DEFAULTS = {  # suite -> device kind -> (pairs and lengths, new tokens)
     "sweep": {"gpu": ({"8b": LONG, "real": REAL}, 128), "cpu": ({"tiny": SMALL}, 32)},
     "serve": {"gpu": ({"real": [1024, 16384, 30000]}, 128), "cpu": ({"tiny": [512]}, 32)},
     "kernels": {"gpu": ({"8b": LONG}, 0), "cpu": ({"tiny": SMALL}, 0)},
+    "signal": {"gpu": ({"real": [16384, 30000]}, 256), "cpu": ({"tiny": [512]}, 32)},
 }
 DOCS = ["nodejs", "shakespeare", "python"]  # one prompt per kind of text and length
 # On a 2-core CPU a 1K prefill of the real pair takes tens of seconds per mode: one prompt there,
 # so that `--suite e2e --device cpu` fits in about ten minutes (the tiny pair keeps all three).
 CPU_DOCS = {"real": ["nodejs"]}
+SIGNAL_DOCS = ["nodejs", "shakespeare"]  # two kinds of text: a run of every sweep fits a few minutes
 KERNEL_PAIRS = {"8b": ("random:llama-3.1-8b", "random:llama-68m"), "tiny": ("random:llama-tiny", "random:llama-tiny-draft"),
                 "qwen": ("random:qwen2.5-1.5b", "random:qwen2.5-0.5b")}
 
@@ -51,6 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int, help="tokens generated per request")
     p.add_argument("--docs", help="documents, one prompt each per length (default nodejs,shakespeare,python: "
                                   "docs, prose, code; on the CPU the real pair takes nodejs only)")
+    p.add_argument("--sweeps", help="signal: comma-separated sweeps (late, drop, duplicate, every, budget, chunk; "
+                                    "default all); the nominal cells and the baselines always run")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--reps", type=int, default=10, help="kernels: timed repetitions per step")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
@@ -111,6 +116,8 @@ def run_suite(a, argv: list[str]) -> int:
     new_tokens = a.new_tokens or DEFAULTS[a.suite][kind][1]
     if a.docs:
         docs = {name: [d for d in a.docs.split(",") if d] for name in pairs}
+    elif a.suite == "signal":
+        docs = {name: SIGNAL_DOCS for name in pairs}
     else:
         docs = {name: CPU_DOCS.get(name, DOCS) if kind == "cpu" else DOCS for name in pairs}
     for names in docs.values():
@@ -120,7 +127,9 @@ def run_suite(a, argv: list[str]) -> int:
     meta = record.meta(a.suite, device, argv, pairs=pairs, new_tokens=new_tokens, docs=docs, dtype=a.dtype,
                        tree_policy=a.tree_policy)  # the commit as the run starts
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    if a.suite == "kernels":
+    if a.suite == "signal":
+        result, table = _signal(a, pairs, new_tokens, docs, kind, device, meta, progress)
+    elif a.suite == "kernels":
         unknown = set(pairs) - set(KERNEL_PAIRS)
         if unknown:
             raise ValueError(f"kernels: unknown pair {sorted(unknown)}; known: {', '.join(KERNEL_PAIRS)}")
@@ -144,13 +153,29 @@ def run_suite(a, argv: list[str]) -> int:
     path = record.write(a.out, result)
     stem = path.with_suffix("")
     title = f"{a.suite}, {result['meta']['device']}"
-    if a.suite == "kernels":
+    if a.suite == "signal":
+        pngs = plots.sweep_plots(result["summary"], stem, title)
+    elif a.suite == "kernels":
         pngs = plots.step_time_plot(result["rows"], stem, f"{title}, {result['pair']} pair")
     else:
         pngs = plots.decode_plots(result["summary"], stem, title)
     print(table)
     print(f"\nwrote {path}" + "".join(f"\nwrote {p}" for p in pngs))
     return 0
+
+
+def _signal(a, pairs, new_tokens, docs, kind, device, meta, progress):
+    from specextend.bench import e2e, signal
+
+    sweeps = [s for s in (a.sweeps or ",".join(signal.SWEEPS)).split(",") if s]
+    unknown = [s for s in sweeps if s not in signal.SWEEPS] + [p for p in pairs if p not in e2e.PAIRS or e2e.PAIRS[p].replayed]
+    if unknown:
+        raise ValueError(f"signal: unknown sweeps or pairs {unknown}; sweeps: {', '.join(signal.SWEEPS)}; "
+                         "pairs with real acceptance: " + ", ".join(n for n, p in e2e.PAIRS.items() if not p.replayed))
+    grid = signal.GPU_GRID if kind == "gpu" else signal.CPU_GRID
+    meta["sweeps"] = sweeps
+    result = signal.run(pairs, new_tokens, docs, grid, sweeps, a.dtype, a.tree_policy, device, progress=progress)
+    return result, signal.table(result)
 
 
 def cmd_bench(a, argv: list[str]) -> int:

@@ -28,7 +28,7 @@ import torch
 from specextend.bench import hf as hf_anchor
 from specextend.bench.texts import documents, prompt_ids
 from specextend.builder import read_pair
-from specextend.config import EngineConfig, SamplingParams
+from specextend.config import EngineConfig, RetrievalConfig, SamplingParams
 from specextend.draft.base import DraftSessionParams
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
@@ -51,11 +51,14 @@ PAIRS = {
     "real": Pair("default", "default", False),  # Qwen2.5-Coder 1.5B + 0.5B (fetch.py)
     "8b": Pair("random:llama-3.1-8b", "random:llama-68m", True),
 }
-MODES = {  # EngineConfig fields of each speculative or plain mode of our engine
+# EngineConfig fields of each speculative or plain mode of our engine. Each mode states its retrieval:
+# a config built in one mode and replaced into another keeps the first mode's resolved defaults.
+NO_RETRIEVAL = RetrievalConfig(enabled=False)
+MODES = {
     "ar": dict(mode="ar"),
-    "sd": dict(mode="sd", hybrid_attention=True),
-    "sd-masked": dict(mode="sd", hybrid_attention=False),
-    "specextend": dict(mode="specextend"),
+    "sd": dict(mode="sd", hybrid_attention=True, retrieval=NO_RETRIEVAL),
+    "sd-masked": dict(mode="sd", hybrid_attention=False, retrieval=NO_RETRIEVAL),
+    "specextend": dict(mode="specextend", retrieval=RetrievalConfig(enabled=True)),
 }
 LABELS = {
     "ar": "ar: our plain decoding (the baseline)",
@@ -79,15 +82,26 @@ def trace_for(mode: str, length: int) -> tuple[str, list[int]]:
     return path.name, [int(x) for x in json.loads(path.read_text())["accepted_per_step"]]
 
 
-def _engines(pair: Pair, modes: list[str], dtype: str, tree_policy: str, device: str):
-    """Loads the pair (a second draft on cuda:1 for the -2gpu modes) and builds each mode's engine."""
+def load_models(pair: Pair, dtype: str, tree_policy: str, device: str, draft_devices: tuple[str, ...] = ()):
+    """The pair's base config and its target on cuda:0 (or the CPU); a draft on the same device
+    (sharing the target's weights where it can), and one more on each of `draft_devices`."""
     gpus = torch.cuda.device_count() if device != "cpu" else 0
     dev0 = "cuda:0" if gpus else "cpu"
     base = EngineConfig(target=pair.target, draft=pair.draft, dtype=dtype, device=dev0, tree_policy=tree_policy)
     target_meta, draft_meta = read_pair(base)
     target = load_model(target_meta, "target", dtype, dev0, execution=base.execution)
     vocab = target.args.vocab_size
-    draft = load_model(draft_meta, "draft", dtype, dev0, vocab_size=vocab, target_weights=target.decoder.w)
+    drafts = {dev0: load_model(draft_meta, "draft", dtype, dev0, vocab_size=vocab, target_weights=target.decoder.w)}
+    for dev in draft_devices:
+        drafts[dev] = load_model(draft_meta, "draft", dtype, dev, vocab_size=vocab, target_weights=None)
+    return base, target, drafts
+
+
+def _engines(pair: Pair, modes: list[str], dtype: str, tree_policy: str, device: str):
+    """Loads the pair (a second draft on cuda:1 for the -2gpu modes) and builds each mode's engine."""
+    two_gpu = any(m.endswith("-2gpu") for m in modes)
+    base, target, drafts = load_models(pair, dtype, tree_policy, device, ("cuda:1",) if two_gpu else ())
+    draft = drafts[base.device]
     engines, workers = {}, []
     for mode in modes:
         if mode in HF_MODES:
@@ -98,7 +112,7 @@ def _engines(pair: Pair, modes: list[str], dtype: str, tree_policy: str, device:
         if cfg.uses_draft:
             model = draft
             if two:
-                model = load_model(draft_meta, "draft", dtype, "cuda:1", vocab_size=vocab, target_weights=None)
+                model = drafts["cuda:1"]
             backend = DraftWorker(model.decoder, prefill_chunk=cfg.prefill_chunk, overlap=two)
             backend.warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, 64))
             workers.append(backend)
@@ -108,11 +122,18 @@ def _engines(pair: Pair, modes: list[str], dtype: str, tree_policy: str, device:
     return target, engines, anchors, workers
 
 
-def _run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optional[list[int]], warm: set):
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    if id(engine) not in warm:  # first use: shapes, graphs, lazy initialisation
-        engine.generate(prompt[:64], replace(params, max_new_tokens=8), replay=replay)
+def warm_up(engine: Engine, prompt: list[int], warm: set, replay: Optional[list[int]] = None) -> None:
+    """A short request on `engine`'s first use (shapes, graphs, lazy initialisation); `warm` holds
+    the ids of the engines already warm."""
+    if id(engine) not in warm:
+        engine.generate(prompt[:64], SamplingParams(max_new_tokens=8, ignore_eos=True), replay=replay)
         warm.add(id(engine))
+
+
+def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optional[list[int]], warm: set):
+    """One request on `engine` (warmed up on its first use): its output ids and measurements."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    warm_up(engine, prompt, warm, replay)
     ids, _, st = engine.generate(prompt, params, replay=replay)
     steps = st.num_steps
     per_step = max(steps + st.plain_steps if engine.config.uses_draft else st.num_generated - 1, 1)
@@ -124,7 +145,8 @@ def _run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Opti
         ttft_s=st.prefill_s, mean_acceptance_length=st.mean_acceptance_length, num_steps=steps,
         plain_steps=st.plain_steps, step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
         other_ms=max(step_ms - wait_ms - verify_ms, 0.0) if steps else step_ms,
-        draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction)
+        draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction,
+        retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s)
 
 
 def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], dtype: str = "auto",
@@ -147,7 +169,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                         if mode in engines:
                             spec = engines[mode].config.uses_draft
                             trace, replay = trace_for(mode, length) if spec and pair.replayed else (None, None)
-                            ids, r = _run_engine(engines[mode], prompt, new_tokens, replay, warm)
+                            ids, r = run_engine(engines[mode], prompt, new_tokens, replay, warm)
                             r.update(replayed=replay is not None, trace=trace)
                         elif mode in anchors:
                             hf, assistant = anchors[mode]

@@ -1,7 +1,8 @@
 """PNG plots of a run's summary rows (matplotlib, the `bench` extra): tokens/s against input length
 per mode, the step split (wait for the draft / verify / other), acceptance against length, time to
-first token; and step times against length for the kernels suite. One figure per kind, one panel
-per pair; files `<stem>-<kind>.png`."""
+first token; step times against length for the kernels suite; acceptance against each swept
+variable of the signal suite. One figure per kind, one panel per pair (and length for the signal
+suite); files `<stem>-<kind>.png`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,21 @@ def _panels(plt, pairs: list[str], title: str):
     return fig, dict(zip(pairs, axes[0]))
 
 
+def _style(ax, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _lines(summary: list[dict], key: str, ylabel: str, title: str, path: Path, modes=None) -> Path:
     plt = _pyplot()
     pairs = sorted({s["pair"] for s in summary})
@@ -36,15 +52,8 @@ def _lines(summary: list[dict], key: str, ylabel: str, title: str, path: Path, m
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
                         capsize=3, label=label)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("input length (document tokens)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(pair)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _style(ax, "input length (document tokens)", ylabel, pair)
+    return _save(plt, fig, path)
 
 
 def _split(summary: list[dict], title: str, path: Path) -> Path:
@@ -65,10 +74,7 @@ def _split(summary: list[dict], title: str, path: Path) -> Path:
         ax.set_ylabel("ms per step")
         ax.set_title(pair)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def decode_plots(summary: list[dict], stem: Path, title: str) -> list[Path]:
@@ -99,13 +105,40 @@ def step_time_plot(rows: list[dict], stem: Path, title: str) -> list[Path]:
         ax.plot([r["length"] for r in rows], [r[key] for r in rows], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("committed tokens")
-    ax.set_ylabel("ms")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(f"{stem}-step_times.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    _style(ax, "committed tokens", "ms", title)
+    return [_save(plt, fig, Path(f"{stem}-step_times.png"))]
+
+
+def sweep_plots(summary: list[dict], stem: Path, title: str, key: str = "mean_acceptance_length") -> list[Path]:
+    """Signal suite: `key` against each swept variable, one panel per pair and length, one line per
+    baseline; a baseline not swept (the full cache; the recency window under faults) is drawn flat
+    at its nominal value. Files `<stem>-<sweep>.png`."""
+    from specextend.bench.signal import XLABELS
+
+    plt = _pyplot()
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for sweep in dict.fromkeys(s["sweep"] for s in summary if s["sweep"] != "nominal"):
+        rows = [s for s in summary if s["sweep"] == sweep]
+        xs = sorted({s["value"] for s in rows})
+        panels = list(dict.fromkeys(f"{s['pair']} pair, {s['length']} tokens" for s in rows))
+        fig, axes = _panels(plt, panels, f"{title}: acceptance against {XLABELS[sweep]}")
+        for panel, ax in axes.items():
+            here = [s for s in summary if f"{s['pair']} pair, {s['length']} tokens" == panel]
+            for baseline in ("retrieval", "recency", "full"):
+                pts = sorted((s["value"], s[key], s[key + "_std"]) for s in here
+                             if s["sweep"] == sweep and s["baseline"] == baseline)
+                flat = [s for s in here if s["sweep"] == "nominal" and s["baseline"] == baseline]
+                style = "-"
+                if not pts and flat:
+                    pts = [(x, flat[0][key], flat[0][key + "_std"]) for x in xs]
+                    baseline, style = baseline + " (not swept)", "--"
+                if pts:
+                    ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
+                                capsize=3, label=baseline, linestyle=style)
+            if sweep in ("every", "budget", "chunk"):
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            _style(ax, XLABELS[sweep], "mean acceptance length (tokens/step)", panel)
+        paths.append(_save(plt, fig, Path(f"{stem}-{sweep}.png")))
+    return paths

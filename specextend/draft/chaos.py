@@ -2,7 +2,8 @@
 
 It delays each Step (injected RPC latency), applies retrieval updates k steps late, drops a
 fraction of them, and can send each update twice. Losslessness must not depend on any of this:
-the draft only proposes; the target decides.
+the draft only proposes; the target decides. Its counters say what it did (the `signal` bench
+suite and its test read them; docs/architecture.md, "Baselines").
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval
@@ -25,14 +26,27 @@ class Chaos:
     seed: int = 0
 
 
+@dataclass
+class ChaosCounters:
+    updates: int = 0  # retrieval updates the target sent
+    dropped: int = 0  # of them, dropped
+    late: int = 0  # delivered at least one step after they were sent
+    repeated: int = 0  # deliveries of an update already delivered (duplicate)
+    delivered: int = 0  # updates passed on to the draft, repeats included
+    delivered_ids: int = 0  # chunk ids in them
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+
 class ChaosDraft(DraftBackend):
     def __init__(self, inner: DraftBackend, chaos: Chaos):
         self.inner = inner
         self.chaos = chaos
         self._rng = random.Random(chaos.seed)
         self._pending: dict[str, deque] = {}
-        self._last: dict[str, Optional[Retrieval]] = {}
-        self.dropped = 0
+        self._last: dict[str, Optional[tuple[int, Retrieval]]] = {}
+        self.counters = ChaosCounters()
 
     def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
         self._pending[session_id] = deque()
@@ -41,23 +55,28 @@ class ChaosDraft(DraftBackend):
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
              retrieval: Optional[Retrieval] = None) -> DraftTree:
-        c = self.chaos
+        c, n = self.chaos, self.counters
         if c.latency_s:
             time.sleep(c.latency_s)
         queue = self._pending.setdefault(session_id, deque())
         if retrieval is not None:
+            n.updates += 1
             if self._rng.random() < c.drop_rate:
-                self.dropped += 1
+                n.dropped += 1
             else:
-                queue.append((step + c.delay_steps, retrieval))
-        due = None
+                queue.append((step + c.delay_steps, step, retrieval))
+        due, repeat = None, False
         while queue and queue[0][0] <= step:
-            due = queue.popleft()[1]  # a newer due update supersedes an older one
-        if due is None and c.duplicate:
-            due = self._last.get(session_id)
+            due = queue.popleft()[1:]  # (sent at step, update); a newer due one supersedes an older one
+        if due is None and c.duplicate and self._last.get(session_id) is not None:
+            due, repeat = self._last[session_id], True
         if due is not None:
             self._last[session_id] = due
-        return self.inner.step(session_id, step, accepted_tokens, due)
+            n.delivered += 1
+            n.delivered_ids += len(due[1].chunk_ids)
+            n.repeated += repeat
+            n.late += not repeat and due[0] < step
+        return self.inner.step(session_id, step, accepted_tokens, due[1] if due is not None else None)
 
     def close(self, session_id: str) -> None:
         self._pending.pop(session_id, None)

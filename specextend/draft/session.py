@@ -18,6 +18,7 @@ arrives with a ready tree is applied after the answer, in the background.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -45,6 +46,37 @@ OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the
 _POST_LOCK = threading.Lock()
 
 
+class SectionTimer:
+    """Time spent in a section of the draft's work, on its device's clock: CUDA events recorded on
+    the path (no synchronisation there), read when asked (e.g. at close); the host clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) of each section
+        self._host_s = 0.0
+        self._start = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self._host_s += time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        for _, end in self._events[-1:]:
+            end.synchronize()
+        return self._host_s + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+
+
 class DraftSession:
     expand = staticmethod(expand_tree)  # the tree search (expand_tree_host: its twin)
 
@@ -66,6 +98,7 @@ class DraftSession:
         self.work = model.new_cache(len(prompt_ids) + extra)
         self.store = model.new_cache(len(prompt_ids) + extra) if self.cfg.enabled else None
         self.refreshes = 0
+        self.rebuild_timer = SectionTimer(model.device)  # the working cache's rebuilds (bench: signal cost)
         self.pool: Optional[Pool] = None  # overlap: candidates below the current root
         self._refresh: Optional[Retrieval] = None  # overlap: a selection to apply in the background
         self._restage: list[int] = []  # overlap: pool nodes to forward again after a rebuild
@@ -94,6 +127,7 @@ class DraftSession:
     def _rebuild(self, chunk_ids: Sequence[int], chunk_size: int, keep_last: bool = False) -> None:
         """Working cache := the stored tokens of the selected chunks, re-rotated at 0..W-1 (and the
         last stored token when `keep_last`: the root, committed after the selection was made)."""
+        self.rebuild_timer.start()
         pos = chunk_positions(chunk_ids, chunk_size, self.store.length)  # [W]
         last = self.store.length - 1
         if keep_last and (pos.numel() == 0 or int(pos[-1]) != last):
@@ -102,6 +136,7 @@ class DraftSession:
         kv = self.store.data.index_select(3, pos)  # [layers, 2, G, W, D]
         cos, sin = self.model.rope.cos_sin(torch.arange(pos.numel(), device=pos.device), self.model.dtype)
         self.work.load(apply_rope(kv[:, 0], cos, sin), kv[:, 1])
+        self.rebuild_timer.stop()
         self.refreshes += 1
 
     @property

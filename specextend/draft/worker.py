@@ -71,6 +71,8 @@ class WorkerStats:
     sessions: int
     background_forwards: int
     ready_trees: int  # steps answered from the overlap pool
+    rebuilds: int = 0  # working-cache rebuilds of the sessions closed so far
+    rebuild_s: float = 0.0  # their time, on the draft's device clock
 
 
 class JobWorker(DraftBackend):
@@ -85,6 +87,7 @@ class JobWorker(DraftBackend):
         self._stopped = False
         self._background_forwards = 0
         self._ready_trees = 0
+        self._rebuilds, self._rebuild_s = 0, 0.0
         self._thread = threading.Thread(target=self._run, name=f"draft-worker-{name}", daemon=True)
         self._thread.start()
 
@@ -119,7 +122,8 @@ class JobWorker(DraftBackend):
 
     def stats(self) -> WorkerStats:
         with self._lock:
-            return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees)
+            return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees, self._rebuilds,
+                               self._rebuild_s)
 
     def stop(self) -> None:
         """Stops the worker after the jobs already queued (returns at once); later jobs fail."""
@@ -263,8 +267,13 @@ class DraftWorker(JobWorker):
         if isinstance(job, _Peek):
             entry = self._sessions.get(job.session_id)
             return entry.session if entry is not None else None
-        self._sessions.pop(job.session_id, None)
+        entry = self._sessions.pop(job.session_id, None)
         self._pending.pop(job.session_id, None)
+        if entry is not None:  # the session's signal cost, for the worker's stats
+            seconds = entry.session.rebuild_timer.seconds()
+            with self._lock:
+                self._rebuilds += entry.session.refreshes
+                self._rebuild_s += seconds
         return None
 
     def _open(self, job: Open) -> None:
