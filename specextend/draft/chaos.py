@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval
+from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval, TreeBound
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ChaosDraft(DraftBackend):
         self.inner.open(session_id, prompt_ids, params)
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
-             retrieval: Optional[Retrieval] = None) -> DraftTree:
+             retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
         c = self.chaos
         if c.latency_s:
             time.sleep(c.latency_s)
@@ -57,7 +57,7 @@ class ChaosDraft(DraftBackend):
             due = self._last.get(session_id)
         if due is not None:
             self._last[session_id] = due
-        return self.inner.step(session_id, step, accepted_tokens, due)
+        return self.inner.step(session_id, step, accepted_tokens, due, bound)
 
     def close(self, session_id: str) -> None:
         self._pending.pop(session_id, None)
