@@ -99,7 +99,7 @@ def run_batched(engine, requests, max_batch=8):
         return sink
 
     for i, (p, params, kw) in enumerate(requests):
-        b.add(engine.session(p, params, **kw), sink_for(i))
+        b.add(engine.session(p, params, **kw), sink_for(i), kw.get("load"))
     thread = threading.Thread(target=b.run, daemon=True)
     thread.start()
     assert all_done.wait(120), "the batcher did not finish every session"
