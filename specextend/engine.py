@@ -249,7 +249,7 @@ class Engine:
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)
                         continue
-                    # best first: a prefix is the best smaller tree (a ready tree may come larger)
+                    # best first: a prefix is the best smaller tree (a draft that ignores the bound may send more)
                     tokens, parents = tree.tokens[:rung.nodes], tree.parents[:rung.nodes]  # [N], [N]
                     ts = time.perf_counter()
                     refresh = cfg.retrieval.enabled and (step + 1) % cfg.retrieval.every == 0
