@@ -1,94 +1,225 @@
-"""Speculation that never loses: a per-session choice, step by step, between a speculative step (draft
-a tree, verify it) and a plain decoding step (docs/architecture.md, "Adaptive speculation").
+"""Speculation that never loses: a per-session choice, step by step, of the next step's tree
+among a small ladder of sizes, plain decoding (no tree) included (docs/architecture.md,
+"Adaptive speculation").
 
-The controller measures online what each kind of step costs at this session's context length and
-what a speculative step yields (tokens per step), as exponentially weighted averages, and
-speculates while that pays: tokens_per_spec_step / spec_step_s >= 1 / plain_step_s. While it
-does not, it probes (one speculative step) after enough plain steps that probes cost at most
-about a tenth of the time (`probe_cost`: plain steps worth `probe_ratio` speculative steps); a
-probe that still does not pay doubles the interval (up to `max_probe`), one that pays switches
-speculation back on. The draft's state stays current while speculation is off: the next speculative step sends
-it every token committed since, and it forwards them in one chunked forward. Lossless by
-construction: a plain step is exactly plain decoding, and a speculative step is verified.
+The ladder: plain, then trees of 4, 8, 16, ... nodes up to the session's tree (`ladder`). For
+each rung the controller predicts tokens per second and takes the best:
+
+    plain:          1 / forward(1)
+    tree (n, d):    (1 + accepted(n, d)) / (draft(d) + forward(n + 1))
+
+from what it measured at this session's actual context, online:
+- `forward(rows)`: seconds of a target forward, a line a + b * rows (`LinearCost`) fitted to
+  every forward of the session (prefill chunks, plain steps, verifications). When B sessions
+  share a forward (scheduler.Batcher), its fixed part is shared: a session is charged
+  a / B + b * rows, so as the batch grows the weight of the nodes' own cost grows smoothly and
+  the chosen tree shrinks (no threshold, no cliff).
+- `draft(depth)`: seconds the target waited for a tree, a line over the tree's depth.
+- `accepted(n, d)`: accepted draft tokens per step, an average per rung whose weights decay with
+  steps, not with measurements (a rung measured long ago is mostly replaced by its next
+  measurement). One verification measures every rung up to the tree it verified: trees are sent
+  best first, so a smaller rung's tree is the verified tree's first n nodes no deeper than d, and
+  it would have accepted the longest start of the accepted path inside it (`prefix_accepts`;
+  exact for the same draws).
+A rung larger than any verified lately keeps its last estimate (or, never seen, the estimate of
+the largest rung below it: a lower bound). So that those estimates stay current, while the best
+rung is not the top one the controller probes the top rung now and then: after enough steps that
+probes cost about a tenth of the time, the interval doubling after each probe that does not move
+the choice up (as far as `max_probe`). Lossless by construction: a plain step is plain decoding,
+and any tree is verified; the controller only changes what is proposed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from specextend.config import TreeConfig
+from specextend.draft.base import TreeBound
+from specextend.tree import node_depths
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One step's shape: a tree of at most `nodes` nodes and `depth` levels; nodes = 0: plain."""
+
+    nodes: int
+    depth: int
+
+    @property
+    def plain(self) -> bool:
+        return self.nodes == 0
+
+    @property
+    def bound(self) -> TreeBound:
+        return TreeBound(self.nodes, self.depth)
+
+
+PLAIN = Rung(0, 0)
+
+
+def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
+    """[plain, 4, 8, 16, ... nodes, the session's tree]: a tree of n nodes at most 1 + log2(n)
+    levels deep (a best-n tree rarely reaches deeper), the session's tree at its own depth."""
+    rungs, n = [PLAIN], smallest
+    while n < tree.nodes:
+        rungs.append(Rung(n, min(tree.depth, n.bit_length())))  # bit_length = 1 + log2(n)
+        n *= 2
+    return rungs + [Rung(tree.nodes, tree.depth)]
+
+
+def prefix_accepts(accepted: Sequence[int], parents: Sequence[int], sent: Rung,
+                   rungs: Sequence[Rung]) -> dict[Rung, int]:
+    """Accepted draft tokens each tree rung would have had this step, for the rungs the verified
+    tree covers (no more nodes, no deeper than `sent`). `accepted`: the accepted path's node
+    indices into the verified tree (best first); a rung's tree is the first `nodes` of its nodes
+    no deeper than `depth`, and it accepts the path while the path stays inside it."""
+    depths = node_depths(parents)  # [N]
+    out = {}
+    for r in rungs:
+        if r.plain or r.nodes > sent.nodes or r.depth > sent.depth:
+            continue
+        inside = set([i for i, d in enumerate(depths) if d <= r.depth][:r.nodes])
+        n = 0
+        while n < len(accepted) and accepted[n] in inside:
+            n += 1
+        out[r] = n
+    return out
+
+
+class LinearCost:
+    """cost(x) = a + b x: least squares over exponentially weighted (x, y) points (the newest
+    weighs `alpha`). While the points seen lately are too alike in x to tell a slope, it keeps the
+    last slope it could tell; before any, b = 0 (flat) or, `proportional`, a = 0."""
+
+    def __init__(self, alpha: float = 0.1, proportional: bool = False) -> None:
+        self.alpha, self.proportional = alpha, proportional
+        self.sums = [0.0] * 5  # weighted sums of 1, x, x^2, y, x y
+        self.slope: Optional[float] = None  # the last slope the points could tell
+
+    @property
+    def known(self) -> bool:
+        return self.sums[0] > 0
+
+    def add(self, x: float, y: float) -> None:
+        a = self.alpha
+        self.sums = [(1 - a) * s + a * v for s, v in zip(self.sums, (1.0, x, x * x, y, x * y))]
+        w, sx, sxx, sy, sxy = self.sums
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var > 1e-4 * mx * mx:  # x spread of at least 1% of its mean
+            self.slope = max((sxy / w - mx * my) / var, 0.0)
+
+    def line(self) -> tuple[float, float]:
+        """(a, b); (0, 0) before any point."""
+        w, sx, _, sy, _ = self.sums
+        if not w:
+            return 0.0, 0.0
+        mx, my = sx / w, sy / w
+        b = self.slope if self.slope is not None else (my / mx if self.proportional and mx else 0.0)
+        return max(my - b * mx, 0.0), b
+
+    def __call__(self, x: float) -> float:
+        a, b = self.line()
+        return a + b * x
 
 
 @dataclass
 class TreeController:
-    warmup: int = 2  # speculative steps measured before the first decision
-    min_probe: int = 4  # plain steps before the first probe, at least
-    probe_ratio: float = 10.0  # ... and at least this many speculative steps' worth of plain time
+    rungs: list[Rung]  # ladder(): plain first, the session's tree last
+    warmup: int = 2  # steps with the largest tree before the first decision
+    min_probe: int = 4  # steps before a probe, at least
+    probe_ratio: float = 10.0  # ... and at least this many probes' worth of time
     max_probe: int = 1024
-    alpha: float = 0.3  # weight of the newest measurement in the averages
-    spec_s: Optional[float] = None  # seconds per speculative step (draft + verify + transport)
-    spec_tokens: Optional[float] = None  # tokens per speculative step
-    plain_s: Optional[float] = None  # seconds per plain step
+    alpha: float = 0.3  # weight of the newest step in the acceptance averages
+    forward: LinearCost = field(default_factory=LinearCost)  # target forward seconds vs rows
+    draft: LinearCost = field(default_factory=lambda: LinearCost(proportional=True))  # wait vs depth
+    accepted: dict = field(default_factory=dict)  # Rung -> average accepted draft tokens
+    measured_at: dict = field(default_factory=dict)  # Rung -> the step it was last measured
+    sessions: int = 1  # sessions sharing the target's forwards (the driver says, choose())
     spec_steps: int = 0
     plain_steps: int = 0
     probe_steps: int = 0
-    plain_run: int = 0  # plain steps since the last speculative one
-    probe_every: int = 0  # 0: not decided yet
+    since_probe: int = 0  # steps since the last probe (or the start, or the last step with the top rung best)
+    probe_every: int = 0  # 0: to be set from the costs when a probe is next considered
     _probing: bool = False
+    _best: Optional[Rung] = None  # the choice before the probe
 
-    def _base_interval(self) -> int:
-        return max(self.min_probe, int(self.probe_ratio * self.spec_s / self.plain_s + 0.5))
+    @property
+    def top(self) -> Rung:
+        return self.rungs[-1]
 
-    def pays(self) -> bool:
-        """Does a speculative step yield at least as many tokens per second as plain decoding?"""
-        if self.spec_s is None or self.plain_s is None:
-            return True
-        return self.spec_tokens * self.plain_s >= self.spec_s
+    def expected_accepted(self, rung: Rung) -> float:
+        """The rung's average, else the largest smaller rung's (a lower bound), else 0."""
+        for r in reversed(self.rungs[1:self.rungs.index(rung) + 1]):
+            if r in self.accepted:
+                return self.accepted[r]
+        return 0.0
 
-    def speculate(self) -> bool:
-        """The kind of the next step: True = speculative."""
+    def step_seconds(self, rung: Rung) -> float:
+        """Predicted seconds of a step of `rung` charged to this session (its share of a shared
+        forward's fixed cost, its own rows and draft)."""
+        a, b = self.forward.line()
+        fwd = a / max(self.sessions, 1) + b * (rung.nodes + 1)
+        return fwd if rung.plain else fwd + self.draft(rung.depth)
+
+    def rate(self, rung: Rung) -> float:
+        """Predicted tokens per second of a step of `rung`."""
+        tokens = 1.0 if rung.plain else 1.0 + self.expected_accepted(rung)
+        return tokens / max(self.step_seconds(rung), 1e-9)
+
+    def best(self) -> Rung:
+        """The rung of the highest predicted tokens per second (the smaller one on a tie)."""
+        return max(self.rungs, key=lambda r: (self.rate(r), -r.nodes))
+
+    def choose(self, sessions: int = 1) -> Rung:
+        """The next step's rung; `sessions` share the target's forwards now."""
+        self.sessions = sessions
         if self.spec_steps < self.warmup:
-            return True
-        if self.plain_s is None:
-            return False  # measure one plain step
-        if self.pays():
-            return True
+            return self.top
+        if self.forward.slope is None and not self.plain_steps:
+            return PLAIN  # one plain step, so the forward line has two sizes to go by
+        best = self.best()
+        if best == self.top:  # nothing larger to probe
+            self.probe_every = self.since_probe = 0
+            return best
         if not self.probe_every:
-            self.probe_every = self._base_interval()
-        if self.plain_run >= self.probe_every:
-            self._probing = True
-            return True
-        return False
+            ratio = self.step_seconds(self.top) / max(self.step_seconds(best), 1e-9)
+            self.probe_every = max(self.min_probe, int(self.probe_ratio * ratio + 0.5))
+        if self.since_probe >= self.probe_every:
+            self._probing, self._best = True, best
+            return self.top
+        return best
 
-    def record_spec(self, seconds: float, tokens: int) -> None:
-        self.spec_s = _ewma(self.spec_s, seconds, self.alpha)
-        self.spec_tokens = _ewma(self.spec_tokens, float(tokens), self.alpha)
+    def record_forward(self, rows: int, seconds: float) -> None:
+        """A target forward that carried this session's call: all its `rows` (every session's, when
+        shared) and its duration."""
+        self.forward.add(rows, seconds)
+
+    def record_plain(self) -> None:
+        self.plain_steps += 1
+        self.since_probe += 1
+
+    def record_spec(self, rung: Rung, draft_s: float, accepts: dict) -> None:
+        """A speculative step of `rung`: the wait for its tree, and prefix_accepts' counts."""
+        self.draft.add(rung.depth, draft_s)
+        now = self.spec_steps + self.plain_steps
+        for r, n in accepts.items():
+            old = self.accepted.get(r, 0.0)
+            w = 1 - (1 - self.alpha) ** (now - self.measured_at.get(r, -10**6))  # 1 when never measured
+            self.accepted[r], self.measured_at[r] = (1 - w) * old + w * n, now
         self.spec_steps += 1
-        self.plain_run = 0
+        self.since_probe += 1
         if self._probing:
             self._probing = False
             self.probe_steps += 1
-            self.probe_every = 0 if self.pays() else min(2 * self.probe_every, self.max_probe)
-
-    def record_plain(self, seconds: float) -> None:
-        self.plain_s = _ewma(self.plain_s, seconds, self.alpha)
-        self.plain_steps += 1
-        self.plain_run += 1
+            self.since_probe = 0
+            moved_up = self.best().nodes > self._best.nodes
+            self.probe_every = 0 if moved_up else min(2 * self.probe_every, self.max_probe)
 
 
-class AlwaysSpeculate:
-    """tree_policy=fixed: every step speculative (the controller's interface, no decisions)."""
+class AlwaysSpeculate(TreeController):
+    """tree_policy=fixed: every step the session's tree (the controller's interface, no decisions)."""
 
-    spec_steps = plain_steps = probe_steps = 0
-
-    def speculate(self) -> bool:
-        return True
-
-    def record_spec(self, seconds: float, tokens: int) -> None:
-        self.spec_steps += 1
-
-    def record_plain(self, seconds: float) -> None:
-        self.plain_steps += 1
-
-
-def _ewma(old: Optional[float], new: float, alpha: float) -> float:
-    return new if old is None else (1 - alpha) * old + alpha * new
+    def choose(self, sessions: int = 1) -> Rung:
+        return self.top

@@ -16,13 +16,13 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 
 import torch
 
-from specextend.config import EngineConfig, SamplingParams
-from specextend.controller import AlwaysSpeculate, TreeController
+from specextend.config import EngineConfig, SamplingParams, TreeConfig
+from specextend.controller import PLAIN, AlwaysSpeculate, TreeController, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
-from specextend.scheduler import DraftCall, drive_alone
+from specextend.scheduler import DraftCall, Load, drive_alone, metered
 from specextend.target import TargetSession
 from specextend.verify import verify_tree
 
@@ -40,12 +40,14 @@ class RequestError(ValueError):
 class RequestStats:
     num_steps: int = 0  # verification steps
     accepted_per_step: list[int] = field(default_factory=list)  # accepted draft tokens per step
+    nodes_per_step: list[int] = field(default_factory=list)  # draft nodes verified per step
     context_per_step: list[int] = field(default_factory=list)  # committed context at each step
     draft_tokens: int = 0  # draft tokens proposed in total
     retrieval_refreshes: int = 0
     draft_cache_tokens: int = 0
     ready_steps: int = 0  # trees the draft had ready when asked (overlapped drafting)
     plain_steps: int = 0  # plain decoding steps the adaptive policy chose while a draft was available
+    probe_steps: int = 0  # steps with the largest tree the adaptive policy took to re-measure it
     ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
     fallback: bool = False
     replayed: bool = False
@@ -63,6 +65,11 @@ class RequestStats:
         if not self.num_steps:
             return 1.0
         return (sum(self.accepted_per_step) + self.num_steps) / self.num_steps
+
+    @property
+    def mean_tree_nodes(self) -> float:
+        """Draft nodes verified per speculative step (the trees the policy chose)."""
+        return self.draft_tokens / self.num_steps if self.num_steps else 0.0
 
     @property
     def target_wait_ms_per_step(self) -> float:
@@ -88,6 +95,7 @@ class RequestStats:
                     tokens_per_s=self.tokens_per_s, retrieval_refreshes=self.retrieval_refreshes,
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
+                    probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,
                     fallback=self.fallback, retrieval_s=self.retrieval_s,
                     replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
@@ -132,9 +140,9 @@ class Engine:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
 
-    def new_controller(self):
-        """Per request: the step-by-step choice between speculative and plain steps (controller.py)."""
-        return TreeController() if self.config.tree_policy == "adaptive" else AlwaysSpeculate()
+    def new_controller(self, tree: TreeConfig) -> TreeController:
+        """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
+        return (TreeController if self.config.tree_policy == "adaptive" else AlwaysSpeculate)(ladder(tree))
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -179,7 +187,8 @@ class Engine:
         yield from drive_alone(self.session(prompt_ids, params, **kw), self.target.decoder)
 
     def session(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
-                replay: Optional[Sequence[int]] = None, speculate: bool = True, max_tree_nodes: Optional[int] = None) -> Session:
+                replay: Optional[Sequence[int]] = None, speculate: bool = True, max_tree_nodes: Optional[int] = None,
+                load: Optional[Load] = None) -> Session:
         """One request as a coroutine (docs/architecture.md, "Batched steps"): it yields the target
         forwards it needs (ForwardCall, answered with the forward's result), the draft calls
         (DraftCall, answered with the call's value or its exception thrown in) and its StepEvents.
@@ -189,12 +198,13 @@ class Engine:
         Each prefill chunk is its own forward, so a batched driver runs other sessions' steps
         between chunks instead of stalling them for a long prompt.
         `speculate=False` decodes plainly (no draft session); `max_tree_nodes` bounds this request's
-        trees (per-request control)."""
+        trees (per-request control). `load` is where a batching driver tells the session's policy
+        about the forwards it shares (scheduler.Load)."""
         self.check_request(prompt_ids, params)
-        return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes)
+        return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load or Load())
 
     @torch.inference_mode()
-    def _session(self, prompt_ids, params, session_id, replay, speculate, max_tree_nodes) -> Session:
+    def _session(self, prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load) -> Session:
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
@@ -205,6 +215,8 @@ class Engine:
         use_draft = cfg.mode != "ar" and speculate
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
+        ctl = self.new_controller(tree_cfg)
+        timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
         try:
             t0 = time.perf_counter()
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
@@ -212,7 +224,7 @@ class Engine:
                                                DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
             # retrieval is scored from the prefill
-            logits = yield from target.prefill_co(prompt_ids, cfg.prefill_chunk, capture)
+            logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture))
             token = next_token(logits, params, gen)
             if opening is not None:
                 try:
@@ -228,22 +240,25 @@ class Engine:
             yield ev
             step, committed = 0, [token]
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
-            ctl = self.new_controller()
             while out.finish is None:
-                if use_draft and ctl.speculate():
+                rung = ctl.choose(load.sessions) if use_draft else PLAIN
+                if not rung.plain:
                     try:
-                        t_step = ts = time.perf_counter()
-                        tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval))
-                        stats.draft_s += time.perf_counter() - ts
+                        ts = time.perf_counter()
+                        tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, rung.bound))
+                        draft_s = time.perf_counter() - ts
+                        stats.draft_s += draft_s
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)
                         continue
+                    # best first: a prefix is the best smaller tree (a draft that ignores the bound may send more)
+                    tokens, parents = tree.tokens[:rung.nodes], tree.parents[:rung.nodes]  # [N], [N]
                     ts = time.perf_counter()
                     refresh = cfg.retrieval.enabled and (step + 1) % cfg.retrieval.every == 0
                     scored = refresh and cfg.retrieval.select == "attention"
-                    logits = yield from target.verify_co(committed[-1], tree.tokens, tree.parents, capture=scored)
+                    logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
                     forced = replay[step % len(replay)] if replay else None
-                    verdict = verify_tree(logits, tree.tokens, tree.parents, params, gen, forced)
+                    verdict = verify_tree(logits, tokens, parents, params, gen, forced)
                     target.commit(verdict.accepted)
                     row = verdict.accepted[-1] + 1 if verdict.accepted else 0
                     retrieval = self._retrieval(target, row, stats) if refresh else None
@@ -252,20 +267,21 @@ class Engine:
                     stats.num_steps += 1
                     stats.accepted_per_step.append(verdict.accept_length)
                     stats.context_per_step.append(target.cache.length)
-                    stats.draft_tokens += len(tree.tokens)
+                    stats.draft_tokens += len(tokens)
+                    stats.nodes_per_step.append(len(tokens))
                     stats.draft_cache_tokens = tree.draft_cache_tokens
                     stats.ready_steps += tree.ready
                     stats.ahead_depth_sum += tree.ahead_depth
                     committed = pending = verdict.tokens
                     step += 1
-                    ctl.record_spec(time.perf_counter() - t_step, len(committed))
+                    ctl.record_spec(rung, draft_s, prefix_accepts(verdict.accepted, parents, rung, ctl.rungs))
+                    stats.probe_steps = ctl.probe_steps
                 else:
-                    ts = time.perf_counter()
-                    logits = yield from target.decode_co(committed[-1])
+                    logits = yield from timed(target.decode_co(committed[-1]))
                     committed = [next_token(logits, params, gen)]
                     if use_draft:
                         pending = pending + committed
-                        ctl.record_plain(time.perf_counter() - ts)
+                        ctl.record_plain()
                         stats.plain_steps += 1
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1

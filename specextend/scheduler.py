@@ -9,13 +9,15 @@ runs the collected forwards as one batched target forward (models/batch.forward_
 `max_batch` calls each). A session that waits on a draft call does not hold the others' forward
 back, except that a round waits for the draft steps it issued itself (milliseconds) so that the
 sessions' verifications meet in one forward; a draft session still opening (its prefill) is
-never waited on.
+never waited on. Each session's `Load` hears of the forwards that carried its calls (how many
+sessions shared them, their rows and duration), for its adaptive policy (controller.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator, Optional
@@ -39,6 +41,38 @@ class DraftCall:
 
     def result(self) -> Any:
         return self.future.result() if self.future is not None else self.fn()
+
+
+@dataclass
+class Load:
+    """What a driver tells a session about the target forward that carried its last call
+    (docs/architecture.md, "Adaptive speculation"). Alone, nothing: the session times its own."""
+
+    sessions: int = 1  # calls that shared the forward
+    rows: int = 0  # rows of the forward, every call's
+    seconds: float = 0.0  # its duration; 0 once taken, or when the driver does not time it
+
+    def forward(self, rows: int, seconds: float) -> tuple[int, float]:
+        """The forward just run for this session: (rows, seconds) of the whole shared forward when
+        the driver timed it, else the session's own `rows` and `seconds`."""
+        if not self.seconds:
+            return rows, seconds
+        out, self.seconds = (self.rows, self.seconds), 0.0
+        return out
+
+
+def metered(co: Generator, load: Load, record: Callable[[int, float], None]) -> Generator:
+    """Runs a forward coroutine (target.py's `*_co`), timing each of its forwards:
+    record(rows, seconds), those of the whole forward when the driver shared and timed it."""
+    try:
+        call = next(co)
+        while True:
+            t = time.perf_counter()
+            result = yield call
+            record(*load.forward(call.ids.shape[0], time.perf_counter() - t))
+            call = co.send(result)
+    except StopIteration as stop:
+        return stop.value
 
 
 def drive_alone(co: Generator, model: Decoder) -> Iterator[Any]:
@@ -71,10 +105,11 @@ Sink = Callable[[Any], bool]  # receives an event, None (the session ended) or a
 class _Entry:
     """A session in the batcher: what goes into it next, and what it waits on."""
 
-    __slots__ = ("co", "sink", "send", "exc", "call", "future", "opening_call", "paused", "resumed", "stopped")
+    __slots__ = ("co", "sink", "load", "send", "exc", "call", "future", "opening_call", "paused", "resumed",
+                 "stopped")
 
-    def __init__(self, co: Generator, sink: Sink) -> None:
-        self.co, self.sink = co, sink
+    def __init__(self, co: Generator, sink: Sink, load: Optional[Load]) -> None:
+        self.co, self.sink, self.load = co, sink, load
         self.send: Any = None
         self.exc: Optional[BaseException] = None
         self.call: Optional[ForwardCall] = None  # waiting on this round's forward
@@ -103,8 +138,9 @@ class Batcher:
         self.max_calls = 0  # the most calls one forward carried
 
     # ------------------------------------------------------------------ any thread
-    def add(self, co: Generator, sink: Sink) -> _Entry:
-        entry = _Entry(co, sink)
+    def add(self, co: Generator, sink: Sink, load: Optional[Load] = None) -> _Entry:
+        """`load`: the session's (Engine.session's `load`), told of each forward that carries its calls."""
+        entry = _Entry(co, sink, load)
         with self._lock:
             self._incoming.append(entry)
             self._lock.notify()
@@ -172,10 +208,12 @@ class Batcher:
         calls = [e for e in self._sessions if e.call is not None]
         for lo in range(0, len(calls), self.max_batch):
             group = calls[lo:lo + self.max_batch]
+            t = time.perf_counter()
             try:
                 results = self._forward(self.model, [e.call for e in group])
             except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
                 results = [exc] * len(group)
+            self._tell_loads(group, time.perf_counter() - t)
             self.forwards += 1
             self.calls += len(group)
             self.max_calls = max(self.max_calls, len(group))
@@ -185,6 +223,15 @@ class Batcher:
                     e.exc = r
                 else:
                     e.send = r
+
+    @staticmethod
+    def _tell_loads(group: list[_Entry], seconds: float) -> None:
+        """The sessions that listen (a Load) hear how many shared the forward, its rows and time."""
+        loads = [e.load for e in group if e.load is not None]
+        if loads:
+            rows = sum(e.call.ids.shape[0] for e in group)
+            for load in loads:
+                load.sessions, load.rows, load.seconds = len(group), rows, seconds
 
     def _advance(self, e: _Entry) -> None:
         """Moves a session until it waits on a forward or a draft call, pauses, or ends."""

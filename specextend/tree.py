@@ -49,13 +49,16 @@ def select_best_nodes(scores: Sequence[float], depths: Sequence[int], parents: S
     """The n best candidates by path score (log-probability), closed under ancestors.
 
     A child's score never exceeds its parent's, and ties are broken by depth, so the best-n set
-    contains every selected node's parent. Returned in topological order: by depth, then score."""
+    contains every selected node's parent. Returned best first, which is a topological order
+    (a parent precedes its children): every prefix of the result is the best tree of its size,
+    which the adaptive policy relies on (docs/architecture.md, "Adaptive speculation")."""
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:n]
-    chosen = set(order)
+    seen: set[int] = set()
     for i in order:  # closure holds by construction; fail loudly if a caller breaks it
-        if parents[i] >= 0 and parents[i] not in chosen:
+        if parents[i] >= 0 and parents[i] not in seen:
             raise ValueError("candidate scores are not monotone along paths")
-    return sorted(order, key=lambda i: (depths[i], -scores[i], i))
+        seen.add(i)
+    return order
 
 
 def reindex_tree(selected: Sequence[int], tokens: Sequence[int], parents: Sequence[int]

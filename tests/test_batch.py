@@ -99,7 +99,7 @@ def run_batched(engine, requests, max_batch=8):
         return sink
 
     for i, (p, params, kw) in enumerate(requests):
-        b.add(engine.session(p, params, **kw), sink_for(i))
+        b.add(engine.session(p, params, **kw), sink_for(i), kw.get("load"))
     thread = threading.Thread(target=b.run, daemon=True)
     thread.start()
     assert all_done.wait(120), "the batcher did not finish every session"
@@ -150,10 +150,10 @@ class FailingDraft(ChaosDraft):
         super().__init__(inner, Chaos())
         self.failing, self.after = failing, after
 
-    def step(self, session_id, step, accepted_tokens, retrieval=None):
+    def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
         if session_id in self.failing and step >= self.after:
             raise DraftError("injected")
-        return super().step(session_id, step, accepted_tokens, retrieval)
+        return super().step(session_id, step, accepted_tokens, retrieval, bound)
 
 
 def test_batched_draft_failure_falls_back(tiny_models):

@@ -1,93 +1,227 @@
-"""The adaptive policy (controller.py): speculate while it pays, plain steps with backed-off probes
-while it does not; lossless whatever it chooses, with the draft catching up lazily."""
+"""The adaptive policy (controller.py, docs/architecture.md, "Adaptive speculation"): the tree of
+each step chosen among a ladder of sizes, plain decoding included, to maximise predicted tokens
+per second; backing off as more sessions share the target's forwards; probing so it can come
+back; lossless whatever it chooses."""
+
+import threading
 
 import pytest
 import torch
 
-from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
-from specextend.controller import TreeController
+from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
+from specextend.controller import PLAIN, LinearCost, Rung, TreeController, ladder, prefix_accepts
+from specextend.draft.worker import DraftWorker
+from specextend.scheduler import Load
 
 from helpers import make_engine
 
+TREE = TreeConfig(16, 6, 4)
+RUNGS = ladder(TREE)  # plain, 4, 8, 16 nodes
 
-def drive(ctl, spec_s, spec_tokens, plain_s, steps):
-    kinds = []
+
+def test_ladder():
+    assert RUNGS == [PLAIN, Rung(4, 3), Rung(8, 4), Rung(16, 6)]
+    assert ladder(TreeConfig(12, 3, 2)) == [PLAIN, Rung(4, 3), Rung(8, 3), Rung(12, 3)]
+    assert ladder(TreeConfig(2, 4, 2)) == [PLAIN, Rung(2, 4)]
+
+
+def test_prefix_accepts_counts_what_each_smaller_tree_would_have_accepted():
+    parents = [-1, -1, 0, 2, 0, 1, 3]  # best first; depths 1 1 2 3 2 2 4
+    rungs = [PLAIN, Rung(2, 1), Rung(3, 2), Rung(5, 3), Rung(7, 4)]
+    got = prefix_accepts([0, 2, 3, 6], parents, Rung(7, 4), rungs)
+    # Rung(2, 1): nodes {0, 1} -> 1; Rung(3, 2): {0, 1, 2} -> 2; Rung(5, 3): {0..4} -> 3; all -> 4
+    assert got == {Rung(2, 1): 1, Rung(3, 2): 2, Rung(5, 3): 3, Rung(7, 4): 4}
+    # a smaller verified tree measures only the rungs it covers
+    assert prefix_accepts([1], parents[:3], Rung(3, 2), rungs) == {Rung(2, 1): 1, Rung(3, 2): 1}
+    # a depth bound leaves out deeper nodes even among the best ones
+    assert prefix_accepts([0, 2, 3], parents, Rung(7, 4), [Rung(4, 2)]) == {Rung(4, 2): 2}
+
+
+def test_linear_cost():
+    fit = LinearCost(alpha=0.2)
+    assert fit.line() == (0.0, 0.0) and not fit.known
+    fit.add(17, 0.0185)
+    assert fit.line() == pytest.approx((0.0185, 0.0))  # one size seen: flat
+    for x in (1, 17, 9, 1, 33):
+        fit.add(x, 0.01 + 0.0005 * x)
+    a, b = fit.line()
+    assert a == pytest.approx(0.01) and b == pytest.approx(0.0005)
+    for _ in range(200):  # one size only for a long time: the slope it could tell is kept
+        fit.add(17, 0.01 + 0.0005 * 17)
+    assert fit.line()[1] == pytest.approx(0.0005) and fit(1) == pytest.approx(0.0105)
+    prop = LinearCost(proportional=True)
+    prop.add(6, 0.012)
+    assert prop(3) == pytest.approx(0.006)  # one depth seen: cost per level
+
+
+# synthetic costs: a forward of r rows costs FIXED + ROW * r (B sessions share one forward, each
+# with the same tree), the draft LEVEL per level
+FIXED, ROW, LEVEL = 0.010, 0.0004, 0.0008
+
+
+def true_rate(rung, accepted, sessions=1):
+    own = FIXED / sessions + ROW * (rung.nodes + 1) + (0 if rung.plain else LEVEL * rung.depth)
+    return (1 + (0 if rung.plain else accepted[rung])) / own
+
+
+def simulate(ctl, accepted, steps, sessions=1):
+    """Drives a controller with the synthetic costs and `accepted` draft tokens per rung."""
+    chosen = []
     for _ in range(steps):
-        spec = ctl.speculate()
-        kinds.append("S" if spec else "p")
-        if spec:
-            ctl.record_spec(spec_s, spec_tokens)
+        r = ctl.choose(sessions)
+        rows = sessions * (r.nodes + 1)
+        ctl.record_forward(rows, FIXED + ROW * rows)
+        if r.plain:
+            ctl.record_plain()
         else:
-            ctl.record_plain(plain_s)
-    return "".join(kinds)
+            covered = [q for q in ctl.rungs[1:] if q.nodes <= r.nodes and q.depth <= r.depth]
+            ctl.record_spec(r, LEVEL * r.depth, {q: accepted[q] for q in covered})
+        chosen.append(r)
+    return chosen
 
 
-def test_speculates_while_it_pays():
-    ctl = TreeController()
-    kinds = drive(ctl, spec_s=0.010, spec_tokens=4, plain_s=0.004, steps=40)  # 400 vs 250 tok/s
-    assert kinds[:3] == "SSp" and kinds[3:] == "S" * 37  # warm-up, one plain measurement, then on
+PROFILES = {  # accepted draft tokens per step of the 4-, 8- and 16-node trees
+    "easy": (2.2, 3.2, 4.8),
+    "medium": (1.6, 2.2, 2.4),
+    "hard": (0.8, 1.0, 1.1),
+    "useless": (0.05, 0.05, 0.06),
+}
 
 
-def test_goes_plain_when_it_does_not_pay_and_probes_with_backoff():
-    ctl = TreeController()
-    kinds = drive(ctl, spec_s=0.010, spec_tokens=2, plain_s=0.004, steps=200)  # 200 vs 250 tok/s
-    assert kinds.startswith("SSp")
-    probes = [i for i, k in enumerate(kinds) if k == "S"][2:]
-    gaps = [b - a - 1 for a, b in zip([1] + probes, probes)]  # plain steps before each probe
-    # the first probe after 10 speculative steps' worth of plain time (25 steps), then doubling
-    assert gaps[:3] == [25, 50, 100] and len(gaps) >= 3
-    assert ctl.probe_steps == len(probes) and ctl.plain_steps == kinds.count("p")
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_picks_the_size_of_most_tokens_per_second(profile):
+    accepted = dict(zip(RUNGS[1:], PROFILES[profile]))
+    want = max(RUNGS, key=lambda r: true_rate(r, accepted))
+    ctl = TreeController(list(RUNGS))
+    chosen = simulate(ctl, accepted, 80)
+    assert chosen[:3] == [RUNGS[-1], RUNGS[-1], PLAIN]  # warm-up on the full tree, one plain step
+    steady = chosen[3:]
+    assert steady.count(want) >= 0.8 * len(steady)  # the rest are probes of the full tree
+    assert set(steady) <= {want, RUNGS[-1]}
+    assert ctl.probe_steps == (0 if want == RUNGS[-1] else steady.count(RUNGS[-1]))
 
 
-def test_comes_back_when_speculation_pays_again():
-    ctl = TreeController()
-    drive(ctl, spec_s=0.010, spec_tokens=1.5, plain_s=0.004, steps=30)
-    kinds = drive(ctl, spec_s=0.010, spec_tokens=6, plain_s=0.004, steps=120)  # the text got easy
-    assert kinds.endswith("S" * 40) and "p" in kinds  # the next probe found it, and it stayed on
+def test_the_profiles_cover_the_ladder():
+    """The test above is only worth something if each profile wants a different rung."""
+    wants = {max(RUNGS, key=lambda r: true_rate(r, dict(zip(RUNGS[1:], p)))) for p in PROFILES.values()}
+    assert wants == set(RUNGS)
 
 
-class Alternating:
-    """A policy that switches every step (the losslessness test's worst case for the draft's state)."""
-
-    spec_steps = plain_steps = probe_steps = 0
-
-    def __init__(self):
-        self.n = 0
-
-    def speculate(self):
-        self.n += 1
-        return self.n % 2 == 1 or self.n % 7 == 0
-
-    def record_spec(self, seconds, tokens):
-        pass
-
-    def record_plain(self, seconds):
-        pass
+def test_backs_off_smoothly_as_the_batch_grows():
+    accepted = dict(zip(RUNGS[1:], PROFILES["easy"]))
+    picks = []
+    for sessions in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64):
+        ctl = TreeController(list(RUNGS))
+        chosen = simulate(ctl, accepted, 40, sessions)
+        best = ctl.best()
+        assert best == max(RUNGS, key=lambda r: true_rate(r, accepted, sessions))
+        assert chosen[-1] in (best, RUNGS[-1])
+        picks.append(best.nodes)
+    assert picks == sorted(picks, reverse=True)  # never larger with more sessions
+    assert picks[0] == 16 and picks[-1] == 0  # the full tree alone, plain steps under heavy load
+    assert len(set(picks)) == 4  # through every size in between: no cliff
 
 
-@pytest.mark.parametrize("mode", ["sd", "specextend"])
+def test_probes_back_off_exponentially_and_come_back():
+    hard = dict(zip(RUNGS[1:], PROFILES["useless"]))
+    ctl = TreeController(list(RUNGS))
+    chosen = simulate(ctl, hard, 400)
+    assert ctl.best() == PLAIN
+    probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]][2:]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    base = round(10 * (FIXED + ROW * 17 + LEVEL * 6) / (FIXED + ROW))
+    assert probes[0] == base  # `base` steps from the start (warm-up and the plain measurement included)
+    assert gaps[:3] == [2 * base + 1, 4 * base + 1, 8 * base + 1]
+    assert ctl.probe_steps == len(probes) and ctl.plain_steps == chosen.count(PLAIN)
+    easy = dict(zip(RUNGS[1:], PROFILES["easy"]))  # the text got easy
+    chosen = simulate(ctl, easy, 16 * base + 200)
+    assert chosen[-40:] == [RUNGS[-1]] * 40  # a probe found it, and it stayed on the full tree
+
+
+# ---------------------------------------------------------------------------- lossless, whatever it picks
+class Rigged(TreeController):
+    """Switches the tree every step, through every rung, plain included (the worst case for the
+    draft's state and for the trees' bounds)."""
+
+    def choose(self, sessions=1):
+        self.heard.append(sessions)
+        return self.rungs[(3 * (self.spec_steps + self.plain_steps) + 1) % len(self.rungs)]
+
+    def record_forward(self, rows, seconds):
+        self.rows.append(rows)
+        super().record_forward(rows, seconds)
+
+
+def _rig(engine, monkeypatch):
+    """The engine's sessions get Rigged controllers (listed, with what each heard of the batch)."""
+    made = []
+
+    def make(tree):
+        made.append(Rigged(ladder(tree)))
+        made[-1].heard, made[-1].rows = [], []
+        return made[-1]
+
+    monkeypatch.setattr(engine, "new_controller", make)
+    return made
+
+
+@pytest.mark.parametrize("mode,overlap", [("sd", False), ("specextend", False), ("specextend", True)])
 @pytest.mark.parametrize("sampling", [False, True])
-def test_switching_every_step_is_lossless(tiny_models, monkeypatch, mode, sampling):
+def test_switching_the_tree_every_step_is_lossless(tiny_models, monkeypatch, mode, overlap, sampling):
     pair = tiny_models("float64")
     prompt = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=11)
     ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
-    engine = make_engine(pair, mode, tree=TreeConfig(8, 4, 3), tree_policy="adaptive",
+    engine = make_engine(pair, mode, draft_backend=DraftWorker(pair[1].decoder, overlap=overlap),
+                         tree=TreeConfig(16, 5, 3), tree_policy="adaptive",
                          retrieval=RetrievalConfig(chunk_size=8, top_k=12, every=2))
-    monkeypatch.setattr(engine, "new_controller", Alternating)
+    _rig(engine, monkeypatch)
     out, _, stats = engine.generate(prompt, params)
     assert out == ref
     assert stats.num_steps > 3 and stats.plain_steps > 3  # both kinds of step really ran
+    assert {4, 8} <= set(stats.nodes_per_step)  # ... and trees of several sizes
+    assert max(stats.nodes_per_step) <= 16 and stats.mean_tree_nodes == pytest.approx(
+        sum(stats.nodes_per_step) / stats.num_steps)
+    engine.draft.shutdown()
+
+
+def test_batched_sessions_hear_the_batch_and_stay_lossless(tiny_models, monkeypatch):
+    from test_batch import run_batched
+
+    pair = tiny_models("float64")
+    engine = make_engine(pair, "sd", tree=TreeConfig(16, 5, 3), tree_policy="adaptive")
+    made = _rig(engine, monkeypatch)
+    reqs = [(torch.randint(0, 256, (30 + 7 * i,), generator=torch.Generator().manual_seed(i)).tolist(),
+             SamplingParams(20, ignore_eos=True, **({"temperature": 0.9, "seed": i} if i % 2 else {})), {})
+            for i in range(3)]
+    alone = [engine.generate(p, params) for p, params, _ in reqs]
+    assert all(set(c.heard) == {1} for c in made)  # alone, nobody shares a forward
+    del made[:]
+    got, _ = run_batched(engine, [(p, params, {"load": Load()}) for p, params, _ in reqs])
+    assert [g[0] for g in got] == [a[0] for a in alone]
+    assert len(made) == 3 and all(max(c.heard) == 3 for c in made)  # they heard the batch
+    prompts = sum(len(p) for p, _, _ in reqs)
+    assert all(prompts in c.rows for c in made)  # ... and the shared forwards' rows (the prefills met)
 
 
 def test_adaptive_is_the_default_and_fixed_speculates_every_step(tiny_models):
-    from specextend.config import EngineConfig
-
     assert EngineConfig().tree_policy == "adaptive"
     pair = tiny_models("float64")
     prompt = list(range(1, 60))
     _, _, stats = make_engine(pair, "sd", tree_policy="fixed").generate(prompt, SamplingParams(30, ignore_eos=True))
-    assert stats.plain_steps == 0
+    assert stats.plain_steps == 0 and stats.probe_steps == 0
+    assert stats.nodes_per_step == [EngineConfig().tree.nodes] * stats.num_steps
+
+
+def test_adaptive_engine_runs_its_policy(tiny_models):
+    """The real controller in the engine: warm-up on the full tree, then its own choices, lossless."""
+    pair = tiny_models("float64")
+    prompt = list(range(3, 90))
+    params = SamplingParams(40, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
+    out, _, stats = make_engine(pair, "sd", tree=TreeConfig(8, 4, 3), tree_policy="adaptive").generate(prompt, params)
+    assert out == ref and stats.nodes_per_step[:2] == [8, 8]
+    assert stats.num_steps + stats.plain_steps >= 40 / 5
 
 
 def test_per_request_control_in_the_engine(tiny_models):
@@ -102,3 +236,25 @@ def test_per_request_control_in_the_engine(tiny_models):
     assert off == ref and stats.num_steps == 0 and stats.draft_tokens == 0
     small, _, stats = engine.generate(prompt, params, max_tree_nodes=2)
     assert small == ref and 0 < stats.draft_tokens <= 2 * stats.num_steps
+
+
+def test_policy_metrics_and_response_fields():
+    """/metrics: the chosen tree sizes (a histogram), plain and probe steps; the response's
+    speculative_decoding object: mean_tree_nodes, plain_steps, probe_steps."""
+    from specextend.engine import RequestStats
+    from specextend.serving.metrics import ReplicaMetrics
+    from specextend.serving.protocol import SpeculativeDecoding
+    from specextend.serving.replica import spec_decoding
+
+    stats = RequestStats(num_steps=3, accepted_per_step=[2, 0, 1], nodes_per_step=[16, 4, 4], draft_tokens=24,
+                         plain_steps=5, probe_steps=1, num_generated=11)
+    m = ReplicaMetrics(use_ray=False)
+    m.record_request(stats, "length")
+    text = m.exposition()
+    assert 'specextend_spec_decode_tree_nodes_bucket{le="4.0"} 2.0' in text
+    assert 'specextend_spec_decode_tree_nodes_bucket{le="16.0"} 3.0' in text
+    assert "specextend_spec_decode_tree_nodes_sum 24.0" in text
+    assert "specextend_spec_decode_num_plain_steps_total 5.0" in text
+    assert "specextend_spec_decode_num_probe_steps_total 1.0" in text
+    spec = SpeculativeDecoding(**spec_decoding(stats)).model_dump()
+    assert (spec["mean_tree_nodes"], spec["plain_steps"], spec["probe_steps"]) == (8.0, 5, 1)

@@ -115,3 +115,27 @@ def test_graphed_level_bookkeeping_equals_eager(tiny_models, dtype):
         for f, sl in zip(fast, slow):  # the two sessions alternate through the shared graphs
             assert f.step(step, [7 + step], None) == sl.step(step, [7 + step], None)
     assert draft.post_graphs is not None and draft.post_graphs.replays > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_bound_drafts_the_smaller_tree(tiny_models, overlap):
+    """A step's bound (the adaptive policy's choice) drafts exactly what a session configured with
+    that tree drafts; the tree comes best first, so its prefixes are the smaller trees."""
+    from specextend.draft.base import TreeBound
+    from specextend.tree import node_depths
+
+    draft = tiny_models("float64")[1].decoder
+    big = DraftSession(draft, prompt(60, 4), DraftSessionParams(TreeConfig(16, 5, 3), RetrievalConfig(), 64),
+                       overlap=overlap, sync_depth=0)
+    small = DraftSession(draft, prompt(60, 4), DraftSessionParams(TreeConfig(6, 3, 3), RetrievalConfig(), 64))
+    full = DraftSession(draft, prompt(60, 4), DraftSessionParams(TreeConfig(16, 5, 3), RetrievalConfig(), 64))
+    got = big.step(0, [7], None, TreeBound(nodes=6, depth=3))
+    want = small.step(0, [7], None)
+    assert (got.tokens, got.parents) == (want.tokens, want.parents)
+    assert len(got.tokens) == 6 and max(node_depths(got.parents)) <= 3
+    whole = full.step(0, [7], None)
+    assert all(p < i for i, p in enumerate(whole.parents))  # best first is topological
+    # the bounded tree is the full tree's best nodes no deeper than the bound (what the controller's
+    # acceptance estimates assume, controller.prefix_accepts)
+    shallow = [t for t, d in zip(whole.tokens, node_depths(whole.parents)) if d <= 3]
+    assert list(got.tokens) == shallow[:6]

@@ -218,10 +218,10 @@ def test_draft_failure_mid_speculation_falls_back_losslessly(tiny_models):
     worker = DraftWorker(pair[1].decoder, overlap=True)
 
     class DiesAtStep3(ChaosDraft):
-        def step(self, session_id, step, accepted_tokens, retrieval=None):
+        def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
             if step == 3:
                 raise DraftError("injected: the draft died")
-            return super().step(session_id, step, accepted_tokens, retrieval)
+            return super().step(session_id, step, accepted_tokens, retrieval, bound)
 
     ref, out, stats = run(pair, DiesAtStep3(worker, Chaos(latency_s=0.02)))
     assert out == ref and stats.fallback and stats.num_steps == 3

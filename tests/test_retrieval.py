@@ -133,9 +133,9 @@ def test_prefill_scores_the_first_tree(tiny_models):
     seen = []
 
     class Recording(DraftWorker):
-        def step(self, session_id, step, accepted_tokens, retrieval=None):
+        def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
             seen.append((step, retrieval))
-            return super().step(session_id, step, accepted_tokens, retrieval)
+            return super().step(session_id, step, accepted_tokens, retrieval, bound)
 
     cfg = RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=3)
     eng = make_engine((target, draft), "specextend", draft_backend=Recording(draft.decoder), tree=TreeConfig(8, 3, 2),

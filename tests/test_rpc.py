@@ -22,6 +22,7 @@ from specextend.draft.base import (
     DraftStepOutOfOrder,
     DraftTree,
     Retrieval,
+    TreeBound,
 )
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
 from specextend.v1 import draft_pb2 as pb
@@ -49,6 +50,7 @@ class FakeDraft(DraftBackend):
         self.slow_once: dict[int, float] = {}  # step number -> seconds slept when first applied
         self.sessions: dict[str, dict] = {}
         self.applied: list[tuple[str, int, Optional[Retrieval]]] = []
+        self.bounds: list[Optional[TreeBound]] = []  # each applied step's cap on the tree
         self.active = self.max_active = 0  # concurrent backend calls (the servicer serializes them)
         self.wake = threading.Event()  # set: a step sleeping its step_delay_s returns at once
 
@@ -72,7 +74,7 @@ class FakeDraft(DraftBackend):
                 prompt=tuple(prompt_ids), params=params, last=-1, tree=None
             )
 
-    def step(self, session_id, step, accepted_tokens, retrieval=None):
+    def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
         with self._call():
             if session_id not in self.sessions:
                 raise DraftSessionNotFound(f"no draft session {session_id!r}")
@@ -88,6 +90,7 @@ class FakeDraft(DraftBackend):
                 self.wake.wait(self.step_delay_s)
             state.update(last=step, tree=expected_tree(session_id, step, accepted_tokens))
             self.applied.append((session_id, step, retrieval))
+            self.bounds.append(bound)
             return state["tree"]
 
     def close(self, session_id):
@@ -306,3 +309,13 @@ def test_token_keeps_stray_clients_out(fake, caplog):
         client.close("s")
         client.shutdown()
     assert token not in caplog.text
+
+
+def test_step_bound_crosses_the_wire(fake, server, client):
+    """A step's cap on the tree (the adaptive policy's choice) reaches the draft; no cap stays none
+    (0 on the wire, what a client from before the field sends)."""
+    client.open("s", [1, 2, 3], PARAMS)
+    client.step("s", 0, [3], None, TreeBound(nodes=4, depth=3))
+    client.step("s", 1, [4], None, TreeBound(nodes=6))
+    client.step("s", 2, [5])
+    assert fake.bounds == [TreeBound(4, 3), TreeBound(6, 0), None]

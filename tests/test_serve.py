@@ -307,6 +307,7 @@ def test_per_request_speculation_control(client, reference):
     spec = small.model_extra["speculative_decoding"]
     assert small.choices[0].token_ids == ref and spec["num_steps"] >= 1
     assert spec["mean_acceptance_length"] <= 2.0  # one node a tree: at most one accepted per step
+    assert spec["mean_tree_nodes"] == 1.0 and spec["probe_steps"] >= 0 and spec["plain_steps"] >= 0
 
 
 def test_server_still_serves_after_errors(client):
@@ -358,7 +359,9 @@ def test_metrics_endpoint(server):
                  'specextend_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
                  "specextend_time_to_first_token_seconds_bucket", "specextend_inter_token_latency_seconds_count",
                  "specextend_prompt_tokens_total", "specextend_generation_tokens_total",
-                 "specextend_draft_fallbacks_total", "specextend_num_requests_running"):
+                 "specextend_draft_fallbacks_total", "specextend_num_requests_running",
+                 "specextend_spec_decode_tree_nodes_bucket", "specextend_spec_decode_num_plain_steps_total",
+                 "specextend_spec_decode_num_probe_steps_total"):
         assert name in text, name
 
 

@@ -79,10 +79,10 @@ def test_recency_window_sends_sink_and_recent_chunks_and_keeps_output(setup, rem
     recency = replace(RETRIEVAL, select="recency")
 
     class Recorder(ChaosDraft):
-        def step(self, session_id, step, accepted_tokens, retrieval=None):
+        def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
             if retrieval is not None:
                 self.sent.append(retrieval.chunk_ids)
-            return super().step(session_id, step, accepted_tokens, retrieval)
+            return super().step(session_id, step, accepted_tokens, retrieval, bound)
 
     draft = Recorder(remote, Chaos())
     draft.sent = []

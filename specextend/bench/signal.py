@@ -32,7 +32,7 @@ import torch
 from specextend.bench import e2e
 from specextend.bench.texts import documents, prompt_ids
 from specextend.config import RetrievalConfig
-from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval
+from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.chaos import Chaos, ChaosDraft
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
@@ -129,12 +129,12 @@ class WireMeter(DraftBackend):
         self.inner.open(session_id, prompt_ids, params)
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
-             retrieval: Optional[Retrieval] = None) -> DraftTree:
-        size = step_to_proto(session_id, step, accepted_tokens, retrieval).ByteSize()
-        bare = step_to_proto(session_id, step, accepted_tokens, None).ByteSize() if retrieval else size
+             retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
+        size = step_to_proto(session_id, step, accepted_tokens, retrieval, bound).ByteSize()
+        bare = step_to_proto(session_id, step, accepted_tokens, None, bound).ByteSize() if retrieval else size
         n = self.counters
         n["steps"], n["bytes"], n["signal_bytes"] = n["steps"] + 1, n["bytes"] + size, n["signal_bytes"] + size - bare
-        return self.inner.step(session_id, step, accepted_tokens, retrieval)
+        return self.inner.step(session_id, step, accepted_tokens, retrieval, bound)
 
     def close(self, session_id: str) -> None:
         self.inner.close(session_id)

@@ -2,11 +2,13 @@
 
 Protocol of a session (the target drives):
   open(session_id, prompt_ids, params)          the draft prefills the prompt
-  step(session_id, step, accepted_tokens, retrieval) -> DraftTree
+  step(session_id, step, accepted_tokens, retrieval, bound) -> DraftTree
       step 0 carries the first generated token; step k>0 carries the tokens committed by
       verification k-1 (accepted path + bonus token). The last accepted token is the next root.
       `retrieval` (chunk ids over the committed context) arrives every few steps, may be late,
       dropped or repeated: it only changes which chunks the draft keeps, never the output.
+      `bound` (the target's adaptive policy, controller.py) caps this step's tree below the
+      session's tree config; the tree is sent best first, so any prefix of it is a smaller tree.
       A step with the same number as the last applied one is a retry: it returns the same tree
       and applies nothing twice.
   close(session_id)                             frees everything of the session (idempotent)
@@ -52,8 +54,23 @@ class Retrieval:
 
 
 @dataclass(frozen=True)
+class TreeBound:
+    """One step's cap on the tree (docs/architecture.md, "Adaptive speculation"): at most `nodes`
+    nodes, at most `depth` levels; 0 keeps the session's own setting."""
+
+    nodes: int = 0
+    depth: int = 0
+
+    def apply(self, tree: TreeConfig) -> TreeConfig:
+        return TreeConfig(nodes=min(tree.nodes, self.nodes or tree.nodes),
+                          depth=min(tree.depth, self.depth or tree.depth), topk=tree.topk)
+
+
+@dataclass(frozen=True)
 class DraftTree:
-    """Draft tree in topological order; parents[i] = index of node i's parent, -1 for the root."""
+    """Draft tree, best node first (by path score, docs/architecture.md, "Draft tree"), which is a
+    topological order: tokens[:m], parents[:m] is the best m-node tree. parents[i] = index of node
+    i's parent, -1 for the root."""
 
     step: int
     tokens: tuple[int, ...]  # [N]
@@ -74,6 +91,7 @@ class DraftBackend(abc.ABC):
         step: int,
         accepted_tokens: Sequence[int],
         retrieval: Optional[Retrieval] = None,
+        bound: Optional[TreeBound] = None,
     ) -> DraftTree: ...
 
     @abc.abstractmethod

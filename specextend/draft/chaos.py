@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval
+from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval, TreeBound
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class ChaosDraft(DraftBackend):
         self.inner.open(session_id, prompt_ids, params)
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
-             retrieval: Optional[Retrieval] = None) -> DraftTree:
+             retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
         c, n = self.chaos, self.counters
         if c.latency_s:
             time.sleep(c.latency_s)
@@ -76,7 +76,7 @@ class ChaosDraft(DraftBackend):
             n.delivered_ids += len(due[1].chunk_ids)
             n.repeated += repeat
             n.late += not repeat and due[0] < step
-        return self.inner.step(session_id, step, accepted_tokens, due[1] if due is not None else None)
+        return self.inner.step(session_id, step, accepted_tokens, due[1] if due is not None else None, bound)
 
     def close(self, session_id: str) -> None:
         self._pending.pop(session_id, None)

@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 import torch
 
 from specextend.attention.backends import CAUSAL
-from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval
+from specextend.config import TreeConfig
+from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.expand import PostGraphs, expand_tree, level_post
 from specextend.draft.pool import Pool
 from specextend.kv_cache import CacheFull
@@ -144,13 +145,16 @@ class DraftSession:
         return self.work.length
 
     # ----------------------------------------------------------------- step
-    def step(self, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval]) -> DraftTree:
-        """Commit the accepted tokens (the last is the next root) and draft the next tree."""
+    def step(self, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
+             bound: Optional[TreeBound] = None) -> DraftTree:
+        """Commit the accepted tokens (the last is the next root) and draft the next tree, within
+        `bound` (this step's cap from the target's adaptive policy, base.py) if given."""
+        shape = (bound or TreeBound()).apply(self.params.tree)  # this step's nodes and depth
         if not accepted_tokens:
             raise ValueError("a step needs at least the bonus token")
         refresh = retrieval is not None and self.store is not None and bool(retrieval.chunk_ids)
         if self.pool is not None:
-            ready = self._from_pool(step, accepted_tokens)
+            ready = self._from_pool(step, accepted_tokens, shape.nodes)
             if ready is not None:
                 if refresh:
                     self._refresh = retrieval
@@ -161,7 +165,7 @@ class DraftSession:
         if refresh:
             self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
         root_logits = self._forward_committed(list(accepted_tokens))
-        tokens, parents = self._draft_tree(root_logits)
+        tokens, parents = self._draft_tree(root_logits, shape)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length)
 
@@ -176,12 +180,13 @@ class DraftSession:
                 m.post_graphs = PostGraphs(m.device)
         return m.post_graphs
 
-    def _draft_tree(self, root_logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Dynamic tree (EAGLE-2 style, draft/expand.py), then the best `nodes` of its pool."""
+    def _draft_tree(self, root_logits: torch.Tensor, shape: TreeConfig) -> tuple[list[int], list[int]]:
+        """Dynamic tree (EAGLE-2 style, draft/expand.py) `shape.depth` deep, then the best
+        `shape.nodes` of its pool."""
         def forward(ids, positions, mask, staged):
             return self.model.forward(ids, positions, self.work, mask, ForwardOptions(staged=staged))[0]
 
-        tree, wide = self.params.tree, 0
+        tree, wide = shape, 0
         if self.overlap:
             wide = OVERLAP_WIDTH * tree.topk
             if 0 < self.sync_depth < tree.depth:
@@ -190,12 +195,13 @@ class DraftSession:
             forward, root_logits, tree, self.work.length - 1, post=self._post(), wide=wide)
         if self.overlap:
             self.pool = Pool.from_expansion(toks, scores, parents, depths, forwarded)
-        chosen = select_best_nodes(scores, depths, parents, self.params.tree.nodes)
+        chosen = select_best_nodes(scores, depths, parents, shape.nodes)
         return reindex_tree(chosen, toks, parents)
 
     # ----------------------------------------------------------------- overlap
-    def _from_pool(self, step: int, accepted: Sequence[int]) -> Optional[DraftTree]:
-        """The next tree from the pool if the accepted path and bonus token were forwarded in it."""
+    def _from_pool(self, step: int, accepted: Sequence[int], nodes: int) -> Optional[DraftTree]:
+        """The next tree (its best `nodes`) from the pool if the accepted path and bonus token were
+        forwarded in it."""
         pool = self.pool
         path = pool.walk(accepted)
         if any(node is None or pool.slots[node] < 0 for node in path):
@@ -214,7 +220,7 @@ class DraftSession:
         self.pool, self._restage = new, []
         # answer with what is ready, however little: growing it now would put draft forwards back on
         # the critical path (the pool keeps growing while the target verifies this tree)
-        tokens, parents = new.best_tree(self.params.tree.nodes)
+        tokens, parents = new.best_tree(nodes)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length, ready=True, ahead_depth=new.ready_depth())
 

@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from specextend.draft.base import (DraftBackend, DraftError, DraftSessionNotFound, DraftSessionParams,
-                                   DraftStepOutOfOrder, DraftTree, Retrieval)
+                                   DraftStepOutOfOrder, DraftTree, Retrieval, TreeBound)
 from specextend.draft.session import OVERLAP_ROWS, SYNC_DEPTH, DraftSession
 from specextend.models.decoder import Decoder
 
@@ -49,6 +49,7 @@ class Step:
     step: int
     accepted_tokens: tuple[int, ...]
     retrieval: Optional[Retrieval] = None
+    bound: Optional[TreeBound] = None  # this step's cap on the tree (base.py)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ class JobWorker(DraftBackend):
         self.submit(Open(session_id, tuple(prompt_ids), params)).result()
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
-             retrieval: Optional[Retrieval] = None) -> DraftTree:
-        return self.submit(Step(session_id, step, tuple(accepted_tokens), retrieval)).result()
+             retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
+        return self.submit(Step(session_id, step, tuple(accepted_tokens), retrieval, bound)).result()
 
     def close(self, session_id: str) -> None:
         self.submit(Close(session_id)).result()
@@ -210,7 +211,7 @@ class SerialDraft(JobWorker):
         if isinstance(job, Open):
             return self.backend.open(job.session_id, job.prompt_ids, job.params)
         if isinstance(job, Step):
-            return self.backend.step(job.session_id, job.step, job.accepted_tokens, job.retrieval)
+            return self.backend.step(job.session_id, job.step, job.accepted_tokens, job.retrieval, job.bound)
         return self.backend.close(job.session_id)
 
 
@@ -291,7 +292,7 @@ class DraftWorker(JobWorker):
             return entry.last_tree  # a retried step: applied once, same tree
         if job.step != entry.last_step + 1:
             raise DraftStepOutOfOrder(f"session {job.session_id!r}: step {job.step} after {entry.last_step}")
-        tree = entry.session.step(job.step, job.accepted_tokens, job.retrieval)
+        tree = entry.session.step(job.step, job.accepted_tokens, job.retrieval, job.bound)
         entry.last_step, entry.last_tree = job.step, tree
         if self.overlap:
             self._pending[job.session_id] = None

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import grpc
 
-from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.rpc.auth import call_metadata
 from specextend.rpc.convert import params_to_proto, step_to_proto, tree_from_proto
 from specextend.rpc.errors import RETRYABLE, error_from_rpc
@@ -117,8 +117,9 @@ class GrpcDraftBackend(DraftBackend):
         step: int,
         accepted_tokens: Sequence[int],
         retrieval: Optional[Retrieval] = None,
+        bound: Optional[TreeBound] = None,
     ) -> DraftTree:
-        request = step_to_proto(session_id, step, accepted_tokens, retrieval)
+        request = step_to_proto(session_id, step, accepted_tokens, retrieval, bound)
         tree = tree_from_proto(self._call("Step", request, self.timeout_s, attempts=2))
         if tree.step != step:
             raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")

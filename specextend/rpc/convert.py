@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specextend.config import RetrievalConfig, TreeConfig
-from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval
+from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.v1 import draft_pb2 as pb
 
 
@@ -44,13 +44,22 @@ def tree_from_proto(tree: pb.DraftTree) -> DraftTree:
                      ahead_depth=tree.ahead_depth)
 
 
-def step_to_proto(session_id: str, step: int, accepted_tokens, retrieval: Optional[Retrieval]) -> pb.StepRequest:
-    request = pb.StepRequest(session_id=session_id, step=step, accepted_tokens=accepted_tokens)
+def step_to_proto(session_id: str, step: int, accepted_tokens, retrieval: Optional[Retrieval],
+                  bound: Optional[TreeBound] = None) -> pb.StepRequest:
+    bound = bound or TreeBound()  # 0 on the wire: the session's own setting (what older clients send)
+    request = pb.StepRequest(session_id=session_id, step=step, accepted_tokens=accepted_tokens,
+                             max_nodes=bound.nodes, max_depth=bound.depth)
     if retrieval is not None:  # present even with no chunk ids: "keep none but sink/recent"
         request.retrieval.SetInParent()
         request.retrieval.chunk_ids.extend(retrieval.chunk_ids)  # [K]
         request.retrieval.chunk_size = retrieval.chunk_size
     return request
+
+
+def bound_from_proto(request: pb.StepRequest) -> Optional[TreeBound]:
+    if not (request.max_nodes or request.max_depth):
+        return None
+    return TreeBound(request.max_nodes, request.max_depth)
 
 
 def retrieval_from_proto(request: pb.StepRequest) -> Optional[Retrieval]:

@@ -24,7 +24,7 @@ import grpc
 from specextend.draft.base import DraftBackend
 from specextend.draft.worker import Close, Job, Open, Step, as_worker
 from specextend.rpc.auth import TokenInterceptor
-from specextend.rpc.convert import params_from_proto, retrieval_from_proto, tree_to_proto
+from specextend.rpc.convert import bound_from_proto, params_from_proto, retrieval_from_proto, tree_to_proto
 from specextend.rpc.errors import status_for
 from specextend.v1 import draft_pb2 as pb
 from specextend.v1 import draft_pb2_grpc
@@ -90,7 +90,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.worker.submit(Close(request.session_id))
 
     def Step(self, request: pb.StepRequest, context) -> pb.DraftTree:
-        job = Step(request.session_id, request.step, tuple(request.accepted_tokens), retrieval_from_proto(request))
+        job = Step(request.session_id, request.step, tuple(request.accepted_tokens), retrieval_from_proto(request),
+                   bound_from_proto(request))
         return tree_to_proto(self._run(context, job))
 
     def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionReply:

@@ -31,6 +31,7 @@ STALE_AFTER_S = 10.0  # an entry not refreshed for this long belongs to a replic
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # seconds
+TREE_NODES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # nodes (tree_nodes <= 1024)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                0.75, 1.0, 2.5, 5.0, 10.0)  # seconds
 
@@ -49,6 +50,10 @@ FAMILIES = {
         "counter", "Sum over steps of the depth drafted ahead of the new root (divide by num_drafts).", ()),
     "specextend_spec_decode_num_plain_steps": (
         "counter", "Plain decoding steps taken because speculation did not pay (tree_policy=adaptive).", ()),
+    "specextend_spec_decode_num_probe_steps": (
+        "counter", "Steps with the largest tree taken to re-measure it (tree_policy=adaptive).", ()),
+    "specextend_spec_decode_tree_nodes": (
+        "histogram", "Draft nodes verified per speculative step (the tree sizes the policy chose).", ()),
     "specextend_prompt_tokens": ("counter", "Prompt tokens prefilled.", ()),
     "specextend_generation_tokens": ("counter", "Tokens generated.", ()),
     "specextend_request_success": ("counter", "Finished requests by finish reason.", ("finish_reason",)),
@@ -59,7 +64,8 @@ FAMILIES = {
     "specextend_num_requests_waiting": ("gauge", "Requests queued for admission.", ()),
 }
 _BUCKETS = {"specextend_time_to_first_token_seconds": TTFT_BUCKETS,
-            "specextend_inter_token_latency_seconds": ITL_BUCKETS}
+            "specextend_inter_token_latency_seconds": ITL_BUCKETS,
+            "specextend_spec_decode_tree_nodes": TREE_NODES_BUCKETS}
 
 
 class ReplicaMetrics:
@@ -111,6 +117,9 @@ class ReplicaMetrics:
         self.inc("specextend_spec_decode_target_wait_seconds", stats.draft_s)
         self.inc("specextend_spec_decode_ahead_depth", stats.ahead_depth_sum)
         self.inc("specextend_spec_decode_num_plain_steps", stats.plain_steps)
+        self.inc("specextend_spec_decode_num_probe_steps", stats.probe_steps)
+        for nodes in stats.nodes_per_step:
+            self.observe("specextend_spec_decode_tree_nodes", nodes)
         self.inc("specextend_draft_fallbacks", int(stats.fallback))
         self.inc("specextend_request_success", 1, finish_reason=finish_reason or "abort")
 

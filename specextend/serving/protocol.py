@@ -175,6 +175,8 @@ class SpeculativeDecoding(BaseModel):
     tree_ready_fraction: float = 0.0  # steps whose tree was drafted while the target verified
     draft_ahead_depth: float = 0.0  # mean depth drafted ahead of the new root when asked
     plain_steps: int = 0  # plain decoding steps chosen because speculation did not pay (tree_policy=adaptive)
+    probe_steps: int = 0  # steps with the largest tree taken to re-measure it (tree_policy=adaptive)
+    mean_tree_nodes: float = 0.0  # draft nodes verified per speculative step (the trees chosen)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 

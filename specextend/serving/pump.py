@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Generator
+from typing import Any, Generator, Optional
 
 from specextend.engine import StepEvent
-from specextend.scheduler import Batcher
+from specextend.scheduler import Batcher, Load
 
 MAX_AHEAD = 32  # undelivered events per session before its steps pause
 
@@ -37,7 +37,7 @@ class EngineThread:
 
 class SessionPump:
     def __init__(self, batcher: Batcher, session: Generator, loop: asyncio.AbstractEventLoop,
-                 max_ahead: int = MAX_AHEAD) -> None:
+                 max_ahead: int = MAX_AHEAD, load: Optional[Load] = None) -> None:
         self._batcher = batcher
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -45,7 +45,7 @@ class SessionPump:
         self._lock = threading.Lock()  # guards the undelivered count and the paused flag
         self._undelivered = 0
         self._paused = False
-        self._entry = batcher.add(session, self._sink)
+        self._entry = batcher.add(session, self._sink, load)
 
     def _sink(self, item: Any) -> bool:  # on the engine thread: an event, None (ended) or an exception
         with self._lock:

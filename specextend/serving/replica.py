@@ -28,7 +28,7 @@ from specextend.config import SamplingParams
 from specextend.engine import Engine, RequestError, RequestStats
 from specextend.models.chat import encode_chat
 from specextend.rpc.auth import new_token
-from specextend.scheduler import Batcher
+from specextend.scheduler import Batcher, Load
 from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
 from specextend.serving.draft_actor import DraftActor
@@ -55,7 +55,8 @@ def spec_decoding(stats: RequestStats) -> dict:
            "verify_ms_per_step": 1e3 * stats.verify_s / steps,
            "target_wait_ms_per_step": stats.target_wait_ms_per_step,
            "tree_ready_fraction": stats.tree_ready_fraction, "draft_ahead_depth": stats.draft_ahead_depth,
-           "plain_steps": stats.plain_steps}
+           "plain_steps": stats.plain_steps, "probe_steps": stats.probe_steps,
+           "mean_tree_nodes": stats.mean_tree_nodes}
     if stats.replayed:
         out["replayed"] = True
     return out
@@ -221,10 +222,11 @@ class SpecExtendReplica:
         loop = asyncio.get_running_loop()
         text = TextStream(self.tokenizer, prompt_ids, req.get("stop") or ())
         replay = [self.settings.replay_accept_length] if self.settings.replay_accept_length is not None else None
+        load = Load()  # the batcher tells the session's policy how many share its forwards
         session = engine.session(prompt_ids, params, session_id=req.get("request_id"), replay=replay,
-                                 speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"])
+                                 speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"], load=load)
         stats, finish, last = None, None, None
-        pump = SessionPump(self.engine_thread.batcher, session, loop)  # the engine steps ahead of the streaming
+        pump = SessionPump(self.engine_thread.batcher, session, loop, load=load)  # steps ahead of the streaming
         try:
             while finish is None:
                 tokens, reason, ended = [], None, False
