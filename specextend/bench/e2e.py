@@ -31,6 +31,7 @@ from specextend.builder import read_pair
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams
 from specextend.draft.base import DraftSessionParams
 from specextend.draft.worker import DraftWorker
+from specextend import warmup
 from specextend.engine import Engine
 from specextend.models.loader import load_model
 from specextend.near_tie import near_tie_check
@@ -127,6 +128,8 @@ def warm_up(engine: Engine, prompt: list[int], warm: set, replay: Optional[list[
     the ids of the engines already warm."""
     if id(engine) not in warm:
         engine.generate(prompt[:64], SamplingParams(max_new_tokens=8, ignore_eos=True), replay=replay)
+        if engine.target.decoder.graphs is not None:  # every shape's graphs, before the timed runs
+            warmup.warm_up(engine, prompt[:64])
         warm.add(id(engine))
 
 

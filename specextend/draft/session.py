@@ -107,11 +107,15 @@ class DraftSession:
 
     # ----------------------------------------------------------------- caches
     def _forward_committed(self, ids: list[int], window: int = 0) -> torch.Tensor:
-        """Forward committed tokens (causal), append them to both caches; logits of the last [V]."""
+        """Forward committed tokens (causal), append them to both caches; logits of the last [V].
+        More tokens than a step can accept (catching up after the target's plain steps, any count)
+        run eagerly: a graph per count would be captured mid-request (docs/architecture.md,
+        "Execution plans")."""
         dev = self.model.device
         t = len(ids)
         pos = torch.arange(self.work.length, self.work.length + t, device=dev)
-        logits, _ = self.model.forward(
+        forward = self.model.forward if t <= self.params.tree.depth + 1 else self.model.forward_eager
+        logits, _ = forward(
             torch.tensor(ids, device=dev), pos, self.work, CAUSAL,
             ForwardOptions(window=window, store=self.store, logits_rows=torch.tensor([t - 1], device=dev)))
         self.work.advance(t)

@@ -36,6 +36,7 @@ from specextend.serving.errors import APIError, BadRequestError
 from specextend.serving.pump import EngineThread, SessionPump
 from specextend.serving.settings import MODEL_CPUS, AppSettings
 from specextend.serving.textstream import TextStream
+from specextend.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +123,13 @@ class SpecExtendReplica:
             return uuid.uuid4().hex
 
     def _warm_up(self) -> RequestStats:
-        """One short request through the whole path (draft RPCs included) before traffic."""
+        """One short request through the whole path (draft RPCs included) before traffic; with CUDA
+        graphs, every forward shape a request can take (warmup.py)."""
         ids = self.tokenizer.encode("Hello, world.", add_special_tokens=False) or [0]
-        _, _, stats = self.engine.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        if self.target.decoder.graphs is not None:
+            stats = warm_up(self.engine, ids * 8)
+        else:
+            _, _, stats = self.engine.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
         if stats.fallback:
             log.warning("warm-up fell back to plain decoding: the draft is not reachable")
         return stats

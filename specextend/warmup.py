@@ -1,0 +1,45 @@
+"""Warm-up before traffic: every decode-time forward shape a request can take, run once, so that its
+CUDA graphs are captured and its Triton kernels compiled before the first request instead of during
+it (docs/architecture.md, "Execution plans"). On an H100 (2026-11-23) a request that met new shapes
+stalled for up to 0.7 s a step: the real pair's first 16K request decoded at 23 tokens/s, the next
+at 318.
+
+The shapes of a step are fixed by the tree's rung (nodes, depth: the verify's rows), whether the
+step refreshes retrieval (the verify captures the last layer) and how many tokens were accepted
+(the draft's forward of them). Acceptance replay forces every accepted length 0..depth, cycled
+against the refresh interval so that each length meets a refresh, once per rung of the adaptive
+ladder, plus one plain request; the tests check that a normal request afterwards meets no shape the
+warm-up did not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Sequence
+
+from specextend.controller import ladder
+from specextend.engine import Engine, RequestStats
+from specextend.config import SamplingParams
+
+
+def warm_up(engine: Engine, prompt_ids: Sequence[int]) -> RequestStats:
+    """Runs the warm-up requests on `engine`'s models (the speculative ones with every step at the
+    rung asked for, whatever the engine's tree policy); returns the stats of the last speculative
+    one (its `fallback` says whether the draft answered)."""
+    cfg = engine.config
+    _, _, stats = engine.generate(prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), speculate=False)
+    if not cfg.uses_draft:
+        return stats
+    every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
+    fixed = Engine(replace(cfg, tree_policy="fixed"), engine.target, engine.draft)  # each rung as asked
+    for rung in ladder(cfg.tree)[1:]:
+        lengths = list(range(rung.depth + 1))  # accepted draft tokens per step
+        steps = len(lengths) * every // math.gcd(len(lengths), every)  # every (length, refresh) pair
+        tokens = sum(lengths[i % len(lengths)] + 1 for i in range(steps)) + 2
+        params = SamplingParams(max_new_tokens=min(tokens, engine.target.max_context - len(prompt_ids)),
+                                ignore_eos=True)
+        _, _, stats = fixed.generate(prompt_ids, params, replay=lengths, max_tree_nodes=rung.nodes)
+        if stats.fallback:
+            break
+    return stats

@@ -1,0 +1,46 @@
+"""warm_up (specextend/warmup.py): after it, a request meets no decode-time forward shape that the
+warm-up did not run (each shape is a CUDA graph captured and Triton kernels compiled on first use)."""
+
+import pytest
+
+from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
+from specextend.models.graphs import MAX_GRAPH_TOKENS
+from specextend.warmup import warm_up
+
+from helpers import make_engine
+
+
+def _record(decoder, seen: set):
+    """Records the graph key (models/graphs.ShapeKey's fields) of every small forward of decoder."""
+    inner = decoder.forward
+
+    def forward(input_ids, positions, cache, new_mask, opts=None):
+        t = input_ids.shape[0]
+        if t <= MAX_GRAPH_TOKENS and opts is not None:
+            rows = 0 if opts.logits_rows is None else opts.logits_rows.numel()
+            seen.add((t, opts.staged, rows, opts.capture_last, opts.store is not None))
+        return inner(input_ids, positions, cache, new_mask, opts)
+
+    decoder.forward = forward
+    return lambda: setattr(decoder, "forward", inner)
+
+
+@pytest.mark.parametrize("mode,policy", [("specextend", "adaptive"), ("sd", "fixed")])
+def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, mode, policy):
+    target, draft = tiny_models("float32")
+    retrieval = RetrievalConfig(enabled=mode == "specextend", chunk_size=8, top_k=4, every=3,
+                                draft_prefill_window=32)
+    engine = make_engine((target, draft), mode, tree=TreeConfig(16, 5, 4), retrieval=retrieval, tree_policy=policy)
+    warm, later = set(), set()
+    undo = [_record(m.decoder, warm) for m in (target, draft)]
+    stats = warm_up(engine, list(range(3, 150)))
+    assert not stats.fallback and stats.replayed
+    for u in undo:
+        u()
+    assert {k[0] for k in warm} >= {5, 9, 17}  # the verify of every rung of the ladder (4, 8, 16 nodes + root)
+    undo = [_record(m.decoder, later) for m in (target, draft)]
+    for prompt in (list(range(7, 200)), [5, 9, 11] * 40):
+        engine.generate(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
+    for u in undo:
+        u()
+    assert later and later <= warm, sorted(later - warm)
