@@ -200,9 +200,12 @@ class TreeController:
         self.plain_steps += 1
         self.since_probe += 1
 
-    def record_spec(self, rung: Rung, draft_s: float, accepts: dict) -> None:
-        """A speculative step of `rung`: the wait for its tree, and prefix_accepts' counts."""
-        self.draft.add(rung.depth, draft_s)
+    def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict) -> None:
+        """A speculative step of `rung`: the wait for its tree (None when the draft first caught up
+        on plain steps' tokens: a one-off of switching, not what a speculative step costs), and
+        prefix_accepts' counts."""
+        if draft_s is not None:
+            self.draft.add(rung.depth, draft_s)
         now = self.spec_steps + self.plain_steps
         for r, n in accepts.items():
             old = self.accepted.get(r, 0.0)

@@ -248,6 +248,7 @@ class Engine:
                         tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, rung.bound))
                         draft_s = time.perf_counter() - ts
                         stats.draft_s += draft_s
+                        caught_up = len(pending) > len(committed)  # it forwarded plain steps' tokens too
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)
                         continue
@@ -274,7 +275,8 @@ class Engine:
                     stats.ahead_depth_sum += tree.ahead_depth
                     committed = pending = verdict.tokens
                     step += 1
-                    ctl.record_spec(rung, draft_s, prefix_accepts(verdict.accepted, parents, rung, ctl.rungs))
+                    ctl.record_spec(rung, None if caught_up else draft_s,
+                                    prefix_accepts(verdict.accepted, parents, rung, ctl.rungs))
                     stats.probe_steps = ctl.probe_steps
                 else:
                     logits = yield from timed(target.decode_co(committed[-1]))

@@ -258,3 +258,29 @@ def test_policy_metrics_and_response_fields():
     assert "specextend_spec_decode_num_probe_steps_total 1.0" in text
     spec = SpeculativeDecoding(**spec_decoding(stats)).model_dump()
     assert (spec["mean_tree_nodes"], spec["plain_steps"], spec["probe_steps"]) == (8.0, 5, 1)
+
+
+def test_the_drafts_catch_up_after_plain_steps_is_not_charged_to_speculation(tiny_models, monkeypatch):
+    """After a run of plain steps the next speculative step's draft call also forwards those steps'
+    tokens: a one-off of switching. Its wait must not enter the draft's cost line, or a probe would
+    look dearer than speculating is and the controller would stay plain (H200, 2026-11-23: 8B +
+    68M replayed, adaptive 0.94x `ar` with 481 plain steps of 496, fixed 1.39x)."""
+    pair = tiny_models("float64")
+
+    class Runs(TreeController):  # three plain steps, then two speculative ones, and again
+        def choose(self, sessions=1):
+            return self.top if (self.spec_steps + self.plain_steps) % 5 >= 3 else PLAIN
+
+    waits = []
+
+    class Spy(Runs):
+        def record_spec(self, rung, draft_s, accepts):
+            waits.append(draft_s)
+            super().record_spec(rung, draft_s, accepts)
+
+    engine = make_engine(pair, "sd", tree=TreeConfig(8, 3, 2), tree_policy="adaptive")
+    monkeypatch.setattr(engine, "new_controller", lambda tree: Spy(ladder(tree)))
+    _, _, stats = engine.generate(list(range(3, 60)), SamplingParams(30, ignore_eos=True))
+    assert stats.plain_steps >= 6 and stats.num_steps >= 4
+    assert waits[0] is None and waits[1] is not None  # after 3 plain steps: a catch-up, then a plain wait
+    assert None in waits[2:] and all(w is None or w > 0 for w in waits)
