@@ -8,8 +8,9 @@ The shapes of a step are fixed by the tree's rung (nodes, depth: the verify's ro
 step refreshes retrieval (the verify captures the last layer) and how many tokens were accepted
 (the draft's forward of them). Acceptance replay forces every accepted length 0..depth, cycled
 against the refresh interval so that each length meets a refresh, once per rung of the adaptive
-ladder, plus one plain request; the tests check that a normal request afterwards meets no shape the
-warm-up did not.
+ladder, plus one plain request, and the draft worker's own warm-up (its padded catch-up forward,
+and overlapped drafting's shapes); the tests check that a normal request afterwards meets no shape
+the warm-up did not.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from specextend.controller import ladder
+from specextend.draft.base import DraftSessionParams
 from specextend.engine import Engine, RequestStats
 from specextend.config import SamplingParams
 
@@ -31,6 +33,9 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int]) -> RequestStats:
     _, _, stats = engine.generate(prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), speculate=False)
     if not cfg.uses_draft:
         return stats
+    draft_warm_up = getattr(engine.draft, "warm_up", None)  # an in-process worker (a remote one warms itself)
+    if draft_warm_up is not None:
+        draft_warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, max_new_tokens=64))
     every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
     fixed = Engine(replace(cfg, tree_policy="fixed"), engine.target, engine.draft)  # each rung as asked
     for rung in ladder(cfg.tree)[1:]:

@@ -44,3 +44,41 @@ def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, mode, policy):
     for u in undo:
         u()
     assert later and later <= warm, sorted(later - warm)
+
+
+def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
+    """The draft's catch-up on plain steps' tokens, in chunks padded to CATCH_UP rows (the pads'
+    K/V staged, never committed), leaves the same caches and drafts the same tree as forwarding
+    the tokens at once (float64)."""
+    import torch
+
+    from specextend.draft import session as ds
+    from specextend.draft.base import DraftSessionParams
+
+    _, draft = tiny_models("float64")
+    params = DraftSessionParams(TreeConfig(8, 3, 2), RetrievalConfig(enabled=True, chunk_size=8, top_k=4,
+                                                                     draft_prefill_window=32), max_new_tokens=200)
+    prompt = list(range(3, 120))
+    catch_up = [(7 * i) % 200 + 1 for i in range(45)]  # 45 tokens: chunks of 16, padded, and a partial one
+    trees, caches, padded = [], [], []
+    inner = ds.DraftSession._forward_committed
+
+    def spy(self, ids, window=0, rows=0):
+        padded.append(rows > len(ids))
+        return inner(self, ids, window, rows)
+
+    monkeypatch.setattr(ds.DraftSession, "_forward_committed", spy)
+    for rows in (16, 10**6):  # padded chunks; one unpadded chunk
+        monkeypatch.setattr(ds, "CATCH_UP", rows)
+        s = ds.DraftSession(draft.decoder, prompt, params)
+        s.step(0, [5], None)
+        tree = s.step(1, catch_up, None)
+        trees.append((tree.tokens, tree.parents))
+        caches.append((s.work.length, s.work.data[:, :, :, :s.work.length].clone(),
+                       s.store.length, s.store.data[:, :, :, :s.store.length].clone()))
+    assert padded.count(True) == 1  # the 13-token tail, padded to 16 rows
+    assert trees[0] == trees[1]
+    (l0, w0, n0, s0), (l1, w1, n1, s1) = caches
+    assert l0 == l1 and n0 == n1
+    torch.testing.assert_close(w0, w1, atol=1e-12, rtol=0)
+    torch.testing.assert_close(s0, s1, atol=1e-12, rtol=0)

@@ -39,6 +39,7 @@ from specextend.tree import reindex_tree, select_best_nodes
 # and 3 levels drafted on a miss beat 16 rows and all 6 levels at 8K and 16K (1.07x and 1.09x of
 # plain decoding against 1.01x), and tied at 30K.
 OVERLAP_ROWS = 8  # pool nodes forwarded per background forward
+CATCH_UP = 64  # rows of a catch-up forward (the graphs' largest: models/graphs.MAX_GRAPH_TOKENS)
 SYNC_DEPTH = 3  # levels drafted before answering a step that found nothing ready (0: the tree's depth)
 POOL_SLOTS = 128  # staged slots the pool may use (bounds one session's background work)
 OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the extra ones are the
@@ -106,22 +107,32 @@ class DraftSession:
         self._prefill(list(prompt_ids), prefill_chunk)
 
     # ----------------------------------------------------------------- caches
-    def _forward_committed(self, ids: list[int], window: int = 0) -> torch.Tensor:
+    def _forward_committed(self, ids: list[int], window: int = 0, rows: int = 0) -> torch.Tensor:
         """Forward committed tokens (causal), append them to both caches; logits of the last [V].
-        More tokens than a step can accept (catching up after the target's plain steps, any count)
-        run eagerly: a graph per count would be captured mid-request (docs/architecture.md,
-        "Execution plans")."""
+        `rows` > len(ids): padded to that many rows with copies of the last token, whose K/V are
+        staged past the committed ones and never committed (one graph shape for any count)."""
         dev = self.model.device
         t = len(ids)
-        pos = torch.arange(self.work.length, self.work.length + t, device=dev)
-        forward = self.model.forward if t <= self.params.tree.depth + 1 else self.model.forward_eager
-        logits, _ = forward(
-            torch.tensor(ids, device=dev), pos, self.work, CAUSAL,
+        rows = max(rows, t)
+        pos = torch.arange(self.work.length, self.work.length + rows, device=dev)
+        logits, _ = self.model.forward(
+            torch.tensor(ids + ids[-1:] * (rows - t), device=dev), pos, self.work, CAUSAL,
             ForwardOptions(window=window, store=self.store, logits_rows=torch.tensor([t - 1], device=dev)))
         self.work.advance(t)
         if self.store is not None:
             self.store.advance(t)
         return logits[0]
+
+    def _catch_up(self, ids: list[int]) -> torch.Tensor:
+        """Forward more tokens than a step can accept (the target's plain steps' tokens, any count)
+        in chunks padded to CATCH_UP rows: one graph shape, captured at warm-up, instead of a
+        capture per count in the middle of a request (docs/architecture.md, "Execution plans")."""
+        for lo in range(0, len(ids), CATCH_UP):
+            chunk = ids[lo:lo + CATCH_UP]
+            room = min(self.work.capacity - self.work.length,
+                       CATCH_UP if self.store is None else self.store.capacity - self.store.length)
+            logits = self._forward_committed(chunk, rows=CATCH_UP if room >= CATCH_UP else 0)
+        return logits
 
     def _prefill(self, prompt: list[int], chunk: int) -> None:
         for lo in range(0, len(prompt), chunk):
@@ -168,7 +179,9 @@ class DraftSession:
         self.pool, self._refresh, self._restage = None, None, []
         if refresh:
             self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
-        root_logits = self._forward_committed(list(accepted_tokens))
+        accepted = list(accepted_tokens)
+        root_logits = (self._forward_committed(accepted) if len(accepted) <= self.params.tree.depth + 1
+                       else self._catch_up(accepted))
         tokens, parents = self._draft_tree(root_logits, shape)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length)

@@ -299,11 +299,10 @@ class DraftWorker(JobWorker):
         return tree
 
     def warm_up(self, params: DraftSessionParams, prompt_len: int = 64) -> int:
-        """Before traffic, with overlap: a throwaway session drafts and runs the background forwards
-        at every shape they take, so their CUDA graphs are captured now, not on a request's path.
-        Returns the background forwards run (0 without overlap, which has nothing to capture)."""
-        if not self.overlap:
-            return 0
+        """Before traffic: a throwaway session catches up on plain steps' tokens (the padded
+        catch-up forward's shape) and, with overlap, runs the background forwards at every shape
+        they take, so their CUDA graphs are captured now, not on a request's path. Returns the
+        background forwards run (0 without overlap)."""
         return self.submit(_WarmUp(params, prompt_len)).result()
 
     def _warm_up(self, job: "_WarmUp") -> int:
@@ -312,7 +311,8 @@ class DraftWorker(JobWorker):
         session = DraftSession(self.model, prompt, job.params, self.prefill_chunk, overlap=self.overlap,
                                overlap_rows=self.overlap_rows, sync_depth=self.sync_depth)
         session.step(0, [prompt[-1]], None)
-        return session.warm_up()
+        session.step(1, prompt[:job.params.tree.depth + 2], None)  # more than a step accepts: a catch-up
+        return session.warm_up() if self.overlap else 0
 
     # ------------------------------------------------------------------ introspection (tests)
     def session(self, session_id: str) -> Optional[DraftSession]:
