@@ -162,6 +162,11 @@ def test_draft_killed_under_load(server, solo):
         got = [f.result() for f in futures]
     for i, ids in enumerate(got):
         assert ids == solo(_prompt(1000 + i), 48)
+    # The streams may have decoded plainly past the kill (the adaptive policy's plain steps do not
+    # call the draft): a request's first steps speculate, so it notices the dead draft if nothing has.
+    r = httpx.post(f"{BASE}/v1/completions", json=dict(prompt=_prompt(8), max_tokens=8, temperature=0,
+                                                      ignore_eos=True, return_token_ids=True), timeout=120)
+    assert r.json()["choices"][0]["token_ids"] == solo(_prompt(8), 8)
     deadline = time.time() + 120
     while httpx.get(f"{BASE}/health", timeout=10).json()["draft"] != "ok":
         assert time.time() < deadline, "the draft was not restored"

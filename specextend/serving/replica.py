@@ -90,6 +90,7 @@ class SpecExtendReplica:
             self.engine = Engine(cfg, self.target, self.draft)
         self.draft_ok = self.draft is not None
         self._restoring: Optional[asyncio.Task] = None
+        self.draft_epoch = 0  # restores so far: a request's fallback blames only the draft it started on
         self.metrics = m.ReplicaMetrics()
         self.publisher = m.Publisher(self._replica_key(), self.metrics)
         warm = self._warm_up()
@@ -225,6 +226,7 @@ class SpecExtendReplica:
     async def _run(self, engine: Engine, req: dict, prompt_ids: list[int], params: SamplingParams, spec: dict,
                    t_arrival: float, fallback: bool) -> AsyncIterator[dict]:
         loop = asyncio.get_running_loop()
+        epoch = self.draft_epoch
         text = TextStream(self.tokenizer, prompt_ids, req.get("stop") or ())
         replay = [self.settings.replay_accept_length] if self.settings.replay_accept_length is not None else None
         load = Load()  # the batcher tells the session's policy how many share its forwards
@@ -273,8 +275,8 @@ class SpecExtendReplica:
             pump.stop()
             if stats is not None:
                 self.metrics.record_request(stats, finish)
-                if stats.fallback and engine is self.engine:
-                    self._draft_failed()
+                if stats.fallback and engine is self.engine and epoch == self.draft_epoch:
+                    self._draft_failed()  # (a request that began before the last restore says nothing new)
 
     # ------------------------------------------------------------------ draft recovery
 
@@ -304,6 +306,7 @@ class SpecExtendReplica:
                     self.draft.reconnect(address)
                 if await asyncio.to_thread(self.draft.health):
                     log.info("draft restored at %s", address)
+                    self.draft_epoch += 1
                     self.draft_ok = True
                     return
                 await asyncio.sleep(delay)
