@@ -153,6 +153,9 @@ class EngineConfig:
         return bool(self.draft_overlap) and self.uses_draft
 
 
+STREAM_INTERVAL_MS = 10.0  # docs/architecture.md, "Serving surface": what it saves, what it costs
+
+
 def _default_num_gpus() -> float:
     try:
         import torch
@@ -172,6 +175,9 @@ class ServingConfig:
     max_batch_sessions: int = Field(8, ge=1, le=256,
                                     description="sessions whose steps one target forward carries (1: one at a time)")
     max_queued_requests: int = Field(64, ge=0, le=65536, description="requests a replica queues beyond that; then 429")
+    stream_interval_ms: float = Field(
+        STREAM_INTERVAL_MS, ge=0, le=1000, description="a stream's tokens leave the replica at most once per this "
+        "interval (the first token and the finish at once): fast steps share one item and one SSE chunk; 0: every step")
     served_model_name: Optional[str] = Field(None, min_length=1, description="model id of the API (default: the target's)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
     kv_cache_memory_gb: Optional[float] = Field(

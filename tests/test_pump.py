@@ -115,3 +115,42 @@ def test_engine_errors_reach_the_consumer_and_stop_closes_the_session():
         th.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_held_batch_takes_later_steps_and_ends_at_a_finish():
+    """The replica's stream interval (docs/architecture.md, "Serving surface"): a consumer that holds
+    a batch open gets the steps that arrive meanwhile in it, in order; a finish closes the batch
+    at once instead of waiting out the deadline."""
+    async def main():
+        log, batches = [], []
+        loop = asyncio.get_running_loop()
+
+        def slow_forward(model, calls):  # steps that take a while: the hold sees them arrive
+            time.sleep(0.01)
+            return fake_forward(batches)(model, calls)
+
+        th = EngineThread(Batcher(None, 8, forward=slow_forward))
+        pump = SessionPump(th.batcher, engine_steps("a", 12, log), loop, max_ahead=100)
+        got = []
+        while not any(e is not None and e.finish_reason for e in got):
+            got += await asyncio.wait_for(pump.events(until=loop.time() + 3600), 60)  # not an hour: the finish
+        assert [e.token_ids[0] for e in got if e is not None] == list(range(12))
+        th.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_hold_ends_at_its_deadline_and_when_run_ahead_is_full():
+    async def main():
+        log, batches = [], []
+        loop = asyncio.get_running_loop()
+        th = engine(batches)
+        pump = SessionPump(th.batcher, engine_steps("a", 10_000, log), loop, max_ahead=5)
+        full = await asyncio.wait_for(pump.events(until=loop.time() + 3600), 60)  # paused at 5: no hour's wait
+        assert [e.token_ids[0] for e in full] == list(range(len(full))) and 1 <= len(full) <= 5
+        held = await asyncio.wait_for(pump.events(until=loop.time() + 0.05), 60)
+        assert held[0].token_ids[0] == len(full) and not held[-1].finish_reason
+        pump.stop()
+        th.shutdown()
+
+    asyncio.run(main())

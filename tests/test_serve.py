@@ -225,6 +225,34 @@ def test_stop_string_same_streamed_or_not(client):
     assert text == expected and last.choices[0].finish_reason == "stop"
 
 
+def test_streamed_steps_arrive_whole_in_order_and_stop_across_chunks(client, reference):
+    """Tokens leave the replica per step or per stream interval, never split (docs/architecture.md,
+    "Serving surface"): a speculative step's tokens share one SSE chunk, the chunks in order are the
+    greedy tokens and the unstreamed text, and a stop string spanning two chunks cuts where the
+    unstreamed request cuts."""
+    ids = reference.tokenizer.encode(PROMPT)
+    ref = reference(ids, 64)
+    kw = dict(model=TARGET, prompt=PROMPT, max_tokens=64, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [t for c in chunks for t in c.token_ids or []] == ref
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    if whole.model_extra["speculative_decoding"]["mean_acceptance_length"] > 1:  # a step gave several tokens
+        assert max(len(c.token_ids or []) for c in chunks) > 1
+    full = whole.choices[0].text
+    # a stop string of the last character of one chunk and the first of the next
+    ends = [len("".join(c.text for c in chunks[:k + 1])) for k in range(len(chunks) - 1)]
+    spans = [full[e - 1:e + 1] for e in ends if 0 < e < len(full) and "\ufffd" not in full[e - 1:e + 1]]
+    assert spans, f"no chunk boundary inside the text {full!r}"
+    stop = spans[len(spans) // 2]
+    expected = full[:full.index(stop)]
+    out = client.completions.create(stop=stop, **kw).choices[0]
+    assert (out.text, out.finish_reason) == (expected, "stop")
+    _, text, last, _ = stream_ids(client.completions.create(stop=stop, stream=True, **kw))
+    assert text == expected and last.choices[0].finish_reason == "stop"
+
+
 def test_concurrent_requests_get_their_own_output(client, reference):
     prompts = [f"Request number {i}: " + "abc" * (i % 5) for i in range(16)]
     refs = [reference(reference.tokenizer.encode(p), 12) for p in prompts]

@@ -234,10 +234,12 @@ class SpecExtendReplica:
                                  speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"], load=load)
         stats, finish, last = None, None, None
         pump = SessionPump(self.engine_thread.batcher, session, loop, load=load)  # steps ahead of the streaming
+        interval, sent = self.settings.stream_interval_ms / 1e3, None  # docs/architecture.md, "Serving surface"
         try:
             while finish is None:
                 tokens, reason, ended = [], None, False
-                for ev in await pump.events():  # every step ready now, in one chunk
+                # every step ready now, and those that come within the stream interval, in one item
+                for ev in await pump.events(until=0.0 if sent is None else sent + interval):
                     if ev is None:
                         ended = True
                         break
@@ -267,6 +269,7 @@ class SpecExtendReplica:
                         item["prompt_token_ids"] = list(prompt_ids)
                 if item["text"] or item["token_ids"] or finish:
                     yield item
+                    sent = loop.time()
                 if ended:
                     break
         finally:
