@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import grpc
 
@@ -41,6 +41,12 @@ SERVER_OPTIONS = (
 )
 
 
+def step_from_proto(request: pb.StepRequest) -> Step:
+    """The worker's job for a StepRequest (unary Step or one message of StepStream)."""
+    return Step(request.session_id, request.step, tuple(request.accepted_tokens), retrieval_from_proto(request),
+                bound_from_proto(request))
+
+
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """DraftService over one draft worker (a DraftWorker, or any DraftBackend behind a SerialDraft);
     `model` is the name Health reports."""
@@ -61,8 +67,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _run(self, context: grpc.ServicerContext, job: Job):
         fut = self.worker.submit(job)
         context.add_callback(fut.cancel)  # the RPC ended (deadline, client gone): drop it if queued
+        return self._result(context, fut, context.time_remaining())
+
+    def _result(self, context: grpc.ServicerContext, fut: concurrent.futures.Future, timeout: Optional[float]):
+        """The job's result, or the call aborted with the status its failure maps to (errors.py)."""
         try:
-            return fut.result(timeout=context.time_remaining())
+            return fut.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the draft did not answer in time")
@@ -90,9 +100,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.worker.submit(Close(request.session_id))
 
     def Step(self, request: pb.StepRequest, context) -> pb.DraftTree:
-        job = Step(request.session_id, request.step, tuple(request.accepted_tokens), retrieval_from_proto(request),
-                   bound_from_proto(request))
-        return tree_to_proto(self._run(context, job))
+        return tree_to_proto(self._run(context, step_from_proto(request)))
+
+    def StepStream(self, requests, context) -> Iterator[pb.DraftTree]:
+        """One session's steps over one call (docs/architecture.md, "Wire protocol"): each request is
+        answered in order, within its own timeout_ms; a failure ends the stream with Step's status.
+        When the call ends (client gone, cancelled), the step still queued is dropped."""
+        in_flight: list[concurrent.futures.Future] = []
+        context.add_callback(lambda: in_flight and in_flight[0].cancel())
+        for request in requests:
+            fut = self.worker.submit(step_from_proto(request))
+            in_flight[:] = (fut,)
+            yield tree_to_proto(self._result(context, fut, request.timeout_ms / 1e3 if request.timeout_ms else None))
 
     def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionReply:
         self._run(context, Close(request.session_id))
