@@ -16,13 +16,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval, TreeBound
@@ -72,13 +75,41 @@ def time_steps(step: Callable[[int], DraftTree], first: int, n: int) -> list[flo
     return out
 
 
-def measure(steps: int, rounds: int, warmup: int) -> dict[str, list[float]]:
+def serve(token: str, conn, switch_interval: Optional[float]) -> None:
+    """The draft process: a null draft behind the product's server until told to stop."""
+    if switch_interval:
+        sys.setswitchinterval(switch_interval)
+    with DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token) as server:
+        conn.send(server.address)
+        conn.recv()
+
+
+@contextmanager
+def draft_server(token: str, in_process: bool, switch_interval: Optional[float]) -> Iterator[str]:
+    """The server's address: in a process of its own (as the deployment runs it), or in this one."""
+    if in_process:
+        with DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token) as server:
+            yield server.address
+        return
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=serve, args=(token, there, switch_interval), daemon=True)
+    proc.start()
+    try:
+        yield here.recv()
+    finally:
+        here.send(None)
+        proc.join(10)
+
+
+def measure(steps: int, rounds: int, warmup: int, in_process: bool = False,
+            switch_interval: Optional[float] = None) -> dict[str, list[float]]:
     token = new_token()
     retrieval = Retrieval(CHUNK_IDS, PARAMS.retrieval.chunk_size)
     null = NullDraft()
     samples: dict[str, list[float]] = {"direct": []}  # the null backend called in place
-    with DraftServerThread(null, "127.0.0.1", 0, model="null", token=token) as server:
-        clients = {name: GrpcDraftBackend(server.address, timeout_s=5.0, token=token, **kw)
+    with draft_server(token, in_process, switch_interval) as address:
+        clients = {name: GrpcDraftBackend(address, timeout_s=5.0, token=token, **kw)
                    for name, kw in PATHS.items()}
         next_step = {}
         for name, client in clients.items():
@@ -125,9 +156,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--steps", type=int, default=5000, help="timed steps per path")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds the steps are split into")
     ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--in-process", action="store_true", help="the server in this process (one GIL for both)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval in both processes (the draft worker sets 0.0002 with overlap)")
     ap.add_argument("--out", type=Path, default=OUT / "rpc_roundtrip-cpu.json")
     args = ap.parse_args(argv)
-    results = {name: summary(xs) for name, xs in measure(args.steps, args.rounds, args.warmup).items()}
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    samples = measure(args.steps, args.rounds, args.warmup, args.in_process, args.switch_interval)
+    results = {name: summary(xs) for name, xs in samples.items()}
     sizes = payload_bytes()
     print(f"{'path':<8} {'n':>6} {'median us':>10} {'p90 us':>8} {'p99 us':>8} {'mean us':>8}")
     for name, r in results.items():
@@ -137,7 +174,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"{len(CHUNK_IDS)} chunk ids), DraftTree {sizes['draft_tree']} B ({len(PARENTS)} nodes)")
     record = dict(suite="rpc_roundtrip", commit=_commit(), date=datetime.date.today().isoformat(),
                   host=platform.node(), cpu=platform.processor() or platform.machine(),
-                  python=sys.version.split()[0], command=" ".join(sys.argv), payload=sizes, paths=results)
+                  python=sys.version.split()[0], command=" ".join(sys.argv), cpus=os.cpu_count(),
+                  load_avg=os.getloadavg(), server="in process" if args.in_process else "own process",
+                  switch_interval_s=sys.getswitchinterval(), payload=sizes, paths=results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
