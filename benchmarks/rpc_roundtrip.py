@@ -7,25 +7,34 @@ step, accepted, retrieval, bound)`, one call at a time, from the caller's thread
   python benchmarks/rpc_roundtrip.py --steps 5000 --rounds 5
 
 Each step sends 5 accepted tokens, 32 retrieval chunk ids and a tree bound and gets a 16-node tree
-back. The paths are interleaved in rounds (a loaded machine slows them alike). Prints a table
-(median, p90, mean per step in us, and the payload sizes) and writes JSON under results/rpc/.
+back. The paths are interleaved in rounds (a loaded machine slows them alike): `unary` (a Step
+call per step), `stream` (StepStream, the client's default), `direct` (the null draft called in
+place). `grpc-echo` and `tcp-echo` are floors, bare echoes of bytes of the same sizes in this
+process. Prints a table (median, p90, p99, mean per step in us, and the payload sizes) and writes
+JSON under results/rpc/.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import multiprocessing
 import os
 import platform
+import queue
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
+
+import grpc
 
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval, TreeBound
@@ -130,6 +139,60 @@ def measure(steps: int, rounds: int, warmup: int, in_process: bool = False,
     return samples
 
 
+def floors(steps: int) -> dict[str, list[float]]:
+    """What any design on this host pays, measured in this process with the same payload sizes: a
+    bare gRPC bidirectional echo of bytes (no protobuf, no draft worker) and a bare TCP echo."""
+    request, reply = b"r" * payload_bytes()["step_request"], b"t" * payload_bytes()["draft_tree"]
+
+    def echo(requests, context):
+        for _ in requests:
+            yield reply
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), handlers=[grpc.method_handlers_generic_handler(
+        "floor.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    replies = channel.stream_stream("/floor.Echo/Echo")(iter(requests.get, None))
+
+    def grpc_step(k):
+        requests.put(request)
+        next(replies)
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def tcp_echo():
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while data := conn.recv(4096):
+            conn.sendall(reply)
+
+    threading.Thread(target=tcp_echo, daemon=True).start()
+    sock = socket.create_connection(listener.getsockname())
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def tcp_step(k):
+        sock.sendall(request)
+        sock.recv(4096)
+
+    out = {}
+    for name, step in (("grpc-echo", grpc_step), ("tcp-echo", tcp_step)):
+        for k in range(300):
+            step(k)
+        out[name] = []
+        for _ in range(steps):
+            t = time.perf_counter_ns()
+            step(0)
+            out[name].append((time.perf_counter_ns() - t) / 1e3)
+    requests.put(None)
+    sock.close()
+    listener.close()
+    channel.close()
+    server.stop(0).wait()
+    return out
+
+
 def summary(xs: list[float]) -> dict:
     return dict(n=len(xs), median_us=statistics.median(xs), p90_us=percentile(xs, 0.9),
                 p99_us=percentile(xs, 0.99), mean_us=statistics.fmean(xs))
@@ -164,11 +227,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     samples = measure(args.steps, args.rounds, args.warmup, args.in_process, args.switch_interval)
+    samples.update(floors(args.steps // args.rounds))
     results = {name: summary(xs) for name, xs in samples.items()}
     sizes = payload_bytes()
-    print(f"{'path':<8} {'n':>6} {'median us':>10} {'p90 us':>8} {'p99 us':>8} {'mean us':>8}")
+    print(f"{'path':<10} {'n':>6} {'median us':>10} {'p90 us':>8} {'p99 us':>8} {'mean us':>8}")
     for name, r in results.items():
-        print(f"{name:<8} {r['n']:>6} {r['median_us']:>10.1f} {r['p90_us']:>8.1f} {r['p99_us']:>8.1f} "
+        print(f"{name:<10} {r['n']:>6} {r['median_us']:>10.1f} {r['p90_us']:>8.1f} {r['p99_us']:>8.1f} "
               f"{r['mean_us']:>8.1f}")
     print(f"payload: StepRequest {sizes['step_request']} B ({len(ACCEPTED)} accepted tokens, "
           f"{len(CHUNK_IDS)} chunk ids), DraftTree {sizes['draft_tree']} B ({len(PARENTS)} nodes)")

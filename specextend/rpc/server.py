@@ -3,9 +3,8 @@ protocol").
 
 A synchronous gRPC server: each call is handled on one of gRPC's pool threads, which submits a
 job to the worker's queue (draft/worker.py, which owns the model and every session) and waits for
-its future. On a 2-core CPU (2026-11-23, both servers in one process, interleaved, the machine
-busy), a Step round trip with a draft that does no work took 0.76 ms median through the asyncio
-server this replaced and 0.61 ms through this one; the worker hand-off itself is 24 us.
+its future; a StepStream holds one pool thread for its session's life and submits one job per
+request (its numbers: benchmarks/rpc_roundtrip.py, docs/architecture.md, "Wire protocol").
 A call whose deadline passes, or whose client gives up, while its job waits in the queue has the
 job cancelled before it reaches the model; one already running completes, which is what makes a
 client's retry of the same step find it applied (base.py's step contract). An open whose caller
@@ -32,7 +31,10 @@ from specextend.v1 import draft_pb2_grpc
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 256 << 20  # OpenSession carries the prompt, ~5 B per token id on the wire
-SERVER_THREADS = 64  # calls in flight at once (each waits on its job); sessions are far fewer
+# calls in flight at once, each on a thread waiting for its job; a StepStream holds its thread for
+# its session's life, so room for the most sessions a replica may run (config.py's
+# max_concurrent_sessions, at most 4096) besides the unary calls (threads start when first needed)
+SERVER_THREADS = 4096 + 64
 SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),  # accept the client's keepalive pings (30 s) ...
