@@ -28,4 +28,4 @@ def test_stubs_load_and_pin_grpc():
     assert draft_pb2_grpc.GRPC_GENERATED_VERSION == GRPCIO_TOOLS_VERSION
     service = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
     assert draft_pb2.DESCRIPTOR.package == "specextend.v1"
-    assert [m.name for m in service.methods] == ["OpenSession", "Step", "CloseSession", "Health"]
+    assert [m.name for m in service.methods] == ["OpenSession", "Step", "StepStream", "CloseSession", "Health"]

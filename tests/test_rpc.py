@@ -119,9 +119,10 @@ def server(fake):
         yield server
 
 
-@pytest.fixture
-def client(server):
-    client = GrpcDraftBackend(server.address, timeout_s=2.0, open_timeout_s=5.0)
+@pytest.fixture(params=[True, False], ids=["stream", "unary"])
+def client(server, request):
+    """The product's client, its steps over StepStream or as unary Steps (test_rpc_stream.py)."""
+    client = GrpcDraftBackend(server.address, timeout_s=2.0, open_timeout_s=5.0, stream=request.param)
     yield client
     client.shutdown()
 

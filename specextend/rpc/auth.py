@@ -3,7 +3,8 @@
 The replica makes a random token (`new_token`) and hands it to its draft actor at start; the draft
 server accepts a call only when its `authorization` metadata is `Bearer <token>`, compared in
 constant time, and answers anything else UNAUTHENTICATED before the call reaches the servicer.
-The client sends the metadata on every call (`call_metadata`). The token never appears in a log
+The client sends the metadata on every call (`call_metadata`); a StepStream carries it once, when
+the stream opens, and is checked then. The token never appears in a log
 line or a status message.
 """
 
@@ -14,6 +15,8 @@ import secrets
 from typing import Optional
 
 import grpc
+
+from specextend.v1 import draft_pb2 as pb
 
 HEADER = "authorization"  # gRPC metadata keys are lowercase
 SCHEME = "Bearer "
@@ -34,8 +37,16 @@ def _deny(request, context: grpc.ServicerContext):
     context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
 
 
-# DraftService is unary-unary only; the request is left as bytes (never deserialized)
+def _deny_stream(requests, context: grpc.ServicerContext):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+    yield  # a generator, as a stream-stream handler is; never reached
+
+
+# requests are left as bytes (never deserialized); a streaming method is denied by a streaming handler
 _DENIED = grpc.unary_unary_rpc_method_handler(_deny)
+_DENIED_STREAM = grpc.stream_stream_rpc_method_handler(_deny_stream)
+_SERVICE = pb.DESCRIPTOR.services_by_name["DraftService"]
+STREAMING_METHODS = frozenset(f"/{_SERVICE.full_name}/{m.name}" for m in _SERVICE.methods if m.client_streaming)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -54,4 +65,4 @@ class TokenInterceptor(grpc.ServerInterceptor):
                 break
         if hmac.compare_digest(given, self._expected):
             return continuation(handler_call_details)
-        return _DENIED
+        return _DENIED_STREAM if handler_call_details.method in STREAMING_METHODS else _DENIED

@@ -18,6 +18,9 @@ from specextend.draft.base import DraftError, DraftSessionNotFound, DraftStepOut
 
 # Transport failures after which repeating an idempotent call (Step, by step number) may succeed.
 RETRYABLE = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+# ... and for a step on a StepStream, retried on a new stream: a stream the server cancelled too
+# (a server stopping cancels the calls it has open, idle streams included)
+STREAM_RETRYABLE = RETRYABLE | {grpc.StatusCode.CANCELLED}
 
 _TYPED = {
     grpc.StatusCode.NOT_FOUND: DraftSessionNotFound,
@@ -37,7 +40,11 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def error_from_rpc(err: grpc.RpcError, method: str, address: str, timeout_s: float) -> DraftError:
     """Client side: the DraftError a failed call raises (chain the RpcError with `from err`)."""
-    code, details = err.code(), err.details()
+    return error_from_status(err.code(), err.details(), method, address, timeout_s)
+
+
+def error_from_status(code: grpc.StatusCode, details: str, method: str, address: str, timeout_s: float) -> DraftError:
+    """The DraftError of a call (or of one step of a stream) that ended with `code`."""
     cls = _TYPED.get(code)
     if cls is not None:
         return cls(details)

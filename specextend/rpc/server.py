@@ -3,9 +3,8 @@ protocol").
 
 A synchronous gRPC server: each call is handled on one of gRPC's pool threads, which submits a
 job to the worker's queue (draft/worker.py, which owns the model and every session) and waits for
-its future. On a 2-core CPU (2026-11-23, both servers in one process, interleaved, the machine
-busy), a Step round trip with a draft that does no work took 0.76 ms median through the asyncio
-server this replaced and 0.61 ms through this one; the worker hand-off itself is 24 us.
+its future; a StepStream holds one pool thread for its session's life and submits one job per
+request (its numbers: benchmarks/rpc_roundtrip.py, docs/architecture.md, "Wire protocol").
 A call whose deadline passes, or whose client gives up, while its job waits in the queue has the
 job cancelled before it reaches the model; one already running completes, which is what makes a
 client's retry of the same step find it applied (base.py's step contract). An open whose caller
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import grpc
 
@@ -32,13 +31,22 @@ from specextend.v1 import draft_pb2_grpc
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 256 << 20  # OpenSession carries the prompt, ~5 B per token id on the wire
-SERVER_THREADS = 64  # calls in flight at once (each waits on its job); sessions are far fewer
+# calls in flight at once, each on a thread waiting for its job; a StepStream holds its thread for
+# its session's life, so room for the most sessions a replica may run (config.py's
+# max_concurrent_sessions, at most 4096) besides the unary calls (threads start when first needed)
+SERVER_THREADS = 4096 + 64
 SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),  # accept the client's keepalive pings (30 s) ...
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # ... without a GOAWAY
     ("grpc.so_reuseport", 0),  # a port already taken fails start-up instead of being shared
 )
+
+
+def step_from_proto(request: pb.StepRequest) -> Step:
+    """The worker's job for a StepRequest (unary Step or one message of StepStream)."""
+    return Step(request.session_id, request.step, tuple(request.accepted_tokens), retrieval_from_proto(request),
+                bound_from_proto(request))
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -61,8 +69,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _run(self, context: grpc.ServicerContext, job: Job):
         fut = self.worker.submit(job)
         context.add_callback(fut.cancel)  # the RPC ended (deadline, client gone): drop it if queued
+        return self._result(context, fut, context.time_remaining())
+
+    def _result(self, context: grpc.ServicerContext, fut: concurrent.futures.Future, timeout: Optional[float]):
+        """The job's result, or the call aborted with the status its failure maps to (errors.py)."""
         try:
-            return fut.result(timeout=context.time_remaining())
+            return fut.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the draft did not answer in time")
@@ -90,9 +102,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.worker.submit(Close(request.session_id))
 
     def Step(self, request: pb.StepRequest, context) -> pb.DraftTree:
-        job = Step(request.session_id, request.step, tuple(request.accepted_tokens), retrieval_from_proto(request),
-                   bound_from_proto(request))
-        return tree_to_proto(self._run(context, job))
+        return tree_to_proto(self._run(context, step_from_proto(request)))
+
+    def StepStream(self, requests, context) -> Iterator[pb.DraftTree]:
+        """One session's steps over one call (docs/architecture.md, "Wire protocol"): each request is
+        answered in order, within its own timeout_ms; a failure ends the stream with Step's status.
+        When the call ends (client gone, cancelled), the step still queued is dropped."""
+        in_flight: list[concurrent.futures.Future] = []
+        context.add_callback(lambda: in_flight and in_flight[0].cancel())
+        for request in requests:
+            fut = self.worker.submit(step_from_proto(request))
+            in_flight[:] = (fut,)
+            yield tree_to_proto(self._result(context, fut, request.timeout_ms / 1e3 if request.timeout_ms else None))
 
     def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionReply:
         self._run(context, Close(request.session_id))

@@ -44,6 +44,11 @@ class DraftServiceStub:
                 request_serializer=specextend_dot_v1_dot_draft__pb2.StepRequest.SerializeToString,
                 response_deserializer=specextend_dot_v1_dot_draft__pb2.DraftTree.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/specextend.v1.DraftService/StepStream',
+                request_serializer=specextend_dot_v1_dot_draft__pb2.StepRequest.SerializeToString,
+                response_deserializer=specextend_dot_v1_dot_draft__pb2.DraftTree.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specextend.v1.DraftService/CloseSession',
                 request_serializer=specextend_dot_v1_dot_draft__pb2.CloseSessionRequest.SerializeToString,
@@ -74,6 +79,16 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same steps over one stream per session (added in v1; a server without it answers
+        UNIMPLEMENTED and the client uses Step): request k is answered by tree k, in order; the call's
+        metadata (token) is checked once, each step is bounded by its own timeout_ms; an error ends the
+        stream with Step's status code, and the client re-opens it (docs/architecture.md, "Wire protocol").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Frees everything of the session; closing an unknown or closed session is not an error.
         """
@@ -97,6 +112,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=specextend_dot_v1_dot_draft__pb2.StepRequest.FromString,
+                    response_serializer=specextend_dot_v1_dot_draft__pb2.DraftTree.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=specextend_dot_v1_dot_draft__pb2.StepRequest.FromString,
                     response_serializer=specextend_dot_v1_dot_draft__pb2.DraftTree.SerializeToString,
             ),
@@ -163,6 +183,33 @@ class DraftService:
             request,
             target,
             '/specextend.v1.DraftService/Step',
+            specextend_dot_v1_dot_draft__pb2.StepRequest.SerializeToString,
+            specextend_dot_v1_dot_draft__pb2.DraftTree.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specextend.v1.DraftService/StepStream',
             specextend_dot_v1_dot_draft__pb2.StepRequest.SerializeToString,
             specextend_dot_v1_dot_draft__pb2.DraftTree.FromString,
             options,
