@@ -211,3 +211,17 @@ def test_signal_suite_has_every_cell_is_lossless_and_really_stresses_the_signal(
     assert nominal["signal_bytes_per_step"] > 0 == summary[("nominal", 0, "full")]["signal_bytes_per_step"]
     assert "0 not." in stdout.getvalue()
     assert {p.name for p in (tmp_path / "signal").glob("*.png")} == {f"cpu-{s}.png" for s in sweeps}
+
+
+def test_the_recorded_commit_is_the_checkouts_unless_named(monkeypatch):
+    """A run names its commit; $SPECEXTEND_COMMIT overrides the checkout's (a tree carried to a GPU
+    host may hold stale git metadata: a 2026-11-23 H200 run was labelled with an older commit)."""
+    import subprocess
+
+    from specextend.bench import record
+
+    monkeypatch.delenv("SPECEXTEND_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert record.commit().split("-")[0] == head
+    monkeypatch.setenv("SPECEXTEND_COMMIT", "abc1234")
+    assert record.commit() == "abc1234"

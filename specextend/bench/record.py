@@ -28,7 +28,11 @@ def slug(text: str) -> str:
 
 
 def commit() -> str:
-    """The checkout's short commit (`-dirty` with uncommitted changes), else $SPECEXTEND_COMMIT."""
+    """$SPECEXTEND_COMMIT when set (a copied tree whose git metadata is stale or absent, as on a
+    GPU host the tree is carried to), else the checkout's short commit (`-dirty` with uncommitted
+    changes), else "unknown"."""
+    if os.environ.get("SPECEXTEND_COMMIT"):
+        return os.environ["SPECEXTEND_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
@@ -39,7 +43,7 @@ def commit() -> str:
             return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("SPECEXTEND_COMMIT", "unknown")
+    return "unknown"
 
 
 def meta(suite: str, device: str, argv: list[str], **extra) -> dict:
