@@ -29,7 +29,7 @@ def _record(decoder, seen: set):
 def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mode, policy):
     from specextend.draft.session import DraftSession
 
-    monkeypatch.setattr(DraftSession, "pad_catch_up", True)  # as with CUDA graphs
+    monkeypatch.setattr(DraftSession, "pads_catch_up", staticmethod(lambda model: True))  # as with CUDA graphs
     target, draft = tiny_models("float32")
     retrieval = RetrievalConfig(enabled=mode == "specextend", chunk_size=8, top_k=4, every=3,
                                 draft_prefill_window=32)
@@ -71,7 +71,7 @@ def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
         return inner(self, ids, window, rows)
 
     monkeypatch.setattr(ds.DraftSession, "_forward_committed", spy)
-    monkeypatch.setattr(ds.DraftSession, "pad_catch_up", True)  # as with CUDA graphs
+    monkeypatch.setattr(ds.DraftSession, "pads_catch_up", staticmethod(lambda model: True))  # as with CUDA graphs
     for rows in (16, 10**6):  # padded chunks; one unpadded chunk
         monkeypatch.setattr(ds, "CATCH_UP", rows)
         s = ds.DraftSession(draft.decoder, prompt, params)

@@ -29,7 +29,6 @@ from specextend.bench import hf as hf_anchor
 from specextend.bench.texts import documents, prompt_ids
 from specextend.builder import read_pair
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams
-from specextend.draft.base import DraftSessionParams
 from specextend.draft.worker import DraftWorker
 from specextend import warmup
 from specextend.engine import Engine
@@ -114,8 +113,7 @@ def _engines(pair: Pair, modes: list[str], dtype: str, tree_policy: str, device:
             model = draft
             if two:
                 model = drafts["cuda:1"]
-            backend = DraftWorker(model.decoder, prefill_chunk=cfg.prefill_chunk, overlap=two)
-            backend.warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, 64))
+            backend = DraftWorker(model.decoder, prefill_chunk=cfg.prefill_chunk, overlap=two)  # warmed on first use
             workers.append(backend)
         engines[mode] = Engine(cfg, target, backend)
     wanted = [m for m in modes if m in HF_MODES and not (m == "hf-assisted" and pair.replayed)]

@@ -127,7 +127,7 @@ class DraftSession:
         """Forward more tokens than a step can accept (the target's plain steps' tokens, any count)
         in chunks padded to CATCH_UP rows: one graph shape, captured at warm-up, instead of a
         capture per count in the middle of a request (docs/architecture.md, "Execution plans")."""
-        if not self.pad_catch_up:
+        if not self.pads_catch_up(self.model):
             return self._forward_committed(ids)
         for lo in range(0, len(ids), CATCH_UP):
             chunk = ids[lo:lo + CATCH_UP]
@@ -157,10 +157,10 @@ class DraftSession:
         self.rebuild_timer.stop()
         self.refreshes += 1
 
-    @property
-    def pad_catch_up(self) -> bool:
+    @staticmethod
+    def pads_catch_up(model: Decoder) -> bool:
         """Catch-up forwards padded to one shape: with CUDA graphs (eager ones capture nothing)."""
-        return self.model.graphs is not None
+        return model.graphs is not None
 
     @property
     def cache_tokens(self) -> int:

@@ -303,6 +303,8 @@ class DraftWorker(JobWorker):
         catch-up forward's shape) and, with overlap, runs the background forwards at every shape
         they take, so their CUDA graphs are captured now, not on a request's path. Returns the
         background forwards run (0 without overlap)."""
+        if not self.overlap and not DraftSession.pads_catch_up(self.model):
+            return 0  # nothing to capture
         return self.submit(_WarmUp(params, prompt_len)).result()
 
     def _warm_up(self, job: "_WarmUp") -> int:
@@ -311,7 +313,8 @@ class DraftWorker(JobWorker):
         session = DraftSession(self.model, prompt, job.params, self.prefill_chunk, overlap=self.overlap,
                                overlap_rows=self.overlap_rows, sync_depth=self.sync_depth)
         session.step(0, [prompt[-1]], None)
-        session.step(1, prompt[:job.params.tree.depth + 2], None)  # more than a step accepts: a catch-up
+        if session.pads_catch_up(self.model):
+            session.step(1, prompt[:job.params.tree.depth + 2], None)  # more than a step accepts: a catch-up
         return session.warm_up() if self.overlap else 0
 
     # ------------------------------------------------------------------ introspection (tests)
