@@ -211,13 +211,14 @@ class AppConfig:
                                    json_schema_extra={"prefix": "", "surfaces": ("serve",)})
 
     def __post_init__(self) -> None:
-        # the served app places the models by num_gpus; the draft overlaps when it has its own GPU
+        # the served app places the models by num_gpus; the draft overlaps when it has a GPU of its own
+        # (num_gpus >= 1): sharing one, its background forwards would slow the target's verification
         engine, gpu = self.engine, self.serving.num_gpus > 0
         changes = {}
         if engine.device == "auto":
             changes["device"] = "cuda" if gpu else "cpu"
         if engine.draft_overlap is None:
-            changes["draft_overlap"] = gpu and engine.uses_draft
+            changes["draft_overlap"] = self.serving.num_gpus >= 1 and engine.uses_draft
         if changes:
             object.__setattr__(self, "engine", replace(engine, **changes))
 

@@ -117,6 +117,7 @@ def test_execution_and_overlap_reach_the_engine_config():
     cfg = AppSettings(num_gpus=0).to_engine_config()
     assert cfg.execution == "auto" and cfg.draft_overlap is False  # no own GPU: no overlap
     assert AppSettings(num_gpus=1).to_engine_config().draft_overlap is True
+    assert AppSettings(num_gpus=0.5).to_engine_config().draft_overlap is False  # a shared GPU: no overlap
     assert AppSettings(num_gpus=0, draft_overlap=True).to_engine_config().overlap
     assert AppSettings(num_gpus=1, mode="ar").to_engine_config().overlap is False
     with pytest.raises(ValidationError, match="execution"):

@@ -145,7 +145,7 @@ def run_suite(a, argv: list[str]) -> int:
             raise ValueError(f"unknown pair {sorted(unknown)}; known: {', '.join(e2e.PAIRS)}")
         modes = _modes(a, a.suite, gpus)
         if a.suite == "serve":
-            result = served.run(pairs, modes, new_tokens, docs, a.port, progress=progress)
+            result = served.run(pairs, modes, new_tokens, docs, a.port, progress=progress, tree_policy=a.tree_policy)
         else:
             result = e2e.run(pairs, modes, new_tokens, docs, a.dtype, a.tree_policy, device, progress=progress)
         table = e2e.table(result)

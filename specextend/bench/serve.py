@@ -3,8 +3,8 @@ its draft actor, gRPC between them) started locally once per mode and placement,
 requests over HTTP at each input length (docs/architecture.md, "Deployment").
 
 Placements: on one GPU (`num_gpus=0.5`: the target and the draft share it) and on two
-(`num_gpus=1`: the draft on its own GPU, drafting while the target verifies), as the machine
-allows; on the CPU, `num_gpus=0`. Tokens/s, time to first token and the per-step split come from
+(`num_gpus=1`: the draft on its own GPU, with overlapped drafting, `2gpu`, and without,
+`2gpu-serial`), as the machine allows; on the CPU, `num_gpus=0`. Tokens/s, time to first token and the per-step split come from
 the client's clock and each response's `speculative_decoding` object. Random-weight pairs accept
 a constant replayed length (`replay_accept_length`), labelled "replayed". Other pairs' outputs
 are compared with served `ar`'s token for token (identical only: the near-tie rule needs the
@@ -26,11 +26,13 @@ from specextend.bench.texts import documents, prompt_ids
 REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (real pairs' traces: 2-6)
 
 
-def placements() -> list[tuple[str, float]]:
+def placements() -> list[tuple[str, float, bool]]:
+    """(name, num_gpus, draft_overlap): on two GPUs the draft runs with and without overlap."""
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        return [("cpu", 0.0)]
-    return [("1gpu", 0.5)] + ([("2gpu", 1.0)] if gpus >= 2 else [])
+        return [("cpu", 0.0, False)]
+    two = [("2gpu", 1.0, True), ("2gpu-serial", 1.0, False)] if gpus >= 2 else []
+    return [("1gpu", 0.5, False)] + two
 
 
 def _wait_ready(url: str, timeout_s: float) -> None:
@@ -77,7 +79,7 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
 
 
 def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], port: int = 8000,
-        progress=print) -> dict:
+        progress=print, tree_policy: str = "fixed") -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -94,8 +96,9 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
             pair = PAIRS[pair_name]
             tokenizer = read_meta(pair.target, "target").tokenizer
             for mode in modes:
-                for where, gpus in placements() if mode != "ar" else placements()[:1]:
-                    args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy="fixed")
+                for where, gpus, overlap in placements() if mode != "ar" else placements()[:1]:
+                    args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy=tree_policy,
+                                draft_overlap=overlap)
                     if pair.replayed and mode != "ar":
                         args["replay_accept_length"] = REPLAY_ACCEPT
                     t0 = time.perf_counter()
