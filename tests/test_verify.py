@@ -93,6 +93,29 @@ def test_rounding_noise_is_zero_in_float64_and_positive_in_bf16(tiny_models):
     assert 0.0 < noise < 0.05 * scale, (noise, scale)  # bf16 moves the logits, but only by rounding
 
 
+def test_lossless_check_measures_the_rounding_noise_only_for_reduced_precision_divergences(tiny_models):
+    """A divergence past the fixed tolerance: float32 says no without measuring noise; bf16 measures
+    its own rounding noise there and judges the gap against twice it."""
+    from specextend.models.decoder import Decoder
+    from specextend.near_tie import lossless_check, rounding_noise, top2_gap
+
+    t, _ = tiny_models("float32")
+    d = t.decoder
+    prompt, ref = list(range(5, 30)), [7, 8, 9, 10]
+    out = ref[:2] + [ref[2] + 1, 3]  # differs at position 2
+    same = lossless_check(d, prompt, ref, list(ref), 1e-3)
+    assert same["identical"] and same["near_tie"] and same["rounding_noise"] is None
+    c = lossless_check(d, prompt, ref, out, tol=0.0)
+    assert c["first_divergence"] == 2 and c["rounding_noise"] is None and not c["near_tie"]
+    bf = Decoder(d.args, d.w.to(dtype=torch.bfloat16), d.rope, d.backend)
+    c = lossless_check(bf, prompt, ref, out, tol=0.0)
+    gap = top2_gap(bf, prompt + ref[:2])
+    noise = rounding_noise(bf, prompt + ref[:2])
+    assert c["top2_gap"] == gap and c["rounding_noise"] == noise > 0
+    assert c["near_tie"] == (gap <= 2 * noise)
+    assert lossless_check(bf, prompt, ref, out, tol=gap)["rounding_noise"] is None  # within the fixed tolerance
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("temperature,top_p", [(1e-38, 1.0), (1e-46, 1.0), (1e-300, 1.0), (5e-324, 1.0),
                                                (1.0, 1e-46), (0.7, 1e-300)])

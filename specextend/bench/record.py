@@ -52,13 +52,15 @@ def meta(suite: str, device: str, argv: list[str], **extra) -> dict:
                 python=sys.version.split()[0], **extra)
 
 
-def result_path(out: Path, suite: str, device: str) -> Path:
-    return Path(out) / suite / f"{slug(device)}.json"
+def result_path(out: Path, suite: str, device: str, tree_policy: str | None = None) -> Path:
+    tail = "-adaptive" if tree_policy == "adaptive" else ""  # the methods compared use fixed trees
+    return Path(out) / suite / f"{slug(device)}{tail}.json"
 
 
 def write(out: Path, result: dict) -> Path:
+    """One JSON per suite and device (and tree policy, where it is the adaptive one)."""
     m = result["meta"]
-    path = result_path(out, m["suite"], m["device"])
+    path = result_path(out, m["suite"], m["device"], m.get("tree_policy"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path

@@ -16,10 +16,10 @@ TABLES = {"kernels": kernels.table, "signal": signal.table}  # the others: e2e.t
 
 
 def latest(out: Path) -> list[dict]:
-    """One run per (suite, device): the latest."""
+    """One run per (suite, device, adaptive or not): the latest."""
     seen, runs = set(), []
     for run in record.load_all(out):
-        key = (run["meta"]["suite"], run["meta"]["device"])
+        key = (run["meta"]["suite"], run["meta"]["device"], run["meta"].get("tree_policy") == "adaptive")
         if key not in seen:
             seen.add(key)
             runs.append(run)
@@ -40,9 +40,12 @@ def _docs(docs) -> str:
 def section(run: dict, page_dir: Path) -> str:
     m = run["meta"]
     path = Path(run["path"])
-    plots = sorted(path.parent.glob(path.stem + "-*.png"))
+    others = [q.stem for q in path.parent.glob(path.stem + "-*.json")]  # e.g. the -adaptive run's
+    plots = sorted(p for p in path.parent.glob(path.stem + "-*.png")
+                   if not any(p.stem.startswith(o + "-") for o in others))
     links = " ".join(f"![{p.stem}]({Path(os.path.relpath(p, page_dir)).as_posix()})" for p in plots)
-    lines = [f"### {m['suite']}: {m['device']}", "",
+    policy = " (adaptive trees)" if m.get("tree_policy") == "adaptive" else ""
+    lines = [f"### {m['suite']}: {m['device']}{policy}", "",
              f"{m['date']}, commit `{m['commit']}`, `{m['command']}`; dtype {m.get('dtype', 'auto')}, "
              f"{m.get('new_tokens', '-')} new tokens, one prompt per length from each of "
              f"{_docs(m.get('docs'))}, tree policy {m.get('tree_policy', '-')}. Data: [{path.name}]({Path(os.path.relpath(path, page_dir)).as_posix()}).",
@@ -57,7 +60,8 @@ def glance(runs: list[dict]) -> str:
     lines = []
     for run in runs:
         m = run["meta"]
-        head = f"- **{m['suite']}**, {m['device']} ({m['date'][:10]}, `{m['commit']}`): "
+        policy = ", adaptive trees" if m.get("tree_policy") == "adaptive" else ""
+        head = f"- **{m['suite']}**, {m['device']}{policy} ({m['date'][:10]}, `{m['commit']}`): "
         if m["suite"] == "kernels":
             r = max(run["rows"], key=lambda r: r["length"])
             lines.append(head + f"{run.get('pair')} pair at {r['length']} tokens: HTA verify {r['verify_hta_ms']:.2f} ms "

@@ -7,8 +7,9 @@ Placements: on one GPU (`num_gpus=0.5`: the target and the draft share it) and o
 `2gpu-serial`), as the machine allows; on the CPU, `num_gpus=0`. Tokens/s, time to first token and the per-step split come from
 the client's clock and each response's `speculative_decoding` object. Random-weight pairs accept
 a constant replayed length (`replay_accept_length`), labelled "replayed". Other pairs' outputs
-are compared with served `ar`'s token for token (identical only: the near-tie rule needs the
-target's logits, which stay in the replica).
+are compared with served `ar`'s token for token; where they differ, the target is loaded in this
+process once the apps are gone and the first difference is checked by the near-tie rule
+(near_tie.lossless_check), as the in-process suites do.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import requests
 import torch
 
-from specextend.bench.e2e import PAIRS, summarize
+from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, summarize
 from specextend.bench.texts import documents, prompt_ids
 
 REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (real pairs' traces: 2-6)
@@ -88,7 +89,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
     from specextend.models.loader import read_meta
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    rows, checks, refs = [], [], {}
+    rows, checks, refs, differing = [], [], {}, []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -123,6 +124,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                 same = ids == refs[key]  # served greedy output against served ar's
                                 checks.append(dict(pair=pair_name, length=length, doc=doc.name, mode=name,
                                                    identical=same, near_tie=same))
+                                if not same:  # settled by the near-tie rule once the apps are gone
+                                    differing.append((checks[-1], pair, prompt, refs[key], ids))
                             rows.append(dict(pair=pair_name, length=length, prompt_tokens=len(prompt), doc=doc.name,
                                              mode=name, replayed=pair.replayed and mode != "ar",
                                              startup_s=startup, **r))
@@ -132,4 +135,27 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
     finally:
         serve.shutdown()
         ray.shutdown()
+    _settle(differing, progress)
     return dict(rows=rows, checks=checks, summary=summarize(rows))
+
+
+def _settle(differing: list, progress=print) -> None:
+    """Checks each served output that differs from served `ar`'s by the near-tie rule, with the
+    pair's target loaded here (the GPU memory of the apps is free again)."""
+    from specextend.config import EngineConfig
+    from specextend.models.loader import load_model
+    from specextend.near_tie import lossless_check
+    from specextend.builder import read_pair
+
+    loaded: dict = {}
+    for check, pair, prompt, ref, ids in differing:
+        if pair.target not in loaded:
+            loaded.clear()  # one target at a time
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+            meta, _ = read_pair(EngineConfig(target=pair.target, draft=pair.draft, device=device))
+            loaded[pair.target] = load_model(meta, "target", "auto", device).decoder
+        decoder = loaded[pair.target]
+        check.update(lossless_check(decoder, prompt, ref, ids, TIE_TOLERANCE.get(decoder.dtype, 0.125)))
+        progress(f"served {check['pair']} L={check['length']} {check['doc']} {check['mode']}: first difference at "
+                 f"{check['first_divergence']}, top-2 gap {check['top2_gap']}: "
+                 f"{'near-tie' if check['near_tie'] else 'DIVERGED'}")

@@ -36,7 +36,7 @@ from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, R
 from specextend.draft.chaos import Chaos, ChaosDraft
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
-from specextend.near_tie import near_tie_check
+from specextend.near_tie import lossless_check
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
 from specextend.rpc.auth import new_token
 from specextend.rpc.convert import step_to_proto
@@ -223,9 +223,9 @@ def run(pairs: dict[str, list[int]], new_tokens: int, docs: dict[str, list[str]]
                     cells.append(dict(head, setting="ar", baseline="ar", **ar))
                     for s in settings:
                         ids, r = _measure(engines[s], meters[s], remote.worker, prompt, new_tokens, warm)
-                        ok, div, gap = near_tie_check(target.decoder, prompt, ref, ids, tol)
-                        r.update(identical=div is None, lossless=ok, first_divergence=div, top2_gap=gap, tolerance=tol,
-                                 x_ar=r["decode_tokens_per_s"] / max(ar["decode_tokens_per_s"], 1e-9))
+                        check = lossless_check(target.decoder, prompt, ref, ids, tol)
+                        ok, div = check.pop("near_tie"), check["first_divergence"]
+                        r.update(lossless=ok, **check, x_ar=r["decode_tokens_per_s"] / max(ar["decode_tokens_per_s"], 1e-9))
                         cells.append(dict(head, setting=s.label(), baseline=s.baseline, **r))
                         progress(f"{pair_name} L={length} {doc.name} {s.label()}: acceptance "
                                  f"{r['mean_acceptance_length']:.2f}, {r['decode_tokens_per_s']:.1f} decode tok/s, "
