@@ -73,6 +73,16 @@ def test_cache_dir(monkeypatch, tmp_path):
     assert fetch.cache_dir() == tmp_path / "home" / ".cache" / "specextend"
 
 
+def test_triton_kernels_are_kept_in_the_model_cache_unless_told_otherwise(monkeypatch, tmp_path):
+    from triton import knobs  # noqa: F401 - the cache folder Triton compiles into
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert fetch.use_kernel_cache() == str(tmp_path / "cache" / "triton")
+    assert knobs.cache.dir == str(tmp_path / "cache" / "triton")  # read at each compile: takes effect
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert fetch.use_kernel_cache() == str(tmp_path / "mine")
+
+
 def test_fetch_assembles_verifies_and_marks(cache, tmp_path):
     index = FakeIndex(tmp_path)
     assert fetch.cached_path(SPEC) is None

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from specextend.attention.backends import get_backend
+from specextend.fetch import use_kernel_cache
 from specextend.models import presets
 from specextend.models.args import ModelArgs
 from specextend.models.decoder import Decoder, LayerWeights, Weights
@@ -215,6 +216,8 @@ def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "a
     tiny draft. `execution` picks the plan (attach_plan)."""
     meta = spec if isinstance(spec, ModelMeta) else read_meta(spec, role, vocab_size)
     dev = resolve_device(device)
+    if dev.type == "cuda":  # before any Triton kernel compiles
+        use_kernel_cache()
     dt = resolve_dtype(dtype, dev)
     backend = get_backend(attention_backend, dev)
     t0 = time.perf_counter()
