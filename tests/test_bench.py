@@ -152,9 +152,11 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
     assert main(argv) == 0
     assert "| tiny | 64 | specextend-cpu | 1 |" in capsys.readouterr().out
     record = json.loads((tmp_path / "serve" / "cpu.json").read_text())
-    assert [r["mode"] for r in record["rows"]] == ["ar", "specextend-cpu"]
-    assert all(r["tokens"] == 8 and r["ttft_s"] > 0 for r in record["rows"])
-    spec = record["rows"][1]
+    # in-process ar first (the served path's cost within one run), then the served modes
+    assert [r["mode"] for r in record["rows"]] == ["ar-in-process", "ar", "specextend-cpu"]
+    assert all(r["ttft_s"] > 0 for r in record["rows"])
+    assert all(r["tokens"] == 8 for r in record["rows"][1:])
+    spec = record["rows"][2]
     assert spec["num_steps"] > 0 and spec["mean_acceptance_length"] >= 1 and spec["verify_ms"] > 0
     assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
                                      near_tie=True)]

@@ -81,6 +81,7 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
 
 def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], port: int = 8000,
         progress=print, tree_policy: str = "fixed") -> dict:
+    rows = _in_process_ar(pairs, modes, new_tokens, docs, tree_policy, progress)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -89,7 +90,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
     from specextend.models.loader import read_meta
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    rows, checks, refs, differing = [], [], {}, []
+    checks, refs, differing = [], {}, []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -137,6 +138,26 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
         ray.shutdown()
     _settle(differing, progress)
     return dict(rows=rows, checks=checks, summary=summarize(rows))
+
+
+def _in_process_ar(pairs, modes, new_tokens, docs, tree_policy, progress) -> list[dict]:
+    """`ar` in this process on the same prompts first (mode `ar-in-process`), so that the served
+    path's own cost is a ratio within one run (its x ar column is in-process over served `ar`):
+    two runs of the same in-process `ar` minutes apart differed by 7% on one host."""
+    if "ar" not in modes:
+        return []
+    from specextend.bench import e2e
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the served app runs
+    result = e2e.run(pairs, ["ar"], new_tokens, docs, "auto", tree_policy, device, progress=progress)
+    for r in result["rows"]:
+        r["mode"] = "ar-in-process"
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result["rows"]
 
 
 def _settle(differing: list, progress=print) -> None:
