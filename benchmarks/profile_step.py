@@ -24,6 +24,9 @@ from specextend.target import TargetSession
 from specextend.bench.kernels import dense_tree as fixed_tree
 
 
+TRACE = {}  # --trace: the folder where each step kind's chrome trace goes (gzipped)
+
+
 def prof(name, fn, reps, out, rows=10):
     for _ in range(3):
         fn()
@@ -34,6 +37,17 @@ def prof(name, fn, reps, out, rows=10):
             fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / reps
+    if TRACE.get("dir"):  # the timeline: where the device waits for the host, and on what
+        import gzip
+        import os
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            tmp = f.name
+        p.export_chrome_trace(tmp)
+        with open(tmp, "rb") as src, gzip.open(os.path.join(TRACE["dir"], f"{name}.json.gz"), "wb") as dst:
+            dst.write(src.read())
+        os.unlink(tmp)
     ev = p.key_averages()
     dev_us = sum(e.self_device_time_total for e in ev) / reps
     kernels = sum(e.count for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) / reps
@@ -56,7 +70,10 @@ def main():
     ap.add_argument("--execution", default="auto", choices=("auto", "graphs", "eager"))
     ap.add_argument("--skinny", default="auto", choices=("auto", "on", "off"),
                     help="the skinny linear kernels in the full-step graphs (auto: the loader's choice)")
+    ap.add_argument("--trace", help="a folder: write each step kind's chrome trace there (.json.gz)")
+    ap.add_argument("--accepted", type=int, default=1, help="tokens the draft step commits (1: the bonus only)")
     a = ap.parse_args()
+    TRACE["dir"] = a.trace
     kw = dict(execution=a.execution)
     target = load_model(a.target, "target", **kw)
     draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, **kw)
@@ -87,7 +104,7 @@ def main():
     k = [0]
 
     def dstep():
-        ds.step(k[0], [3], None)
+        ds.step(k[0], [3] * a.accepted, None)
         k[0] += 1
     prof("draft_step_cmr", dstep, a.reps, out)
     print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, draft=a.draft, **out)))
