@@ -20,21 +20,33 @@ import torch
 HostData = Union[Sequence, np.ndarray, torch.Tensor]
 
 
+def _staged(data: HostData, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A new host tensor of `dtype` holding `data`, in pinned memory if `pin`."""
+    if isinstance(data, (np.ndarray, torch.Tensor)):
+        src = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
+        host = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
+        host.copy_(src)
+        return host
+    return torch.tensor(data, dtype=dtype, pin_memory=pin)
+
+
 def to_device(data: HostData, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`data` (a list, a numpy array or a CPU tensor) as a new tensor of `dtype` on `device`,
     queued without synchronising on CUDA (through pinned memory). Always a copy: the caller may
     reuse `data` at once."""
     device = torch.device(device)
     pin = device.type == "cuda"
-    if isinstance(data, (np.ndarray, torch.Tensor)):
-        src = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
-        host = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
-        host.copy_(src)
-    else:
-        host = torch.tensor(data, dtype=dtype, pin_memory=pin)
+    host = _staged(data, dtype, pin)
     if not pin:
         return host.to(device)  # a fresh tensor already (no-op move on the CPU)
     return host.to(device, non_blocking=True)
+
+
+def copy_from_host(dst: torch.Tensor, data: HostData) -> None:
+    """dst.copy_(data) for host `data` (a list, a numpy array or a CPU tensor), queued without
+    synchronising on CUDA (through pinned memory)."""
+    pin = dst.device.type == "cuda"
+    dst.copy_(_staged(data, dst.dtype, pin), non_blocking=pin)
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
@@ -50,8 +62,9 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
 
 def record_event(device: torch.device) -> Optional[torch.cuda.Event]:
     """A CUDA event recorded on the current stream of `device` (None on the CPU: work is done)."""
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return None
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
