@@ -177,8 +177,8 @@ class Overlap:
         if not children:
             return Flight(pool, event=record_event(dev))
         top = torch.topk(torch.log_softmax(logits[:f].float(), -1), OVERLAP_WIDTH * self.params.tree.topk)  # [F, w]
-        tokens, logp = to_host(top.indices), to_host(top.values)  # [F, w] each, on the host once the event is
-        return Flight(pool, list(enumerate(nodes)), tokens, logp, record_event(dev))
+        tokens, logp = to_host(top.indices), to_host(top.values)  # [F, w] each: valid once the event is done
+        return Flight(pool, list(enumerate(nodes)), tokens, logp, record_event(dev))  # recorded after the copies
 
     # ------------------------------------------------------------------ a step
     def _from_pool(self, step: int, accepted: Sequence[int], nodes: int) -> Optional[DraftTree]:
