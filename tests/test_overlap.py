@@ -1,4 +1,4 @@
-"""Overlapped drafting (draft/pool.py, DraftSession.background, DraftWorker): the draft keeps
+"""Overlapped drafting (draft/pool.py, draft/overlap.py, DraftWorker): the draft keeps
 expanding its candidate pool while the target verifies and answers the next step from it when the
 verdict was foreseen. The target verifies whatever it gets, so output must equal plain decoding
 (float64: exactly) under every interleaving forced here, and ready trees must really be used.
@@ -150,13 +150,13 @@ class SlowBackground:
     """Forces the 'slow draft' interleaving: every background forward takes `delay_s` longer."""
 
     def __init__(self, monkeypatch, delay_s):
-        original = DraftSession.background
+        original = DraftSession.launch
 
         def slow(session):
             time.sleep(delay_s)
             return original(session)
 
-        monkeypatch.setattr(DraftSession, "background", slow)
+        monkeypatch.setattr(DraftSession, "launch", slow)
 
 
 @pytest.mark.parametrize("mode", ["sd", "specextend"])
@@ -206,7 +206,7 @@ def test_a_failing_background_forward_costs_only_its_time(tiny_models, monkeypat
         calls.append(1)
         raise RuntimeError("injected background failure")
 
-    monkeypatch.setattr(DraftSession, "background", broken)
+    monkeypatch.setattr(DraftSession, "launch", broken)
     worker = DraftWorker(pair[1].decoder, overlap=True)
     ref, out, stats = run(pair, ChaosDraft(worker, Chaos(latency_s=0.01)))
     assert out == ref and calls and not stats.fallback and stats.ready_steps == 0
@@ -290,7 +290,7 @@ def test_an_arriving_job_preempts_background_work(draft, monkeypatch):
         time.sleep(0.05)
         return True
 
-    monkeypatch.setattr(DraftSession, "background", endless)
+    monkeypatch.setattr(DraftSession, "launch", endless)
     tree = worker.step("s", 0, [7])
     time.sleep(0.2)  # the worker is now busy with background slices
     t0 = time.perf_counter()

@@ -130,6 +130,10 @@ class Pool:
         """The verdict's nodes `path` (accepted path + bonus, all forwarded) become committed; the new
         root is path[-1]. Returns the pool of its descendants and the staged slots to keep: first
         the committed ones (path order), then the kept descendants' (in the new pool's slot order)."""
+        return self.reroot_ids(path)[:3]
+
+    def reroot_ids(self, path: Sequence[int]) -> tuple["Pool", list[int], list[int], dict[int, int]]:
+        """`reroot`, and the map old id -> new id of the nodes kept (the new root -> -1)."""
         root = path[-1]
         keep: dict[int, int] = {root: -1}  # old id -> new id
         new = Pool()
@@ -149,4 +153,4 @@ class Pool:
             new.slots[keep[old]] = slot
             staged_keep.append(self.slots[old])
         new.staged = len(staged_keep)
-        return new, [self.slots[i] for i in path], staged_keep
+        return new, [self.slots[i] for i in path], staged_keep, keep

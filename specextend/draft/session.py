@@ -8,11 +8,13 @@ retrieval the working cache is simply the full cache. Tree nodes' K/V are staged
 committed tokens and never committed by the draft's own forwards.
 
 With overlap on, the session keeps the candidate pool of its last tree (pool.py) and the worker
-grows it between steps (`background`, one forward a call). A step whose accepted path and bonus
-token were already forwarded in the pool is answered from it at once: their K/V move from staged
-to committed slots (one gather), the pool is re-rooted at the bonus token, and its best nodes are
-the tree. Any other step drops the pool and drafts as without overlap. A retrieval refresh that
-arrives with a ready tree is applied after the answer, in the background.
+grows it between steps (overlap.py: `launch` queues one forward, `finish` adds its results). A
+step whose accepted path and bonus token were already forwarded in the pool is answered from it at
+once: their K/V move from staged to committed slots (one gather), the pool is re-rooted at the
+bonus token, and its best nodes are the tree. Any other step drops the pool and drafts as without
+overlap. A retrieval refresh that arrives with a ready tree is applied after the answer, in the
+background. Host data reaches the device through pinned memory (models/transfer.py): nothing here
+waits for queued device work but the final read of a drafted tree.
 """
 
 from __future__ import annotations
@@ -28,22 +30,19 @@ from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.expand import PostGraphs, expand_tree, level_post
+from specextend.draft.overlap import OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS, Overlap  # noqa: F401 (re-exported)
 from specextend.draft.pool import Pool
-from specextend.kv_cache import CacheFull
 from specextend.models.decoder import Decoder, ForwardOptions
 from specextend.models.rope import apply_rope
+from specextend.models.transfer import to_device
 from specextend.retrieval import chunk_positions, initial_chunks
 from specextend.tree import reindex_tree, select_best_nodes
 
 # Defaults from the H200x2 run of 2026-11-23 (benchmarks/README.md at commit 77940b1): 8 rows
-# and 3 levels drafted on a miss beat 16 rows and all 6 levels at 8K and 16K (1.07x and 1.09x of
-# plain decoding against 1.01x), and tied at 30K.
-OVERLAP_ROWS = 8  # pool nodes forwarded per background forward
+# (OVERLAP_ROWS) and 3 levels drafted on a miss beat 16 rows and all 6 levels at 8K and 16K (1.07x
+# and 1.09x of plain decoding against 1.01x), and tied at 30K.
 CATCH_UP = 64  # rows of a catch-up forward (the graphs' largest: models/graphs.MAX_GRAPH_TOKENS)
 SYNC_DEPTH = 3  # levels drafted before answering a step that found nothing ready (0: the tree's depth)
-POOL_SLOTS = 128  # staged slots the pool may use (bounds one session's background work)
-OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the extra ones are the
-#                    likely bonus tokens where the target rejects every child that was sent
 
 _POST_LOCK = threading.Lock()
 
@@ -79,7 +78,7 @@ class SectionTimer:
         return self._host_s + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
 
 
-class DraftSession:
+class DraftSession(Overlap):
     expand = staticmethod(expand_tree)  # the tree search (expand_tree_host: its twin)
 
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
@@ -101,9 +100,7 @@ class DraftSession:
         self.store = model.new_cache(len(prompt_ids) + extra) if self.cfg.enabled else None
         self.refreshes = 0
         self.rebuild_timer = SectionTimer(model.device)  # the working cache's rebuilds (bench: signal cost)
-        self.pool: Optional[Pool] = None  # overlap: candidates below the current root
-        self._refresh: Optional[Retrieval] = None  # overlap: a selection to apply in the background
-        self._restage: list[int] = []  # overlap: pool nodes to forward again after a rebuild
+        self._init_overlap()  # pool, flight, pending refresh (overlap.py)
         self._prefill(list(prompt_ids), prefill_chunk)
 
     # ----------------------------------------------------------------- caches
@@ -114,10 +111,11 @@ class DraftSession:
         dev = self.model.device
         t = len(ids)
         rows = max(rows, t)
-        pos = torch.arange(self.work.length, self.work.length + rows, device=dev)
+        pos = torch.arange(self.work.length, self.work.length + rows, device=dev)  # [rows]
+        ids_last = to_device(ids + ids[-1:] * (rows - t) + [t - 1], torch.long, dev)  # [rows + 1]: ids, then the row to read
         logits, _ = self.model.forward(
-            torch.tensor(ids + ids[-1:] * (rows - t), device=dev), pos, self.work, CAUSAL,
-            ForwardOptions(window=window, store=self.store, logits_rows=torch.tensor([t - 1], device=dev)))
+            ids_last[:rows], pos, self.work, CAUSAL,
+            ForwardOptions(window=window, store=self.store, logits_rows=ids_last[rows:]))
         self.work.advance(t)
         if self.store is not None:
             self.store.advance(t)
@@ -150,7 +148,7 @@ class DraftSession:
         last = self.store.length - 1
         if keep_last and (pos.numel() == 0 or int(pos[-1]) != last):
             pos = torch.cat([pos, torch.tensor([last])])
-        pos = pos.to(self.model.device)
+        pos = to_device(pos, torch.long, self.model.device)
         kv = self.store.data.index_select(3, pos)  # [layers, 2, G, W, D]
         cos, sin = self.model.rope.cos_sin(torch.arange(pos.numel(), device=pos.device), self.model.dtype)
         self.work.load(apply_rope(kv[:, 0], cos, sin), kv[:, 1])
@@ -175,6 +173,11 @@ class DraftSession:
         if not accepted_tokens:
             raise ValueError("a step needs at least the bonus token")
         refresh = retrieval is not None and self.store is not None and bool(retrieval.chunk_ids)
+        if self.flight is not None:  # a background forward: finished (cheap), or still in flight
+            if self.flight.done():
+                self.finish()
+            else:
+                self.flight_steps += 1
         if self.pool is not None:
             ready = self._from_pool(step, accepted_tokens, shape.nodes)
             if ready is not None:
@@ -183,7 +186,9 @@ class DraftSession:
                 return ready
         if not refresh and self._refresh is not None:  # a selection still waiting: apply it now
             retrieval, refresh = self._refresh, True
-        self.pool, self._refresh, self._restage = None, None, []
+        # a miss: the pool goes, with the result of a forward still in flight (its staged slots are
+        # overwritten by this step's forwards, queued after it on the device)
+        self.drop_pool()
         if refresh:
             self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
         accepted = list(accepted_tokens)
@@ -221,91 +226,3 @@ class DraftSession:
             self.pool = Pool.from_expansion(toks, scores, parents, depths, forwarded)
         chosen = select_best_nodes(scores, depths, parents, shape.nodes)
         return reindex_tree(chosen, toks, parents)
-
-    # ----------------------------------------------------------------- overlap
-    def _from_pool(self, step: int, accepted: Sequence[int], nodes: int) -> Optional[DraftTree]:
-        """The next tree (its best `nodes`) from the pool if the accepted path and bonus token were
-        forwarded in it."""
-        pool = self.pool
-        path = pool.walk(accepted)
-        if any(node is None or pool.slots[node] < 0 for node in path):
-            return None
-        new, commit, keep = pool.reroot(path)
-        staged = self.work.staged(0, pool.staged)  # [layers, 2, G, staged, D]
-        if self.store is not None:  # the store keeps pre-RoPE K: undo the working positions' rotation
-            kv = staged[:, :, :, commit]  # [layers, 2, G, c, D]
-            pos = torch.arange(self.work.length, self.work.length + len(commit), device=kv.device)
-            cos, sin = self.model.rope.cos_sin(pos, self.model.dtype)
-            k_pre = apply_rope(kv[:, 0], cos, -sin) / self.model.rope.scaling ** 2
-            self.store.stage_all(k_pre, kv[:, 1])
-            self.store.advance(len(commit))
-        self.work.commit(torch.tensor(commit + keep, device=self.work.data.device))
-        self.work.truncate(self.work.length - len(keep))  # the kept nodes stay staged, at 0..m-1
-        self.pool, self._restage = new, []
-        # answer with what is ready, however little: growing it now would put draft forwards back on
-        # the critical path (the pool keeps growing while the target verifies this tree)
-        tokens, parents = new.best_tree(nodes)
-        return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
-                         draft_cache_tokens=self.work.length, ready=True, ahead_depth=new.ready_depth())
-
-    def warm_up(self) -> int:
-        """Runs the overlap's forwards at every shape they take (start slots up to POOL_SLOTS), so
-        that their CUDA graphs are captured before traffic. Call on a throwaway session."""
-        n = 0
-        for step in range(1, 4):
-            while self.background():
-                n += 1
-            pool = self.pool
-            first = next((i for i in range(len(pool)) if pool.depths[i] == 1 and pool.slots[i] >= 0), None)
-            child = next((i for i in pool.children(first) if pool.slots[i] >= 0), None) if first is not None else None
-            if child is None:
-                break
-            self.step(step, [pool.tokens[first], pool.tokens[child]], None)
-        return n
-
-    def background(self) -> bool:
-        """One forward of overlapped drafting (a pending retrieval rebuild, then re-staging, then
-        the pool's best unforwarded nodes). False when there is nothing useful left to do."""
-        pool = self.pool
-        if pool is None:
-            return False
-        try:
-            if self._refresh is not None:
-                r, self._refresh = self._refresh, None
-                self._rebuild(r.chunk_ids, r.chunk_size, keep_last=True)
-                self._restage = pool.unstage()  # staged K/V were for the old working cache
-                return True
-            if self._restage:
-                nodes, self._restage = self._restage[:self.rows], self._restage[self.rows:]
-                self._forward_pool(nodes, children=False)
-                return True
-            if pool.staged + self.rows > POOL_SLOTS:
-                return False
-            nodes = pool.frontier(self.rows, 2 * self.params.tree.depth)
-            if not nodes:
-                return False
-            self._forward_pool(nodes, children=True)
-            return True
-        except CacheFull:  # near the end of the request's budget: no room to draft ahead
-            return False
-
-    def _forward_pool(self, nodes: list[int], children: bool) -> None:
-        """Forward pool nodes (their ancestors already forwarded) as one tree level; with
-        `children`, add each node's top-k next tokens to the pool. Rows are padded to
-        `rows` and the start slot rounded up to a multiple of it, so that the forwards
-        take few distinct shapes (one CUDA graph each)."""
-        pool, dev = self.pool, self.model.device
-        start = -(-pool.staged // self.rows) * self.rows
-        f = len(nodes)
-        rows = nodes + [nodes[-1]] * (self.rows - f)  # padding rows write to unused slots
-        mask = torch.zeros(len(rows), start + len(rows), dtype=torch.bool)  # [R, start + R]
-        mask[:f, :start + f] = pool.mask(nodes, start)
-        for r in range(f, len(rows)):  # a padding row sees only itself
-            mask[r, start + r] = True
-        ids = torch.tensor([pool.tokens[i] for i in rows], device=dev)
-        pos = torch.tensor([self.work.length - 1 + pool.depths[i] for i in rows], device=dev)
-        logits, _ = self.model.forward(ids, pos, self.work, mask.to(dev), ForwardOptions(staged=start))
-        pool.mark_forwarded(nodes, start, len(rows))
-        if children:
-            top = torch.topk(torch.log_softmax(logits[:f].float(), -1), OVERLAP_WIDTH * self.params.tree.topk)  # [F, w]
-            pool.add_children(nodes, top.indices, top.values)

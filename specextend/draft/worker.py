@@ -3,8 +3,10 @@
 One thread owns the draft model and every session's state; nothing else touches them. Jobs:
 `Open`, `Step` and `Close` run in arrival order (the foreground), and, with overlap on, the
 sessions that have drafting left to do between steps get one background forward each, round
-robin, whenever the foreground queue is empty: an arriving job waits at most for the background
-forward in flight. The target reaches the worker directly (in-process, `DraftWorker` is a
+robin, whenever the foreground queue is empty. A background forward is launched (queued on the
+device) and finished (its results read) apart: while it runs the thread waits on the job queue,
+polling the forward's end, so that an arriving job starts at once; at most one is in flight. The
+target reaches the worker directly (in-process, `DraftWorker` is a
 DraftBackend whose calls block on their job) or through the gRPC server, which submits jobs and
 awaits their futures, so that a call whose deadline passes while queued is cancelled before it
 runs.
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 # (the gRPC loop receiving a step, or an in-process target) waits for the GIL: Python's default
 # 5 ms switch interval would add up to 5 ms to a step. Lowered, process-wide, when overlap is on.
 SWITCH_INTERVAL_S = 0.0002
+# How often the worker looks whether a background forward in flight has finished, while it waits
+# for a job (a job wakes it at once): a draft forward takes ~1 ms on an H200.
+POLL_S = 0.0001
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,8 @@ class WorkerStats:
     ready_trees: int  # steps answered from the overlap pool
     rebuilds: int = 0  # working-cache rebuilds of the sessions closed so far
     rebuild_s: float = 0.0  # their time, on the draft's device clock
+    flight_steps: int = 0  # steps that arrived with a background forward in flight (sessions closed so far)
+    flight_waits: int = 0  # ... of them ready steps that waited for it (their new root was in it)
 
 
 class JobWorker(DraftBackend):
@@ -89,6 +96,7 @@ class JobWorker(DraftBackend):
         self._background_forwards = 0
         self._ready_trees = 0
         self._rebuilds, self._rebuild_s = 0, 0.0
+        self._flight_steps, self._flight_waits = 0, 0
         self._thread = threading.Thread(target=self._run, name=f"draft-worker-{name}", daemon=True)
         self._thread.start()
 
@@ -124,7 +132,7 @@ class JobWorker(DraftBackend):
     def stats(self) -> WorkerStats:
         with self._lock:
             return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees, self._rebuilds,
-                               self._rebuild_s)
+                               self._rebuild_s, self._flight_steps, self._flight_waits)
 
     def stop(self) -> None:
         """Stops the worker after the jobs already queued (returns at once); later jobs fail."""
@@ -178,12 +186,18 @@ class JobWorker(DraftBackend):
             fut.set_result(result)
 
     def _next(self) -> Optional[tuple[Job, Future]]:
-        """The next foreground job; while there is none, background slices."""
+        """The next foreground job; while there is none, background slices, one in flight at most:
+        the next is launched only once the previous has finished."""
         while True:
             try:
                 return self._jobs.get_nowait()
             except queue.Empty:
                 pass
+            if self._in_flight():
+                try:
+                    return self._jobs.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
             if not self._background():
                 return self._jobs.get()
             with self._lock:
@@ -193,7 +207,11 @@ class JobWorker(DraftBackend):
         """Runs first on the worker thread."""
 
     def _background(self) -> bool:
-        """One slice of background work; False when there is none."""
+        """Launch one slice of background work; False when there is none."""
+        return False
+
+    def _in_flight(self) -> bool:
+        """Finishes the slice in flight if it is done; True while it still runs."""
         return False
 
     def _do(self, job: Job):
@@ -233,6 +251,7 @@ class DraftWorker(JobWorker):
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._sessions: dict[str, SessionEntry] = {}  # the worker thread's only
         self._pending: OrderedDict[str, None] = OrderedDict()  # sessions with drafting left to do
+        self._flying: Optional[DraftSession] = None  # the session whose background forward is in flight
         super().__init__(name)
 
     def _setup(self) -> None:
@@ -241,21 +260,37 @@ class DraftWorker(JobWorker):
             torch.cuda.set_device(self.model.device)
 
     def _background(self) -> bool:
-        """One background forward of the next session with drafting left to do (round robin)."""
+        """Launch one background forward of the next session with drafting left to do (round
+        robin); it stays in flight until `_in_flight` finds it done."""
         while self._pending:
             sid, _ = self._pending.popitem(last=False)
             entry = self._sessions.get(sid)
             if entry is None:
                 continue
             try:
-                more = entry.session.background()
+                more = entry.session.launch()
             except Exception:  # noqa: BLE001 - drafting ahead is optional: the next step drafts anew
                 log.exception("background drafting failed for session %s", sid)
-                entry.session.pool = None
+                entry.session.drop_pool()
                 continue
             if more:
                 self._pending[sid] = None
+                self._flying = entry.session
                 return True
+        return False
+
+    def _in_flight(self) -> bool:
+        session = self._flying
+        if session is None:
+            return False
+        if not session.flight_done():
+            return True
+        self._flying = None
+        try:
+            session.finish()  # its children join the pool (a closed session's are dropped)
+        except Exception:  # noqa: BLE001 - as in _background
+            log.exception("finishing a background forward failed")
+            session.drop_pool()
         return False
 
     def _do(self, job: Job):
@@ -271,10 +306,14 @@ class DraftWorker(JobWorker):
         entry = self._sessions.pop(job.session_id, None)
         self._pending.pop(job.session_id, None)
         if entry is not None:  # the session's signal cost, for the worker's stats
-            seconds = entry.session.rebuild_timer.seconds()
+            s = entry.session
+            s.drop_pool()  # a forward in flight completes on the device; its result is dropped
+            seconds = s.rebuild_timer.seconds()
             with self._lock:
-                self._rebuilds += entry.session.refreshes
+                self._rebuilds += s.refreshes
                 self._rebuild_s += seconds
+                self._flight_steps += s.flight_steps
+                self._flight_waits += s.flight_waits
         return None
 
     def _open(self, job: Open) -> None:

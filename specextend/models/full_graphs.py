@@ -25,6 +25,7 @@ from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta
                                                  triton_available)
 from specextend.kv_cache import KVCache
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan
+from specextend.models.transfer import copy_from_host
 
 
 def full_graphs_supported(model) -> bool:
@@ -68,7 +69,7 @@ class FullStepGraphs(StepGraphs):
             self._body(p)
 
     def _set_meta(self, p: _Plan, cache: KVCache, L: int) -> None:
-        p.meta.copy_(torch.tensor(cache_meta(cache.data, self.anchor, L), dtype=torch.int64), non_blocking=True)
+        copy_from_host(p.meta, cache_meta(cache.data, self.anchor, L))  # pinned: no wait for queued work
 
     def _body(self, p: _Plan, steps: range | None = None) -> None:
         n = self.model.args.num_layers

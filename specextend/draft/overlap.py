@@ -1,0 +1,232 @@
+"""Overlapped drafting of one draft session (docs/architecture.md, "Overlapped drafting").
+
+After a tree is sent, the worker grows the session's candidate pool (pool.py) one background
+forward at a time while the target verifies. A background forward is split in two so that the
+worker thread never blocks on the device while a step may arrive:
+
+  launch   plan the rows on the host, queue the forward over the staged tree keys, the top-k of
+           its rows and a non-blocking copy of that top-k into pinned host memory, record an
+           event. The forwarded nodes get their staged slots now (`mark_forwarded`): their K/V
+           are written by a forward queued before anything a later step queues (stream order).
+  finish   once the event has completed, add each forwarded node's children to the pool.
+
+Between the two the nodes' children are pending in the `Flight`. A step that arrives meanwhile is
+answered from the host pool at once: the re-root maps the pending nodes to their new ids and drops
+those it pruned, and `finish` attaches the children to the re-rooted pool later. Only when the
+new root itself is in flight (its children, the next tree's first level, are pending) does the
+step wait for the forward. A step that misses drops the pool and with it the flight's result; the
+flight's staged slots are overwritten by the step's own forwards, queued after it.
+
+A retrieval rebuild runs as a background slice too (`launch`), and never while a forward of the
+same session is in flight: `launch` finishes the previous flight first, and the worker launches
+only after finishing (at most one flight per worker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from specextend.draft.base import DraftTree
+from specextend.draft.pool import Pool
+from specextend.kv_cache import CacheFull
+from specextend.models.decoder import ForwardOptions
+from specextend.models.rope import apply_rope
+from specextend.models.transfer import record_event, to_device, to_host
+
+OVERLAP_ROWS = 8  # pool nodes forwarded per background forward
+POOL_SLOTS = 128  # staged slots the pool may use (bounds one session's background work)
+OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the extra ones are the
+#                    likely bonus tokens where the target rejects every child that was sent
+
+
+@dataclass
+class Flight:
+    """One background slice queued on the device and not yet finished."""
+
+    pool: Pool  # the pool whose nodes it forwards (a re-root moves it to the new pool)
+    rows: list[tuple[int, int]] = field(default_factory=list)  # (top-k row, pool node): children pending
+    tokens: Optional[torch.Tensor] = None  # [F, w] int64 on the host (pinned on CUDA): children's tokens
+    logp: Optional[torch.Tensor] = None  # [F, w] float32 on the host: their log-probabilities
+    event: Optional[torch.cuda.Event] = None  # recorded after the host copies (None on the CPU: done)
+    moved: bool = False  # a re-root moved its nodes (stats: children attached late)
+    held: bool = False  # tests: report not done until waited on (forces "a step arrives in flight")
+
+    def done(self) -> bool:
+        return not self.held and (self.event is None or self.event.query())
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def pending(self, node: int) -> bool:
+        return any(n == node for _, n in self.rows)
+
+
+def remap_rows(rows: Sequence[tuple[int, int]], ids: dict[int, int]) -> tuple[list[tuple[int, int]], int]:
+    """Pending (row, node) pairs through a re-root (`ids`: old id -> new id of the nodes kept, the new
+    root -> -1): the kept nodes' rows with their new ids, and the count dropped (node pruned)."""
+    kept = [(r, ids[n]) for r, n in rows if ids.get(n, -1) >= 0]
+    return kept, len(rows) - len(kept)
+
+
+def pool_rows_mask(pool: Pool, nodes: list[int], start: int, rows: int) -> np.ndarray:
+    """[rows, start + rows] bool: `nodes` forwarded at slots start.. over the staged keys (pool.mask),
+    then padding rows that each see only their own slot."""
+    f = len(nodes)
+    mask = np.zeros((rows, start + rows), dtype=bool)
+    mask[:f, :start + f] = pool.mask(nodes, start).numpy()
+    pad = np.arange(f, rows)
+    mask[pad, start + pad] = True
+    return mask
+
+
+class Overlap:
+    """DraftSession's overlapped drafting (a mixin: it uses the session's caches, model and pool)."""
+
+    def _init_overlap(self) -> None:
+        self.pool: Optional[Pool] = None  # candidates below the current root
+        self.flight: Optional[Flight] = None  # the background slice in flight
+        self._refresh = None  # a retrieval selection to apply in the background
+        self._restage: list[int] = []  # pool nodes to forward again after a rebuild
+        self.flight_steps = 0  # steps that arrived with a background forward in flight
+        self.flight_waits = 0  # ready steps that waited for it (their new root's children were in it)
+        self.late_children = 0  # children attached after a re-root had moved their parent
+        self.dropped_rows = 0  # pending rows dropped by a re-root (their node pruned)
+
+    # ------------------------------------------------------------------ background
+    def launch(self) -> bool:
+        """Queue one slice of overlapped drafting (a pending retrieval rebuild, then re-staging,
+        then the pool's best unforwarded nodes) and leave it in flight (`self.flight`). False when
+        there is nothing useful left to do. A previous flight is finished first."""
+        if self.flight is not None:
+            self.finish()
+        pool = self.pool
+        if pool is None:
+            return False
+        try:
+            if self._refresh is not None:
+                r, self._refresh = self._refresh, None
+                self._rebuild(r.chunk_ids, r.chunk_size, keep_last=True)
+                self._restage = pool.unstage()  # staged K/V were for the old working cache
+                self.flight = Flight(pool, event=record_event(self.model.device))  # no nodes: a rebuild
+                return True
+            if self._restage:
+                nodes, self._restage = self._restage[:self.rows], self._restage[self.rows:]
+                self.flight = self._launch_forward(nodes, children=False)
+                return True
+            if pool.staged + self.rows > POOL_SLOTS:
+                return False
+            nodes = pool.frontier(self.rows, 2 * self.params.tree.depth)
+            if not nodes:
+                return False
+            self.flight = self._launch_forward(nodes, children=True)
+            return True
+        except CacheFull:  # near the end of the request's budget: no room to draft ahead
+            return False
+
+    def flight_done(self) -> bool:
+        """Nothing in flight, or it has finished on the device (then `finish` does not wait)."""
+        return self.flight is None or self.flight.done()
+
+    def finish(self) -> None:
+        """Finish the slice in flight (waiting for the device if needed): attach its pending
+        children to the pool, unless that pool was dropped since."""
+        flight, self.flight = self.flight, None
+        if flight is None:
+            return
+        flight.wait()
+        if flight.pool is not self.pool or not flight.rows:
+            return
+        rows = torch.tensor([r for r, _ in flight.rows])  # [F'] host
+        self.pool.add_children([n for _, n in flight.rows], flight.tokens[rows], flight.logp[rows])
+        if flight.moved:
+            self.late_children += rows.numel() * flight.tokens.shape[1]
+
+    def background(self) -> bool:
+        """One slice launched and finished (synchronous: tests, warm-up)."""
+        more = self.launch()
+        self.finish()
+        return more
+
+    def drop_pool(self) -> None:
+        """Forget the pool and its pending work. A forward in flight stays in flight (the worker
+        waits for its end before launching another) but its result is dropped; its device work
+        completes, in stream order, before anything queued after it."""
+        self.pool, self._refresh, self._restage = None, None, []
+        if self.flight is not None:
+            self.flight.rows = []
+
+    def _launch_forward(self, nodes: list[int], children: bool) -> Flight:
+        """Queue the forward of pool nodes (their ancestors forwarded before, or earlier in `nodes`)
+        as one tree level; with `children`, the top-k of each row and its copy to the host. Rows are
+        padded to `rows` and the start slot rounded up to a multiple of it, so that the forwards
+        take few distinct shapes (one CUDA graph each). Nothing here waits for the device."""
+        pool, dev = self.pool, self.model.device
+        start = -(-pool.staged // self.rows) * self.rows
+        f, r = len(nodes), self.rows
+        rows = nodes + [nodes[-1]] * (r - f)  # padding rows write to unused slots
+        mask = to_device(pool_rows_mask(pool, nodes, start, r), torch.bool, dev)  # [R, start + R]
+        host = [pool.tokens[i] for i in rows] + [self.work.length - 1 + pool.depths[i] for i in rows]
+        ids_pos = to_device(host, torch.long, dev)  # [2R]: ids, then positions
+        logits, _ = self.model.forward(ids_pos[:r], ids_pos[r:], self.work, mask, ForwardOptions(staged=start))
+        pool.mark_forwarded(nodes, start, r)
+        if not children:
+            return Flight(pool, event=record_event(dev))
+        top = torch.topk(torch.log_softmax(logits[:f].float(), -1), OVERLAP_WIDTH * self.params.tree.topk)  # [F, w]
+        tokens, logp = to_host(top.indices), to_host(top.values)  # [F, w] each: valid once the event is done
+        return Flight(pool, list(enumerate(nodes)), tokens, logp, record_event(dev))  # recorded after the copies
+
+    # ------------------------------------------------------------------ a step
+    def _from_pool(self, step: int, accepted: Sequence[int], nodes: int) -> Optional[DraftTree]:
+        """The next tree (its best `nodes`) from the pool if the accepted path and bonus token were
+        forwarded in it (in flight counts: stream order), else None."""
+        pool = self.pool
+        path = pool.walk(accepted)
+        if any(node is None or pool.slots[node] < 0 for node in path):
+            return None
+        if self.flight is not None and self.flight.pending(path[-1]):
+            # the new root's children (the next tree's first level) are in flight: wait for them
+            self.flight_waits += 1
+            self.finish()
+        new, commit, keep, ids = pool.reroot_ids(path)
+        dev = self.work.data.device
+        idx = to_device(commit + keep, torch.long, dev)  # [c + m] staged slots: committed, then kept
+        staged = self.work.staged(0, pool.staged)  # [layers, 2, G, staged, D]
+        if self.store is not None:  # the store keeps pre-RoPE K: undo the working positions' rotation
+            kv = staged.index_select(3, idx[:len(commit)])  # [layers, 2, G, c, D]
+            pos = torch.arange(self.work.length, self.work.length + len(commit), device=dev)
+            cos, sin = self.model.rope.cos_sin(pos, self.model.dtype)
+            k_pre = apply_rope(kv[:, 0], cos, -sin) / self.model.rope.scaling ** 2
+            self.store.stage_all(k_pre, kv[:, 1])
+            self.store.advance(len(commit))
+        self.work.commit(idx)
+        self.work.truncate(self.work.length - len(keep))  # the kept nodes stay staged, at 0..m-1
+        self.pool, self._restage = new, []
+        if self.flight is not None:  # its pending children follow their nodes into the new pool
+            self.flight.rows, dropped = remap_rows(self.flight.rows, ids)
+            self.flight.pool, self.flight.moved = new, True
+            self.dropped_rows += dropped
+        # answer with what is ready, however little: growing it now would put draft forwards back on
+        # the critical path (the pool keeps growing while the target verifies this tree)
+        tokens, parents = new.best_tree(nodes)
+        return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
+                         draft_cache_tokens=self.work.length, ready=True, ahead_depth=new.ready_depth())
+
+    def warm_up(self) -> int:
+        """Runs the overlap's forwards at every shape they take (start slots up to POOL_SLOTS), so
+        that their CUDA graphs are captured before traffic. Call on a throwaway session."""
+        n = 0
+        for step in range(1, 4):
+            while self.background():
+                n += 1
+            pool = self.pool
+            first = next((i for i in range(len(pool)) if pool.depths[i] == 1 and pool.slots[i] >= 0), None)
+            child = next((i for i in pool.children(first) if pool.slots[i] >= 0), None) if first is not None else None
+            if child is None:
+                break
+            self.step(step, [pool.tokens[first], pool.tokens[child]], None)
+        return n
