@@ -5,6 +5,12 @@ the full-step plans that take it (the draft's retrieval working cache) against D
 On the CPU the kernels run in Triton's interpreter (conftest.py), which misreads bfloat16 memory:
 float16 stands for the half-precision path there, bfloat16 on CUDA."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -205,3 +211,16 @@ def test_draft_session_drafts_the_same_trees_through_short_plans(tiny_models):
         dec.graphs = None
     assert trees[0] == trees[1]
     assert graphs.plans and all(k.short for k in graphs.plans)
+
+
+def test_the_gpu_benchmark_runs_its_checks_on_the_cpu():
+    """benchmarks/short_attention.py (the H200 timing of the split pair against the kernel) runs
+    every code path but the timing on the CPU, and its agreement check passes."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "benchmarks/short_attention.py", "--device", "cpu", "--lengths", "70",
+                           "--tokens", "2", "--staged", "3"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    assert [(r["L"], r["T"], r["n"], r["agree"]) for r in rows] == [(70, 2, 5, True)]
