@@ -5,7 +5,9 @@ fused SDPA kernels take the prefix length and the cache address from the host. H
 the Triton split-KV kernel of attention/triton_prefix.py, which reads (cache address, L,
 capacity) from a small device tensor written before each replay. So one graph per shape serves
 every session and every prefix length: a few launches per forward instead of 2 x layers, no idle
-gaps between segments, and no copies of the prefix result into static buffers.
+gaps between segments, and no copies of the prefix result into static buffers. A cache marked
+short (the draft's retrieval working cache) takes one kernel for the whole attention instead,
+attention/triton_short.py, found the same way (short_cache).
 
 Launching a graph costs the host about 1.4 us per node (H100, 2026-11-23: 633 us for the 8B
 verify's 446 nodes), and part of that kept the device waiting. The forward is therefore captured
