@@ -169,6 +169,19 @@ def test_short_plans_equal_eager(name):
     assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_captured_short_plans_equal_the_split_twin(dtype, tol):
+    dec = decoder_on("qwen2", "cuda", dtype)
+    ref = run_calls(dec, FullStepGraphs(dec, capture=False).forward, "cuda")  # unfused: the split path
+    _short_caches(dec, 1052)
+    graphs = FullStepGraphs(dec, capture=True, fused=True)
+    got = run_calls(dec, graphs.forward, "cuda")
+    assert graphs.plans and all(k.short for k in graphs.plans)
+    assert graphs.num_graphs == 5 * len(graphs.pieces)
+    assert_same_run(ref, got, atol=tol, rtol=tol)
+
+
 def test_only_short_marked_caches_of_fused_plans_are_short():
     """The split path for a cache without the hint (the target's, the draft's without retrieval),
     one marked longer than SHORT_MAX_KEYS, and plans without the fused layer kernels."""
