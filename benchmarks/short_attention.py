@@ -77,6 +77,10 @@ def main() -> None:
     p.add_argument("--staged", default="16,64", help="staged tree keys (n = staged + T)")
     p.add_argument("--sweep", action="store_true",
                    help="also time short_attention's launch configurations (bm x block_n x warps x stages)")
+    p.add_argument("--sweep-bm", default="16,32", help="row blocks the sweep tries")
+    p.add_argument("--sweep-bn", default="64,128", help="committed-key blocks the sweep tries")
+    p.add_argument("--sweep-warps", default="2,4,8")
+    p.add_argument("--sweep-stages", default="2,3,4")
     p.add_argument("--device", default="cuda", help="cuda; cpu only checks the code paths (Triton's interpreter)")
     a = p.parse_args()
     dev = torch.device(a.device)
@@ -98,7 +102,9 @@ def main() -> None:
     data = torch.randn(copies, 2, G, cap, D, device=dev, dtype=dt)  # KVCache.data layout, `copies` layers
     anchor = torch.zeros(16, dtype=dt, device=dev)
     scale = D ** -0.5
-    sweep = list(itertools.product((16, 32), (64, 128), (4, 8), (2, 3, 4))) if a.sweep else []
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    sweep = list(itertools.product(ints(a.sweep_bm), ints(a.sweep_bn), ints(a.sweep_warps),
+                                   ints(a.sweep_stages))) if a.sweep else []
     rows_out, bad = [], []
     t0 = time.perf_counter()
     for t, staged in itertools.product([int(x) for x in a.tokens.split(",")], [int(x) for x in a.staged.split(",")]):
