@@ -110,9 +110,8 @@ def short_reference(q: torch.Tensor,  # [H, T, D]
     tree part (tree_attention_merged) -> out [T, H * D] (q's dtype), lse [H, T] or None."""
     h, t, d = q.shape
     g = k.shape[0]
-    out_p, lse_p = partials_reference(q.reshape(g, (h // g) * t, d), kc, vc, L, 1, scale)  # [G, 1, R*T, D]
-    if L == 0:  # no committed key: a partial that weighs nothing
-        out_p.zero_()
+    # [G, 1, R*T, D], [G, 1, R*T]; no committed key (L = 0): out 0, lse -inf, a partial that weighs nothing
+    out_p, lse_p = partials_reference(q.reshape(g, (h // g) * t, d), kc, vc, L, 1, scale)
     out, lse = tree_attention_merged(q, k, v, bias.to(compute_dtype(q.dtype)), out_p, lse_p, scale,
                                      need_lse=need_lse)  # [H, T, D]
     return out.transpose(0, 1).reshape(t, h * d), lse
