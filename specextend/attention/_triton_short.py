@@ -10,7 +10,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])  # one compiled kernel for every layer (its value does not matter)
 def short_attention(q_ptr, kv_ptr, meta_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, scale_log2, layer,
                     stride_kg, stride_kn, stride_vg, stride_vn,
                     T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
