@@ -161,7 +161,7 @@ class DraftServerThread:
     Construction returns once both listen (or raises what start-up raised)."""
 
     def __init__(self, worker: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = "",
-                 token: Optional[str] = None, step_channel: bool = True) -> None:
+                 token: Optional[str] = None, step_channel: bool = True, ipc: bool = False) -> None:
         self._server, self._servicer, self.address = start_draft_server(worker, host, port, model=model,
                                                                         token=token)
         self._channel = None
@@ -169,7 +169,7 @@ class DraftServerThread:
             from specextend.rpc.zmq_server import StepChannel  # imports this module (step_from_proto)
 
             try:
-                self._channel = StepChannel(self._servicer.worker, host, token=token)
+                self._channel = StepChannel(self._servicer.worker, host, token=token, ipc=ipc)
             except BaseException:
                 self._server.stop(0).wait()
                 self._servicer.shutdown()

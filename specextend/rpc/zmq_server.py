@@ -23,6 +23,8 @@ import itertools
 import logging
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from specextend.rpc.auth import UNAUTHENTICATED_DETAILS, frame_token, token_matc
 from specextend.rpc.convert import tree_to_proto
 from specextend.rpc.errors import status_for
 from specextend.rpc.server import step_from_proto
-from specextend.rpc.zmq_wire import (MAX_MESSAGE_BYTES, MAX_REQUEST_ID_BYTES, TAG, status_frame,
+from specextend.rpc.zmq_wire import (MAX_MESSAGE_BYTES, MAX_REQUEST_ID_BYTES, TAG, is_ipv6, status_frame,
                                      tcp_bind_address)
 from specextend.v1 import draft_pb2 as pb
 
@@ -51,17 +53,21 @@ STOP_LINGER_MS = 100  # how long the UNAVAILABLE answers of a stopping server ma
 class _Pending:
     identity: bytes  # the ROUTER's id of the client's connection
     request_id: bytes
-    future: concurrent.futures.Future
+    future: Optional[concurrent.futures.Future]  # the job's (set right after the entry)
     deadline: Optional[float]  # monotonic seconds; None: no timeout_ms
 
 
 class StepChannel:
     """The ROUTER socket and its thread, over `worker` (the servicer's). Construction returns once
     the socket is bound (or raises what binding raised); `endpoint` is what clients connect to.
-    With `token`, a step must carry it (rpc/auth.py)."""
+    `ipc=True` binds a Unix socket in a new private directory (mode 0700: only this user reaches
+    it) instead of a free TCP port on `host`. With `token`, a step must carry it (rpc/auth.py)."""
 
-    def __init__(self, worker: JobWorker, host: str = "127.0.0.1", *, token: Optional[str] = None) -> None:
+    def __init__(self, worker: JobWorker, host: str = "127.0.0.1", *, token: Optional[str] = None,
+                 ipc: bool = False) -> None:
         self.worker = worker
+        self._dir = tempfile.mkdtemp(prefix="specextend-steps-") if ipc else None
+        address = f"ipc://{self._dir}/steps" if self._dir else tcp_bind_address(host)
         self._expected = frame_token(token) if token is not None else None
         self._ctx = zmq.Context()  # its own I/O thread, ended by stop()
         self._pending: dict[int, _Pending] = {}  # this thread's only
@@ -73,14 +79,14 @@ class StepChannel:
         self._wake_lock = threading.Lock()  # the pipe is closed under it: no write to a reused fd
         self._closed = self._stopping = False
         bound: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(host, bound), name="draft-zmq-steps", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(address, bound), name="draft-zmq-steps",
+                                        daemon=True)
         self._thread.start()
         try:
             self.endpoint: str = bound.result()
         except BaseException:
             self._thread.join()
-            self._close_pipe()
-            self._ctx.term()
+            self._release()
             raise
 
     def stop(self) -> None:
@@ -90,8 +96,13 @@ class StepChannel:
         self._stopping = True
         self._wake()
         self._thread.join()
+        self._release()
+
+    def _release(self) -> None:
         self._close_pipe()
         self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ any thread
 
@@ -118,14 +129,14 @@ class StepChannel:
 
     # ------------------------------------------------------------------ the channel's thread
 
-    def _run(self, host: str, bound: concurrent.futures.Future) -> None:
+    def _run(self, address: str, bound: concurrent.futures.Future) -> None:
         try:
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.LINGER, STOP_LINGER_MS)
-            if ":" in host:
+            if is_ipv6(address):
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.bind(tcp_bind_address(host))
+            sock.bind(address)
         except BaseException as exc:  # noqa: BLE001 - the constructor raises it
             if "sock" in locals():
                 sock.close(0)
@@ -144,90 +155,87 @@ class StepChannel:
             sock.close()
 
     def _serve(self, sock: zmq.Socket) -> None:
+        """The loop: as little Python per step as can be (each step wakes it twice: its request,
+        then its job's completion)."""
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        while not self._stopping:
-            events = dict(poller.poll(self._poll_timeout_ms()))
+        wake_r, completed = self._wake_r, self._completed
+        timeout_ms = -1  # until the nearest pending deadline; -1: none
+        while True:
+            frames = None
+            for which, _ in poller.poll(timeout_ms):
+                if which is sock:  # one request per wake-up: poll answers at once while more wait
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                else:
+                    os.read(wake_r, 4096)
+                    while not completed.empty():  # this thread is its only reader
+                        self._finish(sock, completed.get())
             if self._stopping:
                 return
-            if self._wake_r in events:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            self._finish(sock)
-            if sock in events:
-                self._receive(sock)
-            self._expire(sock)
+            nearest = self._expire(sock) if self._pending else None
+            if frames is not None:  # submitted last: the worker, woken by it, finds the GIL free soon
+                deadline = self._request(sock, frames)
+                if deadline is not None and (nearest is None or deadline < nearest):
+                    nearest = deadline
+            timeout_ms = -1 if nearest is None else max(0, int((nearest - time.monotonic()) * 1e3) + 1)
 
-    def _poll_timeout_ms(self) -> int:
-        """Until the nearest pending deadline (-1: none)."""
-        deadlines = [p.deadline for p in self._pending.values() if p.deadline is not None]
-        if not deadlines:
-            return -1
-        return max(0, int((min(deadlines) - time.monotonic()) * 1e3) + 1)
-
-    def _receive(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._request(sock, frames)
-
-    def _request(self, sock: zmq.Socket, frames: list[bytes]) -> None:
-        """One request: [identity, TAG, token, request id, StepRequest]."""
+    def _request(self, sock: zmq.Socket, frames: list[bytes]) -> Optional[float]:
+        """One request: [identity, TAG, token, request id, StepRequest]. Returns its deadline, if
+        its job was submitted with one."""
         identity = frames[0]
         if len(frames) != 5 or frames[1] != TAG or len(frames[3]) > MAX_REQUEST_ID_BYTES:
             request_id = frames[3][:MAX_REQUEST_ID_BYTES] if len(frames) == 5 else b""
             self._reply(sock, identity, request_id, grpc.StatusCode.INVALID_ARGUMENT,
                         f"not a {TAG.decode()} request".encode())
-            return
+            return None
         _, _, token, request_id, body = frames
         if self._expected is not None and not token_matches(token, self._expected):
             self._reply(sock, identity, request_id, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS.encode())
-            return
+            return None
         try:
             request = pb.StepRequest.FromString(body)
         except DecodeError:
             self._reply(sock, identity, request_id, grpc.StatusCode.INVALID_ARGUMENT, b"malformed StepRequest")
-            return
-        future = self.worker.submit(step_from_proto(request))
+            return None
+        job = step_from_proto(request)
         deadline = time.monotonic() + request.timeout_ms / 1e3 if request.timeout_ms else None
         key = next(self._keys)
-        self._pending[key] = _Pending(identity, request_id, future, deadline)
-        future.add_done_callback(partial(self._done, key))
+        pending = self._pending[key] = _Pending(identity, request_id, None, deadline)
+        pending.future = self.worker.submit(job)
+        pending.future.add_done_callback(partial(self._done, key))
+        return deadline
 
-    def _finish(self, sock: zmq.Socket) -> None:
-        """Answers the steps whose jobs finished."""
-        while True:
-            try:
-                key = self._completed.get_nowait()
-            except queue.Empty:
-                return
-            p = self._pending.pop(key, None)
-            if p is None:  # answered already (its deadline passed)
-                continue
-            if p.future.cancelled():  # not by this thread (it pops first): by whoever owns the worker
-                self._send(sock, p, grpc.StatusCode.CANCELLED, b"the step was cancelled before the draft ran it")
-                continue
-            exc = p.future.exception()
-            if exc is None:
-                self._send(sock, p, grpc.StatusCode.OK, tree_to_proto(p.future.result()).SerializeToString())
-                continue
-            code, details = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                logger.error("draft worker failed", exc_info=exc)
-            self._send(sock, p, code, details.encode())
+    def _finish(self, sock: zmq.Socket, key: int) -> None:
+        """Answers the step whose job finished."""
+        p = self._pending.pop(key, None)
+        if p is None:  # answered already (its deadline passed)
+            return
+        if p.future.cancelled():  # not by this thread (it pops first): by whoever owns the worker
+            self._send(sock, p, grpc.StatusCode.CANCELLED, b"the step was cancelled before the draft ran it")
+            return
+        exc = p.future.exception()
+        if exc is None:
+            self._send(sock, p, grpc.StatusCode.OK, tree_to_proto(p.future.result()).SerializeToString())
+            return
+        code, details = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            logger.error("draft worker failed", exc_info=exc)
+        self._send(sock, p, code, details.encode())
 
-    def _expire(self, sock: zmq.Socket) -> None:
-        now = time.monotonic()
-        late = [key for key, p in self._pending.items() if p.deadline is not None and p.deadline <= now]
-        for key in late:
-            p = self._pending.pop(key)
-            p.future.cancel()  # still queued: dropped; running: completes, and a retry finds it
-            self._send(sock, p, grpc.StatusCode.DEADLINE_EXCEEDED, b"the draft did not answer in time")
+    def _expire(self, sock: zmq.Socket) -> Optional[float]:
+        """Answers the steps past their deadline; returns the nearest deadline left (None: none)."""
+        now, nearest = time.monotonic(), None
+        for key, p in list(self._pending.items()):
+            if p.deadline is None:
+                continue
+            if p.deadline <= now:
+                del self._pending[key]
+                p.future.cancel()  # still queued: dropped; running: completes, and a retry finds it
+                self._send(sock, p, grpc.StatusCode.DEADLINE_EXCEEDED, b"the draft did not answer in time")
+            elif nearest is None or p.deadline < nearest:
+                nearest = p.deadline
+        return nearest
 
     def _send(self, sock: zmq.Socket, p: _Pending, code: grpc.StatusCode, body: bytes) -> None:
         self._reply(sock, p.identity, p.request_id, code, body)

@@ -43,4 +43,4 @@ def tcp_bind_address(host: str) -> str:
 
 
 def is_ipv6(endpoint: str) -> bool:
-    return "[" in endpoint
+    return endpoint.startswith("tcp://[")
