@@ -101,7 +101,8 @@ def zmq_echo() -> Iterator[str]:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(stop, zmq.POLLIN)
-        while router not in (events := dict(poller.poll())) or stop not in events:
+        while True:
+            events = dict(poller.poll())
             if stop in events:
                 return
             identity, _ = router.recv_multipart()
