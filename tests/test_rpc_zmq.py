@@ -296,3 +296,38 @@ def test_ipc_endpoint(fake):
         assert client.step("s", 0, [4]) == expected_tree("s", 0, [4])
         client.shutdown()
     assert not os.path.exists(folder)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_step_transport_setting_reaches_actor_and_client(transport, channel_steps):
+    """step_transport, a Serve argument: the draft actor serves the channel or not, the replica's
+    client takes it or StepStream, and speculative decoding's output is plain decoding's."""
+    from specextend.serving.draft_actor import DraftActor
+    from specextend.serving.replica import draft_client
+    from specextend.serving.settings import AppSettings
+
+    settings = AppSettings(target="random:llama-tiny", draft="random:llama-tiny-draft", num_gpus=0, dtype="float64",
+                           step_transport=transport, tree_nodes=8, tree_depth=4, tree_topk=3, tree_policy="fixed",
+                           retrieval_chunk_size=8, retrieval_top_k=10, retrieval_every=2, draft_timeout_s=5)
+    token = new_token()
+    actor = DraftActor(settings.to_engine_config(), token, step_transport=settings.step_transport)
+    client = draft_client(settings, actor.address(), token)
+    try:
+        assert bool(actor.info()["step_endpoint"]) == (transport == "zmq")
+        client.open("probe", [1, 2, 3], PARAMS)
+        assert client.step_endpoint == (actor.info()["step_endpoint"] or None)
+        client.close("probe")
+        from specextend.config import EngineConfig, SamplingParams
+        from specextend.engine import Engine
+        from specextend.models.loader import load_model
+
+        target = load_model("random:llama-tiny", dtype="float64", attention_backend="torch")
+        ids = prompt()
+        ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(ids, SamplingParams(24, ignore_eos=True))
+        out, _, stats = Engine(settings.to_engine_config(), target, client).generate(ids, SamplingParams(24, ignore_eos=True))
+        assert out == ref and not stats.fallback and stats.num_steps > 1
+        assert (len(channel_steps) == 1) == (transport == "zmq")  # the engine's session took the channel, or not
+    finally:
+        client.shutdown()
+        actor.__ray_shutdown__()
+        actor.backend.shutdown()
