@@ -20,7 +20,7 @@ from specextend.rpc import DraftServerThread, DraftServicer, GrpcDraftBackend
 from specextend.rpc.auth import new_token
 from specextend.rpc.convert import step_to_proto
 from specextend.rpc.zmq_client import StepChannelClient, StepFailed
-from specextend.rpc.zmq_wire import TAG, status_code
+from specextend.rpc.zmq_wire import TAG, decode_reply, encode_request
 from specextend.v1 import draft_pb2 as pb
 from test_rpc import PARAMS, FakeDraft, expected_tree
 from test_rpc_stream import CONFIG, TREE, OnStep, plain_and_speculative, prompt
@@ -94,21 +94,24 @@ def test_wrong_token_is_unauthenticated_and_runs_nothing():
         with ctx.socket(zmq.DEALER) as raw:
             raw.setsockopt(zmq.LINGER, 0)
             raw.connect(server.step_endpoint)
-            for frames, code in (
-                ([TAG, b"", b"id-0", body], grpc.StatusCode.UNAUTHENTICATED),
-                ([TAG, new_token().encode(), b"id-1", body], grpc.StatusCode.UNAUTHENTICATED),
-                ([TAG, token[:-1].encode(), b"id-2", body], grpc.StatusCode.UNAUTHENTICATED),
-                ([TAG, b"Bearer " + token.encode(), b"id-3", body], grpc.StatusCode.UNAUTHENTICATED),
-                ([b"specextend.v0.step", token.encode(), b"id-4", body], grpc.StatusCode.INVALID_ARGUMENT),
-                ([body], grpc.StatusCode.INVALID_ARGUMENT),
-                ([TAG, token.encode(), b"id-6", b"\xff\xff not protobuf"], grpc.StatusCode.INVALID_ARGUMENT),
+            right = token.encode()
+            for frames, request_id, code in (
+                ([encode_request(b"", 1, body)], 1, grpc.StatusCode.UNAUTHENTICATED),
+                ([encode_request(new_token().encode(), 2, body)], 2, grpc.StatusCode.UNAUTHENTICATED),
+                ([encode_request(right[:-1], 3, body)], 3, grpc.StatusCode.UNAUTHENTICATED),
+                ([encode_request(b"Bearer " + right, 4, body)], 4, grpc.StatusCode.UNAUTHENTICATED),
+                ([encode_request(right, 5, body).replace(TAG, b"specextend.v0.step")], 0,
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                ([body], 0, grpc.StatusCode.INVALID_ARGUMENT),
+                ([encode_request(right, 7, b"")[:-3]], 7, grpc.StatusCode.INVALID_ARGUMENT),  # token cut short
+                ([TAG, right, body], 0, grpc.StatusCode.INVALID_ARGUMENT),  # multipart: not this protocol
+                ([encode_request(right, 9, b"\xff\xff not protobuf")], 9, grpc.StatusCode.INVALID_ARGUMENT),
             ):
                 raw.send_multipart(frames)
                 assert raw.poll(2000), frames
-                request_id, status, details = raw.recv_multipart()
-                assert status_code(status) == code, frames
-                assert request_id == (frames[2] if len(frames) == 4 else b"")
-                assert token.encode() not in details
+                reply_id, status, details = decode_reply(raw.recv())
+                assert (reply_id, status) == (request_id, code), frames
+                assert right not in details
         for wrong in (None, new_token()):
             stray = StepChannelClient(server.step_endpoint, wrong)
             with pytest.raises(StepFailed) as info:

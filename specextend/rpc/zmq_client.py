@@ -1,4 +1,4 @@
-"""ZeroMQ step channel, client side (docs/architecture.md, "Wire protocol"; frames: zmq_wire.py).
+"""ZeroMQ step channel, client side (docs/architecture.md, "Wire protocol"; messages: zmq_wire.py).
 
 `StepChannelClient.call` sends one serialized StepRequest and returns the serialized DraftTree, or
 raises StepFailed with the status code the step ended with. Its sockets are DEALERs, each used by
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import struct
 import threading
 import time
 from typing import Optional
@@ -26,7 +25,7 @@ import grpc
 import zmq
 
 from specextend.rpc.auth import frame_token
-from specextend.rpc.zmq_wire import TAG, is_ipv6, status_code
+from specextend.rpc.zmq_wire import decode_reply, encode_request, is_ipv6
 
 MAX_IDLE_SOCKETS = 16  # idle connections kept (the engine steps from 8 threads: scheduler.Batcher)
 # monitor events meaning the connection is gone or will not come: the socket is retired
@@ -71,28 +70,28 @@ class _Socket:
         self.monitor.close(0)
         self.sock.close(0)
 
-    def call(self, frames: list[bytes], request_id: bytes, timeout_s: float) -> tuple[grpc.StatusCode, bytes]:
+    def call(self, message: bytes, request_id: int, timeout_s: float) -> tuple[grpc.StatusCode, bytes]:
         deadline = time.monotonic() + timeout_s
-        self._send(frames, deadline)
+        self._send(message, deadline)
         while True:
             events = dict(self.poller.poll(_ms(deadline - time.monotonic())))
             if self.sock in events:
                 while True:
                     try:
-                        reply = self.sock.recv_multipart(zmq.NOBLOCK)
+                        reply_id, code, body = decode_reply(self.sock.recv(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                    if len(reply) == 3 and reply[0] == request_id:
-                        return status_code(reply[1]), reply[2]
+                    if reply_id == request_id:
+                        return code, body
                     # else a late reply to a request given up on: dropped
             if self.monitor in events:
                 self._lose("the connection to the draft dropped")
             if time.monotonic() >= deadline:
                 raise StepFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply within the step's deadline")
 
-    def _send(self, frames: list[bytes], deadline: float) -> None:
+    def _send(self, message: bytes, deadline: float) -> None:
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            self.sock.send(message, zmq.NOBLOCK)
             return
         except zmq.Again:  # not connected yet (a new socket), or no longer
             pass
@@ -105,7 +104,7 @@ class _Socket:
                 self._lose("cannot connect to the draft")
             if self.sock in events:
                 try:
-                    self.sock.send_multipart(frames, zmq.NOBLOCK)
+                    self.sock.send(message, zmq.NOBLOCK)
                     return
                 except zmq.Again:
                     pass
@@ -123,7 +122,7 @@ class StepChannelClient:
 
     def __init__(self, endpoint: str, token: Optional[str] = None) -> None:
         self.endpoint = endpoint
-        self._head = [TAG, frame_token(token)]
+        self._token = frame_token(token)
         self._ctx = zmq.Context.instance()  # the process's (I/O thread shared; never terminated)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards the idle pool and `closed`
@@ -139,10 +138,10 @@ class StepChannelClient:
 
     def call(self, request: bytes, timeout_s: float) -> bytes:
         """StepRequest bytes -> DraftTree bytes; raises StepFailed."""
-        request_id = struct.pack("<Q", next(self._ids))  # 8 bytes
+        request_id = next(self._ids)  # u64 on the wire
         sock = self._take()
         try:
-            code, body = sock.call([*self._head, request_id, request], request_id, timeout_s)
+            code, body = sock.call(encode_request(self._token, request_id, request), request_id, timeout_s)
         finally:
             self._give_back(sock)
         if code != grpc.StatusCode.OK:
@@ -165,7 +164,7 @@ class StepChannelClient:
                 if not self._idle:
                     break
                 sock = self._idle.pop()
-            if not sock.monitor.poll(0):
+            if not sock.monitor.get(zmq.EVENTS) & zmq.POLLIN:
                 return sock
             sock.close()  # its connection dropped while it was idle
         return _Socket(self._ctx, self.endpoint)

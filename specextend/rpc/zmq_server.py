@@ -2,7 +2,7 @@
 "Wire protocol").
 
 One thread owns a ROUTER socket bound to host (loopback in production) on a free port, and serves
-StepRequests from any number of clients and sessions (frames: zmq_wire.py). For each request it
+StepRequests from any number of clients and sessions (messages: zmq_wire.py). For each request it
 checks the token (constant time; a wrong one is answered UNAUTHENTICATED and nothing is read
 further), parses the StepRequest and submits the same worker job as gRPC's Step; it never waits
 for the job. The job's future, completed on the worker's thread, hands its key back through a
@@ -40,7 +40,7 @@ from specextend.rpc.auth import UNAUTHENTICATED_DETAILS, frame_token, token_matc
 from specextend.rpc.convert import tree_to_proto
 from specextend.rpc.errors import status_for
 from specextend.rpc.server import step_from_proto
-from specextend.rpc.zmq_wire import (MAX_MESSAGE_BYTES, MAX_REQUEST_ID_BYTES, TAG, is_ipv6, status_frame,
+from specextend.rpc.zmq_wire import (MAX_MESSAGE_BYTES, BadRequest, decode_request, encode_reply, is_ipv6,
                                      tcp_bind_address)
 from specextend.v1 import draft_pb2 as pb
 
@@ -52,7 +52,7 @@ STOP_LINGER_MS = 100  # how long the UNAVAILABLE answers of a stopping server ma
 @dataclass
 class _Pending:
     identity: bytes  # the ROUTER's id of the client's connection
-    request_id: bytes
+    request_id: int
     future: Optional[concurrent.futures.Future]  # the job's (set right after the entry)
     deadline: Optional[float]  # monotonic seconds; None: no timeout_ms
 
@@ -166,7 +166,7 @@ class StepChannel:
             frames = None
             for which, _ in poller.poll(timeout_ms):
                 if which is sock:  # one request per wake-up: poll answers at once while more wait
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = sock.recv_multipart(zmq.NOBLOCK)  # [identity, request]
                 else:
                     os.read(wake_r, 4096)
                     while not completed.empty():  # this thread is its only reader
@@ -181,15 +181,16 @@ class StepChannel:
             timeout_ms = -1 if nearest is None else max(0, int((nearest - time.monotonic()) * 1e3) + 1)
 
     def _request(self, sock: zmq.Socket, frames: list[bytes]) -> Optional[float]:
-        """One request: [identity, TAG, token, request id, StepRequest]. Returns its deadline, if
-        its job was submitted with one."""
+        """One request, [identity, request] (zmq_wire.py). Returns its deadline, if its job was
+        submitted with one."""
         identity = frames[0]
-        if len(frames) != 5 or frames[1] != TAG or len(frames[3]) > MAX_REQUEST_ID_BYTES:
-            request_id = frames[3][:MAX_REQUEST_ID_BYTES] if len(frames) == 5 else b""
-            self._reply(sock, identity, request_id, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"not a {TAG.decode()} request".encode())
+        try:
+            if len(frames) != 2:
+                raise BadRequest()
+            request_id, token, body = decode_request(frames[1])
+        except BadRequest as bad:
+            self._reply(sock, identity, bad.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(bad).encode())
             return None
-        _, _, token, request_id, body = frames
         if self._expected is not None and not token_matches(token, self._expected):
             self._reply(sock, identity, request_id, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS.encode())
             return None
@@ -241,8 +242,8 @@ class StepChannel:
         self._reply(sock, p.identity, p.request_id, code, body)
 
     @staticmethod
-    def _reply(sock: zmq.Socket, identity: bytes, request_id: bytes, code: grpc.StatusCode, body: bytes) -> None:
+    def _reply(sock: zmq.Socket, identity: bytes, request_id: int, code: grpc.StatusCode, body: bytes) -> None:
         try:
-            sock.send_multipart((identity, request_id, status_frame(code), body), zmq.NOBLOCK)
+            sock.send_multipart((identity, encode_reply(request_id, code, body)), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client is gone, or not reading (its queue is full)
             logger.debug("draft step reply dropped: %s", exc)
