@@ -219,7 +219,7 @@ def test_server_without_the_channel_gets_step_stream(fake, monkeypatch, channel_
         yield from step_stream(self, requests, context)
 
     monkeypatch.setattr(DraftServicer, "StepStream", counting)  # before the server registers it
-    with DraftServerThread(fake, step_channel=False) as server:
+    with DraftServerThread(fake, step_channel=None) as server:
         assert server.step_endpoint == ""
         client = GrpcDraftBackend(server.address, timeout_s=2.0)
         client.open("s", [1], PARAMS)
@@ -286,11 +286,12 @@ def test_many_sessions_at_once_over_few_sockets(fake, channel_steps):
         client.shutdown()
 
 
-def test_ipc_endpoint(fake):
-    """The channel on a Unix socket in a private directory (ipc=True), removed when it stops."""
+def test_endpoints(fake, monkeypatch, tmp_path):
+    """The channel on a Unix socket in a private directory (the default), removed when it stops;
+    on loopback TCP when asked, or when no Unix socket can be made there."""
     import os
 
-    with DraftServerThread(fake, ipc=True) as server:
+    with DraftServerThread(fake) as server:
         assert server.step_endpoint.startswith("ipc://")
         folder = os.path.dirname(server.step_endpoint.removeprefix("ipc://"))
         assert os.stat(folder).st_mode & 0o077 == 0
@@ -299,6 +300,20 @@ def test_ipc_endpoint(fake):
         assert client.step("s", 0, [4]) == expected_tree("s", 0, [4])
         client.shutdown()
     assert not os.path.exists(folder)
+    long = tmp_path / ("x" * 120)  # longer than a Unix socket's path may be
+    long.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    for kind in ("ipc", "tcp"):
+        with DraftServerThread(FakeDraft(), step_channel=kind) as server:
+            assert server.step_endpoint.startswith("tcp://127.0.0.1:")
+            client = GrpcDraftBackend(server.address)
+            client.open("s", [1], PARAMS)
+            assert client.step("s", 0, [4]) == expected_tree("s", 0, [4])
+            client.shutdown()
+    assert list(long.iterdir()) == []  # the failed attempt left no directory behind
 
 
 @pytest.mark.parametrize("transport", ["zmq", "grpc"])

@@ -38,7 +38,7 @@ class DraftActor:
         # with overlap, the background forwards' graphs are captured now, not on a request's path
         self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
         self.server = DraftServerThread(self.backend, host=LOOPBACK, port=0, model=self.model.name, token=token,
-                                        step_channel=step_transport == "zmq")
+                                        step_channel="ipc" if step_transport == "zmq" else None)
         log.info("draft %s serving on %s, steps on %s (pid %d, CUDA_VISIBLE_DEVICES=%s, overlap %s)",
                  self.model.name, self.server.address, self.server.step_endpoint or "gRPC only", os.getpid(),
                  os.environ.get("CUDA_VISIBLE_DEVICES"), config.overlap)
