@@ -8,9 +8,10 @@ step, accepted, retrieval, bound)`, one call at a time, from the caller's thread
 
 Each step sends 5 accepted tokens, 32 retrieval chunk ids and a tree bound and gets a 16-node tree
 back. The paths are interleaved in rounds (a loaded machine slows them alike): `unary` (a Step
-call per step), `stream` (StepStream, the client's default), `direct` (the null draft called in
-place). `grpc-echo` and `tcp-echo` are floors, bare echoes of bytes of the same sizes in this
-process. Prints a table (median, p90, p99, mean per step in us, and the payload sizes) and writes
+call per step), `stream` (StepStream, step_transport=grpc), `zmq` (the ZeroMQ step channel, the
+client's default), `direct` (the null draft called in place). `grpc-echo` and `tcp-echo` are
+floors, bare echoes of bytes of the same sizes in this process; `zmq-echo` a bare DEALER/ROUTER
+echo of the same bytes, answered in the draft server's process (a thread beside the server). Prints a table (median, p90, p99, mean per step in us, and the payload sizes) and writes
 JSON under results/rpc/.
 """
 
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 import grpc
+import zmq
 
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval, TreeBound
@@ -52,7 +54,8 @@ PARAMS = DraftSessionParams(TreeConfig(nodes=16, depth=6, topk=4),
                             RetrievalConfig(enabled=True, chunk_size=32, top_k=32, every=1), max_new_tokens=4096)
 
 # the client's constructor arguments of each path measured (GrpcDraftBackend)
-PATHS = {"unary": {"stream": False}, "stream": {"stream": True}}
+PATHS = {"unary": {"transport": "grpc", "stream": False}, "stream": {"transport": "grpc", "stream": True},
+         "zmq": {"transport": "zmq"}}
 
 
 class NullDraft(DraftBackend):
@@ -84,21 +87,59 @@ def time_steps(step: Callable[[int], DraftTree], first: int, n: int) -> list[flo
     return out
 
 
+@contextmanager
+def zmq_echo() -> Iterator[str]:
+    """A bare ROUTER on a thread answering every [id, bytes] with [id, a tree's worth of bytes]:
+    the floor of the step channel. Yields its endpoint."""
+    ctx = zmq.Context()
+    reply = b"t" * payload_bytes()["draft_tree"]
+    router, stop = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PAIR)
+    router.bind("tcp://127.0.0.1:*")
+    stop.bind("inproc://echo-stop")
+
+    def run():
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(stop, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if stop in events:
+                return
+            identity, _ = router.recv_multipart()
+            router.send_multipart((identity, reply))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield router.getsockopt_string(zmq.LAST_ENDPOINT)
+    finally:
+        with ctx.socket(zmq.PAIR) as signal:
+            signal.connect("inproc://echo-stop")
+            signal.send(b"")
+            thread.join()
+        router.close(0)
+        stop.close(0)
+        ctx.term()
+
+
 def serve(token: str, conn, switch_interval: Optional[float]) -> None:
-    """The draft process: a null draft behind the product's server until told to stop."""
+    """The draft process: a null draft behind the product's server (and the bare ZeroMQ echo) until
+    told to stop."""
     if switch_interval:
         sys.setswitchinterval(switch_interval)
-    with DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token) as server:
-        conn.send(server.address)
+    with DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token) as server, zmq_echo() as echo:
+        conn.send((server.address, echo))
         conn.recv()
 
 
 @contextmanager
-def draft_server(token: str, in_process: bool, switch_interval: Optional[float]) -> Iterator[str]:
-    """The server's address: in a process of its own (as the deployment runs it), or in this one."""
+def draft_server(token: str, in_process: bool, switch_interval: Optional[float]) -> Iterator[tuple[str, str]]:
+    """The server's address and the ZeroMQ echo's endpoint: in a process of their own (as the
+    deployment runs the draft), or in this one."""
     if in_process:
-        with DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token) as server:
-            yield server.address
+        with DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token) as server, \
+                zmq_echo() as echo:
+            yield server.address, echo
         return
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
@@ -117,7 +158,7 @@ def measure(steps: int, rounds: int, warmup: int, in_process: bool = False,
     retrieval = Retrieval(CHUNK_IDS, PARAMS.retrieval.chunk_size)
     null = NullDraft()
     samples: dict[str, list[float]] = {"direct": []}  # the null backend called in place
-    with draft_server(token, in_process, switch_interval) as address:
+    with draft_server(token, in_process, switch_interval) as (address, echo):
         clients = {name: GrpcDraftBackend(address, timeout_s=5.0, token=token, **kw)
                    for name, kw in PATHS.items()}
         next_step = {}
@@ -133,10 +174,33 @@ def measure(steps: int, rounds: int, warmup: int, in_process: bool = False,
                                             next_step[name], per_round)
                 next_step[name] += per_round
             samples["direct"] += time_steps(lambda k: null.step("d", k, ACCEPTED, retrieval, BOUND), 0, per_round)
+        assert clients["zmq"].step_endpoint and not clients["stream"].step_endpoint  # each took its path
         for name, client in clients.items():
             client.close(name)
             client.shutdown()
+        samples["zmq-echo"] = zmq_echo_floor(echo, per_round * rounds, warmup)
     return samples
+
+
+def zmq_echo_floor(endpoint: str, steps: int, warmup: int) -> list[float]:
+    """A DEALER sending a StepRequest's worth of bytes to the bare echo and waiting for the reply."""
+    request = b"r" * payload_bytes()["step_request"]
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+
+        def step(k):
+            sock.send(request)
+            sock.recv()
+
+        for k in range(warmup):
+            step(k)
+        out = []
+        for _ in range(steps):
+            t = time.perf_counter_ns()
+            step(0)
+            out.append((time.perf_counter_ns() - t) / 1e3)
+    return out
 
 
 def floors(steps: int) -> dict[str, list[float]]:

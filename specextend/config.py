@@ -180,6 +180,9 @@ class ServingConfig:
         "interval (the first token and the finish at once): fast steps share one item and one SSE chunk; 0: every step")
     served_model_name: Optional[str] = Field(None, min_length=1, description="model id of the API (default: the target's)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
+    step_transport: Literal["zmq", "grpc"] = Field(
+        "zmq", description="how the target sends each step to its draft: zmq (the ZeroMQ step channel, with "
+                           "gRPC as its fallback) or grpc (one StepStream per session)")
     kv_cache_memory_gb: Optional[float] = Field(
         None, gt=0, description="KV budget for admission (default: 90 percent of free GPU memory, a quarter of host memory on CPU)")
     max_request_bytes: int = Field(

@@ -1,4 +1,5 @@
-"""GrpcDraftBackend <-> DraftServicer over a real gRPC server on 127.0.0.1, with a fake draft."""
+"""GrpcDraftBackend <-> DraftServicer over a real gRPC server on 127.0.0.1, with a fake draft; steps
+over each transport: the ZeroMQ step channel (the default), StepStream and unary Step."""
 
 from __future__ import annotations
 
@@ -119,10 +120,21 @@ def server(fake):
         yield server
 
 
-@pytest.fixture(params=[True, False], ids=["stream", "unary"])
-def client(server, request):
-    """The product's client, its steps over StepStream or as unary Steps (test_rpc_stream.py)."""
-    client = GrpcDraftBackend(server.address, timeout_s=2.0, open_timeout_s=5.0, stream=request.param)
+# the client's step transports: the ZeroMQ step channel (test_rpc_zmq.py), StepStream
+# (test_rpc_stream.py), unary Step
+TRANSPORTS = {"zmq": {}, "stream": {"transport": "grpc"}, "unary": {"transport": "grpc", "stream": False}}
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def transport(request) -> dict:
+    """GrpcDraftBackend's keyword arguments for one step transport."""
+    return TRANSPORTS[request.param]
+
+
+@pytest.fixture
+def client(server, transport):
+    """The product's client, its steps over one transport."""
+    client = GrpcDraftBackend(server.address, timeout_s=2.0, open_timeout_s=5.0, **transport)
     yield client
     client.shutdown()
 
@@ -167,9 +179,9 @@ def test_errors_map_to_draft_errors(server, client):
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_deadline_raises_draft_error(fake, server):
+def test_deadline_raises_draft_error(fake, server, transport):
     fake.step_delay_s = 4.0
-    client = GrpcDraftBackend(server.address, timeout_s=0.1)
+    client = GrpcDraftBackend(server.address, timeout_s=0.1, **transport)
     client.open("s", [1], PARAMS)
     start = time.monotonic()
     with pytest.raises(DraftError, match="exceeded its 0.1 s deadline"):
@@ -181,8 +193,8 @@ def test_deadline_raises_draft_error(fake, server):
     client.shutdown()
 
 
-def test_retried_step_is_applied_once(fake, server, caplog):
-    client = GrpcDraftBackend(server.address, timeout_s=0.3)
+def test_retried_step_is_applied_once(fake, server, caplog, transport):
+    client = GrpcDraftBackend(server.address, timeout_s=0.3, **transport)
     client.open("s", [1], PARAMS)
     client.step("s", 0, [1])
     fake.slow_once[1] = 0.45  # applied, but after the first attempt's deadline
@@ -217,9 +229,9 @@ def test_close_is_idempotent(client):
     assert client.server_health().sessions == 0
 
 
-def test_server_stop_fails_fast(fake):
+def test_server_stop_fails_fast(fake, transport):
     server = DraftServerThread(fake)
-    client = GrpcDraftBackend(server.address, timeout_s=5.0)
+    client = GrpcDraftBackend(server.address, timeout_s=5.0, **transport)
     client.open("s", [1], PARAMS)
     server.stop()
     start = time.monotonic()
@@ -289,7 +301,8 @@ def test_token_keeps_stray_clients_out(fake, caplog):
                      "Step": pb.StepRequest(session_id="x", step=0, accepted_tokens=[1]),
                      "CloseSession": pb.CloseSessionRequest(session_id="x"),
                      "Health": pb.HealthRequest()}
-            for metadata in ((), (("authorization", "Bearer " + token[:-1] + "A"),),
+            near = token[:-1] + ("B" if token.endswith("A") else "A")  # one character off (never the token)
+            for metadata in ((), (("authorization", "Bearer " + near),),
                              (("authorization", token),), (("x-token", token),)):
                 for method, request in calls.items():
                     with pytest.raises(grpc.RpcError) as info:

@@ -63,7 +63,8 @@ def test_streamed_trees_equal_unary_trees(tiny_models, monkeypatch):
     worker = DraftWorker(tiny_models("float64")[1].decoder)
     params = DraftSessionParams(TREE, CONFIG.retrieval, max_new_tokens=64)
     with DraftServerThread(worker) as server:
-        streamed, unary = GrpcDraftBackend(server.address), GrpcDraftBackend(server.address, stream=False)
+        streamed = GrpcDraftBackend(server.address, transport="grpc")
+        unary = GrpcDraftBackend(server.address, transport="grpc", stream=False)
         for client, sid in ((streamed, "streamed"), (unary, "unary")):
             client.open(sid, prompt(), params)
         accepted = [prompt()[-1]]
@@ -96,7 +97,7 @@ def test_stalled_draft_on_the_stream_falls_back_to_plain_decoding(tiny_models, c
 
     worker = DraftWorker(pair[1].decoder)
     with DraftServerThread(OnStep(worker, stall)) as server:
-        client = GrpcDraftBackend(server.address, timeout_s=0.3)
+        client = GrpcDraftBackend(server.address, timeout_s=0.3, transport="grpc")
         with caplog.at_level(logging.WARNING, logger="specextend.rpc.client"):
             ref, out, stats = plain_and_speculative(pair, client)
         release.set()
@@ -116,7 +117,7 @@ def test_server_restart_mid_session_reopens_or_falls_back(tiny_models, same_work
     worker = DraftWorker(pair[1].decoder)
     state = {"server": DraftServerThread(worker)}
     port = int(state["server"].address.rsplit(":", 1)[1])
-    client = GrpcDraftBackend(state["server"].address, timeout_s=5.0)
+    client = GrpcDraftBackend(state["server"].address, timeout_s=5.0, transport="grpc")
     replacement = worker if same_worker else DraftWorker(pair[1].decoder)
 
     def restart(step):
@@ -156,9 +157,9 @@ def test_stream_requires_the_token():
                     list(replies)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert token not in (info.value.details() or "")
-        client = GrpcDraftBackend(server.address, timeout_s=2.0, token=token)
+        client = GrpcDraftBackend(server.address, timeout_s=2.0, token=token, transport="grpc")
         client.open("s", [1, 2], PARAMS)
-        stray = GrpcDraftBackend(server.address, timeout_s=2.0, token=new_token())
+        stray = GrpcDraftBackend(server.address, timeout_s=2.0, token=new_token(), transport="grpc")
         with pytest.raises(DraftError, match="UNAUTHENTICATED"):
             stray.step("s", 0, [2])
         assert fake.applied == []

@@ -27,6 +27,11 @@ def test_defaults():
     assert s.num_gpus == (1 if torch.cuda.is_available() else 0)
 
 
+def test_step_transport():
+    assert AppSettings().step_transport == "zmq"
+    assert AppSettings(step_transport="grpc").step_transport == "grpc"
+
+
 def test_cli_strings_are_coerced():
     s = AppSettings(num_gpus="0", tree_nodes="8", draft_timeout_s="2.5", max_prompt_tokens="100")
     assert (s.num_gpus, s.tree_nodes, s.draft_timeout_s, s.max_prompt_tokens) == (0, 8, 2.5, 100)
@@ -44,7 +49,7 @@ def test_unknown_field_is_named():
     ("draft_prefill_window", -1), ("num_gpus", -1), ("num_gpus", 1.5), ("max_prompt_tokens", 0),
     ("max_new_tokens", 0), ("max_concurrent_sessions", 0), ("max_queued_requests", -1),
     ("draft_timeout_s", 0), ("mode", "fast"), ("dtype", "int8"), ("attention_backend", "cudnn"),
-    ("kv_cache_memory_gb", 0), ("target", ""),
+    ("kv_cache_memory_gb", 0), ("target", ""), ("step_transport", "tcp"),
 ])
 def test_bad_values_are_rejected_with_the_field_named(field, value):
     with pytest.raises(ValidationError) as e:

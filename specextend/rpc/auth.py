@@ -4,8 +4,9 @@ The replica makes a random token (`new_token`) and hands it to its draft actor a
 server accepts a call only when its `authorization` metadata is `Bearer <token>`, compared in
 constant time, and answers anything else UNAUTHENTICATED before the call reaches the servicer.
 The client sends the metadata on every call (`call_metadata`); a StepStream carries it once, when
-the stream opens, and is checked then. The token never appears in a log
-line or a status message.
+the stream opens, and is checked then. A step over the ZeroMQ step channel carries the token in its
+message's header (`frame_token`, zmq_wire.py), checked by `token_matches` before the step is read
+(zmq_server.py). The token never appears in a log line or a status message.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def _deny(request, context: grpc.ServicerContext):
 def _deny_stream(requests, context: grpc.ServicerContext):
     context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
     yield  # a generator, as a stream-stream handler is; never reached
+
+
+def frame_token(token: Optional[str]) -> bytes:
+    """The token in a ZeroMQ step's header (zmq_wire.py); empty without a token."""
+    return token.encode() if token else b""
+
+
+def token_matches(given: bytes, expected: bytes) -> bool:
+    """Constant-time comparison of a ZeroMQ step's token with the server's."""
+    return hmac.compare_digest(given, expected)
 
 
 # requests are left as bytes (never deserialized); a streaming method is denied by a streaming handler

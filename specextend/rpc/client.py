@@ -5,9 +5,14 @@ engine falls back to plain decoding. A Step that hit DEADLINE_EXCEEDED or UNAVAI
 once more with the same step number: the server applies a step number once (base.py's contract),
 so a first attempt that did reach the draft is not applied twice.
 
-Steps go over one StepStream call per session (stream.py), opened with the session; a step that
-failed on it is sent once more on a new stream, as above. A server without StepStream gets unary
-Steps (docs/architecture.md, "Wire protocol").
+Steps take the ZeroMQ step channel (zmq_client.py) when the server advertises one (its
+OpenSessionReply / HealthReply `step_endpoint`) and the transport is "zmq" (the default): a step
+that timed out there is sent once more on it; one that found the channel unreachable is sent once
+more as a unary gRPC Step (gRPC is the fallback transport: a server that is gone fails it at once),
+and the next step asks Health where the channel is now. Otherwise steps go over one StepStream call
+per session (stream.py), opened with the session; a step that failed on it is sent once more on a
+new stream, as above. A server without StepStream gets unary Steps (docs/architecture.md, "Wire
+protocol").
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ import math
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.rpc.auth import call_metadata
 from specextend.rpc.convert import params_to_proto, step_to_proto, tree_from_proto
 from specextend.rpc.errors import RETRYABLE, STREAM_RETRYABLE, error_from_rpc, error_from_status
 from specextend.rpc.stream import SessionStream, StreamFailed
+from specextend.rpc.zmq_client import StepChannelClient, StepFailed
 from specextend.v1 import draft_pb2 as pb
 from specextend.v1 import draft_pb2_grpc
 
@@ -57,49 +64,125 @@ class GrpcDraftBackend(DraftBackend):
 
     timeout_s bounds Step, CloseSession and Health; open_timeout_s bounds OpenSession, which
     includes the draft's prefill of the whole prompt. `token` is the server's (rpc/auth.py),
-    sent on every call. `stream=False` sends every step as a unary Step."""
+    sent on every call. `transport="zmq"` steps over the server's ZeroMQ step channel when it has
+    one; "grpc" (or a server without one) over gRPC: `stream=False` sends every step as a unary
+    Step, else one StepStream per session."""
 
     def __init__(
         self, address: str, timeout_s: float = 10.0, open_timeout_s: float = 300.0, *,
-        token: Optional[str] = None, stream: bool = True,
+        token: Optional[str] = None, stream: bool = True, transport: Literal["zmq", "grpc"] = "zmq",
     ) -> None:
+        if transport not in ("zmq", "grpc"):
+            raise ValueError(f"unknown step transport {transport!r}")
         self.timeout_s = timeout_s
         self.open_timeout_s = open_timeout_s
         self.streaming = stream  # turned off for good by a server without StepStream
+        self.transport = transport
+        self._token = token
         self._metadata = call_metadata(token)
-        self._lock = threading.Lock()  # guards the (address, channel, stub) triple and the streams
+        self._lock = threading.Lock()  # guards the (address, channel, stub) triple, the streams and _steps
         self._address = address
         self._channel: Optional[grpc.Channel] = None
         self._stub: Optional[draft_pb2_grpc.DraftServiceStub] = None
         self._streams: dict[str, SessionStream] = {}  # session id -> its StepStream
+        self._steps: Optional[StepChannelClient] = None  # the server's ZeroMQ step channel, once advertised
+        self._discover = False  # ask Health for the channel before the next step (set by reconnect)
         self.reconnect(address)
 
     @property
     def address(self) -> str:
         return self._address
 
+    @property
+    def step_endpoint(self) -> Optional[str]:
+        """The ZeroMQ step channel steps take now (None: they go over gRPC)."""
+        steps = self._steps
+        return steps.endpoint if steps is not None else None
+
     def reconnect(self, address: str) -> None:
-        """Dials `address` (e.g. a restarted draft actor's); calls in flight on the old one fail."""
+        """Dials `address` (e.g. a restarted draft actor's); calls in flight on the old one fail. The
+        next step asks the new server for its step channel."""
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         with self._lock:
             old, self._channel = self._channel, channel
             self._address, self._stub = address, draft_pb2_grpc.DraftServiceStub(channel)
             streams, self._streams = self._streams, {}
-        self._close_old(old, streams)
+            steps, self._steps = self._steps, None
+            self._discover = self.transport == "zmq"
+        self._close_old(old, streams, steps)
 
     def shutdown(self) -> None:
         """Closes the channel; later calls raise DraftError (close() still does not)."""
         with self._lock:
             old, self._channel, self._stub = self._channel, None, None
             streams, self._streams = self._streams, {}
-        self._close_old(old, streams)
+            steps, self._steps = self._steps, None
+        self._close_old(old, streams, steps)
 
     @staticmethod
-    def _close_old(channel: Optional[grpc.Channel], streams: dict[str, SessionStream]) -> None:
+    def _close_old(channel: Optional[grpc.Channel], streams: dict[str, SessionStream],
+                   steps: Optional[StepChannelClient] = None) -> None:
         for stream in streams.values():  # their sessions' next steps open streams on the new channel
             stream.close()
+        if steps is not None:
+            steps.close()
         if channel is not None:
             channel.close()
+
+    # ------------------------------------------------------------------ the ZeroMQ step channel
+
+    def _learn_endpoint(self, endpoint: str) -> None:
+        """Where the server (OpenSessionReply, HealthReply) takes steps over ZeroMQ ("": nowhere)."""
+        if self.transport != "zmq":
+            return
+        with self._lock:
+            self._discover = False
+            current = self._steps
+            if self._stub is None or (current.endpoint if current is not None else "") == endpoint:
+                return
+            self._steps = StepChannelClient(endpoint, self._token) if endpoint else None
+        if current is not None:
+            current.close()
+        if endpoint:
+            logger.info("draft steps over ZeroMQ at %s", endpoint)
+
+    def _forget_endpoint(self, steps: StepChannelClient) -> None:
+        """The channel was unreachable: steps go over gRPC until Health names one again."""
+        with self._lock:
+            if self._steps is steps:
+                self._steps, self._discover = None, True
+        steps.close()
+
+    def _step_channel(self) -> Optional[StepChannelClient]:
+        if self._discover:  # after reconnect(), or the channel was lost: where is it now?
+            self._discover = False
+            try:
+                self.server_health()
+            except DraftError as exc:  # this step goes over gRPC, and fails there if the draft is gone
+                logger.warning("draft health check failed: %s", exc)
+        return self._steps
+
+    def _channel_step(self, steps: StepChannelClient, session_id: str, request: pb.StepRequest) -> pb.DraftTree:
+        request.timeout_ms = math.ceil(self.timeout_s * 1e3)  # the server's bound on the step
+        data = request.SerializeToString()
+        for attempt in (1, 2):
+            try:
+                return pb.DraftTree.FromString(steps.call(data, self.timeout_s))
+            except StepFailed as err:
+                if attempt == 1 and err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    logger.warning("draft step channel at %s: DEADLINE_EXCEEDED, retrying", steps.endpoint)
+                    continue
+                if err.code == grpc.StatusCode.UNAVAILABLE:
+                    self._forget_endpoint(steps)
+                    if attempt == 1:
+                        logger.warning("draft step channel at %s: UNAVAILABLE (%s), retrying over gRPC",
+                                       steps.endpoint, err.details)
+                        return self._call("Step", request, self.timeout_s)
+                raise error_from_status(err.code, err.details, "Step", steps.endpoint, self.timeout_s) from err
+            except DecodeError as err:
+                raise DraftError(f"draft step channel at {steps.endpoint} sent a malformed DraftTree") from err
+
+    # ------------------------------------------------------------------ gRPC
 
     def _session_stream(self, session_id: str) -> SessionStream:
         """The session's open stream, or a new one."""
@@ -161,7 +244,11 @@ class GrpcDraftBackend(DraftBackend):
             raise DraftError(
                 f"draft received {reply.prompt_tokens} of {len(prompt_ids)} prompt tokens"
             )
-        if self.streaming:  # opened now, off the first step's path
+        self._learn_endpoint(reply.step_endpoint)
+        steps = self._steps
+        if steps is not None:  # connected now, off the first step's path
+            steps.warm()
+        elif self.streaming:  # opened now, off the first step's path
             self._session_stream(session_id)
 
     def step(
@@ -173,7 +260,10 @@ class GrpcDraftBackend(DraftBackend):
         bound: Optional[TreeBound] = None,
     ) -> DraftTree:
         request = step_to_proto(session_id, step, accepted_tokens, retrieval, bound)
-        if self.streaming:
+        steps = self._step_channel()
+        if steps is not None:
+            reply = self._channel_step(steps, session_id, request)
+        elif self.streaming:
             reply = self._stream_step(session_id, request)
         else:
             reply = self._call("Step", request, self.timeout_s, attempts=2)
@@ -193,6 +283,7 @@ class GrpcDraftBackend(DraftBackend):
 
     def server_health(self) -> DraftHealth:
         reply = self._call("Health", pb.HealthRequest(), self.timeout_s)
+        self._learn_endpoint(reply.step_endpoint)
         return DraftHealth(ok=reply.ok, sessions=reply.sessions, model=reply.model)
 
     def health(self) -> bool:

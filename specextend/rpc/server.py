@@ -10,13 +10,16 @@ job cancelled before it reaches the model; one already running completes, which 
 client's retry of the same step find it applied (base.py's step contract). An open whose caller
 gave up is undone once it has run, so no session outlives a failed OpenSession.
 With a token, every call must carry it (rpc/auth.py); the served app always sets one.
+
+DraftServerThread also serves the same steps over ZeroMQ (zmq_server.py, the per-step data plane)
+on the same worker, and advertises where in OpenSessionReply and HealthReply (`step_endpoint`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Iterator, Optional
+from typing import Iterator, Literal, Optional
 
 import grpc
 
@@ -53,10 +56,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """DraftService over one draft worker (a DraftWorker, or any DraftBackend behind a SerialDraft);
     `model` is the name Health reports."""
 
-    def __init__(self, backend: DraftBackend, model: str = "") -> None:
+    def __init__(self, backend: DraftBackend, model: str = "", step_endpoint: str = "") -> None:
         self.worker = as_worker(backend)
         self._owns_worker = self.worker is not backend
         self.model = model
+        self.step_endpoint = step_endpoint  # the ZeroMQ step channel's, advertised; "": none
         self.executor = concurrent.futures.ThreadPoolExecutor(SERVER_THREADS, thread_name_prefix="draft-rpc")
 
     def shutdown(self) -> None:
@@ -96,7 +100,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         try:
             self._run(context, Open(request.session_id, prompt_ids, params))
             opened = context.is_active()
-            return pb.OpenSessionReply(prompt_tokens=len(prompt_ids))
+            return pb.OpenSessionReply(prompt_tokens=len(prompt_ids), step_endpoint=self.step_endpoint)
         finally:
             if not opened:  # the caller gave up: close after the open (queued or run), nothing leaks
                 self.worker.submit(Close(request.session_id))
@@ -121,7 +125,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Health(self, request: pb.HealthRequest, context) -> pb.HealthReply:
         # answered on the calling thread, not queued behind a long prefill
-        return pb.HealthReply(ok=self.worker.health(), sessions=self.worker.num_sessions, model=self.model)
+        return pb.HealthReply(ok=self.worker.health(), sessions=self.worker.num_sessions, model=self.model,
+                              step_endpoint=self.step_endpoint)
 
 
 def _format_address(host: str, port: int) -> str:
@@ -133,7 +138,8 @@ def start_draft_server(worker: DraftBackend, host: str = "127.0.0.1", port: int 
     """Starts DraftService on host:port (0 = any free port). host is both where it binds and what
     clients dial; on Ray the draft actor shares its node with the target, so loopback. With a
     `token`, a call without `authorization: Bearer <token>` is UNAUTHENTICATED (rpc/auth.py).
-    Returns the started server, its servicer and its "host:port"."""
+    Returns the started server, its servicer and its "host:port". (DraftServerThread adds the
+    ZeroMQ step channel.)"""
     servicer = DraftServicer(worker, model)
     interceptors = (TokenInterceptor(token),) if token is not None else ()
     server = grpc.server(servicer.executor, interceptors=interceptors, options=SERVER_OPTIONS)
@@ -147,21 +153,50 @@ def start_draft_server(worker: DraftBackend, host: str = "127.0.0.1", port: int 
     return server, servicer, _format_address(host, bound)
 
 
-class DraftServerThread:
-    """A running draft server (tests, CLI, Ray actor); gRPC's own threads serve it.
+def _start_channel(worker, host: str, token: Optional[str], ipc: bool):
+    from specextend.rpc.zmq_server import StepChannel  # imports this module (step_from_proto)
 
-    Construction returns once the server listens (or raises what start-up raised)."""
+    if ipc:
+        try:
+            return StepChannel(worker, host, token=token, ipc=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. no Unix sockets, or a temp path too long for one
+            logger.warning("the draft's step channel cannot use a Unix socket (%s): loopback TCP instead", exc)
+    return StepChannel(worker, host, token=token)
+
+
+class DraftServerThread:
+    """A running draft server (tests, CLI, Ray actor): DraftService on gRPC's own threads and the
+    ZeroMQ step channel on a thread of its own, both over one worker and behind one token.
+    `step_channel`: "ipc" (the default) binds the channel on a Unix socket in a private directory
+    (only this user reaches it; about 40 us a step faster than loopback TCP on the 2-core host), or
+    on a free TCP port of `host` where that fails; "tcp" on `host` only; None serves no channel.
+    `step_endpoint` is the channel's ("" without one).
+
+    Construction returns once both listen (or raises what start-up raised)."""
 
     def __init__(self, worker: DraftBackend, host: str = "127.0.0.1", port: int = 0, *, model: str = "",
-                 token: Optional[str] = None) -> None:
+                 token: Optional[str] = None, step_channel: Optional[Literal["ipc", "tcp"]] = "ipc") -> None:
         self._server, self._servicer, self.address = start_draft_server(worker, host, port, model=model,
                                                                         token=token)
+        self._channel = None
+        if step_channel is not None:
+            try:
+                self._channel = _start_channel(self._servicer.worker, host, token, step_channel == "ipc")
+            except BaseException:
+                self._server.stop(0).wait()
+                self._servicer.shutdown()
+                raise
+            self._servicer.step_endpoint = self._channel.endpoint
+        self.step_endpoint = self._servicer.step_endpoint
         self._stopped: Optional[bool] = None
 
     def stop(self, grace_s: float = 0.0) -> None:
-        """Stops accepting calls, cancels those in flight after grace_s, and waits for that."""
+        """Stops accepting calls, cancels those in flight after grace_s (the ZeroMQ channel's at
+        once, answered UNAVAILABLE), and waits for that."""
         if not self._stopped:
             self._stopped = True
+            if self._channel is not None:
+                self._channel.stop()
             self._server.stop(grace_s).wait()
             self._servicer.shutdown()
 

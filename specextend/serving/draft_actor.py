@@ -2,10 +2,12 @@
 "Deployment").
 
 A thin shell: load_pair + DraftWorker + DraftServerThread, built from the engine configuration. Ray is the control plane (start,
-address, restart); gRPC is the per-step data plane. After a restart (`max_restarts`) the actor
-runs __init__ again and serves on a new port: the target asks `address()` again.
+address, restart); gRPC carries sessions' opening, closing and health, and the ZeroMQ step channel
+(with step_transport=zmq, the replica's setting) each step, gRPC's StepStream without it. After
+a restart (`max_restarts`) the actor runs __init__ again and serves on new ports: the target asks
+`address()` again, and Health where the step channel is.
 
-The server listens on loopback only and accepts only calls carrying the token its replica made
+Both listen on loopback only and accept only requests carrying the token its replica made
 (rpc/auth.py): the replica and this actor are one STRICT_PACK placement group, so always on one
 node, and nothing else on the node or the network can open or step sessions.
 """
@@ -22,7 +24,7 @@ LOOPBACK = "127.0.0.1"  # the target is on this node (STRICT_PACK): the narrowes
 
 
 class DraftActor:
-    def __init__(self, config: EngineConfig, token: str) -> None:
+    def __init__(self, config: EngineConfig, token: str, step_transport: str = "zmq") -> None:
         from specextend.builder import load_pair
         from specextend.draft.base import DraftSessionParams
         from specextend.draft.worker import DraftWorker
@@ -35,16 +37,19 @@ class DraftActor:
                                    overlap=config.overlap)
         # with overlap, the background forwards' graphs are captured now, not on a request's path
         self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
-        self.server = DraftServerThread(self.backend, host=LOOPBACK, port=0, model=self.model.name, token=token)
-        log.info("draft %s serving on %s (pid %d, CUDA_VISIBLE_DEVICES=%s, overlap %s)", self.model.name,
-                 self.server.address, os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), config.overlap)
+        self.server = DraftServerThread(self.backend, host=LOOPBACK, port=0, model=self.model.name, token=token,
+                                        step_channel="ipc" if step_transport == "zmq" else None)
+        log.info("draft %s serving on %s, steps on %s (pid %d, CUDA_VISIBLE_DEVICES=%s, overlap %s)",
+                 self.model.name, self.server.address, self.server.step_endpoint or "gRPC only", os.getpid(),
+                 os.environ.get("CUDA_VISIBLE_DEVICES"), config.overlap)
 
     def address(self) -> str:
         """"host:port" of this instance's DraftService."""
         return self.server.address
 
     def info(self) -> dict:
-        return {"model": self.model.name, "address": self.server.address, "pid": os.getpid(),
+        return {"model": self.model.name, "address": self.server.address,
+                "step_endpoint": self.server.step_endpoint, "pid": os.getpid(),
                 "sessions": self.backend.num_sessions,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 

@@ -63,6 +63,15 @@ def spec_decoding(stats: RequestStats) -> dict:
     return out
 
 
+def draft_client(settings: AppSettings, address: str, token: str):
+    """The replica's client of its draft actor at `address`: deadlines and step transport as the
+    settings say (step_transport=zmq: the ZeroMQ step channel the actor advertises; grpc: StepStream)."""
+    from specextend.rpc import GrpcDraftBackend
+
+    return GrpcDraftBackend(address, timeout_s=settings.draft_timeout_s, token=token,
+                            transport=settings.step_transport)
+
+
 class SpecExtendReplica:
     def __init__(self, settings: dict) -> None:
         from specextend.builder import load_pair
@@ -83,10 +92,8 @@ class SpecExtendReplica:
         self.ar_engine = Engine(dataclasses.replace(cfg, mode="ar"), self.target)
         self.engine, self.draft = self.ar_engine, None
         if s.uses_draft:
-            from specextend.rpc import GrpcDraftBackend
-
             address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
-            self.draft = GrpcDraftBackend(address, timeout_s=s.draft_timeout_s, token=self._draft_token)
+            self.draft = draft_client(s, address, self._draft_token)
             self.engine = Engine(cfg, self.target, self.draft)
         self.draft_ok = self.draft is not None
         self._restoring: Optional[asyncio.Task] = None
@@ -98,8 +105,9 @@ class SpecExtendReplica:
         self.draft_ok = self.draft is not None and not warm.fallback
         # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
         self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions))
-        log.info("replica ready: target %s, draft %s, KV budget %.0f MiB", self.target.name,
-                 self.draft.address if self.draft else "none", self.admission.budget_bytes / 2**20)
+        log.info("replica ready: target %s, draft %s (steps over %s), KV budget %.0f MiB", self.target.name,
+                 self.draft.address if self.draft else "none",
+                 (self.draft.step_endpoint or "gRPC") if self.draft else "-", self.admission.budget_bytes / 2**20)
 
     # ------------------------------------------------------------------ set-up
 
@@ -112,7 +120,8 @@ class SpecExtendReplica:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
         actor_cls = ray.remote(DraftActor)
         return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
-                                 scheduling_strategy=strategy).remote(cfg, self._draft_token)
+                                 scheduling_strategy=strategy).remote(cfg, self._draft_token,
+                                                                      step_transport=s.step_transport)
 
     def _replica_key(self) -> str:
         try:
@@ -333,6 +342,10 @@ class SpecExtendReplica:
         return {"id": self.model_name, "max_model_len": self.target.max_context,
                 "max_prompt_tokens": self.engine.max_prompt_tokens,
                 "max_new_tokens": self.settings.max_new_tokens}
+
+    async def draft_step_endpoint(self) -> Optional[str]:
+        """Where steps go now: the draft's ZeroMQ step channel, or None (gRPC) (tests, operators)."""
+        return self.draft.step_endpoint if self.draft is not None else None
 
     async def draft_actor_handle(self):
         """The current draft actor (tests, operators)."""
