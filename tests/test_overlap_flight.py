@@ -66,8 +66,9 @@ def test_the_pinned_copy_helpers_equal_a_plain_copy(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_pinned_copies_do_not_wait_for_queued_work():
-    """A copy through pinned memory returns while a long kernel is still queued before it; a plain
-    `torch.tensor(..., device=cuda)` waits for it (the hidden synchronisation this removes)."""
+    """A copy through pinned memory returns while a long kernel is still queued before it. (Whether a
+    plain `torch.tensor(..., device=cuda)` from pageable memory waits depends on the driver's
+    staging: on an H200 with torch 2.11, 2026-11-23, a 3-element one did not.)"""
     dev = torch.device("cuda")
     torch.cuda.synchronize()
     before = torch.cuda.Event()
@@ -77,10 +78,6 @@ def test_the_pinned_copies_do_not_wait_for_queued_work():
     copy_from_host(torch.zeros(4, dtype=torch.long, device=dev), [1, 2, 3, 4])
     assert not before.query()  # the host went on while the device sleeps
     assert torch.equal(x.cpu(), torch.arange(64))  # (this one waits)
-    torch.cuda._sleep(int(2e9))
-    before.record()
-    torch.tensor([1, 2, 3], device=dev)
-    assert before.query()  # pageable: the host waited for the sleep
 
 
 # ------------------------------------------------------------------ pure parts
