@@ -7,7 +7,7 @@ registers, spills, shared memory and whether the dots became Hopper wgmma instru
 Catches what Triton's CPU interpreter cannot: a kernel that does not compile for the real target
 (non-constexpr globals, dot shapes, layouts, shared memory over the limit) and one that spills to
 local memory (reported; a row fails on the first two). The launch arguments
-mirror the wrappers (attention/triton_prefix.py, attention/triton_short.py, models/fused_layer.py), with the runtime's
+mirror the wrappers (attention/triton_prefix.py, models/fused_layer.py), with the runtime's
 specialization of 16-aligned pointers and 16-divisible integers. Must run without TRITON_INTERPRET.
 Prints a table, then the full JSON on the last line.
 """
@@ -32,8 +32,6 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from specextend.attention import _triton_kernels as PK  # noqa: E402
-from specextend.attention import _triton_short as SA  # noqa: E402
-from specextend.attention.triton_short import config as short_config  # noqa: E402
 from specextend.attention.triton_prefix import config, num_splits  # noqa: E402
 from specextend.models import _triton_layer as LK  # noqa: E402
 from specextend.models.fused_layer import _pow2, combine_config  # noqa: E402
@@ -45,10 +43,8 @@ from specextend.models.skinny import config as skinny_config  # noqa: E402
 GEOMETRIES = {"llama-3.1-8b": (32, 8, 128, 14336), "llama-3.2-1b": (32, 8, 64, 8192),
               "llama-68m": (12, 12, 64, 3072), "qwen2.5-0.5b": (14, 2, 64, 4864),
               "qwen2.5-1.5b": (12, 2, 128, 8960)}
-# call kinds: (T queries, N tree keys incl. staged); the last two are the draft's overlap level (8 rows
-# over a pool's staged keys) and its padded catch-up forward (draft/session.py)
-CALLS = {"ar": (1, 1), "verify16": (17, 17), "verify50": (51, 51), "draft-level": (4, 20),
-         "draft-level8": (8, 72), "catch-up": (64, 64)}
+# call kinds: (T queries, N tree keys incl. staged)
+CALLS = {"ar": (1, 1), "verify16": (17, 17), "verify50": (51, 51), "draft-level": (4, 20)}
 H100_SMS = 132
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 
@@ -87,14 +83,6 @@ def kernels_for(geo: str, call: str, dt: str):
         stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d)), dict(
         T=t, R=r, N=n, S=splits, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
         SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False), dict(num_warps=cc["warps"])
-    sc = short_config(m, n, d, dt == "fp32")
-    yield "short_attention", SA.short_attention, dict(
-        q_ptr=(p, 0), kv_ptr=(p, 0), meta_ptr=("*i64", 0), k_ptr=(p, 0), v_ptr=(p, 0), bias_ptr=("*fp32", 0),
-        out_ptr=(p, 0), lse_ptr=("*fp32", 0), scale_log2=("fp32", 0), layer=("i32", 3),
-        stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d)), dict(
-        T=t, R=r, N=n, G=g, D=d, DP=_pow2(d), BLOCK_M=sc["bm"], BLOCK_N=sc["block_n"], TREE_N=sc["tree_n"],
-        NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False), dict(
-        num_warps=sc["num_warps"], num_stages=sc["num_stages"])
     yield "rope_scatter", LK.rope_scatter, dict(
         qkv_ptr=(p, 0), cos_ptr=(p, 0), sin_ptr=(p, 0), q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0),
         kpre_ptr=(p, 0), stride_kg=("i32", n * d), stride_kt=("i32", d), stride_vg=("i32", n * d),

@@ -8,8 +8,6 @@ gather the accepted nodes into contiguous slots, drop the rest).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -23,11 +21,6 @@ class KVCache:
         self.capacity = capacity
         self.data = torch.zeros(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.length = 0
-        # About how many committed keys the forwards attend over, where the owner keeps far fewer
-        # than capacity (the draft's retrieval working cache: a selection plus the tokens appended
-        # between refreshes); None: up to capacity. A static hint that picks the attention kernels
-        # of the cache's CUDA-graph plans (docs/architecture.md, *Kernels*), not a limit.
-        self.working_length: Optional[int] = None
 
     @property
     def nbytes(self) -> int:

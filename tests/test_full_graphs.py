@@ -115,18 +115,15 @@ def test_captured_full_graphs_equal_twin(dtype, tol, compile, split):
 
 @pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
-@pytest.mark.parametrize("short", [False, True])
-def test_sessions_interleaved_through_one_full_graph(capture, short):
+def test_sessions_interleaved_through_one_full_graph(capture):
     """Sessions with their own caches (different addresses, capacities, lengths) alternate through
-    one plan per shape: each equals its own eager run. `short`: caches marked short (the draft's
-    retrieval working cache) through the one-kernel attention (attention/triton_short.py)."""
+    one plan per shape: each equals its own eager run."""
     dec = decoder_on("llama3", DEVICE, torch.float32)
-    graphs = FullStepGraphs(dec, capture=capture, fused=short)
+    graphs = FullStepGraphs(dec, capture=capture)
 
     def session(n, cap, seed):
         ids = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
         caches = [dec.new_cache(cap), dec.new_cache(cap)]
-        caches[0].working_length = cap if short else None
         for c in caches:  # one for the graphed path, one for the eager reference
             dec.forward_eager(ids, torch.arange(n, device=DEVICE), c, CAUSAL, ForwardOptions())
             c.advance(n)
@@ -150,4 +147,4 @@ def test_sessions_interleaved_through_one_full_graph(capture, short):
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
             for c in (cg, ce):
                 c.commit(torch.tensor([0, 2]))
-    assert len(graphs.plans) == 2 and all(k.short == short for k in graphs.plans)
+    assert len(graphs.plans) == 2

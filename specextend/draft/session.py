@@ -98,9 +98,6 @@ class DraftSession(Overlap):
             extra += POOL_SLOTS + 2 * overlap_rows
         self.work = model.new_cache(len(prompt_ids) + extra)
         self.store = model.new_cache(len(prompt_ids) + extra) if self.cfg.enabled else None
-        if self.cfg.enabled:  # a selection plus the steps' tokens until the next refresh: short plans
-            # (one attention kernel a layer, docs/architecture.md, *Kernels*)
-            self.work.working_length = self.cfg.budget_tokens + self.cfg.every * (tree.depth + 1) + 1
         self.refreshes = 0
         self.rebuild_timer = SectionTimer(model.device)  # the working cache's rebuilds (bench: signal cost)
         self._init_overlap()  # pool, flight, pending refresh (overlap.py)

@@ -5,9 +5,7 @@ fused SDPA kernels take the prefix length and the cache address from the host. H
 the Triton split-KV kernel of attention/triton_prefix.py, which reads (cache address, L,
 capacity) from a small device tensor written before each replay. So one graph per shape serves
 every session and every prefix length: a few launches per forward instead of 2 x layers, no idle
-gaps between segments, and no copies of the prefix result into static buffers. A cache marked
-short (the draft's retrieval working cache) takes one kernel for the whole attention instead,
-attention/triton_short.py, found the same way (short_cache).
+gaps between segments, and no copies of the prefix result into static buffers.
 
 Launching a graph costs the host about 1.4 us per node (H100, 2026-11-23: 633 us for the 8B
 verify's 446 nodes), and part of that kept the device waiting. The forward is therefore captured
@@ -25,7 +23,6 @@ import torch
 
 from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
                                                  triton_available)
-from specextend.attention.triton_short import SHORT_MAX_KEYS, short_attention
 from specextend.kv_cache import KVCache
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan
 from specextend.models.transfer import copy_from_host
@@ -81,24 +78,9 @@ class FullStepGraphs(StepGraphs):
             if i < n:
                 self._prefix(p, i, None)
 
-    def short_cache(self, cache: KVCache) -> bool:
-        """The plans of a cache whose owner keeps it short (KVCache.working_length at most
-        SHORT_MAX_KEYS: the draft's retrieval working cache) attend in one kernel, triton_short,
-        instead of prefix_partials + tree_combine (docs/architecture.md, *Kernels*). Decided per
-        plan, never by L: its graphs serve any committed length, correctly at any."""
-        w = cache.working_length
-        return self.seg.fused and w is not None and w <= SHORT_MAX_KEYS
-
     def _prefix(self, p: _Plan, i: int, kv) -> None:
-        """Layer i's queries over cache[:L] (found through p.meta) -> S partials in p.out_p / p.lse_p;
-        in a short plan, the whole attention (the tree keys of layer i are staged by now) -> p.out_p
-        [T, H * D] and, on the last layer of a capturing plan, its lse -> p.lse_p [H, T]."""
+        """Layer i's queries over cache[:L] (found through p.meta) -> S partials in p.out_p / p.lse_p."""
         m = self.model
-        if p.key.short:
-            need_lse = p.key.capture and i == m.args.num_layers - 1
-            short_attention(p.q[i], self.anchor, p.meta, i, p.scratch[i, 0], p.scratch[i, 1], p.bias, m.scale,
-                            need_lse, p.out_p, p.lse_p)
-            return
         g, d = m.args.num_kv_heads, m.args.head_dim
         rows = p.key.t * (m.args.num_heads // g)
         prefix_partials(p.q[i].view(g, rows, d), self.anchor, p.meta, i, m.scale, p.out_p, p.lse_p)
@@ -109,13 +91,9 @@ class FullStepGraphs(StepGraphs):
         p = _Plan(m, key)
         g, d = a.num_kv_heads, a.head_dim
         rows = key.t * (a.num_heads // g)
-        if key.short:  # the attention itself, written by short_attention, read by the next segment
-            p.out_p = torch.zeros(key.t, a.num_heads * d, dtype=m.dtype, device=dev)  # [T, H * D]
-            p.lse_p = torch.zeros(a.num_heads, key.t, dtype=torch.float32, device=dev)  # [H, T]
-        else:
-            s = num_splits(rows, g, self.num_sms, m.dtype == torch.float32)
-            p.out_p = torch.zeros(g, s, rows, d, dtype=torch.float32, device=dev)  # [G, S, R*T, D] partials
-            p.lse_p = torch.zeros(g, s, rows, dtype=torch.float32, device=dev)  # [G, S, R*T]
+        s = num_splits(rows, g, self.num_sms, m.dtype == torch.float32)
+        p.out_p = torch.zeros(g, s, rows, d, dtype=torch.float32, device=dev)  # [G, S, R*T, D] partials
+        p.lse_p = torch.zeros(g, s, rows, dtype=torch.float32, device=dev)  # [G, S, R*T]
         p.meta = torch.zeros(4, dtype=torch.int64, device=dev)  # cache offset, L, capacity, 0 (cache_meta)
         self._set_meta(p, cache, cache.length)
         return p

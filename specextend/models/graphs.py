@@ -61,7 +61,6 @@ class ShapeKey:
     rows: int  # logits rows (0 = all T)
     capture: bool  # keep the last layer's query and merged LSE (cross-model retrieval)
     store: bool  # also return the pre-RoPE keys (draft's retrieval store)
-    short: bool = False  # HTA in one kernel for a short cache (full_graphs.FullStepGraphs.short_cache)
 
 
 class _Plan:
@@ -110,10 +109,6 @@ class StepGraphs:
     def accepts(self, t: int, cache: KVCache, new_mask: Mask, opts) -> bool:
         return graphable(t, cache, new_mask, opts, self.max_tokens)
 
-    def short_cache(self, cache: KVCache) -> bool:
-        """Whether this cache's plans attend in one kernel (the full-step graphs only)."""
-        return False
-
     # ------------------------------------------------------------ forward
     def forward(self, input_ids, positions, cache: KVCache, new_mask: Mask, opts):
         t = input_ids.shape[0]
@@ -121,7 +116,7 @@ class StepGraphs:
         check_room(t, cache, opts)
         rows = opts.logits_rows
         key = ShapeKey(t, opts.staged, 0 if rows is None else rows.numel(), opts.capture_last,
-                       opts.store is not None, self.short_cache(cache))
+                       opts.store is not None)
         if isinstance(new_mask, str):  # CAUSAL over this forward's own keys
             new_mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
         with self.lock:

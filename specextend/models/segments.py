@@ -47,14 +47,9 @@ def _layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_d
 
 def _attend_post(a: ModelArgs, scale: float, lw: LayerWeights, x, q, kt, vt, bias, out_p, lse_p,
                  need_lse: bool, fused: bool, skinny: bool = False):
-    """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None.
-    out_p [T, H * D] (2-D) is the whole attention already, from triton_short.short_attention (a
-    short plan of the full-step graphs; lse_p its lse [H, T] where need_lse): o-proj and MLP only."""
+    """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None."""
     if fused:  # one Triton kernel for the attention, written in the o-proj's layout
-        if out_p.dim() == 2:
-            attn, lse = out_p, (lse_p if need_lse else None)
-        else:
-            attn, lse = fused_layer.tree_combine(q, kt, vt, bias, out_p, lse_p, scale, need_lse)  # [T, H*D]
+        attn, lse = fused_layer.tree_combine(q, kt, vt, bias, out_p, lse_p, scale, need_lse)  # [T, H*D]
         return fused_layer.layer_post(a, lw, x, attn, skinny), lse
     attn, lse = tree_attention_merged(q, kt, vt, bias, out_p, lse_p, scale, need_lse=need_lse)  # [H, T, D]
     return layer_post(a, lw, x, attn), lse
@@ -80,7 +75,7 @@ def mid(a: ModelArgs, scale: float, lw_prev: LayerWeights, lw: LayerWeights,
         q_prev: torch.Tensor,  # [H, T, D] layer i-1's queries
         kt: torch.Tensor, vt: torch.Tensor,  # [G, staged + T, D] layer i-1's tree keys
         bias: torch.Tensor,
-        out_p: torch.Tensor, lse_p: torch.Tensor,  # layer i-1's prefix part, or its whole attention (_attend_post)
+        out_p: torch.Tensor, lse_p: torch.Tensor,  # [H, T, D], [H, T] layer i-1's prefix part
         cos: torch.Tensor, sin: torch.Tensor,
         k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False,
         skinny: bool = False):
