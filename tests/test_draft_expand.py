@@ -139,3 +139,21 @@ def test_step_bound_drafts_the_smaller_tree(tiny_models, overlap):
     # acceptance estimates assume, controller.prefix_accepts)
     shallow = [t for t, d in zip(whole.tokens, node_depths(whole.parents)) if d <= 3]
     assert list(got.tokens) == shallow[:6]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+def test_top_logprobs_equals_the_log_softmax_top_k(dtype, tol):
+    """The fast path (top-k of the logits minus their log-sum-exp) against its twin, top-k of the
+    float32 log-softmax: the same tokens (distinct logits here) and the same log-probabilities."""
+    from specextend.draft.expand import top_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randperm(200, generator=g) for _ in range(5)]
+    logits = (torch.stack(rows).to(torch.float64) / 8).to(dtype)  # [5, 200], distinct and exact in bf16
+    lp, ids = top_logprobs(logits, 8)
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    want = torch.topk(torch.log_softmax(logits.to(cd), -1), 8)
+    assert torch.equal(ids, want.indices)
+    assert torch.allclose(lp.to(cd), want.values, atol=tol, rtol=0)
+    lp1, ids1 = top_logprobs(logits[0], 3)  # one row (the root)
+    assert torch.equal(ids1, want.indices[0, :3])

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from specextend.draft.base import DraftTree
+from specextend.draft.expand import top_logprobs
 from specextend.draft.pool import Pool
 from specextend.kv_cache import CacheFull
 from specextend.models.decoder import ForwardOptions
@@ -176,8 +177,8 @@ class Overlap:
         pool.mark_forwarded(nodes, start, r)
         if not children:
             return Flight(pool, event=record_event(dev))
-        top = torch.topk(torch.log_softmax(logits[:f].float(), -1), OVERLAP_WIDTH * self.params.tree.topk)  # [F, w]
-        tokens, logp = to_host(top.indices), to_host(top.values)  # [F, w] each: valid once the event is done
+        top_lp, top_ids = top_logprobs(logits[:f], OVERLAP_WIDTH * self.params.tree.topk)  # [F, w]
+        tokens, logp = to_host(top_ids), to_host(top_lp)  # [F, w] each: valid once the event is done
         return Flight(pool, list(enumerate(nodes)), tokens, logp, record_event(dev))  # recorded after the copies
 
     # ------------------------------------------------------------------ a step
