@@ -70,6 +70,10 @@ def test_the_pinned_copies_do_not_wait_for_queued_work():
     plain `torch.tensor(..., device=cuda)` from pageable memory waits depends on the driver's
     staging: on an H200 with torch 2.11, 2026-11-23, a 3-element one did not.)"""
     dev = torch.device("cuda")
+    # the caching host allocator's first pinned block of a size is a cudaHostAlloc, which waits for
+    # the device (the first run of this test on an H200 failed there): steady state reuses blocks
+    to_device(list(range(64)), torch.long, dev)
+    copy_from_host(torch.zeros(4, dtype=torch.long, device=dev), [1, 2, 3, 4])
     torch.cuda.synchronize()
     before = torch.cuda.Event()
     torch.cuda._sleep(int(2e9))  # ~1 s of device time
