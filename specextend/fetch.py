@@ -74,7 +74,7 @@ def use_kernel_cache() -> Optional[str]:
     """Keeps Triton's compiled kernels beside the converted weights, `$SPECEXTEND_CACHE/triton`,
     unless TRITON_CACHE_DIR names another folder: a replica restarted where the model cache
     persists (the same host, or a volume) loads its kernels instead of compiling them again
-    (docs/architecture.md, "Operations"). Triton reads the variable at each compile, so this must
+    (docs/architecture.md, "Models"). Triton reads the variable at each compile, so this must
     run before the first one; returns the folder."""
     return os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
 
