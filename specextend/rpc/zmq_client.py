@@ -11,6 +11,13 @@ id of its own; a reply with another id (the late answer to a request given up on
 is dropped. A socket sends only on a live connection (zmq.IMMEDIATE): nothing is queued to a draft
 that is gone. A monitor on each socket reports a dropped or refused connection, which fails the
 call at once as UNAVAILABLE (rather than at its deadline) and retires the socket.
+
+A socket never reconnects (RECONNECT_IVL -1): a lost socket is retired and the next call connects
+a new one. This bounds what its monitor can be sent to a few events in its life. It matters:
+libzmq's I/O thread sends monitor events with a blocking send, so a socket that kept retrying a
+draft that had gone (an event every 100 ms) while it sat idle in the pool, its monitor unread,
+filled the monitor's pipe within minutes and then blocked the I/O thread shared by every socket of
+the process: no step channel in it could connect again (seen in CI, 2026-11-23).
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from specextend.rpc.zmq_wire import decode_reply, encode_request, is_ipv6
 
 MAX_IDLE_SOCKETS = 16  # idle connections kept (the engine steps from 8 threads: scheduler.Batcher)
 # monitor events meaning the connection is gone or will not come: the socket is retired
-_LOST = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+# (EVENT_CLOSED: a refused connect, with reconnection off)
+_LOST = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+         | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 
 
 class StepFailed(Exception):
@@ -53,6 +61,7 @@ class _Socket:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no connection: send fails (Again), nothing queued
+        self.sock.setsockopt(zmq.RECONNECT_IVL, -1)  # lost or refused: retired, never retried (above)
         if is_ipv6(endpoint):
             self.sock.setsockopt(zmq.IPV6, 1)
         self.monitor = self.sock.get_monitor_socket(_LOST)
