@@ -10,7 +10,7 @@ import torch
 
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftSessionParams, Retrieval
-from specextend.draft.expand import PostGraphs, expand_tree, expand_tree_host, level_post
+from specextend.draft.expand import PostGraphs, expand_tree, expand_tree_host, expand_tree_host_co, level_post
 from specextend.draft.session import DraftSession
 from specextend.models.graphs import StepGraphs
 
@@ -34,7 +34,7 @@ def test_device_expansion_equals_host_twin(tiny_models, dtype, tree, retrieval, 
     draft.graphs = StepGraphs(draft, capture=False) if graphs else None
     try:
         fast, slow = DraftSession(draft, prompt(150, 1), params), DraftSession(draft, prompt(150, 1), params)
-        slow.expand = expand_tree_host
+        slow.expand_co = expand_tree_host_co
         gen = torch.Generator().manual_seed(2)
         accepted = [7]
         for step in range(5):
@@ -110,7 +110,7 @@ def test_graphed_level_bookkeeping_equals_eager(tiny_models, dtype):
     fast = [DraftSession(draft, prompt(150, i), params) for i in (1, 2)]
     slow = [DraftSession(draft, prompt(150, i), params) for i in (1, 2)]
     for x in slow:
-        x.expand = expand_tree_host
+        x.expand_co = expand_tree_host_co
     for step in range(3):
         for f, sl in zip(fast, slow):  # the two sessions alternate through the shared graphs
             assert f.step(step, [7 + step], None) == sl.step(step, [7 + step], None)

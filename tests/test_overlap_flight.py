@@ -261,7 +261,7 @@ class HoldOnePerStep:
     def __init__(self, monkeypatch, free=2):
         self.sessions: list[DraftSession] = []
         launched: dict[int, int] = {}
-        launch, step = DraftSession.launch, DraftSession.step
+        launch, step_co = DraftSession.launch, DraftSession.step_co
 
         def held_launch(session):
             more = launch(session)
@@ -274,14 +274,14 @@ class HoldOnePerStep:
         def released_step(session, *args, **kwargs):
             if not any(s is session for s in self.sessions):
                 self.sessions.append(session)
-            tree = step(session, *args, **kwargs)
+            tree = yield from step_co(session, *args, **kwargs)
             launched[id(session)] = 0
             if session.flight is not None:
                 session.flight.held = False
             return tree
 
         monkeypatch.setattr(DraftSession, "launch", held_launch)
-        monkeypatch.setattr(DraftSession, "step", released_step)
+        monkeypatch.setattr(DraftSession, "step_co", released_step)
 
     def total(self, name):
         return sum(getattr(s, name) for s in self.sessions)

@@ -64,13 +64,13 @@ def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
     prompt = list(range(3, 120))
     catch_up = [(7 * i) % 200 + 1 for i in range(45)]  # 45 tokens: chunks of 16, padded, and a partial one
     trees, caches, padded = [], [], []
-    inner = ds.DraftSession._forward_committed
+    inner = ds.DraftSession._forward_committed_co
 
     def spy(self, ids, window=0, rows=0):
         padded.append(rows > len(ids))
-        return inner(self, ids, window, rows)
+        return (yield from inner(self, ids, window, rows))
 
-    monkeypatch.setattr(ds.DraftSession, "_forward_committed", spy)
+    monkeypatch.setattr(ds.DraftSession, "_forward_committed_co", spy)
     monkeypatch.setattr(ds.DraftSession, "pads_catch_up", staticmethod(lambda model: True))  # as with CUDA graphs
     for rows in (16, 10**6):  # padded chunks; one unpadded chunk
         monkeypatch.setattr(ds, "CATCH_UP", rows)

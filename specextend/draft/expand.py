@@ -24,7 +24,7 @@ drafting keeps expanding that pool, pool.py).
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Callable, Generator, Optional
 
 import torch
 
@@ -32,6 +32,7 @@ from specextend.config import TreeConfig
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 Pool = tuple[list[int], list[float], list[int], list[int], list[int]]
+Level = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # a level's forward: ids [F], positions [F], mask, staged
 
 
 def top_logprobs(logits: torch.Tensor,  # [..., V] next-token logits
@@ -107,10 +108,32 @@ class PostGraphs:
         return graph, inputs, outputs
 
 
+def drive(co: Generator, forward: Forward, should_stop: Callable[[], bool] = lambda: False) -> Optional[Pool]:
+    """Runs an expansion coroutine (`expand_tree_co`, `expand_tree_host_co`) with `forward` called
+    for each level it yields; None if `should_stop()` says so before a level's forward."""
+    try:
+        request = next(co)
+        while True:
+            if should_stop():
+                co.close()
+                return None
+            request = co.send(forward(*request))
+    except StopIteration as stop:
+        return stop.value
+
+
 def expand_tree(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int,
                 should_stop: Callable[[], bool] = lambda: False, post=level_post, wide: int = 0) -> Optional[Pool]:
     """`post`: level_post or a PostGraphs (its CUDA-graph replay); `wide`: children kept per node
     (default: the tree's top-k)."""
+    return drive(expand_tree_co(root_logits, cfg, root_pos, post, wide), forward, should_stop)
+
+
+def expand_tree_co(root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int, post=level_post,
+                   wide: int = 0) -> Generator[Level, torch.Tensor, Pool]:
+    """expand_tree as a coroutine: yields each level's forward arguments (ids, positions, mask,
+    staged), is sent its logits [F, V], returns the pool. The draft worker drives several sessions'
+    coroutines level by level, their forwards batched (draft/batch.py)."""
     dev, k = root_logits.device, cfg.topk
     w = max(wide, k)
     top_lp, top_ids = top_logprobs(root_logits, w)  # [w], sorted
@@ -123,11 +146,9 @@ def expand_tree(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfig, ro
     staged, size = 0, w
     forwarded = []  # [F] pool ids per level, in staged order
     for d in range(1, cfg.depth):
-        if should_stop():
-            return None
         f = fr_tok.shape[0]
         forwarded.append(fr_id)
-        logits = forward(fr_tok, torch.full((f,), root_pos + d, device=dev), mask, staged)  # [F, V]
+        logits = yield fr_tok, torch.full((f,), root_pos + d, device=dev), mask, staged  # [F, V]
         staged += f
         cand_tokens, cand_scores, parents_d, fr_tok, fr_score, fr_id, mask = post(logits, fr_score, fr_id, mask,
                                                                                   k, size, w)
@@ -143,6 +164,12 @@ def expand_tree(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfig, ro
 def expand_tree_host(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int,
                      should_stop: Callable[[], bool] = lambda: False, post=None, wide: int = 0) -> Optional[Pool]:
     """`post` is ignored: the twin keeps its bookkeeping on the host."""
+    return drive(expand_tree_host_co(root_logits, cfg, root_pos, post, wide), forward, should_stop)
+
+
+def expand_tree_host_co(root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int, post=None,
+                        wide: int = 0) -> Generator[Level, torch.Tensor, Pool]:
+    """expand_tree_host as a coroutine (see expand_tree_co)."""
     dev, k = root_logits.device, cfg.topk
     w = max(wide, k)
     top_lp, top_ids = top_logprobs(root_logits, w)
@@ -156,8 +183,6 @@ def expand_tree_host(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfi
     staged = 0
     forwarded: list[int] = []
     for d in range(1, cfg.depth):
-        if should_stop():
-            return None
         f = len(frontier)
         # mask over staged keys: each frontier node sees its forwarded ancestors and itself
         mask = torch.zeros(f, staged + f, dtype=torch.bool)
@@ -169,8 +194,8 @@ def expand_tree_host(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfi
             mask[r, staged + r] = True
             slots[c] = staged + r
         forwarded += frontier
-        logits = forward(torch.tensor([toks[c] for c in frontier], device=dev),
-                         torch.full((f,), root_pos + d, device=dev), mask.to(dev), staged)
+        logits = yield (torch.tensor([toks[c] for c in frontier], device=dev),
+                        torch.full((f,), root_pos + d, device=dev), mask.to(dev), staged)
         staged += f
         child_lp, child_ids = top_logprobs(logits, w)  # [F, w]
         cand_scores = (torch.tensor([scores[c] for c in frontier], dtype=child_lp.dtype)[:, None] + child_lp.cpu())

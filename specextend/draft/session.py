@@ -22,16 +22,17 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Generator, Optional, Sequence
 
 import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
-from specextend.draft.expand import PostGraphs, expand_tree, level_post
+from specextend.draft.expand import Level, PostGraphs, expand_tree_co, level_post
 from specextend.draft.overlap import OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS, Overlap  # noqa: F401 (re-exported)
 from specextend.draft.pool import Pool
+from specextend.models.batch import ForwardCall, Result, run_alone
 from specextend.models.decoder import Decoder, ForwardOptions
 from specextend.models.rope import apply_rope
 from specextend.models.transfer import to_device
@@ -79,7 +80,7 @@ class SectionTimer:
 
 
 class DraftSession(Overlap):
-    expand = staticmethod(expand_tree)  # the tree search (expand_tree_host: its twin)
+    expand_co = staticmethod(expand_tree_co)  # the tree search (expand_tree_host_co: its twin)
 
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
                  prefill_chunk: int = 2048, overlap: bool = False, overlap_rows: int = OVERLAP_ROWS,
@@ -105,6 +106,10 @@ class DraftSession(Overlap):
 
     # ----------------------------------------------------------------- caches
     def _forward_committed(self, ids: list[int], window: int = 0, rows: int = 0) -> torch.Tensor:
+        return run_alone(self._forward_committed_co(ids, window, rows), self.model)
+
+    def _forward_committed_co(self, ids: list[int], window: int = 0,
+                              rows: int = 0) -> Generator[ForwardCall, Result, torch.Tensor]:
         """Forward committed tokens (causal), append them to both caches; logits of the last [V].
         `rows` > len(ids): padded to that many rows with copies of the last token, whose K/V are
         staged past the committed ones and never committed (one graph shape for any count)."""
@@ -113,25 +118,24 @@ class DraftSession(Overlap):
         rows = max(rows, t)
         pos = torch.arange(self.work.length, self.work.length + rows, device=dev)  # [rows]
         ids_last = to_device(ids + ids[-1:] * (rows - t) + [t - 1], torch.long, dev)  # [rows + 1]: ids, then the row to read
-        logits, _ = self.model.forward(
-            ids_last[:rows], pos, self.work, CAUSAL,
-            ForwardOptions(window=window, store=self.store, logits_rows=ids_last[rows:]))
+        logits, _ = yield ForwardCall(ids_last[:rows], pos, self.work, CAUSAL,
+                                      ForwardOptions(window=window, store=self.store, logits_rows=ids_last[rows:]))
         self.work.advance(t)
         if self.store is not None:
             self.store.advance(t)
         return logits[0]
 
-    def _catch_up(self, ids: list[int]) -> torch.Tensor:
+    def _catch_up_co(self, ids: list[int]) -> Generator[ForwardCall, Result, torch.Tensor]:
         """Forward more tokens than a step can accept (the target's plain steps' tokens, any count)
         in chunks padded to CATCH_UP rows: one graph shape, captured at warm-up, instead of a
         capture per count in the middle of a request (docs/architecture.md, "Execution plans")."""
         if not self.pads_catch_up(self.model):
-            return self._forward_committed(ids)
+            return (yield from self._forward_committed_co(ids))
         for lo in range(0, len(ids), CATCH_UP):
             chunk = ids[lo:lo + CATCH_UP]
             room = min(self.work.capacity - self.work.length,
                        CATCH_UP if self.store is None else self.store.capacity - self.store.length)
-            logits = self._forward_committed(chunk, rows=CATCH_UP if room >= CATCH_UP else 0)
+            logits = yield from self._forward_committed_co(chunk, rows=CATCH_UP if room >= CATCH_UP else 0)
         return logits
 
     def _prefill(self, prompt: list[int], chunk: int) -> None:
@@ -169,6 +173,13 @@ class DraftSession(Overlap):
              bound: Optional[TreeBound] = None) -> DraftTree:
         """Commit the accepted tokens (the last is the next root) and draft the next tree, within
         `bound` (this step's cap from the target's adaptive policy, base.py) if given."""
+        return run_alone(self.step_co(step, accepted_tokens, retrieval, bound), self.model)
+
+    def step_co(self, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
+                bound: Optional[TreeBound] = None) -> Generator[ForwardCall, Result, DraftTree]:
+        """`step` as a coroutine: yields each forward it needs (ForwardCall), is sent its result,
+        returns the tree. The worker drives several sessions' steps at once, their forwards
+        batched (draft/batch.py); alone, `run_alone` runs each forward as it comes."""
         shape = (bound or TreeBound()).apply(self.params.tree)  # this step's nodes and depth
         if not accepted_tokens:
             raise ValueError("a step needs at least the bonus token")
@@ -192,9 +203,9 @@ class DraftSession(Overlap):
         if refresh:
             self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
         accepted = list(accepted_tokens)
-        root_logits = (self._forward_committed(accepted) if len(accepted) <= self.params.tree.depth + 1
-                       else self._catch_up(accepted))
-        tokens, parents = self._draft_tree(root_logits, shape)
+        root_logits = yield from (self._forward_committed_co(accepted) if len(accepted) <= self.params.tree.depth + 1
+                                  else self._catch_up_co(accepted))
+        tokens, parents = yield from self._draft_tree_co(root_logits, shape)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length)
 
@@ -209,20 +220,29 @@ class DraftSession(Overlap):
                 m.post_graphs = PostGraphs(m.device)
         return m.post_graphs
 
-    def _draft_tree(self, root_logits: torch.Tensor, shape: TreeConfig) -> tuple[list[int], list[int]]:
+    def _draft_tree_co(self, root_logits: torch.Tensor,
+                       shape: TreeConfig) -> Generator[ForwardCall, Result, tuple[list[int], list[int]]]:
         """Dynamic tree (EAGLE-2 style, draft/expand.py) `shape.depth` deep, then the best
         `shape.nodes` of its pool."""
-        def forward(ids, positions, mask, staged):
-            return self.model.forward(ids, positions, self.work, mask, ForwardOptions(staged=staged))[0]
-
         tree, wide = shape, 0
         if self.overlap:
             wide = OVERLAP_WIDTH * tree.topk
             if 0 < self.sync_depth < tree.depth:
                 tree = replace(tree, depth=self.sync_depth)
-        toks, scores, parents, depths, forwarded = self.expand(
-            forward, root_logits, tree, self.work.length - 1, post=self._post(), wide=wide)
+        toks, scores, parents, depths, forwarded = yield from self._levels(
+            self.expand_co(root_logits, tree, self.work.length - 1, post=self._post(), wide=wide))
         if self.overlap:
             self.pool = Pool.from_expansion(toks, scores, parents, depths, forwarded)
         chosen = select_best_nodes(scores, depths, parents, shape.nodes)
         return reindex_tree(chosen, toks, parents)
+
+    def _levels(self, co: Generator[Level, torch.Tensor, object]) -> Generator[ForwardCall, Result, object]:
+        """An expansion coroutine's levels as forwards over the working cache (tree keys staged)."""
+        try:
+            level = next(co)
+            while True:
+                ids, positions, mask, staged = level
+                logits, _ = yield ForwardCall(ids, positions, self.work, mask, ForwardOptions(staged=staged))
+                level = co.send(logits)
+        except StopIteration as stop:
+            return stop.value

@@ -1,7 +1,9 @@
-"""The draft side as a worker with an explicit job queue (docs/architecture.md, "Draft side").
+"""The draft model's worker (docs/architecture.md, "Draft side"), on the job queue of jobs.py.
 
 One thread owns the draft model and every session's state; nothing else touches them. Jobs:
-`Open`, `Step` and `Close` run in arrival order (the foreground), and, with overlap on, the
+`Open`, `Step` and `Close` run in arrival order (the foreground); `Step` jobs of different
+sessions waiting together in the queue run as one batch (up to `max_batch`), their forwards
+batched level by level (batch.py). With overlap on, the
 sessions that have drafting left to do between steps get one background forward each, round
 robin, whenever the foreground queue is empty. A background forward is launched (queued on the
 device) and finished (its results read) apart: while it runs the thread waits on the job queue,
@@ -15,19 +17,19 @@ runs.
 from __future__ import annotations
 
 import logging
-import queue
 import sys
-import threading
 from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Generator, Optional
 
 import torch
 
-from specextend.draft.base import (DraftBackend, DraftError, DraftSessionNotFound, DraftSessionParams,
-                                   DraftStepOutOfOrder, DraftTree, Retrieval, TreeBound)
+from specextend.draft.base import DraftError, DraftSessionNotFound, DraftSessionParams, DraftStepOutOfOrder, DraftTree
+from specextend.draft.batch import BatchCounts, drive_batch
+from specextend.draft.jobs import (POLL_S, Close, Job, JobWorker, Open, SerialDraft, Step,  # noqa: F401 (re-exported)
+                                   WorkerStats, as_worker)
 from specextend.draft.session import OVERLAP_ROWS, SYNC_DEPTH, DraftSession
+from specextend.models.batch import ForwardCall, Result, run_alone
 from specextend.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -36,33 +38,9 @@ log = logging.getLogger(__name__)
 # (the gRPC loop receiving a step, or an in-process target) waits for the GIL: Python's default
 # 5 ms switch interval would add up to 5 ms to a step. Lowered, process-wide, when overlap is on.
 SWITCH_INTERVAL_S = 0.0002
-# How often the worker looks whether a background forward in flight has finished, while it waits
-# for a job (a job wakes it at once): a draft forward takes ~1 ms on an H200.
-POLL_S = 0.0001
-
-
-@dataclass(frozen=True)
-class Open:
-    session_id: str
-    prompt_ids: tuple[int, ...]  # [L]
-    params: DraftSessionParams
-
-
-@dataclass(frozen=True)
-class Step:
-    session_id: str
-    step: int
-    accepted_tokens: tuple[int, ...]
-    retrieval: Optional[Retrieval] = None
-    bound: Optional[TreeBound] = None  # this step's cap on the tree (base.py)
-
-
-@dataclass(frozen=True)
-class Close:
-    session_id: str
-
-
-Job = Union[Open, Step, Close]
+# Step jobs of different sessions run as one batch at most (the target's engine issues draft calls
+# from 8 threads: scheduler.Batcher)
+MAX_BATCH = 8
 
 
 @dataclass
@@ -72,177 +50,15 @@ class SessionEntry:
     last_tree: Optional[DraftTree] = None
 
 
-@dataclass(frozen=True)
-class WorkerStats:
-    sessions: int
-    background_forwards: int
-    ready_trees: int  # steps answered from the overlap pool
-    rebuilds: int = 0  # working-cache rebuilds of the sessions closed so far
-    rebuild_s: float = 0.0  # their time, on the draft's device clock
-    flight_steps: int = 0  # steps that arrived with a background forward in flight (sessions closed so far)
-    flight_waits: int = 0  # ... of them ready steps that waited for it (their new root was in it)
-
-
-class JobWorker(DraftBackend):
-    """One thread running jobs from a queue: foreground jobs in arrival order; between them, while
-    `_background()` has work, its slices. Subclasses say what a job does (`_do`)."""
-
-    def __init__(self, name: str = "draft") -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue[Optional[tuple[Job, Future]]] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards the counters read from other threads
-        self._open_ids: set[str] = set()
-        self._stopped = False
-        self._background_forwards = 0
-        self._ready_trees = 0
-        self._rebuilds, self._rebuild_s = 0, 0.0
-        self._flight_steps, self._flight_waits = 0, 0
-        self._thread = threading.Thread(target=self._run, name=f"draft-worker-{name}", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Job) -> Future:
-        """Queues a job; its future holds the job's result (None, or a DraftTree) or its error. A
-        future cancelled before the job starts drops the job. A stopped worker fails it at once."""
-        fut: Future = Future()
-        with self._lock:
-            if not self._stopped:
-                self._jobs.put((job, fut))
-                return fut
-        fut.set_exception(DraftError(f"the draft worker {self.name!r} is stopped"))
-        return fut
-
-    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
-        self.submit(Open(session_id, tuple(prompt_ids), params)).result()
-
-    def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
-             retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
-        return self.submit(Step(session_id, step, tuple(accepted_tokens), retrieval, bound)).result()
-
-    def close(self, session_id: str) -> None:
-        self.submit(Close(session_id)).result()
-
-    def health(self) -> bool:
-        return self._thread.is_alive()
-
-    @property
-    def num_sessions(self) -> int:
-        with self._lock:
-            return len(self._open_ids)
-
-    def stats(self) -> WorkerStats:
-        with self._lock:
-            return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees, self._rebuilds,
-                               self._rebuild_s, self._flight_steps, self._flight_waits)
-
-    def stop(self) -> None:
-        """Stops the worker after the jobs already queued (returns at once); later jobs fail."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self._jobs.put(None)
-
-    def shutdown(self) -> None:
-        """stop(), then wait for the thread."""
-        self.stop()
-        self._thread.join()
-
-    def _run(self) -> None:
-        try:
-            self._setup()
-            with torch.inference_mode():
-                self._loop()
-        finally:  # stopped, or the thread died: no job waits forever
-            with self._lock:
-                self._stopped = True
-            while True:
-                try:
-                    item = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None and item[1].set_running_or_notify_cancel():
-                    item[1].set_exception(DraftError(f"the draft worker {self.name!r} is stopped"))
-
-    def _loop(self) -> None:
-        while True:
-            item = self._next()
-            if item is None:
-                return
-            job, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue  # cancelled while queued (e.g. its RPC deadline passed)
-            try:
-                result = self._do(job)
-            except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
-                fut.set_exception(exc)
-                continue
-            with self._lock:
-                if isinstance(job, Open):
-                    self._open_ids.add(job.session_id)
-                elif isinstance(job, Close):
-                    self._open_ids.discard(job.session_id)
-                elif isinstance(result, DraftTree) and result.ready:
-                    self._ready_trees += 1
-            fut.set_result(result)
-
-    def _next(self) -> Optional[tuple[Job, Future]]:
-        """The next foreground job; while there is none, background slices, one in flight at most:
-        the next is launched only once the previous has finished."""
-        while True:
-            try:
-                return self._jobs.get_nowait()
-            except queue.Empty:
-                pass
-            if self._in_flight():
-                try:
-                    return self._jobs.get(timeout=POLL_S)
-                except queue.Empty:
-                    continue
-            if not self._background():
-                return self._jobs.get()
-            with self._lock:
-                self._background_forwards += 1
-
-    def _setup(self) -> None:
-        """Runs first on the worker thread."""
-
-    def _background(self) -> bool:
-        """Launch one slice of background work; False when there is none."""
-        return False
-
-    def _in_flight(self) -> bool:
-        """Finishes the slice in flight if it is done; True while it still runs."""
-        return False
-
-    def _do(self, job: Job):
-        raise NotImplementedError
-
-
-class SerialDraft(JobWorker):
-    """Any DraftBackend behind the job queue (its calls serialized on one thread; no background)."""
-
-    def __init__(self, backend: DraftBackend, name: str = "draft") -> None:
-        self.backend = backend
-        super().__init__(name)
-
-    def _do(self, job: Job):
-        if isinstance(job, Open):
-            return self.backend.open(job.session_id, job.prompt_ids, job.params)
-        if isinstance(job, Step):
-            return self.backend.step(job.session_id, job.step, job.accepted_tokens, job.retrieval, job.bound)
-        return self.backend.close(job.session_id)
-
-
-def as_worker(backend: DraftBackend) -> JobWorker:
-    return backend if isinstance(backend, JobWorker) else SerialDraft(backend)
-
-
 class DraftWorker(JobWorker):
     """The draft model's worker: sessions, idempotent steps, overlapped drafting in the background."""
 
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
-                 overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH):
+                 overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
+        self.max_batch = max_batch
         self.sync_depth = sync_depth
         self.prefill_chunk = prefill_chunk
         self.overlap = overlap
@@ -324,6 +140,12 @@ class DraftWorker(JobWorker):
         self._sessions[job.session_id] = SessionEntry(session)
 
     def _step(self, job: Step) -> DraftTree:
+        return run_alone(self._step_co(job), self.model)
+
+    def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:
+        return drive_batch(self.model, [self._step_co(job) for job in jobs], counts)
+
+    def _step_co(self, job: Step) -> Generator[ForwardCall, Result, DraftTree]:
         entry = self._sessions.get(job.session_id)
         if entry is None:
             raise DraftSessionNotFound(f"unknown draft session {job.session_id!r}")
@@ -331,7 +153,7 @@ class DraftWorker(JobWorker):
             return entry.last_tree  # a retried step: applied once, same tree
         if job.step != entry.last_step + 1:
             raise DraftStepOutOfOrder(f"session {job.session_id!r}: step {job.step} after {entry.last_step}")
-        tree = entry.session.step(job.step, job.accepted_tokens, job.retrieval, job.bound)
+        tree = yield from entry.session.step_co(job.step, job.accepted_tokens, job.retrieval, job.bound)
         entry.last_step, entry.last_tree = job.step, tree
         if self.overlap:
             self._pending[job.session_id] = None

@@ -12,7 +12,7 @@ tests compare them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Generator, Optional, TypeVar
 
 import torch
 
@@ -42,6 +42,20 @@ class ForwardCall:
 GRAPHS_BATCH_MIN = 4
 
 Result = tuple[torch.Tensor, Optional[Captured]]  # logits [T', V], captured last layer
+
+
+R = TypeVar("R")
+
+
+def run_alone(co: Generator[ForwardCall, Result, R], model: Decoder) -> R:
+    """Runs a coroutine that yields ForwardCalls (a draft session's step) with each forward run as
+    it comes, through Decoder.forward; returns what the coroutine returns."""
+    try:
+        call = next(co)
+        while True:
+            call = co.send(call.run(model))
+    except StopIteration as stop:
+        return stop.value
 
 
 def forward_each(model: Decoder, calls: list[ForwardCall]) -> list[Result]:

@@ -1,0 +1,94 @@
+"""Several draft sessions' steps driven together (docs/architecture.md, "Draft side").
+
+Each session's step is a coroutine (DraftSession.step_co) that yields the forwards it needs: its
+accepted tokens' forward, then one forward per tree level. `drive_batch` advances every step to its
+next forward and runs those forwards as one `models/batch.forward_batch` (the draft's weights read
+once for all of them; each call attends over its own session's cache), round after round, until
+every step has its tree. Steps that need fewer forwards (a ready tree from the overlap pool needs
+none, a shallower bound fewer levels) leave the rounds early.
+
+A failure is its own step's: an exception raised inside one coroutine ends that step only; a
+batched forward that raises is run again call by call (each call only stages K/V in its own cache,
+so a rerun overwrites the same slots), and the calls that still fail fail their own steps.
+`drive_each` is the slow twin: the steps one after another, each forward alone (run_alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generator, Union
+
+from specextend.models.batch import ForwardCall, Result, forward_batch, run_alone
+from specextend.models.decoder import Decoder
+
+Step = Generator[ForwardCall, Result, Any]
+Outcome = Union[Any, BaseException]  # what a step returned, or the exception that ended it
+
+
+@dataclass
+class BatchCounts:
+    """The forwards a batch of steps ran: `forwards` batched forwards carrying `calls` calls."""
+
+    forwards: int = 0
+    calls: int = 0
+    per_forward: list[int] = field(default_factory=list)  # calls of each forward, in order
+
+
+def drive_each(model: Decoder, steps: list[Step]) -> list[Outcome]:
+    """The slow twin: each step alone, one after another."""
+    out: list[Outcome] = []
+    for co in steps:
+        try:
+            out.append(run_alone(co, model))
+        except Exception as exc:  # noqa: BLE001 - a step's failure is its result
+            out.append(exc)
+    return out
+
+
+def drive_batch(model: Decoder, steps: list[Step], counts: BatchCounts | None = None) -> list[Outcome]:
+    """Runs the steps' forwards in batched rounds; returns each step's outcome, in order."""
+    out: list[Outcome] = [None] * len(steps)
+    waiting: dict[int, ForwardCall] = {}  # step index -> the forward it waits on
+
+    def advance(i: int, result: Result | None) -> None:
+        co = steps[i]
+        try:
+            waiting[i] = next(co) if result is None else co.send(result)
+        except StopIteration as stop:
+            out[i] = stop.value
+        except Exception as exc:  # noqa: BLE001 - ends this step only
+            out[i] = exc
+
+    for i in range(len(steps)):
+        advance(i, None)
+    while waiting:
+        order = list(waiting)
+        calls = [waiting.pop(i) for i in order]
+        results = _forward(model, calls)
+        if counts is not None:
+            counts.forwards += 1
+            counts.calls += len(calls)
+            counts.per_forward.append(len(calls))
+        for i, result in zip(order, results):
+            if isinstance(result, BaseException):
+                steps[i].close()
+                out[i] = result
+            else:
+                advance(i, result)
+    return out
+
+
+def _forward(model: Decoder, calls: list[ForwardCall]) -> list[Union[Result, BaseException]]:
+    """The calls' results, or for each call that failed its exception."""
+    try:
+        return forward_batch(model, calls)
+    except Exception as exc:  # noqa: BLE001 - isolate the failing call: rerun each alone
+        if len(calls) == 1:
+            return [exc]
+    results: list[Union[Result, BaseException]] = []
+    for call in calls:
+        try:
+            results.append(call.run(model))
+        except Exception as exc:  # noqa: BLE001 - this call's step fails
+            results.append(exc)
+    return results

@@ -1,0 +1,268 @@
+"""A job queue on one thread (docs/architecture.md, "Draft side"): the draft side's calls as jobs.
+
+`JobWorker` runs `Open`, `Step` and `Close` jobs in arrival order (the foreground) on its own
+thread; `Step` jobs of different sessions queued together run as one batch when the subclass
+batches (`max_batch` > 1: DraftWorker, worker.py); between jobs, while the subclass has
+background work, its slices. Callers get futures; a job whose future is cancelled while queued
+never runs. `SerialDraft` puts any DraftBackend behind such a queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
+from specextend.draft.batch import BatchCounts
+
+# How often the worker looks whether a background forward in flight has finished, while it waits
+# for a job (a job wakes it at once): a draft forward takes ~1 ms on an H200.
+POLL_S = 0.0001
+
+
+@dataclass(frozen=True)
+class Open:
+    session_id: str
+    prompt_ids: tuple[int, ...]  # [L]
+    params: DraftSessionParams
+
+
+@dataclass(frozen=True)
+class Step:
+    session_id: str
+    step: int
+    accepted_tokens: tuple[int, ...]
+    retrieval: Optional[Retrieval] = None
+    bound: Optional[TreeBound] = None  # this step's cap on the tree (base.py)
+
+
+@dataclass(frozen=True)
+class Close:
+    session_id: str
+
+
+Job = Union[Open, Step, Close]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    sessions: int
+    background_forwards: int
+    ready_trees: int  # steps answered from the overlap pool
+    rebuilds: int = 0  # working-cache rebuilds of the sessions closed so far
+    rebuild_s: float = 0.0  # their time, on the draft's device clock
+    flight_steps: int = 0  # steps that arrived with a background forward in flight (sessions closed so far)
+    flight_waits: int = 0  # ... of them ready steps that waited for it (their new root was in it)
+    step_batches: int = 0  # batches of Step jobs run (a lone step is a batch of one)
+    batched_steps: int = 0  # Step jobs in them
+    step_forwards: int = 0  # forwards the steps ran (each carrying one or more sessions' calls)
+    step_calls: int = 0  # calls those forwards carried
+
+
+class JobWorker(DraftBackend):
+    """One thread running jobs from a queue: foreground jobs in arrival order; between them, while
+    `_background()` has work, its slices. Subclasses say what a job does (`_do`)."""
+
+    max_batch = 1  # Step jobs of different sessions run together (DraftWorker: more)
+
+    def __init__(self, name: str = "draft") -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Optional[tuple[Job, Future]]] = queue.SimpleQueue()
+        self._deferred: deque[Optional[tuple[Job, Future]]] = deque()  # taken from the queue, not yet run
+        self._counts = BatchCounts()  # the steps' forwards (under _lock)
+        self._step_batches = self._batched_steps = 0
+        self._lock = threading.Lock()  # guards the counters read from other threads
+        self._open_ids: set[str] = set()
+        self._stopped = False
+        self._background_forwards = 0
+        self._ready_trees = 0
+        self._rebuilds, self._rebuild_s = 0, 0.0
+        self._flight_steps, self._flight_waits = 0, 0
+        self._thread = threading.Thread(target=self._run, name=f"draft-worker-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        """Queues a job; its future holds the job's result (None, or a DraftTree) or its error. A
+        future cancelled before the job starts drops the job. A stopped worker fails it at once."""
+        fut: Future = Future()
+        with self._lock:
+            if not self._stopped:
+                self._jobs.put((job, fut))
+                return fut
+        fut.set_exception(DraftError(f"the draft worker {self.name!r} is stopped"))
+        return fut
+
+    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
+        self.submit(Open(session_id, tuple(prompt_ids), params)).result()
+
+    def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
+             retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
+        return self.submit(Step(session_id, step, tuple(accepted_tokens), retrieval, bound)).result()
+
+    def close(self, session_id: str) -> None:
+        self.submit(Close(session_id)).result()
+
+    def health(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_sessions(self) -> int:
+        with self._lock:
+            return len(self._open_ids)
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees, self._rebuilds,
+                               self._rebuild_s, self._flight_steps, self._flight_waits, self._step_batches,
+                               self._batched_steps, self._counts.forwards, self._counts.calls)
+
+    def stop(self) -> None:
+        """Stops the worker after the jobs already queued (returns at once); later jobs fail."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._jobs.put(None)
+
+    def shutdown(self) -> None:
+        """stop(), then wait for the thread."""
+        self.stop()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self._setup()
+            with torch.inference_mode():
+                self._loop()
+        finally:  # stopped, or the thread died: no job waits forever
+            with self._lock:
+                self._stopped = True
+            while True:
+                try:
+                    item = self._deferred.popleft() if self._deferred else self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None and item[1].set_running_or_notify_cancel():
+                    item[1].set_exception(DraftError(f"the draft worker {self.name!r} is stopped"))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            job, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while queued (e.g. its RPC deadline passed)
+            if isinstance(job, Step) and self.max_batch > 1:
+                batch = self._gather(job, fut)
+                counts = BatchCounts()
+                outcomes = self._do_steps([j for j, _ in batch], counts)
+                with self._lock:
+                    self._step_batches += 1
+                    self._batched_steps += len(batch)
+                    self._counts.forwards += counts.forwards
+                    self._counts.calls += counts.calls
+                for (j, f), outcome in zip(batch, outcomes):
+                    self._complete(j, f, outcome)
+                continue
+            try:
+                result = self._do(job)
+            except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
+                fut.set_exception(exc)
+                continue
+            self._complete(job, fut, result)
+
+    def _gather(self, job: Step, fut: Future) -> list[tuple[Step, Future]]:
+        """The step just taken and the Step jobs of other sessions queued right behind it, up to
+        `max_batch`; the first job that cannot join (another kind, or a second step of a session
+        already in the batch) waits in `_deferred` and runs next, so each session's jobs keep
+        their order."""
+        batch, sessions = [(job, fut)], {job.session_id}
+        while len(batch) < self.max_batch and not self._deferred:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is None or not isinstance(item[0], Step) or item[0].session_id in sessions:
+                self._deferred.append(item)
+                break
+            if item[1].set_running_or_notify_cancel():
+                batch.append(item)
+                sessions.add(item[0].session_id)
+        return batch
+
+    def _complete(self, job: Job, fut: Future, result) -> None:
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+            return
+        with self._lock:
+            if isinstance(job, Open):
+                self._open_ids.add(job.session_id)
+            elif isinstance(job, Close):
+                self._open_ids.discard(job.session_id)
+            elif isinstance(result, DraftTree) and result.ready:
+                self._ready_trees += 1
+        fut.set_result(result)
+
+    def _next(self) -> Optional[tuple[Job, Future]]:
+        """The next foreground job; while there is none, background slices, one in flight at most:
+        the next is launched only once the previous has finished."""
+        if self._deferred:
+            return self._deferred.popleft()
+        while True:
+            try:
+                return self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            if self._in_flight():
+                try:
+                    return self._jobs.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+            if not self._background():
+                return self._jobs.get()
+            with self._lock:
+                self._background_forwards += 1
+
+    def _setup(self) -> None:
+        """Runs first on the worker thread."""
+
+    def _background(self) -> bool:
+        """Launch one slice of background work; False when there is none."""
+        return False
+
+    def _in_flight(self) -> bool:
+        """Finishes the slice in flight if it is done; True while it still runs."""
+        return False
+
+    def _do(self, job: Job):
+        raise NotImplementedError
+
+    def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:
+        """Several sessions' steps (max_batch > 1): each one's tree or exception, in order."""
+        raise NotImplementedError
+
+
+class SerialDraft(JobWorker):
+    """Any DraftBackend behind the job queue (its calls serialized on one thread; no background)."""
+
+    def __init__(self, backend: DraftBackend, name: str = "draft") -> None:
+        self.backend = backend
+        super().__init__(name)
+
+    def _do(self, job: Job):
+        if isinstance(job, Open):
+            return self.backend.open(job.session_id, job.prompt_ids, job.params)
+        if isinstance(job, Step):
+            return self.backend.step(job.session_id, job.step, job.accepted_tokens, job.retrieval, job.bound)
+        return self.backend.close(job.session_id)
+
+
+def as_worker(backend: DraftBackend) -> JobWorker:
+    return backend if isinstance(backend, JobWorker) else SerialDraft(backend)
