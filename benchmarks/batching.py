@@ -1,6 +1,7 @@
 """Batched steps across sessions (docs/architecture.md, "Batched steps"): aggregate decode tokens/s
-of N concurrent sessions driven by one scheduler.Batcher, one session per forward
-(max_batch_sessions=1, what the replica did before) against up to 8 per forward, in process.
+of N concurrent sessions driven by one scheduler.Batcher, in process: one session per forward
+(target and draft), the target's forwards batched (up to 8 sessions) with the draft's steps run one
+at a time, and both batched (the draft worker runs queued steps of different sessions together).
 
   python benchmarks/batching.py --target random:llama-68m --sessions 1,4,8 --device cpu
 
@@ -28,8 +29,11 @@ from specextend.scheduler import Batcher
 OUT = Path(__file__).parent / "results" / "batching"
 
 
-def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay) -> dict:
+def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1) -> dict:
     b = Batcher(engine.target.decoder, max_batch)
+    if engine.draft is not None:
+        engine.draft.max_batch = draft_batch
+        before = engine.draft.stats()
     done = threading.Event()
     ends, tokens = [], [0]
 
@@ -58,8 +62,15 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     bad = [e for e in ends if e is not None]
     if bad:
         raise bad[0]
-    return dict(sessions=n, max_batch=max_batch, tokens=tokens[0], wall_s=wall, tokens_per_s=tokens[0] / wall,
-                forwards=b.forwards, mean_calls_per_forward=b.calls / max(b.forwards, 1))
+    row = dict(sessions=n, max_batch=max_batch, tokens=tokens[0], wall_s=wall, tokens_per_s=tokens[0] / wall,
+               forwards=b.forwards, mean_calls_per_forward=b.calls / max(b.forwards, 1))
+    if engine.draft is not None:
+        st = engine.draft.stats()
+        fwd, calls = st.step_forwards - before.step_forwards, st.step_calls - before.step_calls
+        row.update(draft_max_batch=draft_batch, draft_steps=st.batched_steps - before.batched_steps,
+                   draft_batches=st.step_batches - before.step_batches, draft_forwards=fwd,
+                   draft_calls_per_forward=calls / max(fwd, 1))
+    return row
 
 
 def main(argv=None) -> int:
@@ -80,14 +91,17 @@ def main(argv=None) -> int:
                            tree_policy="fixed")
         engine = build_engine(cfg)
         replay = None if mode == "ar" else [a.replay]
-        run(engine, 2, 8, 16, 4, replay)  # warm-up
+        run(engine, 2, 8, 16, 4, replay, 8)  # warm-up
+        plans = [(1, 1), (8, 8)] if mode == "ar" else [(1, 1), (8, 1), (8, 8)]  # (target, draft) batch
         for n in [int(x) for x in a.sessions.split(",")]:
-            pair = [run(engine, n, mb, a.prompt_len, a.new_tokens, replay) for mb in (1, 8)]
-            for r in pair:
+            got = [run(engine, n, mb, a.prompt_len, a.new_tokens, replay, db) for mb, db in plans]
+            for r in got:
                 rows.append(dict(mode=mode, replayed=replay is not None, **r))
-            print(f"{mode:4s} sessions {n:2d}: one per forward {pair[0]['tokens_per_s']:7.1f} tok/s, "
-                  f"batched {pair[1]['tokens_per_s']:7.1f} tok/s ({pair[1]['mean_calls_per_forward']:.1f} "
-                  f"calls/forward) -> {pair[1]['tokens_per_s'] / pair[0]['tokens_per_s']:.2f}x", flush=True)
+            cells = [f"{r['tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
+                     + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "") + ")"
+                     for r in got]
+            print(f"{mode:4s} sessions {n:2d}: " + "  ".join(f"{mb}/{db}: {c}" for (mb, db), c in zip(plans, cells))
+                  + f"  -> {got[-1]['tokens_per_s'] / got[0]['tokens_per_s']:.2f}x", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = a.device if a.device == "cpu" else torch.cuda.get_device_name()
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(),

@@ -69,7 +69,8 @@ class JobWorker(DraftBackend):
     """One thread running jobs from a queue: foreground jobs in arrival order; between them, while
     `_background()` has work, its slices. Subclasses say what a job does (`_do`)."""
 
-    max_batch = 1  # Step jobs of different sessions run together (DraftWorker: more)
+    batches_steps = False  # Step jobs go through _do_steps, batched up to max_batch (DraftWorker)
+    max_batch = 1
 
     def __init__(self, name: str = "draft") -> None:
         self.name = name
@@ -159,7 +160,7 @@ class JobWorker(DraftBackend):
             job, fut = item
             if not fut.set_running_or_notify_cancel():
                 continue  # cancelled while queued (e.g. its RPC deadline passed)
-            if isinstance(job, Step) and self.max_batch > 1:
+            if isinstance(job, Step) and self.batches_steps:
                 batch = self._gather(job, fut)
                 counts = BatchCounts()
                 outcomes = self._do_steps([j for j, _ in batch], counts)
@@ -245,7 +246,7 @@ class JobWorker(DraftBackend):
         raise NotImplementedError
 
     def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:
-        """Several sessions' steps (max_batch > 1): each one's tree or exception, in order."""
+        """Several sessions' steps (one, or up to max_batch): each one's tree or exception, in order."""
         raise NotImplementedError
 
 

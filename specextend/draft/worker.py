@@ -51,7 +51,10 @@ class SessionEntry:
 
 
 class DraftWorker(JobWorker):
-    """The draft model's worker: sessions, idempotent steps, overlapped drafting in the background."""
+    """The draft model's worker: sessions, idempotent steps (batched across sessions), overlapped
+    drafting in the background."""
+
+    batches_steps = True
 
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH):
