@@ -29,7 +29,7 @@ from specextend.draft.batch import BatchCounts, drive_batch
 from specextend.draft.jobs import (POLL_S, Close, Job, JobWorker, Open, SerialDraft, Step,  # noqa: F401 (re-exported)
                                    WorkerStats, as_worker)
 from specextend.draft.session import OVERLAP_ROWS, SYNC_DEPTH, DraftSession
-from specextend.models.batch import ForwardCall, Result, run_alone
+from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -113,10 +113,9 @@ class DraftWorker(JobWorker):
         return False
 
     def _do(self, job: Job):
+        """Every job but Step (those go to _do_steps, batched)."""
         if isinstance(job, Open):
             return self._open(job)
-        if isinstance(job, Step):
-            return self._step(job)
         if isinstance(job, _WarmUp):
             return self._warm_up(job)
         if isinstance(job, _Peek):
@@ -141,9 +140,6 @@ class DraftWorker(JobWorker):
         session = DraftSession(self.model, job.prompt_ids, job.params, self.prefill_chunk, overlap=self.overlap,
                                overlap_rows=self.overlap_rows, sync_depth=self.sync_depth)
         self._sessions[job.session_id] = SessionEntry(session)
-
-    def _step(self, job: Step) -> DraftTree:
-        return run_alone(self._step_co(job), self.model)
 
     def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:
         return drive_batch(self.model, [self._step_co(job) for job in jobs], counts)
