@@ -24,15 +24,17 @@ import torch
 
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
+from specextend.draft.worker import GATHER_S
 from specextend.scheduler import Batcher
 
 OUT = Path(__file__).parent / "results" / "batching"
 
 
-def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1) -> dict:
+def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
+        gather_s: float = 0.0) -> dict:
     b = Batcher(engine.target.decoder, max_batch)
     if engine.draft is not None:
-        engine.draft.max_batch = draft_batch
+        engine.draft.max_batch, engine.draft.gather_s = draft_batch, gather_s
         before = engine.draft.stats()
     done = threading.Event()
     ends, tokens = [], [0]
@@ -67,7 +69,7 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     if engine.draft is not None:
         st = engine.draft.stats()
         fwd, calls = st.step_forwards - before.step_forwards, st.step_calls - before.step_calls
-        row.update(draft_max_batch=draft_batch, draft_steps=st.batched_steps - before.batched_steps,
+        row.update(draft_max_batch=draft_batch, draft_gather_s=gather_s, draft_steps=st.batched_steps - before.batched_steps,
                    draft_batches=st.step_batches - before.step_batches, draft_forwards=fwd,
                    draft_calls_per_forward=calls / max(fwd, 1))
     return row
@@ -92,15 +94,18 @@ def main(argv=None) -> int:
         engine = build_engine(cfg)
         replay = None if mode == "ar" else [a.replay]
         run(engine, 2, 8, 16, 4, replay, 8)  # warm-up
-        plans = [(1, 1), (8, 8)] if mode == "ar" else [(1, 1), (8, 1), (8, 8)]  # (target, draft) batch
+        # (target batch, draft batch, the draft's gather wait)
+        plans = ([(1, 1, 0.0), (8, 8, 0.0)] if mode == "ar" else
+                 [(1, 1, 0.0), (8, 1, 0.0), (8, 8, 0.0), (8, 8, GATHER_S)])
         for n in [int(x) for x in a.sessions.split(",")]:
-            got = [run(engine, n, mb, a.prompt_len, a.new_tokens, replay, db) for mb, db in plans]
+            got = [run(engine, n, mb, a.prompt_len, a.new_tokens, replay, db, gs) for mb, db, gs in plans]
             for r in got:
                 rows.append(dict(mode=mode, replayed=replay is not None, **r))
             cells = [f"{r['tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
                      + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "") + ")"
                      for r in got]
-            print(f"{mode:4s} sessions {n:2d}: " + "  ".join(f"{mb}/{db}: {c}" for (mb, db), c in zip(plans, cells))
+            print(f"{mode:4s} sessions {n:2d}: " + "  ".join(f"{mb}/{db}{'w' if gs else ''}: {c}"
+                                                        for (mb, db, gs), c in zip(plans, cells))
                   + f"  -> {got[-1]['tokens_per_s'] / got[0]['tokens_per_s']:.2f}x", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = a.device if a.device == "cpu" else torch.cuda.get_device_name()

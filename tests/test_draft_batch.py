@@ -163,3 +163,32 @@ def test_the_worker_gathers_queued_steps_of_different_sessions(tiny_models):
     assert worker.step("s4", 0, [11]) == ref.step("s4", 0, [11])  # the cancelled step never ran
     worker.shutdown()
     ref.shutdown()
+
+
+def test_a_step_waits_briefly_for_the_sessions_that_stepped_recently(tiny_models):
+    """With a gather wait, a step that arrives alone waits (up to gather_s) for the other sessions
+    that stepped lately, and they run as one batch; a session stepping alone never waits. The wait
+    here is long (5 s) so that waiting and not waiting cannot be confused on a loaded machine."""
+    import time
+
+    draft = tiny_models("float64")[1].decoder
+    params = DraftSessionParams(TREE, RetrievalConfig(), max_new_tokens=80)
+    worker, ref = DraftWorker(draft, gather_s=5.0), DraftWorker(draft, max_batch=1)
+    for w in (worker, ref):
+        w.open("a", prompt(40, 1), params)
+    t = time.monotonic()
+    assert worker.step("a", 0, [7]) == ref.step("a", 0, [7])
+    assert worker.step("a", 1, [8]) == ref.step("a", 1, [8])  # only "a" stepped lately: no wait
+    assert time.monotonic() - t < 2.5
+    for w in (worker, ref):
+        w.open("b", prompt(60, 2), params)
+    assert worker.step("b", 0, [9]) == ref.step("b", 0, [9])  # waited for "a" (which did not come): 5 s
+    before = worker.stats()
+    first = worker.submit(Step("a", 2, (10,)))
+    time.sleep(0.3)  # "b" arrives while "a" waits for it
+    second = worker.submit(Step("b", 1, (11,)))
+    assert first.result(30) == ref.step("a", 2, [10]) and second.result(30) == ref.step("b", 1, [11])
+    after = worker.stats()
+    assert (after.step_batches - before.step_batches, after.batched_steps - before.batched_steps) == (1, 2)
+    worker.shutdown()
+    ref.shutdown()

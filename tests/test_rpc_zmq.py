@@ -381,3 +381,29 @@ def test_an_idle_socket_of_a_gone_draft_stops_trying(fake):
         assert time.monotonic() - t < 1.0, attempt
     assert not client._idle  # both retired
     client.close()
+
+
+def test_a_client_dropped_without_shutdown_leaves_the_channels_working(fake):
+    """Clients garbage-collected while connected, never shut down, and then their draft going
+    away: the next client in the process still connects and steps. (Collected sockets used to
+    close in any order; an event for a monitor already closed blocked libzmq's I/O thread shared by
+    every socket of the process: every later step channel failed to connect.)"""
+    import gc
+
+    for _ in range(5):
+        server = DraftServerThread(fake)
+        for i in range(6):
+            client = GrpcDraftBackend(server.address, timeout_s=2.0)
+            client.open(f"dropped-{i}", [1], PARAMS)
+            client.step(f"dropped-{i}", 0, [1])
+            client._cycle = client  # collected by the cycle collector, in its order
+            del client
+        gc.collect()
+        server.stop()  # DISCONNECTED for any socket still open
+        time.sleep(0.2)
+    with DraftServerThread(fake) as server:
+        client = GrpcDraftBackend(server.address, timeout_s=2.0)
+        client.open("s", [1], PARAMS)
+        assert client.step("s", 0, [4]) == expected_tree("s", 0, [4])
+        assert client.step_endpoint == server.step_endpoint  # over the channel, not a fallback
+        client.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from specextend.draft.batch import BatchCounts
 # How often the worker looks whether a background forward in flight has finished, while it waits
 # for a job (a job wakes it at once): a draft forward takes ~1 ms on an H200.
 POLL_S = 0.0001
+RECENT_S = 0.25  # a session that stepped this recently is expected to step again soon
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class JobWorker(DraftBackend):
 
     batches_steps = False  # Step jobs go through _do_steps, batched up to max_batch (DraftWorker)
     max_batch = 1
+    gather_s = 0.0  # how long a batch may wait for the steps of sessions that stepped recently
 
     def __init__(self, name: str = "draft") -> None:
         self.name = name
@@ -78,6 +81,7 @@ class JobWorker(DraftBackend):
         self._deferred: deque[Optional[tuple[Job, Future]]] = deque()  # taken from the queue, not yet run
         self._counts = BatchCounts()  # the steps' forwards (under _lock)
         self._step_batches = self._batched_steps = 0
+        self._recent: dict[str, float] = {}  # session -> when it last stepped (the worker thread's)
         self._lock = threading.Lock()  # guards the counters read from other threads
         self._open_ids: set[str] = set()
         self._stopped = False
@@ -185,23 +189,49 @@ class JobWorker(DraftBackend):
         already in the batch) waits in `_deferred` and runs next, so each session's jobs keep
         their order."""
         batch, sessions = [(job, fut)], {job.session_id}
+        expect, deadline = self._expected(), None
         while len(batch) < self.max_batch and not self._deferred:
             try:
                 item = self._jobs.get_nowait()
             except queue.Empty:
-                break
+                if len(batch) >= expect:
+                    break
+                now = time.monotonic()
+                deadline = deadline or now + self.gather_s
+                try:
+                    item = self._jobs.get(timeout=deadline - now) if deadline > now else None
+                except queue.Empty:
+                    item = None
+                if item is None:
+                    break
             if item is None or not isinstance(item[0], Step) or item[0].session_id in sessions:
                 self._deferred.append(item)
                 break
             if item[1].set_running_or_notify_cancel():
                 batch.append(item)
                 sessions.add(item[0].session_id)
+        now = time.monotonic()
+        for sid in sessions:
+            self._recent[sid] = now
         return batch
+
+    def _expected(self) -> int:
+        """Sessions that stepped within the last RECENT_S: the batch a step may wait for (up to
+        `gather_s`), since their next steps are likely on their way (the target's engine issues
+        a round's draft steps together)."""
+        if self.gather_s <= 0:
+            return 1
+        now = time.monotonic()
+        for sid in [s for s, t in self._recent.items() if now - t > RECENT_S]:
+            del self._recent[sid]
+        return min(len(self._recent), self.max_batch)
 
     def _complete(self, job: Job, fut: Future, result) -> None:
         if isinstance(result, BaseException):
             fut.set_exception(result)
             return
+        if isinstance(job, Close):
+            self._recent.pop(job.session_id, None)
         with self._lock:
             if isinstance(job, Open):
                 self._open_ids.add(job.session_id)

@@ -41,6 +41,8 @@ SWITCH_INTERVAL_S = 0.0002
 # Step jobs of different sessions run as one batch at most (the target's engine issues draft calls
 # from 8 threads: scheduler.Batcher)
 MAX_BATCH = 8
+# How long a step may wait for the steps of the other sessions that stepped recently (jobs.py)
+GATHER_S = 0.001
 
 
 @dataclass
@@ -57,11 +59,12 @@ class DraftWorker(JobWorker):
     batches_steps = True
 
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
-                 overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH):
+                 overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
+                 gather_s: float = GATHER_S):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
-        self.max_batch = max_batch
+        self.max_batch, self.gather_s = max_batch, gather_s
         self.sync_depth = sync_depth
         self.prefill_chunk = prefill_chunk
         self.overlap = overlap

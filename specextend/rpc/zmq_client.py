@@ -17,7 +17,9 @@ a new one. This bounds what its monitor can be sent to a few events in its life.
 libzmq's I/O thread sends monitor events with a blocking send, so a socket that kept retrying a
 draft that had gone (an event every 100 ms) while it sat idle in the pool, its monitor unread,
 filled the monitor's pipe within minutes and then blocked the I/O thread shared by every socket of
-the process: no step channel in it could connect again (seen in CI, 2026-11-23).
+the process: no step channel in it could connect again (seen in CI, 2026-11-23). For the same
+reason a socket's monitor is always stopped before either socket closes, garbage collection
+included (`_close_monitored`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import itertools
 import math
 import threading
 import time
+import weakref
 from typing import Optional
 
 import grpc
@@ -54,6 +57,19 @@ def _ms(seconds: float) -> int:
     return max(0, math.ceil(seconds * 1e3))
 
 
+def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """The monitor stopped first, then its socket closed, then the socket: libzmq's I/O thread
+    sends a monitor event with a blocking send, so an event for a monitor socket already closed
+    (as garbage collection closes sockets, in any order) blocks that thread, shared by every socket
+    of the process, for good."""
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    monitor.close(0)
+    sock.close(0)
+
+
 class _Socket:
     """One DEALER connected to the channel, with its connection monitor."""
 
@@ -70,14 +86,12 @@ class _Socket:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.lost = False
+        # closed in this order however it ends, garbage collection of a client never shut down
+        # included (the finalizer holds both sockets until it runs)
+        self._close = weakref.finalize(self, _close_monitored, self.sock, self.monitor)
 
     def close(self) -> None:
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(0)
-        self.sock.close(0)
+        self._close()
 
     def call(self, message: bytes, request_id: int, timeout_s: float) -> tuple[grpc.StatusCode, bytes]:
         deadline = time.monotonic() + timeout_s

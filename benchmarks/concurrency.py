@@ -1,0 +1,126 @@
+"""Concurrent requests through the served app (docs/architecture.md, "Batched steps"): the same N
+requests sent one after another, then all at once, over HTTP with the official `openai` client
+against the real Ray Serve app; prints the wall times and their ratio, checks each concurrent
+output against its sequential one, writes JSON under results/concurrency/.
+
+  python benchmarks/concurrency.py --modes ar,sd,specextend --requests 8 --new-tokens 64
+
+Defaults: the tiny pair in float64 on the CPU (outputs must then be equal token for token). The
+replica batches the sessions' target forwards (max_batch_sessions) and the draft worker their
+draft steps; one at a time, each request pays a whole forward per step alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+OUT = Path(__file__).parent / "results" / "concurrency"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, timeout_s: float = 600) -> None:
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the app did not become ready in {timeout_s:.0f} s")
+
+
+def complete(client, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body=dict(ignore_eos=True, return_token_ids=True))
+    return list(r.choices[0].model_extra["token_ids"])
+
+
+def measure(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    complete(client, model, prompts[0][:16], 4)  # warm-up
+    t0 = time.perf_counter()
+    sequential = [complete(client, model, p, new_tokens) for p in prompts]
+    t_seq = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        concurrent = list(pool.map(lambda p: complete(client, model, p, new_tokens), prompts))
+    t_con = time.perf_counter() - t0
+    equal = [a == b for a, b in zip(sequential, concurrent)]
+    return dict(sequential_s=t_seq, concurrent_s=t_con, ratio=t_con / t_seq, tokens=sum(map(len, concurrent)),
+                equal=sum(equal), requests=len(prompts))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="random:llama-tiny")
+    p.add_argument("--draft", default="random:llama-tiny-draft")
+    p.add_argument("--modes", default="ar,sd,specextend")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--dtype", default="float64")
+    p.add_argument("--num-gpus", type=float, default=0.0)
+    a = p.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from deploy.app import specextend
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(a.prompt_len)] for _ in range(a.requests)]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for mode in a.modes.split(","):
+            settings = dict(target=a.target, draft=a.draft, mode=mode, num_gpus=a.num_gpus, dtype=a.dtype,
+                            max_new_tokens=max(a.new_tokens, 64), max_concurrent_sessions=max(16, a.requests),
+                            retrieval_chunk_size=16, retrieval_top_k=4)
+            serve.run(specextend(settings), name="concurrency", route_prefix="/")
+            wait_ready(url)
+            r = measure(url, prompts, a.new_tokens)
+            serve.delete("concurrency")
+            rows.append(dict(mode=mode, **r))
+            print(f"{mode:10s} {a.requests} requests x {a.new_tokens} tokens: one after another {r['sequential_s']:6.2f} s, "
+                  f"at once {r['concurrent_s']:6.2f} s -> {r['ratio']:.2f}x the time; "
+                  f"{r['equal']}/{r['requests']} outputs equal", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device = "cpu" if not a.num_gpus else "gpu"
+    meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(), cores=os.cpu_count(),
+                command="python benchmarks/concurrency.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"concurrency-{device}.json"
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0 if all(r["equal"] == r["requests"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
