@@ -24,6 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specextend.bench.serve import wait_ready  # noqa: E402
+
 OUT = Path(__file__).parent / "results" / "concurrency"
 
 
@@ -31,20 +33,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_ready(url: str, timeout_s: float = 600) -> None:
-    import httpx
-
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the app did not become ready in {timeout_s:.0f} s")
 
 
 def complete(client, model: str, prompt: list[int], max_tokens: int) -> list[int]:

@@ -36,7 +36,7 @@ def placements() -> list[tuple[str, float, bool]]:
     return [("1gpu", 0.5, False)] + two
 
 
-def _wait_ready(url: str, timeout_s: float) -> None:
+def wait_ready(url: str, timeout_s: float) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout_s:
         try:
@@ -105,7 +105,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                         args["replay_accept_length"] = REPLAY_ACCEPT
                     t0 = time.perf_counter()
                     serve.run(specextend(args), name="bench", blocking=False)
-                    _wait_ready(url, 1800)
+                    wait_ready(url, 1800)
                     startup = time.perf_counter() - t0
                     model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
                     name = f"{mode}-{where}" if mode != "ar" else "ar"
