@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specextend.bench.serve import wait_ready  # noqa: E402
+from specextend.bench.serve import wait_ready
 
 OUT = Path(__file__).parent / "results" / "concurrency"
 
