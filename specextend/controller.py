@@ -15,6 +15,10 @@ from what it measured at this session's actual context, online:
   a / B + b * rows, so as the batch grows the weight of the nodes' own cost grows smoothly and
   the chosen tree shrinks (no threshold, no cliff).
 - `draft(depth)`: seconds the target waited for a tree, a line over the tree's depth.
+- `extra`: the rest of a step's wall time, beyond its forwards and its wait for the tree: host work
+  (verification, retrieval, bookkeeping), one average for speculative steps and one for plain
+  ones, when the driver gives the step's wall time. Small beside a GPU step; on a CPU with a tiny
+  target it is most of a speculative step, and without it speculation looked cheaper than it was.
 - `accepted(n, d)`: accepted draft tokens per step, an average per rung whose weights decay with
   steps, not with measurements (a rung measured long ago is mostly replaced by its next
   measurement). One verification measures every rung up to the tree it verified: trees are sent
@@ -142,8 +146,11 @@ class TreeController:
     probe_steps: int = 0
     since_probe: int = 0  # steps since the last probe (or the start, or the last step with the top rung best)
     probe_every: int = 0  # 0: to be set from the costs when a probe is next considered
+    extra_spec: Optional[float] = None  # a speculative step's seconds beyond forwards and draft wait (average)
+    extra_plain: Optional[float] = None  # a plain step's seconds beyond its forward (average)
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
+    _forward_s: float = 0.0  # forward seconds recorded since the last step ended
 
     @property
     def top(self) -> Rung:
@@ -161,7 +168,9 @@ class TreeController:
         forward's fixed cost, its own rows and draft)."""
         a, b = self.forward.line()
         fwd = a / max(self.sessions, 1) + b * (rung.nodes + 1)
-        return fwd if rung.plain else fwd + self.draft(rung.depth)
+        if rung.plain:
+            return fwd + (self.extra_plain or 0.0)
+        return fwd + self.draft(rung.depth) + (self.extra_spec or 0.0)
 
     def rate(self, rung: Rung) -> float:
         """Predicted tokens per second of a step of `rung`."""
@@ -195,17 +204,29 @@ class TreeController:
         """A target forward that carried this session's call: all its `rows` (every session's, when
         shared) and its duration."""
         self.forward.add(rows, seconds)
+        self._forward_s += seconds
 
-    def record_plain(self) -> None:
+    def _average(self, old: Optional[float], new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def record_plain(self, step_s: Optional[float] = None) -> None:
+        """A plain step; `step_s`: its wall time, when the driver measured it."""
+        if step_s is not None:
+            self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
+        self._forward_s = 0.0
         self.plain_steps += 1
         self.since_probe += 1
 
-    def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict) -> None:
+    def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None) -> None:
         """A speculative step of `rung`: the wait for its tree (None when the draft first caught up
-        on plain steps' tokens: a one-off of switching, not what a speculative step costs), and
-        prefix_accepts' counts."""
+        on plain steps' tokens: a one-off of switching, not what a speculative step costs),
+        prefix_accepts' counts, and the step's wall time when the driver measured it (the first
+        speculative step's is not used: it carries one-off costs)."""
         if draft_s is not None:
             self.draft.add(rung.depth, draft_s)
+            if step_s is not None and self.spec_steps:
+                self.extra_spec = self._average(self.extra_spec, max(step_s - self._forward_s - draft_s, 0.0))
+        self._forward_s = 0.0
         now = self.spec_steps + self.plain_steps
         for r, n in accepts.items():
             old = self.accepted.get(r, 0.0)

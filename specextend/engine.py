@@ -242,6 +242,7 @@ class Engine:
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
             while out.finish is None:
                 rung = ctl.choose(load.sessions) if use_draft else PLAIN
+                t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
                 if not rung.plain:
                     try:
                         ts = time.perf_counter()
@@ -276,14 +277,15 @@ class Engine:
                     committed = pending = verdict.tokens
                     step += 1
                     ctl.record_spec(rung, None if caught_up else draft_s,
-                                    prefix_accepts(verdict.accepted, parents, rung, ctl.rungs))
+                                    prefix_accepts(verdict.accepted, parents, rung, ctl.rungs),
+                                    step_s=time.perf_counter() - t_step)
                     stats.probe_steps = ctl.probe_steps
                 else:
                     logits = yield from timed(target.decode_co(committed[-1]))
                     committed = [next_token(logits, params, gen)]
                     if use_draft:
                         pending = pending + committed
-                        ctl.record_plain()
+                        ctl.record_plain(step_s=time.perf_counter() - t_step)
                         stats.plain_steps += 1
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1

@@ -88,6 +88,34 @@ PROFILES = {  # accepted draft tokens per step of the 4-, 8- and 16-node trees
 }
 
 
+def test_host_work_of_a_step_counts_against_speculation():
+    """Speculative steps that cost more wall time than their forwards and draft wait (host work:
+    verification, retrieval) are charged for it: with the step's wall time given, a tree that
+    looks worth it by forwards and draft alone is dropped for plain steps; without it, kept."""
+    accepted = dict(zip(RUNGS[1:], PROFILES["medium"]))
+    host = 0.03  # seconds of host work in every speculative step, none in plain ones
+
+    def run(give_wall):
+        ctl, chosen = TreeController(list(RUNGS)), []
+        for _ in range(60):
+            r = ctl.choose()
+            fwd = FIXED + ROW * (r.nodes + 1)
+            ctl.record_forward(r.nodes + 1, fwd)
+            if r.plain:
+                ctl.record_plain(step_s=fwd if give_wall else None)
+            else:
+                covered = [q for q in ctl.rungs[1:] if q.nodes <= r.nodes and q.depth <= r.depth]
+                draft = LEVEL * r.depth
+                ctl.record_spec(r, draft, {q: accepted[q] for q in covered},
+                                step_s=fwd + draft + host if give_wall else None)
+            chosen.append(r)
+        return chosen[10:]
+
+    assert all(not r.plain for r in run(give_wall=False)[-20:])  # by forwards and draft: a tree pays
+    steady = run(give_wall=True)
+    assert sum(r.plain for r in steady) >= 0.8 * len(steady)  # host work included: plain steps pay
+
+
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_picks_the_size_of_most_tokens_per_second(profile):
     accepted = dict(zip(RUNGS[1:], PROFILES[profile]))
@@ -274,9 +302,9 @@ def test_the_drafts_catch_up_after_plain_steps_is_not_charged_to_speculation(tin
     waits = []
 
     class Spy(Runs):
-        def record_spec(self, rung, draft_s, accepts):
+        def record_spec(self, rung, draft_s, accepts, **kw):
             waits.append(draft_s)
-            super().record_spec(rung, draft_s, accepts)
+            super().record_spec(rung, draft_s, accepts, **kw)
 
     engine = make_engine(pair, "sd", tree=TreeConfig(8, 3, 2), tree_policy="adaptive")
     monkeypatch.setattr(engine, "new_controller", lambda tree: Spy(ladder(tree)))
