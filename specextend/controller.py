@@ -131,7 +131,7 @@ class LinearCost:
 @dataclass
 class TreeController:
     rungs: list[Rung]  # ladder(): plain first, the session's tree last
-    warmup: int = 2  # steps with the largest tree before the first decision
+    warmup: int = 2  # steps before the first decision: the smallest tree, then the largest if it may pay
     min_probe: int = 4  # steps before a probe, at least
     probe_ratio: float = 10.0  # ... and at least this many probes' worth of time
     max_probe: int = 1024
@@ -184,7 +184,9 @@ class TreeController:
     def choose(self, sessions: int = 1) -> Rung:
         """The next step's rung; `sessions` share the target's forwards now."""
         self.sessions = sessions
-        if self.spec_steps < self.warmup:
+        if self.spec_steps == 0:
+            return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
+        if self.spec_steps < self.warmup and self._top_may_pay():
             return self.top
         if self.forward.slope is None and not self.plain_steps:
             return PLAIN  # one plain step, so the forward line has two sizes to go by
@@ -199,6 +201,12 @@ class TreeController:
             self._probing, self._best = True, best
             return self.top
         return best
+
+    def _top_may_pay(self) -> bool:
+        """Whether the largest tree could beat a plain step if every level were accepted: when not
+        (a draft far slower than the target), warming up on it would only cost time."""
+        best_case = (1.0 + self.top.depth) / max(self.step_seconds(self.top), 1e-9)
+        return best_case > self.rate(PLAIN)
 
     def record_forward(self, rows: int, seconds: float) -> None:
         """A target forward that carried this session's call: all its `rows` (every session's, when

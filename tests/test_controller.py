@@ -88,6 +88,22 @@ PROFILES = {  # accepted draft tokens per step of the 4-, 8- and 16-node trees
 }
 
 
+def test_a_draft_far_slower_than_the_target_is_not_warmed_up_on_its_full_tree():
+    """After the smallest tree shows what a level of drafting costs, the full tree is skipped when
+    even every level accepted could not beat a plain step (a 68M draft beside a tiny target)."""
+    ctl, chosen = TreeController(list(RUNGS)), []
+    for _ in range(12):
+        r = ctl.choose()
+        ctl.record_forward(r.nodes + 1, FIXED + ROW * (r.nodes + 1))
+        if r.plain:
+            ctl.record_plain()
+        else:
+            ctl.record_spec(r, 50 * FIXED * r.depth, {q: 0.0 for q in ctl.rungs[1:] if q.nodes <= r.nodes})
+        chosen.append(r)
+    assert chosen[0] == RUNGS[1] and RUNGS[-1] not in chosen[1:]
+    assert all(r.plain for r in chosen[1:])
+
+
 def test_host_work_of_a_step_counts_against_speculation():
     """Speculative steps that cost more wall time than their forwards and draft wait (host work:
     verification, retrieval) are charged for it: with the step's wall time given, a tree that
@@ -122,7 +138,7 @@ def test_picks_the_size_of_most_tokens_per_second(profile):
     want = max(RUNGS, key=lambda r: true_rate(r, accepted))
     ctl = TreeController(list(RUNGS))
     chosen = simulate(ctl, accepted, 80)
-    assert chosen[:3] == [RUNGS[-1], RUNGS[-1], PLAIN]  # warm-up on the full tree, one plain step
+    assert chosen[:2] == [RUNGS[1], RUNGS[-1]]  # warm-up: the smallest tree, then the full one
     steady = chosen[3:]
     assert steady.count(want) >= 0.8 * len(steady)  # the rest are probes of the full tree
     assert set(steady) <= {want, RUNGS[-1]}
@@ -155,7 +171,7 @@ def test_probes_back_off_exponentially_and_come_back():
     ctl = TreeController(list(RUNGS))
     chosen = simulate(ctl, hard, 400)
     assert ctl.best() == PLAIN
-    probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]][2:]
+    probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]][1:]  # after the warm-up's
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     base = round(10 * (FIXED + ROW * 17 + LEVEL * 6) / (FIXED + ROW))
     assert probes[0] == base  # `base` steps from the start (warm-up and the plain measurement included)
@@ -242,13 +258,14 @@ def test_adaptive_is_the_default_and_fixed_speculates_every_step(tiny_models):
 
 
 def test_adaptive_engine_runs_its_policy(tiny_models):
-    """The real controller in the engine: warm-up on the full tree, then its own choices, lossless."""
+    """The real controller in the engine: warm-up on the smallest and the full tree, then its own
+    choices, lossless."""
     pair = tiny_models("float64")
     prompt = list(range(3, 90))
     params = SamplingParams(40, ignore_eos=True)
     ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
     out, _, stats = make_engine(pair, "sd", tree=TreeConfig(8, 4, 3), tree_policy="adaptive").generate(prompt, params)
-    assert out == ref and stats.nodes_per_step[:2] == [8, 8]
+    assert out == ref and stats.nodes_per_step[:2] == [4, 8]  # warm-up: the smallest tree, then the full one
     assert stats.num_steps + stats.plain_steps >= 40 / 5
 
 
