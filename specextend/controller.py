@@ -131,7 +131,8 @@ class LinearCost:
 @dataclass
 class TreeController:
     rungs: list[Rung]  # ladder(): plain first, the session's tree last
-    warmup: int = 2  # steps before the first decision: the smallest tree, then the largest if it may pay
+    warmup: int = 2  # speculative steps before the first decision: the smallest tree, then (after a plain
+    # step) the largest if it may pay
     min_probe: int = 4  # steps before a probe, at least
     probe_ratio: float = 10.0  # ... and at least this many probes' worth of time
     max_probe: int = 1024
@@ -148,6 +149,7 @@ class TreeController:
     probe_every: int = 0  # 0: to be set from the costs when a probe is next considered
     extra_spec: Optional[float] = None  # a speculative step's seconds beyond forwards and draft wait (average)
     extra_plain: Optional[float] = None  # a plain step's seconds beyond its forward (average)
+    plain_forward: Optional[float] = None  # a plain step's forward seconds, alone (average)
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
@@ -169,6 +171,8 @@ class TreeController:
         a, b = self.forward.line()
         fwd = a / max(self.sessions, 1) + b * (rung.nodes + 1)
         if rung.plain:
+            if self.plain_forward is not None and self.sessions <= 1:
+                fwd = self.plain_forward  # measured: the line is mostly verifications, a costlier path
             return fwd + (self.extra_plain or 0.0)
         return fwd + self.draft(rung.depth) + (self.extra_spec or 0.0)
 
@@ -186,10 +190,10 @@ class TreeController:
         self.sessions = sessions
         if self.spec_steps == 0:
             return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
+        if not self.plain_steps:
+            return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)
         if self.spec_steps < self.warmup and self._top_may_pay():
             return self.top
-        if self.forward.slope is None and not self.plain_steps:
-            return PLAIN  # one plain step, so the forward line has two sizes to go by
         best = self.best()
         if best == self.top:  # nothing larger to probe
             self.probe_every = self.since_probe = 0
@@ -221,6 +225,8 @@ class TreeController:
         """A plain step; `step_s`: its wall time, when the driver measured it."""
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
+        if self._forward_s and self.sessions <= 1:
+            self.plain_forward = self._average(self.plain_forward, self._forward_s)
         self._forward_s = 0.0
         self.plain_steps += 1
         self.since_probe += 1

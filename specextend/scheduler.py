@@ -4,7 +4,8 @@ A session (Engine.session) yields what it needs: a `ForwardCall` (a target forwa
 KV cache), a `DraftCall` (a call to the draft backend, which may wait on another process or
 GPU) or a step event for its client. `drive_alone` runs one session in place. `Batcher` runs many
 on one thread in rounds: it advances every session that can move until each waits on a forward or
-a draft call, makes the draft calls concurrently on a small pool (the draft side queues them), and
+a draft call, then issues the round's draft calls together on a small pool (the draft side queues
+them, and its worker runs queued steps of different sessions as one batch), and
 runs the collected forwards as one batched target forward (models/batch.forward_batch, up to
 `max_batch` calls each). A session that waits on a draft call does not hold the others' forward
 back, except that a round waits for the draft steps it issued itself (milliseconds) so that the
@@ -105,14 +106,15 @@ Sink = Callable[[Any], bool]  # receives an event, None (the session ended) or a
 class _Entry:
     """A session in the batcher: what goes into it next, and what it waits on."""
 
-    __slots__ = ("co", "sink", "load", "send", "exc", "call", "future", "opening_call", "paused", "resumed",
-                 "stopped")
+    __slots__ = ("co", "sink", "load", "send", "exc", "call", "draft_fn", "future", "opening_call", "paused",
+                 "resumed", "stopped")
 
     def __init__(self, co: Generator, sink: Sink, load: Optional[Load]) -> None:
         self.co, self.sink, self.load = co, sink, load
         self.send: Any = None
         self.exc: Optional[BaseException] = None
         self.call: Optional[ForwardCall] = None  # waiting on this round's forward
+        self.draft_fn: Optional[Callable[[], Any]] = None  # a draft step, issued with the round's others
         self.future: Optional[Future] = None  # waiting on a draft call
         self.opening_call = False  # ... on the draft session's opening (not waited for by a round)
         self.paused = False  # its client lags (the sink said so): not advanced until resumed
@@ -193,11 +195,16 @@ class Batcher:
             self._incoming = []
         for e in [e for e in self._sessions if e.stopped]:
             self._finish(e, close=True)
-        step_futures = []
         for e in list(self._sessions):
             self._advance(e)
-            if e.future is not None and not e.future.done() and e.call is None:
-                step_futures.append(e)
+        # the round's draft steps leave together, once every session has had its turn: they reach the
+        # draft's queue within microseconds of each other, and the draft worker runs them as one batch
+        for e in self._sessions:
+            if e.draft_fn is not None:
+                fn, e.draft_fn = e.draft_fn, None
+                e.future = self._pool.submit(fn)
+                e.future.add_done_callback(self._notify)
+        step_futures = [e for e in self._sessions if e.future is not None and not e.future.done() and e.call is None]
         # the draft steps issued this round: wait for them so their verifications join this forward
         waited = [e.future for e in step_futures if not e.opening_call]
         if waited:
@@ -235,7 +242,7 @@ class Batcher:
 
     def _advance(self, e: _Entry) -> None:
         """Moves a session until it waits on a forward or a draft call, pauses, or ends."""
-        while not e.paused and e.call is None and e in self._sessions:
+        while not e.paused and e.call is None and e.draft_fn is None and e in self._sessions:
             if e.future is not None:
                 if not e.future.done():
                     return
@@ -258,7 +265,10 @@ class Batcher:
                 e.call = item
             elif isinstance(item, DraftCall):
                 e.opening_call = item.future is not None
-                e.future = item.future if e.opening_call else self._pool.submit(item.fn)
+                if not e.opening_call:
+                    e.draft_fn = item.fn  # issued by run_round with the round's other draft steps
+                    return
+                e.future = item.future
                 e.future.add_done_callback(self._notify)
             elif not self._deliver(e, item):
                 if e not in self._sessions:

@@ -135,6 +135,9 @@ def test_batched_sessions_equal_each_alone(tiny_models, mode):
         assert stats.num_steps == ref_stats.num_steps and not stats.fallback
     assert b.max_calls == 4, "the sessions' forwards were not batched"
     assert b.calls > b.forwards
+    if mode != "ar":  # the draft's steps were batched too (issued together each round)
+        st = engine.draft.stats()
+        assert st.step_calls > st.step_forwards and st.batched_steps > st.step_batches
     if mode != "ar":  # every draft session closed (the close follows the last step, asynchronously)
         for _ in range(100):
             if engine.draft.num_sessions == 0:
