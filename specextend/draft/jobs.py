@@ -82,6 +82,7 @@ class JobWorker(DraftBackend):
         self._counts = BatchCounts()  # the steps' forwards (under _lock)
         self._step_batches = self._batched_steps = 0
         self._recent: dict[str, float] = {}  # session -> when it last stepped (the worker thread's)
+        self._batch_s = 0.0  # how long the last batch of steps took
         self._lock = threading.Lock()  # guards the counters read from other threads
         self._open_ids: set[str] = set()
         self._stopped = False
@@ -167,7 +168,9 @@ class JobWorker(DraftBackend):
             if isinstance(job, Step) and self.batches_steps:
                 batch = self._gather(job, fut)
                 counts = BatchCounts()
+                t = time.monotonic()
                 outcomes = self._do_steps([j for j, _ in batch], counts)
+                self._batch_s = time.monotonic() - t
                 with self._lock:
                     self._step_batches += 1
                     self._batched_steps += len(batch)
@@ -216,13 +219,14 @@ class JobWorker(DraftBackend):
         return batch
 
     def _expected(self) -> int:
-        """Sessions that stepped within the last RECENT_S: the batch a step may wait for (up to
-        `gather_s`), since their next steps are likely on their way (the target's engine issues
-        a round's draft steps together)."""
+        """Sessions that stepped lately (within RECENT_S, or four times the last batch's duration
+        where batches are slow): the batch a step may wait for (up to `gather_s`), since their
+        next steps are likely on their way (the target's engine issues a round's draft steps
+        together)."""
         if self.gather_s <= 0:
             return 1
-        now = time.monotonic()
-        for sid in [s for s, t in self._recent.items() if now - t > RECENT_S]:
+        now, window = time.monotonic(), max(RECENT_S, 4 * self._batch_s)
+        for sid in [s for s, t in self._recent.items() if now - t > window]:
             del self._recent[sid]
         return min(len(self._recent), self.max_batch)
 
