@@ -17,12 +17,9 @@ from specextend.draft.session import DraftSession
 from specextend.draft.worker import DraftWorker, Open, Step
 from specextend.models.batch import ForwardCall
 
-RETRIEVAL = RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=2, draft_prefill_window=16)
+from test_draft_expand import RETRIEVAL, prompt
+
 TREE = TreeConfig(12, 4, 3)
-
-
-def prompt(n, seed):
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def sessions(draft, retrieval, overlap):

@@ -79,8 +79,8 @@ class JobWorker(DraftBackend):
         self.name = name
         self._jobs: queue.SimpleQueue[Optional[tuple[Job, Future]]] = queue.SimpleQueue()
         self._deferred: deque[Optional[tuple[Job, Future]]] = deque()  # taken from the queue, not yet run
-        self._counts = BatchCounts()  # the steps' forwards (under _lock)
-        self._step_batches = self._batched_steps = 0
+        self._step_batches = self._batched_steps = 0  # (under _lock)
+        self._step_forwards = self._step_calls = 0  # the steps' forwards and the calls they carried
         self._recent: dict[str, float] = {}  # session -> when it last stepped (the worker thread's)
         self._batch_s = 0.0  # how long the last batch of steps took
         self._lock = threading.Lock()  # guards the counters read from other threads
@@ -126,7 +126,7 @@ class JobWorker(DraftBackend):
         with self._lock:
             return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees, self._rebuilds,
                                self._rebuild_s, self._flight_steps, self._flight_waits, self._step_batches,
-                               self._batched_steps, self._counts.forwards, self._counts.calls)
+                               self._batched_steps, self._step_forwards, self._step_calls)
 
     def stop(self) -> None:
         """Stops the worker after the jobs already queued (returns at once); later jobs fail."""
@@ -174,8 +174,8 @@ class JobWorker(DraftBackend):
                 with self._lock:
                     self._step_batches += 1
                     self._batched_steps += len(batch)
-                    self._counts.forwards += counts.forwards
-                    self._counts.calls += counts.calls
+                    self._step_forwards += counts.forwards
+                    self._step_calls += counts.calls
                 for (j, f), outcome in zip(batch, outcomes):
                     self._complete(j, f, outcome)
                 continue
@@ -213,9 +213,10 @@ class JobWorker(DraftBackend):
             if item[1].set_running_or_notify_cancel():
                 batch.append(item)
                 sessions.add(item[0].session_id)
-        now = time.monotonic()
-        for sid in sessions:
-            self._recent[sid] = now
+        if self.gather_s > 0:  # what _expected reads
+            now = time.monotonic()
+            for sid in sessions:
+                self._recent[sid] = now
         return batch
 
     def _expected(self) -> int:
