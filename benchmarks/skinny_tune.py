@@ -1,11 +1,13 @@
-"""Tile sweep of the skinny linear kernel (models/skinny.py) against the ops it replaces (cuBLAS
-GEMMs + the RMSNorm / SiLU / bias kernels), at the draft's and small targets' decode shapes.
+"""The skinny linear kernel (models/skinny.py) against the ops it replaces (cuBLAS GEMMs + the RMSNorm /
+SiLU / bias kernels), at the draft's and small targets' decode shapes: every tile that skinny.choose
+weighs at start-up, plus a wider sweep with --sweep.
 
-    python benchmarks/skinny_tune.py [--quick]
+    python benchmarks/skinny_tune.py [--sweep] [--out FILE.json]
 
-Each timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), so launch gaps
-count as they do in the step graphs. Prints a table per shape (best configurations first) and the
-JSON of every timing on the last line.
+Each timing is skinny.time_op's: the median of CUDA-graph replays of one call per weight copy, the
+copies together twice the L2 cache (a forward reads each layer's weights from memory), so launch
+gaps count as they do in the step graphs. The floor is the weights at the measured copy bandwidth.
+Prints a table (the choice and its time against torch and the floor per shape) and writes JSON.
 """
 
 from __future__ import annotations
@@ -16,76 +18,97 @@ import json
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from specextend.models import skinny
-from specextend.models._triton_skinny import skinny_linear
+from specextend.models import fused_layer, skinny
 
-# name: (T, N, K, kind) kind: qkv (norm + bias), glu (norm, gate|up), res (residual)
+# name: (T, N, K, kind): qkv (norm + bias), glu (norm, gate|up: N is I), res (linear + residual)
 SHAPES = {
-    "0.5b-draft-qkv": (4, 1152, 896, "qkv"), "0.5b-draft-glu": (4, 4864, 896, "glu"),
-    "0.5b-draft-o": (4, 896, 896, "res"), "0.5b-draft-down": (4, 896, 4864, "res"),
+    "0.5b-level-qkv": (4, 1152, 896, "qkv"), "0.5b-level-glu": (4, 4864, 896, "glu"),
+    "0.5b-level-o": (4, 896, 896, "res"), "0.5b-level-down": (4, 896, 4864, "res"),
+    "0.5b-16-qkv": (16, 1152, 896, "qkv"), "0.5b-16-down": (16, 896, 4864, "res"),
     "1.5b-ar-qkv": (1, 2048, 1536, "qkv"), "1.5b-ar-glu": (1, 8960, 1536, "glu"),
     "1.5b-ar-o": (1, 1536, 1536, "res"), "1.5b-ar-down": (1, 1536, 8960, "res"),
-    "1.5b-verify-glu": (17, 8960, 1536, "glu"), "1.5b-verify-down": (17, 1536, 8960, "res"),
+    "1.5b-verify-qkv": (17, 2048, 1536, "qkv"), "1.5b-verify-glu": (17, 8960, 1536, "glu"),
+    "1.5b-verify-o": (17, 1536, 1536, "res"), "1.5b-verify-down": (17, 1536, 8960, "res"),
 }
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3  # us
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / skinny.time_op(lambda _: b.copy_(a), [a])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also every tile of a wider grid")
+    ap.add_argument("--out", default="")
     a = ap.parse_args()
-    dev, dt = "cuda", torch.bfloat16
-    results = []
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    bw = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
     for name, (t, n, k, kind) in SHAPES.items():
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(t, k, device=dev, generator=g).to(dt)
         nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dt)
-        rows = 2 * n if kind == "glu" else n
-        ws = [torch.randn(rows, k, device=dev, generator=g).to(dt) * 0.02 for _ in range(8)]  # rotate: > L2
-        b = torch.randn(n, device=dev, generator=g).to(dt)
-        y = torch.zeros(t, n, device=dev, dtype=dt)
-        it = itertools.cycle(range(len(ws)))
+        b = torch.randn(n, device=dev, generator=g).to(dt) if kind == "qkv" else None
+        y = torch.randn(t, n, device=dev, generator=g).to(dt)
+        w = torch.empty(2 * n if kind == "glu" else n, k, device=dev, dtype=dt)
+        copies = skinny._weight_copies(w)
+        if kind == "qkv":
+            def twin(ww):
+                F.linear(fused_layer.rms_norm(x, nw, 1e-6), ww, b)
 
-        def ref():
-            w = ws[next(it)]
-            if kind == "qkv":
-                return F.linear(F.rms_norm(x, (k,), nw, 1e-6), w, b)
-            if kind == "glu":
-                gate, up = F.linear(F.rms_norm(x, (k,), nw, 1e-6), w).chunk(2, dim=-1)
-                return F.silu(gate) * up
-            return y.addmm_(x, w.t())
+            def kern(ww, c):
+                skinny.norm_linear(x, nw, 1e-6, ww, b, c)
+        elif kind == "glu":
+            def twin(ww):
+                fused_layer.silu_mul(F.linear(fused_layer.rms_norm(x, nw, 1e-6), ww))
 
-        base = bench(ref)
-        floor = rows * k * 2 / 3.0e12 * 1e6  # us at ~3.0 TB/s (H100 copy bandwidth)
-        row = dict(shape=name, t=t, n=n, k=k, torch_us=base, floor_us=floor, configs=[])
-        bns = (16, 32, 64)
-        bks = (128, 256, 512)
-        for bn, bk, warps, stages in itertools.product(bns, bks, (4,) if a.quick else (2, 4, 8), (2, 3, 4)):
-            def run():
-                w = ws[next(it)]
-                skinny_linear[(-(-n // bn),)](x, nw, w, b, y, 1e-6, t, K=k, N=n, NORM=kind != "res",
-                                              BIAS=kind == "qkv", GLU=kind == "glu", RESIDUAL=kind == "res",
-                                              IEEE=False, BT=max(16, triton.next_power_of_2(t)), BN=bn, BK=bk,
-                                              num_warps=warps, num_stages=stages)
+            def kern(ww, c):
+                skinny.norm_glu(x, nw, 1e-6, ww, c)
+        else:
+            def twin(ww):
+                y.addmm_(x, ww.t())
+
+            def kern(ww, c):
+                skinny.linear_residual_(y, x, ww, c)
+        tiles = skinny.candidates(kind, t, n, k, sms, False)
+        if a.sweep:
+            splits = (1, 2, 4, 8, 16) if kind == "res" else (1,)
+            tiles += [skinny.Tile(bn, bk, s, wp, st) for bn, bk, s, wp, st in
+                      itertools.product((16, 32, 64), (64, 128, 256), splits, (4, 8), (3, 4))
+                      if s * bk <= skinny._pow2(k)]
+            tiles = list(dict.fromkeys(tiles))
+        row = dict(shape=name, t=t, n=n, k=k, kind=kind, floor_us=w.numel() * 2 / bw * 1e6,
+                   torch_us=skinny.time_op(twin, copies) * 1e6, tiles=[])
+        for c in tiles:
             try:
-                us = bench(run)
+                us = skinny.time_op(lambda ww, c=c: kern(ww, c), copies) * 1e6
             except Exception as e:  # noqa: BLE001 - out of resources: reported
                 us = float("nan")
-                print(name, bn, bk, warps, stages, type(e).__name__)
-            row["configs"].append(dict(bn=bn, bk=bk, warps=warps, stages=stages, us=us))
-        best = sorted((c for c in row["configs"] if c["us"] == c["us"]), key=lambda c: c["us"])
-        cur = skinny.config(t, n, k)
-        print(f"\n{name} T={t} N={n} K={k}: torch {base:.2f} us, floor {floor:.2f} us, current config "
-              f"{[c['us'] for c in row['configs'] if c['bn'] == cur['BN'] and c['bk'] == cur['BK'] and c['warps'] == 4 and c['stages'] == 3]}")
-        for c in best[:5]:
-            print(f"  bn={c['bn']} bk={c['bk']} warps={c['warps']} stages={c['stages']}: {c['us']:.2f} us")
-        results.append(row)
-    print(json.dumps(results))
+                print(name, c, type(e).__name__)
+            row["tiles"].append(dict(bn=c.bn, bk=c.bk, split=c.split, warps=c.warps, stages=c.stages, us=us,
+                                     candidate=c in skinny.candidates(kind, t, n, k, sms, False)))
+        ok = [r for r in row["tiles"] if r["us"] == r["us"]]
+        row["best"] = min(ok, key=lambda r: r["us"])
+        row["best_candidate"] = min((r for r in ok if r["candidate"]), key=lambda r: r["us"])
+        rows.append(row)
+        del copies
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16")
+    print("| shape | T | N | K | floor us | torch us | start-up choice us (tile) | best swept us (tile) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c, s = r["best_candidate"], r["best"]
+        print(f"| {r['shape']} | {r['t']} | {r['n']} | {r['k']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | "
+              f"{c['us']:.1f} ({c['bn']}/{c['bk']}/{c['split']}/{c['warps']}/{c['stages']}) | "
+              f"{s['us']:.1f} ({s['bn']}/{s['bk']}/{s['split']}/{s['warps']}/{s['stages']}) |")
+    out = dict(device=torch.cuda.get_device_name(), copy_bandwidth_Bps=bw, rows=rows)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -95,11 +95,12 @@ def kernels_for(geo: str, call: str, dt: str):
     for what, n, k, norm, bias, glu, res in (("qkv", (h + 2 * g) * d, e, True, True, False, False),
                                              ("gate_up", inter, e, True, False, True, False),
                                              ("down", e, inter, False, False, False, True)):
-        sc = skinny_config(t, n, k, H100_SMS, dt == "fp32")
+        sc = skinny_config(t, n, k, H100_SMS, dt == "fp32", "res" if res else ("glu" if glu else "qkv"))
         yield "skinny_linear", SK.skinny_linear, dict(
-            x_ptr=(p, 0), nw_ptr=(p, 0), w_ptr=(p, 0), b_ptr=(p, 0), y_ptr=(p, 0), eps=("fp32", 0), T=("i32", t)), dict(
+            x_ptr=(p, 0), nw_ptr=(p, 0), w_ptr=(p, 0), b_ptr=(p, 0), y_ptr=(p, 0), ws_ptr=("*fp32", 0),
+            cnt_ptr=("*i32", 0), eps=("fp32", 0), T=("i32", t)), dict(
             K=k, N=n, NORM=norm, BIAS=bias, GLU=glu, RESIDUAL=res, IEEE=dt == "fp32", BT=sc["BT"], BN=sc["BN"],
-            BK=sc["BK"]), dict(num_warps=sc["num_warps"], num_stages=sc["num_stages"])
+            BK=sc["BK"], SPLIT=sc["SPLIT"], KS=sc["KS"]), dict(num_warps=sc["num_warps"], num_stages=sc["num_stages"])
     yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(
         E=e, BLOCK=_pow2(e)), dict(num_warps=max(1, min(16, _pow2(e) // 512)))
 

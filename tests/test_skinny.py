@@ -61,6 +61,68 @@ def test_linear_residual_in_place_equals_twin(dtype, t, k, n):
     torch.testing.assert_close(x.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,n,split", [(4, 300, 40, 2), (1, 512, 24, 4), (17, 1000, 56, 8)])
+def test_split_k_residual_equals_twin_and_leaves_counters_zero(dtype, t, k, n, split):
+    """Split-K: each program's partial over its K range, the last to arrive sums them in a fixed
+    order and adds the residual; K not a multiple of the split's range (a short last split), N
+    not of the column block. Called twice on the same counters (as graph replays do): the kernel
+    must leave them zero, or the second call's last arrival is never recognised."""
+    gen = torch.Generator().manual_seed(k + split)
+    a = _rnd(gen, t, k, dtype=dtype)
+    w = _rnd(gen, n, k, dtype=dtype) * 0.1
+    tile = skinny.Tile(bn=16, bk=64, split=split)
+    for _ in range(2):
+        x = _rnd(gen, t, n, dtype=dtype)
+        ref = skinny.reference(a.float(), None, 0.0, w.float(), residual=x.float())
+        skinny.linear_residual_(x, a, w, tile)
+        torch.testing.assert_close(x.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    tiles = -(-n // 16)
+    counters = [c for key, c in skinny._COUNTERS.items() if key[1:] == (w.data_ptr(), skinny._pow2(t), tiles)]
+    assert len(counters) == 1 and counters[0].shape == (tiles,) and not counters[0].any()
+
+
+def test_split_k_does_not_depend_on_arrival_order():
+    """The sum of the partials is taken in split order by whichever program arrives last: the
+    same inputs give bit-identical outputs (float32; the interpreter runs programs in one order,
+    so this checks the sum against a split-order reference, not races)."""
+    gen = torch.Generator().manual_seed(7)
+    a = _rnd(gen, 3, 256, dtype=torch.float32)
+    w = _rnd(gen, 40, 256, dtype=torch.float32)
+    x0 = _rnd(gen, 3, 40, dtype=torch.float32)
+    tile = skinny.Tile(bn=16, bk=64, split=4)
+    outs = [skinny.linear_residual_(x0.clone(), a, w, tile) for _ in range(3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_split_k_refused_with_a_norm_or_glu():
+    x = torch.randn(2, 64).to(DEVICE)
+    with pytest.raises(AssertionError, match="split-K"):
+        skinny.norm_linear(x, torch.ones(64, device=DEVICE), 1e-6, torch.randn(32, 64).to(DEVICE),
+                           tile=skinny.Tile(bn=16, bk=16, split=2))
+
+
+def test_default_tiles_split_narrow_long_projections_only():
+    down = skinny.default_tile("res", 4, 896, 4864)  # the 0.5B draft's down projection: 56 blocks
+    assert down.bn == 16 and down.split == 4 and 56 * down.split >= 132
+    assert skinny.default_tile("res", 4, 896, 896).split == 2  # its o-projection: 7 BK steps
+    assert skinny.default_tile("glu", 4, 4864, 896).split == 1  # the norm needs all of K
+    assert skinny.default_tile("res", 1, 8192, 4096).split == 1  # wide enough already
+    for kind in skinny.KINDS:  # candidates: the default first, each at most once
+        cands = skinny.candidates(kind, 4, 896, 4864, 132, False)
+        assert cands[0] == skinny.default_tile(kind, 4, 896, 4864) and len(set(cands)) == len(cands)
+        assert all(c.split == 1 for c in cands) or kind == "res"
+
+
+def test_choose_on_the_cpu_is_the_default_tile_and_times_nothing():
+    x = torch.randn(4, 96)
+    w = torch.randn(40, 96)
+
+    def boom(*_):
+        raise AssertionError("timed on the CPU")
+    assert skinny.choose("res", x, w, boom, boom, 40) == skinny.default_tile("res", 4, 40, 96, ieee=True)
+
+
 def test_config_gives_narrow_outputs_more_programs():
     assert skinny.config(4, 896, 4864)["BN"] == 16  # the 0.5B's down projection: 56 programs
     assert skinny.config(4, 4864, 896)["BN"] == 32  # its gate/up: 152 programs

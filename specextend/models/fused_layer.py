@@ -123,12 +123,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 # ---------------------------------------------------------------- the layer pieces, fused
 def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_dst, skinny: bool = False) -> torch.Tensor:
     """segments._pre with RoPE and the copies fused, for models without QK-norm; `skinny`: the norm
-    and the QKV projection (+ bias) in one kernel too (skinny.norm_linear)."""
+    and the QKV projection (+ bias) in one kernel too (skinny.norm_linear) where it was measured
+    faster at this shape (skinny.choose)."""
     assert lw.q_norm is None, "QK-norm models take segments._pre"
-    if skinny and skinny_rows(x, lw.qkv):
-        qkv = skinny_mod.norm_linear(x, lw.input_norm, a.rms_norm_eps, lw.qkv, lw.qkv_bias)  # [T, (H + 2G) * D]
+    eps = a.rms_norm_eps
+    tile = _skinny_tile("qkv", x, lw.qkv, lw.input_norm, lw.qkv_bias, eps) if skinny else None
+    if tile is not None:
+        qkv = skinny_mod.norm_linear(x, lw.input_norm, eps, lw.qkv, lw.qkv_bias, tile)  # [T, (H + 2G) * D]
     else:
-        qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.qkv, lw.qkv_bias)
+        qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.qkv, lw.qkv_bias)
     return rope_scatter(a, qkv, cos, sin, k_dst, v_dst, kpre_dst)
 
 
@@ -136,10 +139,53 @@ def layer_post(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, attn: torch.Tens
     """decoder.layer_post on attention already in [T, H * D] (tree_combine's layout). The residual
     adds are in place (x is this layer's own input, read by nothing after it): torch.addmm into a
     new tensor first copies x there, two extra graph nodes a layer (memcpy32_post in the H100
-    profile, 2026-11-23). `skinny`: three kernels (skinny.py) instead of six."""
-    if skinny and skinny_rows(x, lw.o):
-        x = skinny_mod.linear_residual_(x, attn, lw.o)  # residual
-        return skinny_mod.linear_residual_(x, skinny_mod.norm_glu(x, lw.post_norm, a.rms_norm_eps, lw.gate_up), lw.down)
-    x = x.addmm_(attn, lw.o.t())  # residual
-    hs = rms_norm(x, lw.post_norm, a.rms_norm_eps)
-    return x.addmm_(silu_mul(F.linear(hs, lw.gate_up)), lw.down.t())
+    profile, 2026-11-23). `skinny`: each projection through skinny.py where it was measured faster
+    at this shape (three kernels instead of six when all three are)."""
+    eps = a.rms_norm_eps
+    tile = _skinny_tile("res", attn, lw.o, None, None, eps) if skinny else None
+    x = skinny_mod.linear_residual_(x, attn, lw.o, tile) if tile is not None else x.addmm_(attn, lw.o.t())
+    tile = _skinny_tile("glu", x, lw.gate_up, lw.post_norm, None, eps) if skinny else None
+    if tile is not None:
+        act = skinny_mod.norm_glu(x, lw.post_norm, eps, lw.gate_up, tile)  # [T, I]
+    else:
+        act = silu_mul(F.linear(rms_norm(x, lw.post_norm, eps), lw.gate_up))
+    tile = _skinny_tile("res", act, lw.down, None, None, eps) if skinny else None
+    return skinny_mod.linear_residual_(x, act, lw.down, tile) if tile is not None else x.addmm_(act, lw.down.t())
+
+
+def _skinny_tile(kind: str, x: torch.Tensor,  # [T, K] the projection's input
+                 w: torch.Tensor,  # [N (2N for glu), K]
+                 nw: Optional[torch.Tensor], b: Optional[torch.Tensor], eps: float) -> Optional[skinny_mod.Tile]:
+    """skinny.choose for one projection, with the ordinary ops it replaces as the twin that it is
+    timed against (both on scratch copies of the inputs: timing never touches the forward's
+    tensors). None: the ordinary ops (also where the skinny kernels do not take these rows)."""
+    if not skinny_rows(x, w):
+        return None
+    n = w.shape[0] // 2 if kind == "glu" else w.shape[0]
+    scratch: dict = {}
+
+    def s() -> dict:
+        if not scratch:
+            scratch["x"] = x.detach().clone()  # [T, K]
+            scratch["y"] = torch.randn(x.shape[0], n, device=x.device).to(x.dtype)  # [T, N] residual
+        return scratch
+
+    if kind == "qkv":
+        def twin(ww):
+            F.linear(rms_norm(s()["x"], nw, eps), ww, b)
+
+        def kernel(ww, c):
+            skinny_mod.norm_linear(s()["x"], nw, eps, ww, b, c)
+    elif kind == "glu":
+        def twin(ww):
+            silu_mul(F.linear(rms_norm(s()["x"], nw, eps), ww))
+
+        def kernel(ww, c):
+            skinny_mod.norm_glu(s()["x"], nw, eps, ww, c)
+    else:
+        def twin(ww):
+            s()["y"].addmm_(s()["x"], ww.t())
+
+        def kernel(ww, c):
+            skinny_mod.linear_residual_(s()["y"], s()["x"], ww, c)
+    return skinny_mod.choose(kind, x, w, twin, kernel, n)

@@ -202,10 +202,11 @@ def fused_kernels_supported(decoder: Decoder) -> bool:
 
 
 def skinny_kernels_supported(decoder: Decoder) -> bool:
-    """The skinny linear kernels (skinny.py) for the projections of decode-time forwards: off until
-    they beat cuBLAS (H100, 2026-11-23, first tiles: 0.5B draft step 7.56 -> 9.90 ms of kernels,
-    1.5B AR step at 16K 2.23 -> 2.98 ms, 8B verify 7.12 -> 9.72 ms; benchmarks/skinny_tune.py)."""
-    return False
+    """The skinny linear kernels (skinny.py) for the projections of decode-time forwards, on CUDA:
+    each shape runs them only where skinny.choose measured them faster than the ordinary ops at
+    start-up (their first fixed tiles were slower everywhere: H100, 2026-11-23, 0.5B draft step
+    7.56 -> 9.90 ms of kernels; split-K and the per-shape choice came after)."""
+    return decoder.device.type == "cuda"
 
 
 def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "auto",
