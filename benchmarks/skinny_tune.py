@@ -1,6 +1,6 @@
 """The skinny linear kernel (models/skinny.py) against the ops it replaces (cuBLAS GEMMs + the RMSNorm /
 SiLU / bias kernels), at the draft's and small targets' decode shapes: every tile that skinny.choose
-weighs at start-up, plus a wider sweep with --sweep.
+weighs at start-up, with and without Programmatic Dependent Launch, plus a wider sweep with --sweep.
 
     python benchmarks/skinny_tune.py [--sweep] [--out FILE.json]
 
@@ -19,6 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from specextend import pdl
 from specextend.models import fused_layer, skinny
 
 # name: (T, N, K, kind): qkv (norm + bias), glu (norm, gate|up: N is I), res (linear + residual)
@@ -46,7 +47,6 @@ def main() -> None:
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = copy_bandwidth()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
     for name, (t, n, k, kind) in SHAPES.items():
         g = torch.Generator(device=dev).manual_seed(0)
@@ -74,37 +74,40 @@ def main() -> None:
 
             def kern(ww, c):
                 skinny.linear_residual_(y, x, ww, c)
-        tiles = skinny.candidates(kind, t, n, k, sms, False)
+        cands = skinny.candidates(kind, t, n, k)
+        tiles = list(cands)
         if a.sweep:
-            splits = (1, 2, 4, 8, 16) if kind == "res" else (1,)
-            tiles += [skinny.Tile(bn, bk, s, wp, st) for bn, bk, s, wp, st in
-                      itertools.product((16, 32, 64), (64, 128, 256), splits, (4, 8), (3, 4))
-                      if s * bk <= skinny._pow2(k)]
+            tiles += [skinny.Tile(bn, s, wp) for bn, s, wp in itertools.product((16, 32, 64), (1, 2, 3, 4, 6, 8, 12, 16, 24),
+                                                                                  (4, 8))]
             tiles = list(dict.fromkeys(tiles))
         row = dict(shape=name, t=t, n=n, k=k, kind=kind, floor_us=w.numel() * 2 / bw * 1e6,
                    torch_us=skinny.time_op(twin, copies) * 1e6, tiles=[])
-        for c in tiles:
+        for c, on in itertools.product(tiles, (False, True) if pdl.enabled(dev) else (False,)):
+            pdl.SWITCH = None if on else False
             try:
                 us = skinny.time_op(lambda ww, c=c: kern(ww, c), copies) * 1e6
             except Exception as e:  # noqa: BLE001 - out of resources: reported
                 us = float("nan")
                 print(name, c, type(e).__name__)
-            row["tiles"].append(dict(bn=c.bn, bk=c.bk, split=c.split, warps=c.warps, stages=c.stages, us=us,
-                                     candidate=c in skinny.candidates(kind, t, n, k, sms, False)))
+            row["tiles"].append(dict(bn=c.bn, split=c.split, warps=c.warps, pdl=on, us=us, candidate=c in cands))
+        pdl.SWITCH = None
         ok = [r for r in row["tiles"] if r["us"] == r["us"]]
         row["best"] = min(ok, key=lambda r: r["us"])
-        row["best_candidate"] = min((r for r in ok if r["candidate"]), key=lambda r: r["us"])
+        row["best_candidate"] = min((r for r in ok if r["candidate"] and r["pdl"] == pdl.enabled(dev)),
+                                    key=lambda r: r["us"])
+        row["best_no_pdl"] = min((r for r in ok if not r["pdl"]), key=lambda r: r["us"])
         rows.append(row)
         del copies
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16")
-    print("| shape | T | N | K | floor us | torch us | start-up choice us (tile) | best swept us (tile) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | T | N | K | floor us | torch us | without PDL us | start-up choice us | best us | "
+          "(tiles: bn/split/warps) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        c, s = r["best_candidate"], r["best"]
+        c, s, n = r["best_candidate"], r["best"], r["best_no_pdl"]
         print(f"| {r['shape']} | {r['t']} | {r['n']} | {r['k']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | "
-              f"{c['us']:.1f} ({c['bn']}/{c['bk']}/{c['split']}/{c['warps']}/{c['stages']}) | "
-              f"{s['us']:.1f} ({s['bn']}/{s['bk']}/{s['split']}/{s['warps']}/{s['stages']}) |")
+              f"{n['us']:.1f} | {c['us']:.1f} | {s['us']:.1f} | {n['bn']}/{n['split']}/{n['warps']} "
+              f"{c['bn']}/{c['split']}/{c['warps']} {s['bn']}/{s['split']}/{s['warps']}{' pdl' if s['pdl'] else ''} |")
     out = dict(device=torch.cuda.get_device_name(), copy_bandwidth_Bps=bw, rows=rows)
     if a.out:
         with open(a.out, "w") as f:

@@ -75,19 +75,19 @@ def kernels_for(geo: str, call: str, dt: str):
         q_ptr=(p, 0), kv_ptr=(p, 0), meta_ptr=("*i64", 0), out_ptr=("*fp32", 0), lse_ptr=("*fp32", 0),
         scale_log2=("fp32", 0), layer=("i32", 3), M=("i32", m)), dict(
         G=g, D=d, DP=_pow2(d), SPLITS=splits, BLOCK_M=c["bm"], BLOCK_N=c["block_n"], MIN_CHUNK=MIN_CHUNK, IEEE=dt == "fp32",
-        INTERPRET=False), dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
+        INTERPRET=False, PDL=True), dict(num_warps=c["num_warps"], num_stages=c["num_stages"], launch_pdl=True)
     cc = combine_config(m, n, d, splits, dt == "fp32")
     yield "tree_combine", LK.tree_combine, dict(
         q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0), bias_ptr=("*fp32", 0), outp_ptr=("*fp32", 0),
         lsep_ptr=("*fp32", 0), out_ptr=(p, 0), lse_ptr=("*fp32", 0), scale_log2=("fp32", 0),
         stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d)), dict(
         T=t, R=r, N=n, S=splits, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
-        SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False), dict(num_warps=cc["warps"])
+        SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False, PDL=True), dict(num_warps=cc["warps"], launch_pdl=True)
     yield "rope_scatter", LK.rope_scatter, dict(
         qkv_ptr=(p, 0), cos_ptr=(p, 0), sin_ptr=(p, 0), q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0),
         kpre_ptr=(p, 0), stride_kg=("i32", n * d), stride_kt=("i32", d), stride_vg=("i32", n * d),
         stride_vt=("i32", d), stride_pg=("i32", t * d), stride_pt=("i32", d)), dict(
-        T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=call == "draft-level"), dict(num_warps=1)
+        T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=call == "draft-level", PDL=True), dict(num_warps=1, launch_pdl=True)
     block = min(1024, _pow2(inter))
     yield "silu_mul", LK.silu_mul, dict(gu_ptr=(p, 0), out_ptr=(p, 0)), dict(I=inter, BLOCK=block), dict(num_warps=4)
     e = h * d  # the presets' hidden size
@@ -95,12 +95,13 @@ def kernels_for(geo: str, call: str, dt: str):
     for what, n, k, norm, bias, glu, res in (("qkv", (h + 2 * g) * d, e, True, True, False, False),
                                              ("gate_up", inter, e, True, False, True, False),
                                              ("down", e, inter, False, False, False, True)):
-        sc = skinny_config(t, n, k, H100_SMS, dt == "fp32", "res" if res else ("glu" if glu else "qkv"))
+        sc = skinny_config(t, n, k, "res" if res else ("glu" if glu else "qkv"), dt == "fp32")
         yield "skinny_linear", SK.skinny_linear, dict(
             x_ptr=(p, 0), nw_ptr=(p, 0), w_ptr=(p, 0), b_ptr=(p, 0), y_ptr=(p, 0), ws_ptr=("*fp32", 0),
             cnt_ptr=("*i32", 0), eps=("fp32", 0), T=("i32", t)), dict(
             K=k, N=n, NORM=norm, BIAS=bias, GLU=glu, RESIDUAL=res, IEEE=dt == "fp32", BT=sc["BT"], BN=sc["BN"],
-            BK=sc["BK"], SPLIT=sc["SPLIT"], KS=sc["KS"]), dict(num_warps=sc["num_warps"], num_stages=sc["num_stages"])
+            KS=sc["KS"], KSP=sc["KSP"], SPLIT=sc["SPLIT"], BKX=sc["BKX"], PDL=True), dict(
+            num_warps=sc["num_warps"], launch_pdl=True)
     yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(
         E=e, BLOCK=_pow2(e)), dict(num_warps=max(1, min(16, _pow2(e) // 512)))
 

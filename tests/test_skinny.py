@@ -71,7 +71,7 @@ def test_split_k_residual_equals_twin_and_leaves_counters_zero(dtype, t, k, n, s
     gen = torch.Generator().manual_seed(k + split)
     a = _rnd(gen, t, k, dtype=dtype)
     w = _rnd(gen, n, k, dtype=dtype) * 0.1
-    tile = skinny.Tile(bn=16, bk=64, split=split)
+    tile = skinny.Tile(bn=16, split=split)
     for _ in range(2):
         x = _rnd(gen, t, n, dtype=dtype)
         ref = skinny.reference(a.float(), None, 0.0, w.float(), residual=x.float())
@@ -90,28 +90,46 @@ def test_split_k_does_not_depend_on_arrival_order():
     a = _rnd(gen, 3, 256, dtype=torch.float32)
     w = _rnd(gen, 40, 256, dtype=torch.float32)
     x0 = _rnd(gen, 3, 40, dtype=torch.float32)
-    tile = skinny.Tile(bn=16, bk=64, split=4)
+    tile = skinny.Tile(bn=16, split=4)
     outs = [skinny.linear_residual_(x0.clone(), a, w, tile) for _ in range(3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_split_k_refused_with_a_norm_or_glu():
-    x = torch.randn(2, 64).to(DEVICE)
-    with pytest.raises(AssertionError, match="split-K"):
-        skinny.norm_linear(x, torch.ones(64, device=DEVICE), 1e-6, torch.randn(32, 64).to(DEVICE),
-                           tile=skinny.Tile(bn=16, bk=16, split=2))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_with_the_norm_and_the_glu_equals_twin(dtype, split):
+    """Split-K under the norm (each program reads the whole row for its statistics) and the GLU
+    (gate and up partials summed before the SiLU)."""
+    gen = torch.Generator().manual_seed(split)
+    x = _rnd(gen, 5, 200, dtype=dtype) * 3
+    nw = 1 + 0.5 * _rnd(gen, 200, dtype=dtype)
+    w = _rnd(gen, 96, 200, dtype=dtype) * 0.1
+    b = _rnd(gen, 96, dtype=dtype)
+    tile = skinny.Tile(bn=16, split=split)
+    got = skinny.norm_linear(x, nw, 1e-6, w, b, tile)
+    ref = skinny.reference(x.float(), nw.float(), 1e-6, w.float(), b.float())
+    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    got = skinny.norm_glu(x, nw, 1e-6, w, tile)
+    ref = skinny.reference(x.float(), nw.float(), 1e-6, w.float(), glu=True)
+    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_default_tiles_split_narrow_long_projections_only():
-    down = skinny.default_tile("res", 4, 896, 4864)  # the 0.5B draft's down projection: 56 blocks
-    assert down.bn == 16 and down.split == 4 and 56 * down.split >= 132
-    assert skinny.default_tile("res", 4, 896, 896).split == 2  # its o-projection: 7 BK steps
-    assert skinny.default_tile("glu", 4, 4864, 896).split == 1  # the norm needs all of K
-    assert skinny.default_tile("res", 1, 8192, 4096).split == 1  # wide enough already
+def test_default_tiles_fit_the_register_budget_and_cover_k():
+    for kind, t, n, k in (("res", 4, 896, 4864), ("qkv", 4, 1152, 896), ("glu", 4, 4864, 896),
+                          ("res", 1, 1536, 8960), ("glu", 64, 8960, 1536), ("qkv", 17, 2048, 1536)):
+        for warps in (4, 8):
+            c = skinny.default_tile(kind, t, n, k, warps)
+            ks, ksp, split = skinny.k_slice(kind, t, k, c)
+            assert ks * split >= k > ks * (split - 1) and ksp >= ks and ks % 32 == 0
+            assert ksp * (c.bn * (2 if kind == "glu" else 1) + skinny._pow2(t)) <= skinny.BUDGET[warps]
+    assert skinny.default_tile("res", 4, 896, 4864).split == 19  # 256-column slices of the 0.5B's down
     for kind in skinny.KINDS:  # candidates: the default first, each at most once
-        cands = skinny.candidates(kind, 4, 896, 4864, 132, False)
-        assert cands[0] == skinny.default_tile(kind, 4, 896, 4864) and len(set(cands)) == len(cands)
-        assert all(c.split == 1 for c in cands) or kind == "res"
+        cands = skinny.candidates(kind, 4, 896, 4864)
+        assert cands[0] == skinny.default_tile(kind, 4, 896, 4864) and len(set(cands)) == len(cands) == 4
+
+
+def test_pdl_only_compiled_on_hopper_or_later():
+    assert not skinny.pdl(torch.device("cpu"))
 
 
 def test_choose_on_the_cpu_is_the_default_tile_and_times_nothing():
@@ -120,11 +138,4 @@ def test_choose_on_the_cpu_is_the_default_tile_and_times_nothing():
 
     def boom(*_):
         raise AssertionError("timed on the CPU")
-    assert skinny.choose("res", x, w, boom, boom, 40) == skinny.default_tile("res", 4, 40, 96, ieee=True)
-
-
-def test_config_gives_narrow_outputs_more_programs():
-    assert skinny.config(4, 896, 4864)["BN"] == 16  # the 0.5B's down projection: 56 programs
-    assert skinny.config(4, 4864, 896)["BN"] == 32  # its gate/up: 152 programs
-    assert skinny.config(1, 151936, 896)["BN"] == 64
-    assert skinny.config(17, 64, 64)["BT"] == 32
+    assert skinny.choose("res", x, w, boom, boom, 40) == skinny.default_tile("res", 4, 40, 96)

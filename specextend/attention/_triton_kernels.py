@@ -5,6 +5,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit below, at import
 
@@ -39,7 +40,10 @@ def key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
 def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
                     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # nothing to load before the wait: PDL hides the launch gap (specextend/pdl.py)
+        gdc_launch_dependents()
+        gdc_wait()
     mb = tl.program_id(0)
     s = tl.program_id(1)
     g = tl.program_id(2)

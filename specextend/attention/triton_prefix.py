@@ -20,6 +20,9 @@ import math
 
 import torch
 
+from specextend import pdl
+from specextend.pdl import launch_args
+
 
 def triton_available() -> bool:
     try:
@@ -104,11 +107,13 @@ def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T fold
     from specextend.attention._triton_kernels import INTERPRETED
     from specextend.attention._triton_kernels import prefix_partials as kernel
 
+    on = pdl.enabled(q.device)
+
     kernel[grid](q, anchor, meta, out, lse, scale * math.log2(math.e), layer, m, G=g, D=d,
                  DP=1 << (d - 1).bit_length(), SPLITS=splits, BLOCK_M=bm, BLOCK_N=block_n,
                  MIN_CHUNK=-(-min_chunk // block_n) * block_n,
-                 IEEE=q.dtype == torch.float32, INTERPRET=INTERPRETED,
-                 num_warps=num_warps, num_stages=num_stages)
+                 IEEE=q.dtype == torch.float32, INTERPRET=INTERPRETED, PDL=on,
+                 num_warps=num_warps, num_stages=num_stages, **launch_args(on))
 
 
 def partials_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L: int, splits: int, scale: float,

@@ -3,6 +3,7 @@ set before Triton is first imported they run in Triton's CPU interpreter)."""
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -37,7 +38,7 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
                  T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
                  D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """One program: BLOCK_M folded rows (r = j * T + t: query head g * R + j, token t) of KV head g,
     head dims [c * DC, (c + 1) * DC). Softmax over the S prefix partials (each one column: its lse
     and normalized output) and the N tree keys (scores over all D + additive bias); writes
@@ -54,6 +55,9 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     of bf16/fp16 values are exact in float32, and p (float32) goes in as p_hi + p_lo, two half
     values whose sum carries ~16 bits of it, so the result matches the float32 twin to well within
     the output's rounding. float32 inputs use IEEE float32 dots."""
+    if PDL:  # nothing to load before the wait: PDL hides the launch gap (specextend/pdl.py)
+        gdc_launch_dependents()
+        gdc_wait()
     mb = tl.program_id(0)
     g = tl.program_id(1)
     c = tl.program_id(2)
@@ -128,11 +132,14 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
 def rope_scatter(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kpre_ptr,
                  stride_kg, stride_kt, stride_vg, stride_vt, stride_pg, stride_pt,
                  T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                 STORE_PRE: tl.constexpr):
+                 STORE_PRE: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (token t, head j of the H + 2G in qkv [T, (H + 2G) * D]): RoPE (rotate-half,
     signed sine) on q and k heads, then q -> q [H, T, D], k -> k [G, T, D], v -> v [G, T, D] and the
     pre-RoPE k -> kpre (strided destinations). Rounds x * cos to the storage dtype before adding
     x_rot * sin, as apply_rope's two kernels do."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0)
     j = tl.program_id(1)
     offs_d = tl.arange(0, DP)

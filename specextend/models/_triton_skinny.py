@@ -3,87 +3,107 @@ before Triton is first imported it runs in Triton's CPU interpreter)."""
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
 def skinny_linear(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
                   K: tl.constexpr, N: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                   GLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
-                  BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  SPLIT: tl.constexpr, KS: tl.constexpr):
+                  BT: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, KSP: tl.constexpr,
+                  SPLIT: tl.constexpr, BKX: tl.constexpr, PDL: tl.constexpr):
     """Program (pid, pk): output columns [pid * BN, +BN) of all T (<= BT) rows, over the K columns
-    [pk * KS, +KS) (KS = K rounded up to BK when SPLIT == 1).
+    [pk * KS, +KS) (KSP: KS rounded up to a power of two; SPLIT * KS >= K).
 
         y = epilogue(rstd * ((x * nw) @ w[:N].T))       rstd = rsqrt(mean(x^2) + eps) if NORM, else 1
         epilogue: + b (BIAS); silu(.) * (rstd * (x * nw) @ w[N:2N].T) (GLU: w holds gate | up);
                   + y, in place (RESIDUAL)
 
-    x [T, K], w [N or 2N, K], y [T, N], all contiguous. The weights are read once, BK columns an
-    iteration (the loop that the compiler pipelines); x is re-read by every program (T * K values,
-    from L2). float32 accumulation; the norm's statistics come from the same x tiles as the dot.
+    x [T, K], w [N or 2N, K], y [T, N], all contiguous. Each program loads its whole weight slice
+    [BN, KS] (and the norm weight and bias) in one go, *before* it waits for the kernels before it
+    (PDL: Programmatic Dependent Launch, sm_90+): the weights are never written while a forward
+    runs, so their loads overlap the previous kernel's work, and a chain of these kernels streams
+    weights at the memory's pace instead of paying a launch and a memory latency each. Everything
+    the previous kernels write (x, y, the counters) is read only after gdc_wait. The program also
+    lets the next kernel launch at once (gdc_launch_dependents): it can only start once every
+    program of this one has.
 
-    Split-K (SPLIT > 1; without NORM or GLU, whose epilogues need all of K): a narrow output over a
-    long K (the down projection: 56 column blocks, 38 iterations each) would leave most
-    multiprocessors idle, so SPLIT programs share a column block. Each writes its float32 partial
-    to ws [SPLIT, BT, N] and counts itself in cnt[pid] (int32, zero before the launch); the last
-    to arrive sums the SPLIT partials in the fixed order 0..SPLIT-1 (the result does not depend on
-    which program finished last), applies the epilogue and zeroes its counter."""
+    The norm's statistics are over all of K: each program reads all of x (T * K values, from L2),
+    BKX columns at a time. float32 accumulation.
+
+    Split-K (SPLIT > 1): each program writes its float32 partial(s) to ws [SPLIT, 2, BT, N] and counts
+    itself in cnt[pid] (int32, zero before the launch); the last to arrive sums the SPLIT partials
+    in the fixed order 0..SPLIT-1 (the result does not depend on which program finished last),
+    applies the epilogue and zeroes its counter."""
     pid = tl.program_id(0)
     pk = tl.program_id(1)
     offs_t = tl.arange(0, BT)  # [BT]
     offs_n = pid * BN + tl.arange(0, BN)  # [BN]
+    offs_k = pk * KS + tl.arange(0, KSP)  # [KSP]
     t_ok = offs_t < T
     n_ok = offs_n < N
-    acc = tl.zeros([BT, BN], tl.float32)
-    acc2 = tl.zeros([BT, BN], tl.float32)
-    ss = tl.zeros([BT], tl.float32)
-    for k0 in range(0, KS, BK):  # KS = K (rounded up to BK) when SPLIT == 1; constant bounds (pipelined)
-        offs_k = pk * KS + k0 + tl.arange(0, BK)  # [BK]
-        k_ok = offs_k < K
-        xk = tl.load(x_ptr + offs_t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                     other=0.0)  # [BT, BK]
-        if NORM:
-            xf = xk.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            xk = (xf * tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(xk.dtype)
-        wk = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                     other=0.0)  # [BN, BK]
+    k_ok = (tl.arange(0, KSP) < KS) & (offs_k < K)
+    wmask = n_ok[:, None] & k_ok[None, :]
+    wk = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, KSP]
+    if GLU:
+        uk = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, KSP] up rows
+    if NORM:
+        nwk = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [KSP]
+    bias = tl.zeros([BN], tl.float32)
+    if BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # the kernels before this one are done: x and y may be read
+    xk = tl.load(x_ptr + offs_t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                 other=0.0)  # [BT, KSP]
+    if NORM:
+        ss = tl.zeros([BT], tl.float32)
+        for k0 in range(0, K, BKX):  # the whole row's sum of squares
+            offs_x = k0 + tl.arange(0, BKX)
+            xx = tl.load(x_ptr + offs_t[:, None] * K + offs_x[None, :], mask=t_ok[:, None] & (offs_x < K)[None, :],
+                         other=0.0).to(tl.float32)  # [BT, BKX]
+            ss += tl.sum(xx * xx, 1)
+        xk = (xk.to(tl.float32) * nwk[None, :]).to(xk.dtype)
+    if IEEE:
+        acc = tl.dot(xk, tl.trans(wk), input_precision="ieee")  # [BT, BN]
+    else:
+        acc = tl.dot(xk, tl.trans(wk))
+    acc2 = acc
+    if GLU:
         if IEEE:
-            acc += tl.dot(xk, tl.trans(wk), input_precision="ieee")
+            acc2 = tl.dot(xk, tl.trans(uk), input_precision="ieee")
         else:
-            acc += tl.dot(xk, tl.trans(wk))
-        if GLU:
-            uk = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                         other=0.0)  # [BN, BK] the up projection's rows
-            if IEEE:
-                acc2 += tl.dot(xk, tl.trans(uk), input_precision="ieee")
-            else:
-                acc2 += tl.dot(xk, tl.trans(uk))
+            acc2 = tl.dot(xk, tl.trans(uk))
+    if NORM:
+        rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT] (linear: applied to each partial)
+        acc = acc * rstd[:, None]
+        acc2 = acc2 * rstd[:, None]
     io = t_ok[:, None] & n_ok[None, :]  # [BT, BN]
     dst = y_ptr + offs_t[:, None] * N + offs_n[None, :]
     if SPLIT == 1:
-        _epilogue(acc, acc2, ss, b_ptr, dst, offs_n, n_ok, io, eps, K, NORM, BIAS, GLU, RESIDUAL, y_ptr)
+        _epilogue(acc, acc2, bias, dst, io, BIAS, GLU, RESIDUAL, y_ptr)
     else:
-        part = ws_ptr + offs_t[:, None] * N + offs_n[None, :]  # [BT, BN] of partial 0
-        tl.store(part + pk * BT * N, acc, mask=io)
+        part = ws_ptr + offs_t[:, None] * N + offs_n[None, :]  # [BT, BN] of partial 0 (gate)
+        tl.store(part + pk * 2 * BT * N, acc, mask=io)
+        if GLU:
+            tl.store(part + (pk * 2 + 1) * BT * N, acc2, mask=io)
         arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")  # releases the partial, acquires the others'
         if arrived == SPLIT - 1:
             total = tl.zeros([BT, BN], tl.float32)
+            total2 = tl.zeros([BT, BN], tl.float32)
             for s in range(SPLIT):
-                total += tl.load(part + s * BT * N, mask=io, other=0.0, cache_modifier=".cg")
-            _epilogue(total, acc2, ss, b_ptr, dst, offs_n, n_ok, io, eps, K, NORM, BIAS, GLU, RESIDUAL, y_ptr)
+                total += tl.load(part + s * 2 * BT * N, mask=io, other=0.0, cache_modifier=".cg")
+                if GLU:
+                    total2 += tl.load(part + (s * 2 + 1) * BT * N, mask=io, other=0.0, cache_modifier=".cg")
+            _epilogue(total, total2, bias, dst, io, BIAS, GLU, RESIDUAL, y_ptr)
             tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (and the next graph replay)
 
 
 @triton.jit
-def _epilogue(acc, acc2, ss, b_ptr, dst, offs_n, n_ok, io, eps, K: tl.constexpr, NORM: tl.constexpr,
-              BIAS: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, y_ptr):
-    if NORM:
-        rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT]
-        acc = acc * rstd[:, None]
-        acc2 = acc2 * rstd[:, None]
+def _epilogue(acc, acc2, bias, dst, io, BIAS: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, y_ptr):
     if BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias[None, :]
     if GLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     if RESIDUAL:

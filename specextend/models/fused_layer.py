@@ -22,7 +22,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from specextend import pdl
 from specextend.models.args import ModelArgs
+from specextend.pdl import launch_args
 from specextend.models import skinny as skinny_mod
 from specextend.models.decoder import LayerWeights
 from specextend.models.skinny import supported as skinny_rows
@@ -67,10 +69,11 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     c = combine_config(r * t, n, d, s, ieee)
     dc = d_chunk or c["dc"]
     grid = (-(-r * t // c["bm"]), g, -(-d // dc))
+    on = pdl.enabled(q.device)
     kernel[grid](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
                  k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, R=r, N=n, S=s, SP=c["sp"], D=d,
                  DP=_pow2(d), DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], SB=c["sb"], NEED_LSE=need_lse, IEEE=ieee,
-                 INTERPRET=INTERPRETED, num_warps=c["warps"])
+                 INTERPRET=INTERPRETED, PDL=on, num_warps=c["warps"], **launch_args(on))
     return out, (lse if need_lse else None)
 
 
@@ -88,9 +91,11 @@ def rope_scatter(a: ModelArgs, qkv: torch.Tensor,  # [T, (H + 2G) * D] contiguou
     assert k_dst.stride(-1) == 1 and v_dst.stride(-1) == 1
     q = torch.empty(h, t, d, dtype=qkv.dtype, device=qkv.device)
     pre = kpre_dst if kpre_dst is not None else k_dst
+    on = pdl.enabled(qkv.device)
     kernel[(t, h + 2 * g)](qkv, cos, sin, q, k_dst, v_dst, pre, k_dst.stride(0), k_dst.stride(1),
                            v_dst.stride(0), v_dst.stride(1), pre.stride(0), pre.stride(1),
-                           T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=kpre_dst is not None, num_warps=1)
+                           T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=kpre_dst is not None, PDL=on, num_warps=1,
+                           **launch_args(on))
     return q
 
 

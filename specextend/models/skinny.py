@@ -33,6 +33,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from specextend.pdl import launch_args
+
 MAX_ROWS = 64  # more rows: the ordinary GEMMs (tiles of 16 rows stop paying)
 KINDS = ("qkv", "glu", "res")  # norm + linear + bias, norm + gate/up GLU, linear + residual
 
@@ -40,10 +42,13 @@ KINDS = ("qkv", "glu", "res")  # norm + linear + bias, norm + gate/up GLU, linea
 @dataclass(frozen=True)
 class Tile:
     bn: int  # output columns per program
-    bk: int  # K columns per loop iteration
-    split: int = 1  # programs sharing a column block (split-K; `res` only)
+    split: int = 1  # programs sharing a column block, each over K / split columns (split-K)
     warps: int = 4
-    stages: int = 3
+
+
+# Weight and x elements one program holds in registers (its [BN, KS] weight slice, twice for the
+# GLU, and its [BT, KS] x tile), per warp count: 64 float32-equivalent registers a thread at most.
+BUDGET = {4: 4096, 8: 8192}
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -55,38 +60,27 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
                                                                           torch.float32)
 
 
-def _split_for(tiles: int, k: int, bk: int, num_sms: int) -> int:
-    """The fewest K splits (a power of two) that give every multiprocessor a program, keeping at
-    least two BK iterations per split."""
-    split = 1
-    while tiles * split < num_sms and k // (bk * split * 2) >= 2:
-        split *= 2
-    return split
+def k_slice(kind: str, t: int, k: int, c: Tile) -> tuple[int, int, int]:
+    """(KS, KSP, split): K columns per program (a multiple of 32), that rounded up to a power of two
+    (the register tile), and the programs per column block that cover K."""
+    ks = -(-(-(-k // c.split)) // 32) * 32
+    return ks, _pow2(ks), -(-k // ks)
 
 
-def default_tile(kind: str, t: int, n: int, k: int, num_sms: int = 132, ieee: bool = False) -> Tile:
-    """Output blocks of 64, 32 or 16 columns, the widest that still gives every multiprocessor a
-    program; for `res` (no norm statistics to gather), split-K where even 16 columns leave
-    multiprocessors idle. float32 (IEEE dots on CUDA cores) takes half the tiles: the gate/up pair
-    spilled at 32+ rows, and at one row with 32 columns once split-K was in the kernel (sm_90,
-    benchmarks/triton_aot.py)."""
-    bn = next((b for b in (64, 32) if -(-n // b) >= num_sms), 16)
-    if ieee:
-        bn, bk, stages = (16 if t > 32 or kind == "glu" else min(bn, 32)), min(64, _pow2(k)), 2
-    else:
-        bk, stages = min(128, _pow2(k)), 3
-    split = _split_for(-(-n // bn), k, bk, num_sms) if kind == "res" else 1
-    return Tile(bn, bk, split, 4, stages)
+def default_tile(kind: str, t: int, n: int, k: int, warps: int = 8) -> Tile:
+    """Column blocks of 16 (the smallest tensor-core tile: the most programs in flight); K split so
+    that a program's weight slice and x tile fit in its registers (BUDGET)."""
+    bn = 16
+    per_col = bn * (2 if kind == "glu" else 1) + _pow2(t)  # elements per K column
+    ksp = 1 << (BUDGET[warps] // per_col).bit_length() - 1  # the widest power of two that fits
+    return Tile(bn, max(1, -(-k // ksp)), warps)
 
 
-def config(t: int, n: int, k: int, num_sms: int = 132, ieee: bool = False, kind: str = "qkv") -> dict:
+def config(t: int, n: int, k: int, kind: str = "qkv", ieee: bool = False) -> dict:
     """default_tile as the kernel's launch arguments (benchmarks/triton_aot.py)."""
-    c = default_tile(kind, t, n, k, num_sms, ieee)
-    return dict(BT=_pow2(t), BN=c.bn, BK=c.bk, SPLIT=c.split, KS=_ks(k, c), num_warps=c.warps, num_stages=c.stages)
-
-
-def _ks(k: int, c: Tile) -> int:
-    return -(-(-(-k // c.split)) // c.bk) * c.bk  # K columns per split, a multiple of BK
+    c = default_tile(kind, t, n, k, 4 if ieee else 8)
+    ks, ksp, split = k_slice(kind, t, k, c)
+    return dict(BT=_pow2(t), BN=c.bn, KS=ks, KSP=ksp, SPLIT=split, BKX=min(256, _pow2(k)), num_warps=c.warps)
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -103,25 +97,33 @@ def _counters(w: torch.Tensor, bt: int, tiles: int) -> torch.Tensor:
     return c
 
 
+def pdl(device: torch.device) -> bool:
+    """Programmatic Dependent Launch (specextend/pdl.py): compiled, not interpreted, on sm_90+."""
+    from specextend import pdl as pdl_mod
+
+    return pdl_mod.enabled(device)
+
+
 def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None):
     from specextend.models._triton_skinny import skinny_linear as kernel
 
     t, k = x.shape
     assert x.is_contiguous() and w.is_contiguous() and y.is_contiguous() and t <= MAX_ROWS
-    ieee = x.dtype == torch.float32
     kind = "glu" if glu else ("res" if nw is None and b is None else "qkv")
-    c = tile or default_tile(kind, t, n, k, ieee=ieee)
-    assert c.split == 1 or not (glu or nw is not None), "split-K only without the norm and the GLU"
+    c = tile or default_tile(kind, t, n, k)
+    ks, ksp, split = k_slice(kind, t, k, c)
     bt, tiles = _pow2(t), -(-n // c.bn)
     dummy = w  # an unused pointer argument
     ws = cnt = dummy
-    if c.split > 1:
-        ws = torch.empty(c.split, bt, n, dtype=torch.float32, device=x.device)  # [SPLIT, BT, N] partials
+    if split > 1:
+        ws = torch.empty(split, 2, bt, n, dtype=torch.float32, device=x.device)  # [SPLIT, gate|up, BT, N] partials
         cnt = _counters(w, bt, tiles)
-    kernel[(tiles, c.split)](x, nw if nw is not None else dummy, w, b if b is not None else dummy, y, ws, cnt,
-                             float(eps), t, K=k, N=n, NORM=nw is not None, BIAS=b is not None, GLU=glu,
-                             RESIDUAL=residual, IEEE=ieee, BT=bt, BN=c.bn, BK=c.bk, SPLIT=c.split, KS=_ks(k, c),
-                             num_warps=c.warps, num_stages=c.stages)
+    on = pdl(x.device)
+    kernel[(tiles, split)](x, nw if nw is not None else dummy, w, b if b is not None else dummy, y, ws, cnt,
+                           float(eps), t, K=k, N=n, NORM=nw is not None, BIAS=b is not None, GLU=glu,
+                           RESIDUAL=residual, IEEE=x.dtype == torch.float32, BT=bt, BN=c.bn, KS=ks, KSP=ksp,
+                           SPLIT=split, BKX=min(256, _pow2(k)), PDL=on, num_warps=c.warps,
+                           **launch_args(on))
     return y
 
 
@@ -164,17 +166,12 @@ _CHOICES: dict[tuple, Optional[Tile]] = {}
 Op = Callable[[torch.Tensor], None]  # runs the layer's op on one weight matrix (timing inputs bound)
 
 
-def candidates(kind: str, t: int, n: int, k: int, num_sms: int, ieee: bool) -> list[Tile]:
-    """The default tile and its neighbours: half and double the column block, a wider K step,
-    and (for `res`) half and double the split."""
-    d = default_tile(kind, t, n, k, num_sms, ieee)
-    if ieee:
-        return [d]
-    out = [d, Tile(min(64, d.bn * 2), d.bk, d.split), Tile(max(16, d.bn // 2), d.bk, d.split),
-           Tile(d.bn, min(256, _pow2(k)), d.split)]
-    if kind == "res":
-        out += [Tile(d.bn, d.bk, max(1, d.split // 2)), Tile(d.bn, d.bk, d.split * 2)]
-    return list(dict.fromkeys(c for c in out if c.split * c.bk <= _pow2(k)))
+def candidates(kind: str, t: int, n: int, k: int) -> list[Tile]:
+    """The default tile (8 warps), the same at 4 warps (half the K slice: twice the programs), and
+    both with 32-column blocks."""
+    out = [default_tile(kind, t, n, k, 8), default_tile(kind, t, n, k, 4)]
+    out += [Tile(32, c.split * 2, c.warps) for c in out]
+    return list(dict.fromkeys(out))
 
 
 def choose(kind: str, x: torch.Tensor, w: torch.Tensor, twin: Op, kernel: Callable[[torch.Tensor, Tile], None],
@@ -183,18 +180,16 @@ def choose(kind: str, x: torch.Tensor, w: torch.Tensor, twin: Op, kernel: Callab
     measured faster). `kernel(w, tile)` and `twin(w)` run the op on scratch inputs; they are timed
     only on CUDA, outside a capture, once per (device, kind, rows, N, K, dtype)."""
     t, k = x.shape[0], w.shape[1]
-    ieee = x.dtype == torch.float32
     if x.device.type != "cuda":
-        return default_tile(kind, t, n, k, ieee=ieee)
-    key = (x.device, kind, t, n, k, x.dtype)
+        return default_tile(kind, t, n, k)
+    key = (x.device, kind, t, n, k, x.dtype, pdl(x.device))
     if key in _CHOICES:
         return _CHOICES[key]
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if torch.cuda.is_current_stream_capturing():  # a shape the warm-up did not run: no timing now
-        return default_tile(kind, t, n, k, num_sms, ieee)
+        return default_tile(kind, t, n, k)
     copies = _weight_copies(w)
     times = {None: time_op(twin, copies)}
-    for c in candidates(kind, t, n, k, num_sms, ieee):
+    for c in candidates(kind, t, n, k):
         try:
             times[c] = time_op(lambda ww, c=c: kernel(ww, c), copies)
         except Exception:  # noqa: BLE001 - a tile that does not compile here (resources) is not chosen
