@@ -13,13 +13,16 @@ Prints a table (the choice and its time against torch and the floor per shape) a
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from specextend import pdl
+from specextend.bench import record
 from specextend.models import fused_layer, skinny
 
 # name: (T, N, K, kind): qkv (norm + bias), glu (norm, gate|up: N is I), res (linear + residual)
@@ -108,7 +111,9 @@ def main() -> None:
         print(f"| {r['shape']} | {r['t']} | {r['n']} | {r['k']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | "
               f"{n['us']:.1f} | {c['us']:.1f} | {s['us']:.1f} | {n['bn']}/{n['split']}/{n['warps']} "
               f"{c['bn']}/{c['split']}/{c['warps']} {s['bn']}/{s['split']}/{s['warps']}{' pdl' if s['pdl'] else ''} |")
-    out = dict(device=torch.cuda.get_device_name(), copy_bandwidth_Bps=bw, rows=rows)
+    out = dict(suite="skinny_tune", commit=record.commit(), date=datetime.date.today().isoformat(),
+               command="python " + " ".join(sys.argv), device=torch.cuda.get_device_name(), copy_bandwidth_Bps=bw,
+               rows=rows)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -202,11 +202,14 @@ def fused_kernels_supported(decoder: Decoder) -> bool:
 
 
 def skinny_kernels_supported(decoder: Decoder) -> bool:
-    """The skinny linear kernels (skinny.py) for the projections of decode-time forwards, on CUDA:
-    each shape runs them only where skinny.choose measured them faster than the ordinary ops at
-    start-up (their first fixed tiles were slower everywhere: H100, 2026-11-23, 0.5B draft step
-    7.56 -> 9.90 ms of kernels; split-K and the per-shape choice came after)."""
-    return decoder.device.type == "cuda"
+    """The skinny linear kernels (skinny.py) for the projections of decode-time forwards: off. Their
+    first fixed tiles were slower everywhere (H100, 2026-11-23: 0.5B draft step 7.56 -> 9.90 ms
+    of kernels). With split-K, weights loaded before the PDL wait and a per-shape choice against
+    cuBLAS (skinny.choose), they win alone at the QKV and o-projection shapes of the 0.5B draft
+    (5.1 vs 6.2 us, 3.7 vs 4.4 us) and lose at every larger one, and the whole draft step did not
+    move (H100, 2026-11-24, 16K: 8.84-8.96 ms with cuBLAS, 9.00-9.16 ms with the chosen skinny
+    kernels; benchmarks/README.md, "Skinny kernels and PDL"), while the choice cost ~19 s at start-up."""
+    return False
 
 
 def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "auto",
