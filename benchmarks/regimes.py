@@ -8,7 +8,8 @@ tokens/s is compared: goal, adaptive at least 0.95x the better of `ar` and the b
 and never below 0.95x `ar`. Regimes on the CPU by default: the tiny pair on technical text and
 prose, the tiny pair with acceptance replayed at 1.2, 2, 3 and 5 draft tokens a step (1.2 cycles
 1,1,1,1,2), and a useless draft (the tiny target with a random 68M draft: one draft forward costs
-far more than a target step and accepts nothing).
+far more than a target step and accepts nothing). On a GPU (`--device cuda`, bf16): the
+Llama-3.1-8B geometry with the 68M draft, acceptance replayed at the same rates.
 
   python benchmarks/regimes.py --reps 5 --new-tokens 48
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specextend.bench import record
 from specextend.bench.texts import documents, prompt_ids
 from specextend.builder import load_pair
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
@@ -44,6 +46,8 @@ REGIMES = {
     **{f"tiny replayed {k}": ("random:llama-tiny", "random:llama-tiny-draft", "nodejs", v) for k, v in REPLAYS.items()},
     "useless draft": ("random:llama-tiny", "random:llama-68m", "nodejs", None),
 }
+# on a GPU: the Llama-3.1-8B geometry (random weights) with the 68M draft, acceptance replayed
+GPU_REGIMES = {f"8b replayed {k}": ("random:llama-3.1-8b", "random:llama-68m", "nodejs", v) for k, v in REPLAYS.items()}
 
 
 def decode_rate(engine: Engine, prompt: list[int], new_tokens: int, replay) -> tuple[float, list[int], dict]:
@@ -62,9 +66,10 @@ def decode_rate(engine: Engine, prompt: list[int], new_tokens: int, replay) -> t
     return (len(tokens) - 1) / max(wall, 1e-9), tokens, info
 
 
-def run_regime(name: str, reps: int, length: int, new_tokens: int, progress=print) -> dict:
-    target_name, draft_name, doc, replay = REGIMES[name]
-    base = EngineConfig(target=target_name, draft=draft_name, mode="specextend", device="cpu", dtype="float32")
+def run_regime(name: str, reps: int, length: int, new_tokens: int, device: str = "cpu", progress=print) -> dict:
+    target_name, draft_name, doc, replay = {**REGIMES, **GPU_REGIMES}[name]
+    base = EngineConfig(target=target_name, draft=draft_name, mode="specextend", device=device,
+                        dtype="float32" if device == "cpu" else "bfloat16")
     target, draft = load_pair(base)
     worker = DraftWorker(draft.decoder)
     prompt = prompt_ids(target.tokenizer, documents([doc])[0], length)
@@ -89,6 +94,9 @@ def run_regime(name: str, reps: int, length: int, new_tokens: int, progress=prin
             elif replay is None and tokens != ref:
                 infos[key]["differs_from_ar"] = True  # float32: a near-tie, or a bug (the tests say which)
     worker.shutdown()
+    del target, draft, worker, configs
+    if device != "cpu":
+        torch.cuda.empty_cache()
     med = {k: statistics.median(v) for k, v in rates.items()}
     best_fixed = max((k for k in med if k.startswith("fixed")), key=med.get)
     ar, ad = med["ar"], med["adaptive"]
@@ -106,7 +114,9 @@ def run_regime(name: str, reps: int, length: int, new_tokens: int, progress=prin
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--regimes", default=",".join(REGIMES), help="comma-separated, from: " + ", ".join(REGIMES))
+    p.add_argument("--regimes", default="", help="comma-separated, from: " + ", ".join({**REGIMES, **GPU_REGIMES})
+                   + " (default: the device's)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--length", type=int, default=1024, help="prompt tokens (document part)")
     p.add_argument("--new-tokens", type=int, default=48)
@@ -114,13 +124,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    rows = [run_regime(name, a.reps, a.length, a.new_tokens) for name in a.regimes.split(",")]
+    names = a.regimes.split(",") if a.regimes else list(REGIMES if a.device == "cpu" else GPU_REGIMES)
+    rows = [run_regime(name, a.reps, a.length, a.new_tokens, a.device) for name in names]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(commit=commit, device="cpu", date=datetime.date.today().isoformat(), cores=os.cpu_count(),
+    device = "cpu" if a.device == "cpu" else torch.cuda.get_device_name()
+    commit = os.environ.get("SPECEXTEND_COMMIT") or commit
+    meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(), cores=os.cpu_count(),
                 threads=torch.get_num_threads(),
                 command="python benchmarks/regimes.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "regimes-cpu.json"
+    path = OUT / ("regimes-cpu.json" if a.device == "cpu" else f"regimes-{record.slug(record.device_name(a.device))}.json")
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {path}")
     return 0
