@@ -129,7 +129,17 @@ def test_default_tiles_fit_the_register_budget_and_cover_k():
 
 
 def test_pdl_only_compiled_on_hopper_or_later():
+    from specextend import pdl
+
     assert not skinny.pdl(torch.device("cpu"))
+    assert pdl.launch_args(True) == {"launch_pdl": True} and pdl.launch_args(False) == {}
+    if torch.cuda.is_available():
+        before = pdl.SWITCH
+        try:
+            pdl.SWITCH = False
+            assert not pdl.enabled(torch.device("cuda"))
+        finally:
+            pdl.SWITCH = before
 
 
 def test_choose_on_the_cpu_is_the_default_tile_and_times_nothing():
