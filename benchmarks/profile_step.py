@@ -31,7 +31,7 @@ def prof(name, fn, reps, out, rows=10):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(TRACE.get("dir"))) as p:
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -72,6 +72,7 @@ def main():
                     help="the skinny linear kernels in the full-step graphs (auto: the loader's choice)")
     ap.add_argument("--trace", help="a folder: write each step kind's chrome trace there (.json.gz)")
     ap.add_argument("--accepted", type=int, default=1, help="tokens the draft step commits (1: the bonus only)")
+    ap.add_argument("--wall-reps", type=int, default=0, help="also time this many draft steps without the profiler")
     a = ap.parse_args()
     TRACE["dir"] = a.trace
     kw = dict(execution=a.execution)
@@ -99,14 +100,33 @@ def main():
         sess.decode(7)
         sess.cache.truncate(a.length)
     prof("ar_decode", ar, a.reps, out)
-    ds = DraftSession(draft.decoder, prompt, DraftSessionParams(
-        TreeConfig(16, 6, 4), RetrievalConfig(enabled=True, draft_prefill_window=512), max_new_tokens=256))
-    k = [0]
+    params = DraftSessionParams(TreeConfig(16, 6, 4), RetrievalConfig(enabled=True, draft_prefill_window=512),
+                                max_new_tokens=256)
 
-    def dstep():
-        ds.step(k[0], [3] * a.accepted, None)
-        k[0] += 1
-    prof("draft_step_cmr", dstep, a.reps, out)
+    class LevelSession(DraftSession):  # a forward per level (no whole-expansion graph)
+        def _tree_graphs(self, tree):
+            return None
+
+    for name, cls in (("draft_step_cmr", DraftSession), ("draft_step_cmr_levels", LevelSession)):
+        ds = cls(draft.decoder, prompt, params)
+        k = [0]
+
+        def dstep(ds=ds, k=k):
+            ds.step(k[0], [3] * a.accepted, None)
+            k[0] += 1
+        prof(name, dstep, a.reps, out)
+        if a.wall_reps:  # without the profiler: wall time per step, median of a.wall_reps
+            import statistics
+
+            times = []
+            for _ in range(a.wall_reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dstep()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            out[name]["wall_ms_unprofiled"] = statistics.median(times)
+            print(f"{name}: {statistics.median(times):.2f} ms median wall without the profiler ({a.wall_reps} steps)")
     print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, draft=a.draft, **out)))
 
 

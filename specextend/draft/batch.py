@@ -10,6 +10,11 @@ none, a shallower bound fewer levels) leave the rounds early.
 A failure is its own step's: an exception raised inside one coroutine ends that step only; a
 batched forward that raises is run again call by call (each call only stages K/V in its own cache,
 so a rerun overwrites the same slots), and the calls that still fail fail their own steps.
+A step may yield its whole tree expansion as one request (draft/tree_graph.TreeCall: one CUDA
+graph for every level): with fewer steps than models/batch.GRAPHS_BATCH_MIN each runs alone, as
+its forwards would have (replayed one after the other); with more, its levels are batched with the
+others' like any forward (`flatten`).
+
 `drive_each` is the slow twin: the steps one after another, each forward alone (run_alone).
 """
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generator, Union
 
-from specextend.models.batch import ForwardCall, Result, forward_batch, run_alone
+from specextend.models.batch import GRAPHS_BATCH_MIN, ForwardCall, Result, forward_batch, run_alone
 from specextend.models.decoder import Decoder
 
 Step = Generator[ForwardCall, Result, Any]
@@ -48,6 +53,8 @@ def drive_each(model: Decoder, steps: list[Step]) -> list[Outcome]:
 def drive_batch(model: Decoder, steps: list[Step], counts: BatchCounts | None = None) -> list[Outcome]:
     """Runs the steps' forwards in batched rounds; returns each step's outcome, in order."""
     out: list[Outcome] = [None] * len(steps)
+    if len(steps) >= GRAPHS_BATCH_MIN:
+        steps = [flatten(co) for co in steps]
     waiting: dict[int, ForwardCall] = {}  # step index -> the forward it waits on
 
     def advance(i: int, result: Result | None) -> None:
@@ -78,17 +85,42 @@ def drive_batch(model: Decoder, steps: list[Step], counts: BatchCounts | None = 
     return out
 
 
-def _forward(model: Decoder, calls: list[ForwardCall]) -> list[Union[Result, BaseException]]:
-    """The calls' results, or for each call that failed its exception."""
+def flatten(co: Step) -> Step:
+    """The step with each whole-expansion request (TreeCall) replaced by its per-level forwards."""
+    try:
+        request = next(co)
+        while True:
+            if isinstance(request, ForwardCall):
+                result = yield request
+            else:
+                result = yield from request.levels()
+            request = co.send(result)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _run_one(model: Decoder, call) -> Union[Result, BaseException]:
+    try:
+        return call.run(model)
+    except Exception as exc:  # noqa: BLE001 - this call's step fails
+        return exc
+
+
+def _forward(model: Decoder, calls: list) -> list[Union[Result, BaseException]]:
+    """The calls' results, or for each call that failed its exception. Whole expansions (TreeCall)
+    run alone; forwards are batched."""
+    if any(not isinstance(c, ForwardCall) for c in calls):
+        results: list = [None] * len(calls)
+        fwd = [i for i, c in enumerate(calls) if isinstance(c, ForwardCall)]
+        for i, c in enumerate(calls):
+            if not isinstance(c, ForwardCall):
+                results[i] = _run_one(model, c)
+        for i, r in zip(fwd, _forward(model, [calls[i] for i in fwd]) if fwd else []):
+            results[i] = r
+        return results
     try:
         return forward_batch(model, calls)
     except Exception as exc:  # noqa: BLE001 - isolate the failing call: rerun each alone
         if len(calls) == 1:
             return [exc]
-    results: list[Union[Result, BaseException]] = []
-    for call in calls:
-        try:
-            results.append(call.run(model))
-        except Exception as exc:  # noqa: BLE001 - this call's step fails
-            results.append(exc)
-    return results
+    return [_run_one(model, call) for call in calls]

@@ -134,6 +134,17 @@ def expand_tree_co(root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int, po
     """expand_tree as a coroutine: yields each level's forward arguments (ids, positions, mask,
     staged), is sent its logits [F, V], returns the pool. The draft worker drives several sessions'
     coroutines level by level, their forwards batched (draft/batch.py)."""
+    toks, scores, parents, depths, forwarded = yield from expand_tree_dev_co(root_logits, cfg, root_pos, post, wide)
+    return (toks.tolist(), scores.tolist(), parents.tolist(), depths,
+            forwarded.tolist() if forwarded is not None else [])
+
+
+def expand_tree_dev_co(root_logits: torch.Tensor, cfg: TreeConfig, root_pos, post=level_post,
+                       wide: int = 0) -> Generator[Level, torch.Tensor, tuple]:
+    """expand_tree_co with the pool left on the device: (tokens [P], scores [P], parents [P],
+    depths (a list), forwarded [F_total] or None). Nothing here reads the device, so the whole
+    expansion can be captured as one CUDA graph (draft/tree_graph.py); `root_pos` is an int or a
+    device tensor [1] (a graph's static input)."""
     dev, k = root_logits.device, cfg.topk
     w = max(wide, k)
     top_lp, top_ids = top_logprobs(root_logits, w)  # [w], sorted
@@ -148,7 +159,9 @@ def expand_tree_co(root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int, po
     for d in range(1, cfg.depth):
         f = fr_tok.shape[0]
         forwarded.append(fr_id)
-        logits = yield fr_tok, torch.full((f,), root_pos + d, device=dev), mask, staged  # [F, V]
+        pos = (torch.full((f,), root_pos + d, device=dev) if isinstance(root_pos, int)
+               else (root_pos + d).expand(f))  # [F]
+        logits = yield fr_tok, pos, mask, staged  # [F, V]
         staged += f
         cand_tokens, cand_scores, parents_d, fr_tok, fr_score, fr_id, mask = post(logits, fr_score, fr_id, mask,
                                                                                   k, size, w)
@@ -157,8 +170,8 @@ def expand_tree_co(root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int, po
         parents.append(parents_d)
         depths += [d + 1] * (f * w)
         size += f * w
-    fwd = torch.cat(forwarded).tolist() if forwarded else []
-    return (torch.cat(toks).tolist(), torch.cat(scores).tolist(), torch.cat(parents).tolist(), depths, fwd)
+    return (torch.cat(toks), torch.cat(scores), torch.cat(parents), depths,
+            torch.cat(forwarded) if forwarded else None)
 
 
 def expand_tree_host(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int,

@@ -32,8 +32,10 @@ from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, Tree
 from specextend.draft.expand import Level, PostGraphs, expand_tree_co, level_post
 from specextend.draft.overlap import OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS, Overlap  # noqa: F401 (re-exported)
 from specextend.draft.pool import Pool
+from specextend.draft.tree_graph import TreeCall, TreeGraphs
 from specextend.models.batch import ForwardCall, Result, run_alone
 from specextend.models.decoder import Decoder, ForwardOptions
+from specextend.models.full_graphs import FullStepGraphs
 from specextend.models.rope import apply_rope
 from specextend.models.transfer import to_device
 from specextend.retrieval import chunk_positions, initial_chunks
@@ -220,6 +222,20 @@ class DraftSession(Overlap):
                 m.post_graphs = PostGraphs(m.device)
         return m.post_graphs
 
+    def _tree_graphs(self, tree: TreeConfig) -> Optional[TreeGraphs]:
+        """The model's whole-expansion graphs (made once per model where its forwards are captured
+        full-step graphs, shared by its sessions) if they take this tree; None: a forward per level."""
+        m = self.model
+        if self.expand_co is not expand_tree_co:  # the host twin drafts level by level
+            return None
+        if m.tree_graphs is None:
+            if not (isinstance(m.graphs, FullStepGraphs) and m.graphs.capture):
+                return None
+            with _POST_LOCK:
+                if m.tree_graphs is None:
+                    m.tree_graphs = TreeGraphs(m.graphs)
+        return m.tree_graphs if m.tree_graphs.accepts(self.work, tree) else None
+
     def _draft_tree_co(self, root_logits: torch.Tensor,
                        shape: TreeConfig) -> Generator[ForwardCall, Result, tuple[list[int], list[int]]]:
         """Dynamic tree (EAGLE-2 style, draft/expand.py) `shape.depth` deep, then the best
@@ -229,8 +245,16 @@ class DraftSession(Overlap):
             wide = OVERLAP_WIDTH * tree.topk
             if 0 < self.sync_depth < tree.depth:
                 tree = replace(tree, depth=self.sync_depth)
-        toks, scores, parents, depths, forwarded = yield from self._levels(
-            self.expand_co(root_logits, tree, self.work.length - 1, post=self._post(), wide=wide))
+        root_pos, post = self.work.length - 1, self._post()
+
+        def levels():  # the expansion as a forward per level
+            return self._levels(self.expand_co(root_logits, tree, root_pos, post=post, wide=wide))
+        graphs = self._tree_graphs(tree)
+        if graphs is not None:  # one graph for every level (draft/tree_graph.py)
+            toks, scores, parents, depths, forwarded = yield TreeCall(graphs, self.work, root_logits, tree,
+                                                                      root_pos, wide, levels)
+        else:
+            toks, scores, parents, depths, forwarded = yield from levels()
         if self.overlap:
             self.pool = Pool.from_expansion(toks, scores, parents, depths, forwarded)
         chosen = select_best_nodes(scores, depths, parents, shape.nodes)

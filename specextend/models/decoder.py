@@ -123,6 +123,7 @@ class Decoder:
         self.scale = 1.0 / math.sqrt(args.head_dim)
         self.graphs = None  # StepGraphs (graphs.py) once enabled
         self.post_graphs = None  # a draft's tree-expansion bookkeeping as graphs (draft/expand.PostGraphs)
+        self.tree_graphs = None  # a draft's whole tree expansions as graphs (draft/tree_graph.TreeGraphs)
 
     @property
     def device(self) -> torch.device:
