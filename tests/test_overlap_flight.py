@@ -106,7 +106,7 @@ def grown(draft, retrieval=PLAIN, slices=1, seed=0):
 
 def twin(session):
     """The same session with its flight finished before anything else (the reference)."""
-    other = copy.deepcopy(session)
+    other = copy.deepcopy(session, {id(session.model): session.model})  # the model (and its graphs) shared
     other.flight.held = False
     other.finish()
     return other
