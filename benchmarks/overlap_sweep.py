@@ -1,0 +1,80 @@
+"""Overlapped drafting's knobs on two GPUs: the target on cuda:0, the draft on cuda:1, in one process.
+
+  python benchmarks/overlap_sweep.py --pair real --length 16384 --docs nodejs,shakespeare \
+      --variants 3x8,2x8,1x8,2x16 --out overlap.json
+
+A variant `DxR` drafts D levels before answering a step that found nothing ready (`sync_depth`)
+and forwards R pool nodes per background forward (`overlap_rows`). Every variant runs the same
+prompts after `ar` (the baseline of the ratios, same run); per variant: decode tokens/s, its ratio
+to `ar`, acceptance, the share of steps answered from the pool (tree ready), the target's wait
+and the verify time per step. Fixed trees (the method, not the controller).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+
+import torch
+
+from specextend.bench.e2e import MODES, PAIRS, load_models, run_engine
+from specextend.bench.texts import documents, prompt_ids
+from specextend.draft.worker import DraftWorker
+from specextend.engine import Engine
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pair", default="real", choices=sorted(PAIRS))
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--docs", default="nodejs,shakespeare")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--variants", default="3x8,2x8,1x8,2x16,3x16")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    assert torch.cuda.device_count() >= 2, "two GPUs: the target on cuda:0, the draft on cuda:1"
+    pair = PAIRS[a.pair]
+    base, target, drafts = load_models(pair, "auto", "fixed", "cuda", ("cuda:1",))
+    prompts = [(d.name, prompt_ids(target.tokenizer, d, a.length)) for d in documents(a.docs.split(","))]
+    engines = {"ar": Engine(replace(base, **MODES["ar"]), target, None)}
+    workers = []
+    for v in a.variants.split(","):
+        depth, rows = (int(x) for x in v.split("x"))
+        w = DraftWorker(drafts["cuda:1"].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
+                        sync_depth=depth, overlap_rows=rows)
+        workers.append(w)
+        engines[v] = Engine(replace(base, **MODES["specextend"], draft_overlap=True), target, w)
+    warm: set = set()
+    rows_out = []
+    try:
+        for doc, prompt in prompts:
+            ref = None
+            for name, eng in engines.items():
+                ids, r = run_engine(eng, prompt, a.new_tokens, None, warm)
+                ref = ids if name == "ar" else ref
+                r.update(variant=name, doc=doc, identical=ids == ref)
+                rows_out.append(r)
+                print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
+                      f"ready {r['tree_ready_fraction']:.2f}, wait {r['draft_wait_ms']:.2f} ms, "
+                      f"verify {r['verify_ms']:.2f} ms", flush=True)
+    finally:
+        for w in workers:
+            w.stop()
+    ar = {r["doc"]: r["decode_tokens_per_s"] for r in rows_out if r["variant"] == "ar"}
+    print("\n| variant | decode tok/s | x ar | acceptance | tree ready | wait ms | verify ms |\n|---|---|---|---|---|---|---|")
+    for name in engines:
+        rs = [r for r in rows_out if r["variant"] == name]
+        m = {k: statistics.fmean(r[k] for r in rs) for k in ("decode_tokens_per_s", "mean_acceptance_length",
+                                                             "tree_ready_fraction", "draft_wait_ms", "verify_ms")}
+        x = statistics.fmean(r["decode_tokens_per_s"] / ar[r["doc"]] for r in rs)
+        print(f"| {name} | {m['decode_tokens_per_s']:.1f} | {x:.2f} | {m['mean_acceptance_length']:.2f} | "
+              f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['verify_ms']:.2f} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), length=a.length, rows=rows_out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
