@@ -15,14 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from dataclasses import replace
 
 import torch
 
-from specextend.bench.e2e import MODES, PAIRS, load_models, run_engine
+from specextend.bench.e2e import MODES, PAIRS, TIE_TOLERANCE, load_models, run_engine
+from specextend.bench.record import meta
 from specextend.bench.texts import documents, prompt_ids
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
+from specextend.near_tie import lossless_check
 
 
 def main():
@@ -47,6 +50,7 @@ def main():
         workers.append(w)
         engines[v] = Engine(replace(base, **MODES["specextend"], draft_overlap=True), target, w)
     warm: set = set()
+    tol = TIE_TOLERANCE.get(target.decoder.dtype, 0.125)
     rows_out = []
     try:
         for doc, prompt in prompts:
@@ -54,7 +58,8 @@ def main():
             for name, eng in engines.items():
                 ids, r = run_engine(eng, prompt, a.new_tokens, None, warm)
                 ref = ids if name == "ar" else ref
-                r.update(variant=name, doc=doc, identical=ids == ref)
+                check = lossless_check(target.decoder, prompt, ref, ids, tol) if name != "ar" else {}
+                r.update(variant=name, doc=doc, identical=ids == ref, near_tie=check.get("near_tie", True))
                 rows_out.append(r)
                 print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
                       f"ready {r['tree_ready_fraction']:.2f}, wait {r['draft_wait_ms']:.2f} ms, "
@@ -73,7 +78,8 @@ def main():
               f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['verify_ms']:.2f} |")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), length=a.length, rows=rows_out), f, indent=1)
+            info = dict(meta("overlap_sweep", "cuda", []), command="python " + " ".join(sys.argv))
+            json.dump(dict(meta=info, length=a.length, rows=rows_out), f, indent=1)
 
 
 if __name__ == "__main__":

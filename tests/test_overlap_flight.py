@@ -301,7 +301,9 @@ def run(pair, backend, mode="sd", n=40, seed=3):
 def test_output_equals_plain_decoding_when_every_step_arrives_in_flight(tiny_models, monkeypatch, mode, free):
     pair = tiny_models("float64")
     hold = HoldOnePerStep(monkeypatch, free)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
+    # two levels on a miss: its first level is forwarded, so a pool exists to answer from even
+    # when every background forward stays in flight (free=0; the default one level forwards none)
+    worker = DraftWorker(pair[1].decoder, overlap=True, sync_depth=2)
     ref, out, stats = run(pair, ChaosDraft(worker, Chaos(latency_s=0.03)), mode)
     assert out == ref
     assert hold.total("flight_steps") > 0 and stats.ready_steps > 0

@@ -41,11 +41,13 @@ from specextend.models.transfer import to_device
 from specextend.retrieval import chunk_positions, initial_chunks
 from specextend.tree import reindex_tree, select_best_nodes
 
-# Defaults from the H200x2 run of 2026-11-23 (benchmarks/README.md at commit 77940b1): 8 rows
-# (OVERLAP_ROWS) and 3 levels drafted on a miss beat 16 rows and all 6 levels at 8K and 16K (1.07x
-# and 1.09x of plain decoding against 1.01x), and tied at 30K.
+# Defaults from H200x2 runs (benchmarks/README.md): 8 rows per background forward (OVERLAP_ROWS)
+# beat 16 at 8K and 16K (2026-11-23); one level drafted on a miss beat three (2026-11-26,
+# benchmarks/overlap_sweep.py, real pair, fixed trees: 0.95x against 0.82x `ar` at 16K, 0.85x
+# against 0.78x at 30K): a miss answers after the catch-up forward with the root's children, the
+# background deepens the pool while the target verifies them.
 CATCH_UP = 64  # rows of a catch-up forward (the graphs' largest: models/graphs.MAX_GRAPH_TOKENS)
-SYNC_DEPTH = 3  # levels drafted before answering a step that found nothing ready (0: the tree's depth)
+SYNC_DEPTH = 1  # levels drafted before answering a step that found nothing ready (0: the tree's depth)
 
 _POST_LOCK = threading.Lock()
 
