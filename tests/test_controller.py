@@ -223,7 +223,8 @@ def test_switching_the_tree_every_step_is_lossless(tiny_models, monkeypatch, mod
     out, _, stats = engine.generate(prompt, params)
     assert out == ref
     assert stats.num_steps > 3 and stats.plain_steps > 3  # both kinds of step really ran
-    assert {4, 8} <= set(stats.nodes_per_step)  # ... and trees of several sizes
+    sizes = set(stats.nodes_per_step)  # ... and trees of several sizes (with overlap a missed step
+    assert 4 in sizes and len(sizes) > 1 and (overlap or 8 in sizes)  # answers one level: 2k nodes)
     assert max(stats.nodes_per_step) <= 16 and stats.mean_tree_nodes == pytest.approx(
         sum(stats.nodes_per_step) / stats.num_steps)
     engine.draft.shutdown()

@@ -24,7 +24,9 @@ TREE = TreeConfig(12, 4, 3)
 
 def sessions(draft, retrieval, overlap):
     params = DraftSessionParams(TREE, retrieval, max_new_tokens=80)
-    return [DraftSession(draft, prompt(n, i), params, prefill_chunk=64, overlap=overlap)
+    # two levels drafted on a miss: with no background work between these steps, the pool a ready
+    # step answers from is what a miss forwarded (the default one level forwards none)
+    return [DraftSession(draft, prompt(n, i), params, prefill_chunk=64, overlap=overlap, sync_depth=2)
             for i, n in enumerate([30, 150, 70, 9])]
 
 
