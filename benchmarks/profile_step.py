@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -116,8 +117,6 @@ def main():
             k[0] += 1
         prof(name, dstep, a.reps, out)
         if a.wall_reps:  # without the profiler: wall time per step, median of a.wall_reps
-            import statistics
-
             times = []
             for _ in range(a.wall_reps):
                 torch.cuda.synchronize()

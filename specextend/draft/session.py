@@ -247,10 +247,10 @@ class DraftSession(Overlap):
             wide = OVERLAP_WIDTH * tree.topk
             if 0 < self.sync_depth < tree.depth:
                 tree = replace(tree, depth=self.sync_depth)
-        root_pos, post = self.work.length - 1, self._post()
+        root_pos = self.work.length - 1
 
         def levels():  # the expansion as a forward per level
-            return self._levels(self.expand_co(root_logits, tree, root_pos, post=post, wide=wide))
+            return self._levels(self.expand_co(root_logits, tree, root_pos, post=self._post(), wide=wide))
         graphs = self._tree_graphs(tree)
         if graphs is not None:  # one graph for every level (draft/tree_graph.py)
             toks, scores, parents, depths, forwarded = yield TreeCall(graphs, self.work, root_logits, tree,

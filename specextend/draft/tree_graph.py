@@ -5,8 +5,8 @@ With a forward graph per level (models/full_graphs.py) and the level's bookkeepi
 (expand.PostGraphs), the host still did about forty small things per level: input copies into the
 plans' static buffers, the staged tree keys copied back, the cache metadata, the graph launches,
 the logits clone, the post graph's inputs and outputs. On an H200 (2026-11-26, the 0.5B draft at
-16K, `benchmarks/profile_step.py` + `trace_gaps.py`) the draft step took 8.9 ms of wall time for
-7.3 ms of kernels: the host, not the device, set the pace, and the device idled between levels.
+16K, `benchmarks/profile_step.py` + `trace_gaps.py`) the draft step took 8.8 ms of wall time for
+7.2 ms of kernels: the host, not the device, set the pace, and the device idled between levels.
 
 Here one graph holds every level of the expansion (`expand.expand_tree_dev_co`): each level's
 forward runs the full-step body (FullStepGraphs._body) on a plan of its own, its inputs written by
@@ -28,11 +28,12 @@ from typing import Callable, Generator, Optional
 
 import torch
 
+from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
 from specextend.draft.expand import Pool, expand_tree_dev_co, level_post
-from specextend.kv_cache import CacheFull, KVCache
+from specextend.kv_cache import KVCache
 from specextend.models.decoder import ForwardOptions
-from specextend.models.graphs import ShapeKey, _Plan
+from specextend.models.graphs import ShapeKey, _Plan, check_room
 
 
 @dataclass(frozen=True)
@@ -71,16 +72,13 @@ class TreeGraphs:
 
     def accepts(self, cache: KVCache, cfg: TreeConfig) -> bool:
         """Trees of two levels or more, over a cache the forward graphs take."""
-        mask = torch.ones(1, 1, dtype=torch.bool)
-        return cfg.depth >= 2 and self.graphs.accepts(cfg.topk, cache, mask, ForwardOptions())
+        return cfg.depth >= 2 and self.graphs.accepts(cfg.topk, cache, CAUSAL, ForwardOptions())
 
     def expand(self, cache: KVCache, root_logits: torch.Tensor,  # [V]
                cfg: TreeConfig, root_pos: int, wide: int = 0) -> Pool:
         """expand.expand_tree_co's pool, every level's K/V staged in `cache` as its forwards would."""
         k, w = cfg.topk, max(wide, cfg.topk)
-        staged = (cfg.depth - 1) * k
-        if cache.length + staged > cache.capacity:
-            raise CacheFull(f"KV cache full: {cache.length} + {staged} > {cache.capacity}")
+        check_room((cfg.depth - 1) * k, cache, ForwardOptions())  # every level's tree keys
         key = TreeKey(k, cfg.depth, w, root_logits.shape[-1], root_logits.dtype)
         g = self.graphs
         with g.lock:
