@@ -1,4 +1,5 @@
-"""Offline checks for the Kubernetes manifests in k8s/ (used by tests/test_k8s.py).
+"""Offline checks for the Kubernetes manifests in k8s/ (used by tests/test_k8s.py and
+tests/test_k8s_crd.py).
 
 * `strict_schema` turns the vendored KubeRay RayService CRD's openAPIV3Schema into a JSON schema
   that rejects unknown fields, as `kubectl apply --validate=strict` (server-side field validation)
