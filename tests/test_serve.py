@@ -13,10 +13,6 @@ import httpx
 import pytest
 
 from specextend.config import EngineConfig, SamplingParams
-from specextend.serving.admission import Admission
-from specextend.serving.errors import QueueFullError
-from specextend.serving.metrics import ReplicaMetrics, merge_expositions
-from specextend.serving.textstream import TextStream
 
 from helpers import free_port, served_app
 
@@ -99,49 +95,6 @@ def stream_ids(stream):
             if choice.finish_reason:
                 last = chunk
     return ids, text, last, usage
-
-
-# ------------------------------------------------------------------ pure pieces (no server)
-
-def test_textstream_holds_partial_characters_and_stop_prefixes():
-    from specextend.models.tokenizer import build_byte_tokenizer
-
-    tok = build_byte_tokenizer()
-    ids = tok.encode("héllo wörld 😀 STOP here")
-    ts = TextStream(tok, [], stop=["STOP"])
-    parts = [ts.push([i]) for i in ids]
-    assert all("\ufffd" not in p.text for p in parts)
-    assert "".join(p.text for p in parts) == "héllo wörld 😀 " and ts.stopped
-    assert ts.token_ids == ids[:ids.index(80) + 1]  # up to the token that completed "STOP"
-    held = TextStream(tok, [], stop=["wörx"])
-    text = "".join(held.push([i]).text for i in tok.encode("a wö")) + held.finish()
-    assert text == "a wö" and not held.stopped
-
-
-def test_admission_queue_limit():
-    async def scenario():
-        adm = Admission(max_sessions=1, max_queued=1, budget_bytes=100)
-        await adm.acquire(10)
-        waiter = asyncio.ensure_future(adm.acquire(10))
-        await asyncio.sleep(0)
-        with pytest.raises(QueueFullError):
-            await adm.acquire(10)
-        adm.release(10)
-        await waiter
-        assert (adm.active, adm.waiting, adm.reserved) == (1, 0, 10)
-    asyncio.run(scenario())
-
-
-def test_metrics_merge_sums_replicas():
-    a, b = ReplicaMetrics(use_ray=False), ReplicaMetrics(use_ray=False)
-    from specextend.engine import RequestStats
-
-    stats = RequestStats(num_steps=2, accepted_per_step=[2, 1], draft_tokens=16, num_generated=5)
-    a.record_request(stats, "length")
-    b.record_request(stats, "stop")
-    text = merge_expositions([a.exposition(), b.exposition()])
-    assert "specextend_spec_decode_num_accepted_tokens_total 6.0" in text
-    assert 'specextend_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0' in text
 
 
 # ------------------------------------------------------------------ the served app
