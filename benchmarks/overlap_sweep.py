@@ -4,7 +4,8 @@
       --variants 3x8,2x8,1x8,2x16 --out overlap.json
 
 A variant `DxR` drafts D levels before answering a step that found nothing ready (`sync_depth`)
-and forwards R pool nodes per background forward (`overlap_rows`). Every variant runs the same
+and forwards R pool nodes per background forward (`overlap_rows`); a suffix `eN` refreshes the
+draft's retrieval every N steps instead of the configured interval (`e0`: retrieval off). Every variant runs the same
 prompts after `ar` (the baseline of the ratios, same run); per variant: decode tokens/s, its ratio
 to `ar`, acceptance, the share of steps answered from the pool (tree ready), the target's wait
 and the verify time per step. Fixed trees (the method, not the controller).
@@ -44,11 +45,16 @@ def main():
     engines = {"ar": Engine(replace(base, **MODES["ar"]), target, None)}
     workers = []
     for v in a.variants.split(","):
-        depth, rows = (int(x) for x in v.split("x"))
+        shape, _, every = v.partition("e")
+        depth, rows = (int(x) for x in shape.split("x"))
+        cfg = replace(base, **MODES["specextend"], draft_overlap=True)
+        if every:
+            n = int(every)
+            cfg = replace(cfg, retrieval=replace(cfg.retrieval, enabled=n > 0, every=max(n, 1)))
         w = DraftWorker(drafts["cuda:1"].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
                         sync_depth=depth, overlap_rows=rows)
         workers.append(w)
-        engines[v] = Engine(replace(base, **MODES["specextend"], draft_overlap=True), target, w)
+        engines[v] = Engine(cfg, target, w)
     warm: set = set()
     tol = TIE_TOLERANCE.get(target.decoder.dtype, 0.125)
     rows_out = []
@@ -63,7 +69,8 @@ def main():
                 rows_out.append(r)
                 print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
                       f"ready {r['tree_ready_fraction']:.2f}, wait {r['draft_wait_ms']:.2f} ms, "
-                      f"verify {r['verify_ms']:.2f} ms", flush=True)
+                      f"verify {r['verify_ms']:.2f} ms; median wait ready {r['wait_ready_ms']:.2f}, "
+                      f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms", flush=True)
     finally:
         for w in workers:
             w.stop()

@@ -41,6 +41,9 @@ class RequestStats:
     num_steps: int = 0  # verification steps
     accepted_per_step: list[int] = field(default_factory=list)  # accepted draft tokens per step
     nodes_per_step: list[int] = field(default_factory=list)  # draft nodes verified per step
+    wait_per_step: list[float] = field(default_factory=list)  # seconds the target waited for each tree
+    ready_per_step: list[bool] = field(default_factory=list)  # each tree came from the overlap pool
+    refresh_per_step: list[bool] = field(default_factory=list)  # each draft step received a retrieval
     context_per_step: list[int] = field(default_factory=list)  # committed context at each step
     draft_tokens: int = 0  # draft tokens proposed in total
     retrieval_refreshes: int = 0
@@ -249,6 +252,7 @@ class Engine:
                         tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, rung.bound))
                         draft_s = time.perf_counter() - ts
                         stats.draft_s += draft_s
+                        refreshed = retrieval is not None
                         caught_up = len(pending) > len(committed)  # it forwarded plain steps' tokens too
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)
@@ -273,6 +277,9 @@ class Engine:
                     stats.nodes_per_step.append(len(tokens))
                     stats.draft_cache_tokens = tree.draft_cache_tokens
                     stats.ready_steps += tree.ready
+                    stats.wait_per_step.append(draft_s)
+                    stats.ready_per_step.append(bool(tree.ready))
+                    stats.refresh_per_step.append(refreshed)
                     stats.ahead_depth_sum += tree.ahead_depth
                     committed = pending = verdict.tokens
                     step += 1

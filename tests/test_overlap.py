@@ -173,6 +173,11 @@ def test_overlapped_output_equals_plain_decoding(tiny_models, monkeypatch, mode,
         assert stats.ready_steps > 0 and stats.draft_ahead_depth > 0
     if mode == "specextend":
         assert stats.retrieval_refreshes > 1  # refreshes were due on ready steps too
+    # the per-step records (the benchmarks' wait split) line up with the counters
+    assert len(stats.wait_per_step) == len(stats.ready_per_step) == len(stats.refresh_per_step) == stats.num_steps
+    assert sum(stats.ready_per_step) == stats.ready_steps and 1e3 * sum(stats.wait_per_step) > 0
+    delivered = sum(stats.refresh_per_step)  # every selection but maybe the last verify's reached the draft
+    assert stats.retrieval_refreshes - 1 <= delivered <= stats.retrieval_refreshes
     worker.shutdown()
 
 

@@ -147,7 +147,18 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         plain_steps=st.plain_steps, step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
         other_ms=max(step_ms - wait_ms - verify_ms, 0.0) if steps else step_ms,
         draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction,
-        retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s)
+        retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s, **wait_split(st))
+
+
+def wait_split(st) -> dict:
+    """The target's median wait for a tree (ms) over steps answered from the overlap pool, over the
+    others, and over the steps that brought the draft a retrieval selection (0.0 where none)."""
+    waits = list(zip(st.wait_per_step, st.ready_per_step, st.refresh_per_step))
+
+    def med(xs):
+        return 1e3 * statistics.median(xs) if xs else 0.0
+    return dict(wait_ready_ms=med([w for w, r, _ in waits if r]), wait_drafted_ms=med([w for w, r, _ in waits if not r]),
+                wait_refresh_ms=med([w for w, _, f in waits if f]))
 
 
 def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], dtype: str = "auto",
