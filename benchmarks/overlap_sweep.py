@@ -5,7 +5,8 @@
 
 A variant `DxR` drafts D levels before answering a step that found nothing ready (`sync_depth`)
 and forwards R pool nodes per background forward (`overlap_rows`); a suffix `eN` refreshes the
-draft's retrieval every N steps instead of the configured interval (`e0`: retrieval off). Every variant runs the same
+draft's retrieval every N steps instead of the configured interval (`e0`: retrieval off), and `nN`
+sends trees of N nodes (e.g. `1x8e16n8`). Every variant runs the same
 prompts after `ar` (the baseline of the ratios, same run); per variant: decode tokens/s, its ratio
 to `ar`, acceptance, the share of steps answered from the pool (tree ready), the target's wait
 and the verify time per step. Fixed trees (the method, not the controller).
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
+import time
 from dataclasses import replace
 
 import torch
@@ -28,6 +31,8 @@ from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.near_tie import lossless_check
 
+WORKER_COUNTS = ("background_forwards", "ready_trees", "flight_steps", "flight_waits", "rebuilds")
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -37,21 +42,26 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--variants", default="3x8,2x8,1x8,2x16,3x16")
     ap.add_argument("--out")
+    ap.add_argument("--cpu", action="store_true", help="a smoke run with both models on the CPU")
     a = ap.parse_args()
-    assert torch.cuda.device_count() >= 2, "two GPUs: the target on cuda:0, the draft on cuda:1"
+    assert a.cpu or torch.cuda.device_count() >= 2, "two GPUs: the target on cuda:0, the draft on cuda:1"
     pair = PAIRS[a.pair]
-    base, target, drafts = load_models(pair, "auto", "fixed", "cuda", ("cuda:1",))
+    draft_dev = "cpu" if a.cpu else "cuda:1"
+    base, target, drafts = load_models(pair, "auto", "fixed", "cpu" if a.cpu else "cuda", () if a.cpu else (draft_dev,))
     prompts = [(d.name, prompt_ids(target.tokenizer, d, a.length)) for d in documents(a.docs.split(","))]
     engines = {"ar": Engine(replace(base, **MODES["ar"]), target, None)}
     workers = []
     for v in a.variants.split(","):
-        shape, _, every = v.partition("e")
-        depth, rows = (int(x) for x in shape.split("x"))
+        m = re.fullmatch(r"(\d+)x(\d+)(?:e(\d+))?(?:n(\d+))?", v)
+        assert m, f"variant {v!r}: DxR[eN][nN]"
+        depth, rows = int(m[1]), int(m[2])
         cfg = replace(base, **MODES["specextend"], draft_overlap=True)
-        if every:
-            n = int(every)
+        if m[3] is not None:
+            n = int(m[3])
             cfg = replace(cfg, retrieval=replace(cfg.retrieval, enabled=n > 0, every=max(n, 1)))
-        w = DraftWorker(drafts["cuda:1"].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
+        if m[4] is not None:
+            cfg = replace(cfg, tree=replace(cfg.tree, nodes=int(m[4])))
+        w = DraftWorker(drafts[draft_dev].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
                         sync_depth=depth, overlap_rows=rows)
         workers.append(w)
         engines[v] = Engine(cfg, target, w)
@@ -62,7 +72,13 @@ def main():
         for doc, prompt in prompts:
             ref = None
             for name, eng in engines.items():
+                worker = eng.draft if name != "ar" else None
+                before = worker.stats() if worker is not None else None
                 ids, r = run_engine(eng, prompt, a.new_tokens, None, warm)
+                if worker is not None:  # what the worker did for this request (its session has closed)
+                    time.sleep(0.05)
+                    after = worker.stats()
+                    r.update({k: getattr(after, k) - getattr(before, k) for k in WORKER_COUNTS})
                 ref = ids if name == "ar" else ref
                 check = lossless_check(target.decoder, prompt, ref, ids, tol) if name != "ar" else {}
                 r.update(variant=name, doc=doc, identical=ids == ref, near_tie=check.get("near_tie", True))
@@ -70,7 +86,8 @@ def main():
                 print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
                       f"ready {r['tree_ready_fraction']:.2f}, wait {r['draft_wait_ms']:.2f} ms, "
                       f"verify {r['verify_ms']:.2f} ms; median wait ready {r['wait_ready_ms']:.2f}, "
-                      f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms", flush=True)
+                      f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms; "
+                      + ", ".join(f"{k} {r[k]}" for k in WORKER_COUNTS if k in r), flush=True)
     finally:
         for w in workers:
             w.stop()
@@ -85,7 +102,7 @@ def main():
               f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['verify_ms']:.2f} |")
     if a.out:
         with open(a.out, "w") as f:
-            info = dict(meta("overlap_sweep", "cuda", []), command="python " + " ".join(sys.argv))
+            info = dict(meta("overlap_sweep", "cpu" if a.cpu else "cuda", []), command="python " + " ".join(sys.argv))
             json.dump(dict(meta=info, length=a.length, rows=rows_out), f, indent=1)
 
 
