@@ -4,9 +4,11 @@
       --variants 3x8,2x8,1x8,2x16 --out overlap.json
 
 A variant `DxR` drafts D levels before answering a step that found nothing ready (`sync_depth`)
-and forwards R pool nodes per background forward (`overlap_rows`); a suffix `eN` refreshes the
+and forwards R pool nodes per background forward (`overlap_rows`); `lL` chains L forwards on the
+device per background launch (`overlap_levels`); a suffix `eN` refreshes the
 draft's retrieval every N steps instead of the configured interval (`e0`: retrieval off), and `nN`
-sends trees of N nodes (e.g. `1x8e16n8`). Every variant runs the same
+sends trees of N nodes (e.g. `1x8l2e16n8`). Per row, the draft worker's thread time split
+(foreground jobs, the host side of background slices, polling with a slice in flight, idle). Every variant runs the same
 prompts after `ar` (the baseline of the ratios, same run); per variant: decode tokens/s, its ratio
 to `ar`, acceptance, the share of steps answered from the pool (tree ready), the target's wait
 and the verify time per step. Fixed trees (the method, not the controller).
@@ -31,7 +33,9 @@ from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.near_tie import lossless_check
 
-WORKER_COUNTS = ("background_forwards", "ready_trees", "flight_steps", "flight_waits", "rebuilds")
+WORKER_COUNTS = ("background_forwards", "ready_trees", "flight_steps", "flight_waits", "rebuilds", "chained_nodes",
+                 "dropped_levels")
+WORKER_TIMES = ("foreground_s", "background_host_s", "poll_s", "idle_s")
 
 
 def main():
@@ -52,17 +56,17 @@ def main():
     engines = {"ar": Engine(replace(base, **MODES["ar"]), target, None)}
     workers = []
     for v in a.variants.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:e(\d+))?(?:n(\d+))?", v)
-        assert m, f"variant {v!r}: DxR[eN][nN]"
+        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?", v)
+        assert m, f"variant {v!r}: DxR[lL][eN][nN]"
         depth, rows = int(m[1]), int(m[2])
         cfg = replace(base, **MODES["specextend"], draft_overlap=True)
-        if m[3] is not None:
-            n = int(m[3])
-            cfg = replace(cfg, retrieval=replace(cfg.retrieval, enabled=n > 0, every=max(n, 1)))
         if m[4] is not None:
-            cfg = replace(cfg, tree=replace(cfg.tree, nodes=int(m[4])))
+            n = int(m[4])
+            cfg = replace(cfg, retrieval=replace(cfg.retrieval, enabled=n > 0, every=max(n, 1)))
+        if m[5] is not None:
+            cfg = replace(cfg, tree=replace(cfg.tree, nodes=int(m[5])))
         w = DraftWorker(drafts[draft_dev].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
-                        sync_depth=depth, overlap_rows=rows)
+                        sync_depth=depth, overlap_rows=rows, overlap_levels=int(m[3] or 1))
         workers.append(w)
         engines[v] = Engine(cfg, target, w)
     warm: set = set()
@@ -78,7 +82,7 @@ def main():
                 if worker is not None:  # what the worker did for this request (its session has closed)
                     time.sleep(0.05)
                     after = worker.stats()
-                    r.update({k: getattr(after, k) - getattr(before, k) for k in WORKER_COUNTS})
+                    r.update({k: getattr(after, k) - getattr(before, k) for k in WORKER_COUNTS + WORKER_TIMES})
                 ref = ids if name == "ar" else ref
                 check = lossless_check(target.decoder, prompt, ref, ids, tol) if name != "ar" else {}
                 r.update(variant=name, doc=doc, identical=ids == ref, near_tie=check.get("near_tie", True))
@@ -87,7 +91,9 @@ def main():
                       f"ready {r['tree_ready_fraction']:.2f}, wait {r['draft_wait_ms']:.2f} ms, "
                       f"verify {r['verify_ms']:.2f} ms; median wait ready {r['wait_ready_ms']:.2f}, "
                       f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms; "
-                      + ", ".join(f"{k} {r[k]}" for k in WORKER_COUNTS if k in r), flush=True)
+                      + ", ".join(f"{k} {r[k]}" for k in WORKER_COUNTS if k in r)
+                      + ("; thread ms: " + ", ".join(f"{k[:-2]} {1e3 * r[k]:.0f}" for k in WORKER_TIMES) if "idle_s" in r else ""),
+                      flush=True)
     finally:
         for w in workers:
             w.stop()

@@ -65,6 +65,14 @@ class WorkerStats:
     batched_steps: int = 0  # Step jobs in them
     step_forwards: int = 0  # forwards the steps ran (each carrying one or more sessions' calls)
     step_calls: int = 0  # calls those forwards carried
+    chained_nodes: int = 0  # pool nodes forwarded in chained levels (overlap.py, Chained; sessions closed so far)
+    dropped_levels: int = 0  # chained levels dropped by a re-root before they were attached (same)
+    # where the worker thread's time went (seconds): foreground jobs, the host side of background
+    # slices (launch and finish), polling the job queue with a slice in flight, idle with nothing to do
+    foreground_s: float = 0.0
+    background_host_s: float = 0.0
+    poll_s: float = 0.0
+    idle_s: float = 0.0
 
 
 class JobWorker(DraftBackend):
@@ -90,6 +98,8 @@ class JobWorker(DraftBackend):
         self._ready_trees = 0
         self._rebuilds, self._rebuild_s = 0, 0.0
         self._flight_steps, self._flight_waits = 0, 0
+        self._chained_nodes, self._dropped_levels = 0, 0
+        self._times = dict(foreground_s=0.0, background_host_s=0.0, poll_s=0.0, idle_s=0.0)  # the thread's
         self._thread = threading.Thread(target=self._run, name=f"draft-worker-{name}", daemon=True)
         self._thread.start()
 
@@ -126,7 +136,8 @@ class JobWorker(DraftBackend):
         with self._lock:
             return WorkerStats(len(self._open_ids), self._background_forwards, self._ready_trees, self._rebuilds,
                                self._rebuild_s, self._flight_steps, self._flight_waits, self._step_batches,
-                               self._batched_steps, self._step_forwards, self._step_calls)
+                               self._batched_steps, self._step_forwards, self._step_calls,
+                               self._chained_nodes, self._dropped_levels, **self._times)
 
     def stop(self) -> None:
         """Stops the worker after the jobs already queued (returns at once); later jobs fail."""
@@ -165,26 +176,39 @@ class JobWorker(DraftBackend):
             job, fut = item
             if not fut.set_running_or_notify_cancel():
                 continue  # cancelled while queued (e.g. its RPC deadline passed)
-            if isinstance(job, Step) and self.batches_steps:
-                batch = self._gather(job, fut)
-                counts = BatchCounts()
-                t = time.monotonic()
-                outcomes = self._do_steps([j for j, _ in batch], counts)
-                self._batch_s = time.monotonic() - t
-                with self._lock:
-                    self._step_batches += 1
-                    self._batched_steps += len(batch)
-                    self._step_forwards += counts.forwards
-                    self._step_calls += counts.calls
-                for (j, f), outcome in zip(batch, outcomes):
-                    self._complete(j, f, outcome)
-                continue
+            t_job = time.perf_counter()
             try:
-                result = self._do(job)
-            except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
-                fut.set_exception(exc)
-                continue
-            self._complete(job, fut, result)
+                self._run_job(job, fut)
+            finally:
+                self._spent("foreground_s", t_job)
+
+    def _spent(self, key: str, since: float) -> None:
+        dt = time.perf_counter() - since
+        with self._lock:
+            self._times[key] += dt
+
+    def _run_job(self, job: Job, fut: Future) -> None:
+        """One foreground job (a Step gathers the steps queued behind it into a batch)."""
+        if isinstance(job, Step) and self.batches_steps:
+            batch = self._gather(job, fut)
+            counts = BatchCounts()
+            t = time.monotonic()
+            outcomes = self._do_steps([j for j, _ in batch], counts)
+            self._batch_s = time.monotonic() - t
+            with self._lock:
+                self._step_batches += 1
+                self._batched_steps += len(batch)
+                self._step_forwards += counts.forwards
+                self._step_calls += counts.calls
+            for (j, f), outcome in zip(batch, outcomes):
+                self._complete(j, f, outcome)
+            return
+        try:
+            result = self._do(job)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
+            fut.set_exception(exc)
+            return
+        self._complete(job, fut, result)
 
     def _gather(self, job: Step, fut: Future) -> list[tuple[Step, Future]]:
         """The step just taken and the Step jobs of other sessions queued right behind it, up to
@@ -256,13 +280,26 @@ class JobWorker(DraftBackend):
                 return self._jobs.get_nowait()
             except queue.Empty:
                 pass
-            if self._in_flight():
+            t = time.perf_counter()
+            flying = self._in_flight()  # finishes the slice if it is done
+            self._spent("background_host_s", t)
+            if flying:
+                t = time.perf_counter()
                 try:
                     return self._jobs.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
-            if not self._background():
-                return self._jobs.get()
+                finally:
+                    self._spent("poll_s", t)
+            t = time.perf_counter()
+            launched = self._background()
+            self._spent("background_host_s", t)
+            if not launched:
+                t = time.perf_counter()
+                try:
+                    return self._jobs.get()
+                finally:
+                    self._spent("idle_s", t)
             with self._lock:
                 self._background_forwards += 1
 

@@ -17,6 +17,12 @@ new root itself is in flight (its children, the next tree's first level, are pen
 step wait for the forward. A step that misses drops the pool and with it the flight's result; the
 flight's staged slots are overwritten by the step's own forwards, queued after it.
 
+A flight may chain further levels on the device (`levels` > 1): each takes the best `rows`
+children, by path score, of the level before (picked on the device, no host round trip between
+them), so the device runs several forwards for one launch and one finish of host work. Their
+nodes join the pool level by level as their events complete; a step that re-roots the pool drops
+the levels not yet attached (their nodes were never in the pool; their slots were the old pool's).
+
 A retrieval rebuild runs as a background slice too (`launch`), and never while a forward of the
 same session is in flight: `launch` finishes the previous flight first, and the worker launches
 only after finishing (at most one flight per worker).
@@ -40,8 +46,22 @@ from specextend.models.transfer import record_event, to_device, to_host
 
 OVERLAP_ROWS = 8  # pool nodes forwarded per background forward
 POOL_SLOTS = 128  # staged slots the pool may use (bounds one session's background work)
+OVERLAP_LEVELS = 1  # forwards chained on the device per background launch (Chained)
 OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the extra ones are the
 #                    likely bonus tokens where the target rejects every child that was sent
+
+
+@dataclass
+class Chained:
+    """A level of a flight after its first, forwarded without the host: its rows are the best
+    children (by path score) of the level before, picked on the device."""
+
+    start: int  # its staged slots: start .. start + R
+    pick: torch.Tensor  # [R] int64 on the host: row * w + child, in the level before, of each row
+    score: torch.Tensor  # [R] on the host: each row's path score (-inf: no candidate, a padding row)
+    tokens: torch.Tensor  # [R, w] int64 on the host: each row's children
+    logp: torch.Tensor  # [R, w] their log-probabilities
+    event: Optional[torch.cuda.Event]  # recorded after its host copies (None on the CPU: done)
 
 
 @dataclass
@@ -55,13 +75,31 @@ class Flight:
     event: Optional[torch.cuda.Event] = None  # recorded after the host copies (None on the CPU: done)
     moved: bool = False  # a re-root moved its nodes (stats: children attached late)
     held: bool = False  # tests: report not done until waited on (forces "a step arrives in flight")
+    deeper: list[Chained] = field(default_factory=list)  # levels 2.. not attached yet, in order
+    bases: dict[int, int] = field(default_factory=dict)  # row of the last attached level -> its first child's id
+
+    def _done(self, event: Optional[torch.cuda.Event]) -> bool:
+        return not self.held and (event is None or event.query())
 
     def done(self) -> bool:
-        return not self.held and (self.event is None or self.event.query())
+        """Every level has finished on the device (stream order: the last one has)."""
+        return self._done(self.deeper[-1].event if self.deeper else self.event)
+
+    def first_done(self) -> bool:
+        return self._done(self.event)
 
     def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+        for event in [self.event] + [c.event for c in self.deeper]:
+            if event is not None:
+                event.synchronize()
+
+    def may_hold(self, node: int) -> bool:
+        """`node` (in the pool, not forwarded) is a candidate of the next chained level: a child of
+        a row of the last level attached."""
+        if self.rows or not self.deeper:
+            return False
+        w = self.deeper[0].tokens.shape[1]
+        return any(b <= node < b + w for b in self.bases.values())
 
     def pending(self, node: int) -> bool:
         return any(n == node for _, n in self.rows)
@@ -97,6 +135,8 @@ class Overlap:
         self.flight_waits = 0  # ready steps that waited for it (their new root's children were in it)
         self.late_children = 0  # children attached after a re-root had moved their parent
         self.dropped_rows = 0  # pending rows dropped by a re-root (their node pruned)
+        self.dropped_levels = 0  # chained levels dropped by a re-root before they were attached
+        self.chained_nodes = 0  # pool nodes forwarded in chained levels
 
     # ------------------------------------------------------------------ background
     def launch(self) -> bool:
@@ -124,7 +164,8 @@ class Overlap:
             nodes = pool.frontier(self.rows, 2 * self.params.tree.depth)
             if not nodes:
                 return False
-            self.flight = self._launch_forward(nodes, children=True)
+            levels = max(1, min(self.levels, (POOL_SLOTS - pool.staged) // self.rows))
+            self.flight = self._launch_forward(nodes, children=True, levels=levels)
             return True
         except CacheFull:  # near the end of the request's budget: no room to draft ahead
             return False
@@ -140,12 +181,40 @@ class Overlap:
         if flight is None:
             return
         flight.wait()
-        if flight.pool is not self.pool or not flight.rows:
+        self._attach(flight, wait=True)
+
+    def _attach(self, flight: Flight, wait: bool = False) -> None:
+        """Attach the flight's levels that have finished on the device (all of them with `wait`,
+        after flight.wait()) to the pool, in order: the first level's pending children, then each
+        chained level's nodes (their slots) and children. Nothing if its pool was dropped."""
+        if flight.pool is not self.pool:
             return
-        rows = torch.tensor([r for r, _ in flight.rows])  # [F'] host
-        self.pool.add_children([n for _, n in flight.rows], flight.tokens[rows], flight.logp[rows])
-        if flight.moved:
-            self.late_children += rows.numel() * flight.tokens.shape[1]
+        if flight.rows and (wait or flight.first_done()):
+            rows = [r for r, _ in flight.rows]
+            base, w = len(self.pool), flight.tokens.shape[1]
+            self.pool.add_children([n for _, n in flight.rows], flight.tokens[rows], flight.logp[rows])
+            flight.bases = {r: base + k * w for k, r in enumerate(rows)}
+            flight.rows = []
+            if flight.moved:
+                self.late_children += len(rows) * w
+        elif flight.rows:
+            return
+        while flight.deeper and flight.bases and (wait or flight._done(flight.deeper[0].event)):
+            lvl = flight.deeper.pop(0)
+            w = lvl.tokens.shape[1]
+            nodes, rows = [], []
+            for j, (p, score) in enumerate(zip(lvl.pick.tolist(), lvl.score.tolist())):
+                parent_row, c = divmod(p, w)
+                if score == float("-inf") or parent_row not in flight.bases:
+                    continue  # no candidate there (fewer children than rows), or a padding row's
+                node = flight.bases[parent_row] + c
+                self.pool.slots[node] = lvl.start + j
+                nodes.append(node)
+                rows.append(j)
+            base = len(self.pool)
+            self.chained_nodes += len(nodes)
+            self.pool.add_children(nodes, lvl.tokens[rows], lvl.logp[rows])
+            flight.bases = {r: base + k * w for k, r in enumerate(rows)}
 
     def background(self) -> bool:
         """One slice launched and finished (synchronous: tests, warm-up)."""
@@ -159,13 +228,14 @@ class Overlap:
         completes, in stream order, before anything queued after it."""
         self.pool, self._refresh, self._restage = None, None, []
         if self.flight is not None:
-            self.flight.rows = []
+            self.flight.rows, self.flight.deeper = [], []
 
-    def _launch_forward(self, nodes: list[int], children: bool) -> Flight:
+    def _launch_forward(self, nodes: list[int], children: bool, levels: int = 1) -> Flight:
         """Queue the forward of pool nodes (their ancestors forwarded before, or earlier in `nodes`)
-        as one tree level; with `children`, the top-k of each row and its copy to the host. Rows are
-        padded to `rows` and the start slot rounded up to a multiple of it, so that the forwards
-        take few distinct shapes (one CUDA graph each). Nothing here waits for the device."""
+        as one tree level; with `children`, the top-k of each row and its copy to the host, and
+        `levels` - 1 more levels chained on the device (`_chain`). Rows are padded to `rows` and the
+        start slot rounded up to a multiple of it, so that the forwards take few distinct shapes
+        (one CUDA graph each). Nothing here waits for the device."""
         pool, dev = self.pool, self.model.device
         start = -(-pool.staged // self.rows) * self.rows
         f, r = len(nodes), self.rows
@@ -177,19 +247,64 @@ class Overlap:
         pool.mark_forwarded(nodes, start, r)
         if not children:
             return Flight(pool, event=record_event(dev))
-        top_lp, top_ids = top_logprobs(logits[:f], OVERLAP_WIDTH * self.params.tree.topk)  # [F, w]
-        tokens, logp = to_host(top_ids), to_host(top_lp)  # [F, w] each: valid once the event is done
-        return Flight(pool, list(enumerate(nodes)), tokens, logp, record_event(dev))  # recorded after the copies
+        w = OVERLAP_WIDTH * self.params.tree.topk
+        top_lp, top_ids = top_logprobs(logits[:r], w)  # [R, w] (padding rows too: chained levels index them)
+        tokens, logp = to_host(top_ids[:f]), to_host(top_lp[:f])  # [F, w] each: valid once the event is done
+        flight = Flight(pool, list(enumerate(nodes)), tokens, logp, record_event(dev))  # recorded after the copies
+        if levels > 1:
+            score = to_device([pool.scores[i] for i in nodes] + [float("-inf")] * (r - f), top_lp.dtype, dev)  # [R]
+            flight.deeper = self._chain(levels - 1, start, mask, ids_pos[r:], score, top_lp, top_ids)
+            pool.staged = start + levels * r  # their slots are taken now; their nodes join at attach
+        return flight
+
+    def _chain(self, n: int, start: int, mask: torch.Tensor,  # [R, start + R] bool, the level before's
+               pos: torch.Tensor,  # [R] its positions
+               score: torch.Tensor,  # [R] its rows' path scores (-inf: padding)
+               top_lp: torch.Tensor, top_ids: torch.Tensor,  # [R, w] its rows' children
+               ) -> list[Chained]:
+        """`n` levels after the one just queued, on the device: each forwards the best R children
+        of the level before by path score (EAGLE-2's level-wise expansion; the host's best-first
+        order resumes at the next launch), over the level before's mask rows plus its own slot."""
+        dev, r = self.model.device, self.rows
+        w = top_lp.shape[1]
+        out = []
+        for _ in range(n):
+            start += r
+            cand = (score[:, None] + top_lp).reshape(-1)  # [R * w]
+            score, pick = torch.topk(cand, r)  # [R] each: best first
+            prow = torch.div(pick, w, rounding_mode="floor")  # [R] the level before's row
+            ids = top_ids.reshape(-1)[pick]  # [R]
+            pos = pos[prow] + 1  # [R]
+            own = torch.arange(r, device=dev)
+            nxt = torch.zeros(r, start + r, dtype=torch.bool, device=dev)  # [R, start + R]
+            nxt[:, :start] = mask[prow]
+            nxt[own, start + own] = True
+            mask = nxt
+            logits, _ = self.model.forward(ids, pos, self.work, mask, ForwardOptions(staged=start))
+            top_lp, top_ids = top_logprobs(logits[:r], w)  # [R, w]
+            out.append(Chained(start, to_host(pick), to_host(score), to_host(top_ids), to_host(top_lp),
+                               record_event(dev)))
+        return out
 
     # ------------------------------------------------------------------ a step
     def _from_pool(self, step: int, accepted: Sequence[int], nodes: int) -> Optional[DraftTree]:
         """The next tree (its best `nodes`) from the pool if the accepted path and bonus token were
         forwarded in it (in flight counts: stream order), else None."""
-        pool = self.pool
+        pool, flight = self.pool, self.flight
         path = pool.walk(accepted)
-        if any(node is None or pool.slots[node] < 0 for node in path):
+        missing = next((node for node in path if node is None or pool.slots[node] < 0), -1)
+        if missing is not None and missing >= 0 and flight is not None and flight.pool is pool and flight.may_hold(missing):
+            # a node of the path is a candidate of the chained level in flight: wait for the flight
+            self.flight_waits += 1
+            self.finish()
+            flight, path = None, pool.walk(accepted)
+            missing = next((node for node in path if node is None or pool.slots[node] < 0), -1)
+        if missing != -1:
             return None
-        if self.flight is not None and self.flight.pending(path[-1]):
+        if flight is not None and flight.deeper:  # not attached: their nodes were never in this pool
+            self.dropped_levels += len(flight.deeper)
+            flight.deeper = []  # (still queued on the device, before anything this step queues)
+        if flight is not None and flight.pending(path[-1]):
             # the new root's children (the next tree's first level) are in flight: wait for them
             self.flight_waits += 1
             self.finish()

@@ -30,7 +30,8 @@ from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.expand import Level, PostGraphs, expand_tree_co, level_post
-from specextend.draft.overlap import OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS, Overlap  # noqa: F401 (re-exported)
+from specextend.draft.overlap import (OVERLAP_LEVELS, OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS,  # noqa: F401 (re-exported)
+                                      Overlap)
 from specextend.draft.pool import Pool
 from specextend.draft.tree_graph import TreeCall, TreeGraphs
 from specextend.models.batch import ForwardCall, Result, run_alone
@@ -88,9 +89,10 @@ class DraftSession(Overlap):
 
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
                  prefill_chunk: int = 2048, overlap: bool = False, overlap_rows: int = OVERLAP_ROWS,
-                 sync_depth: int = SYNC_DEPTH):
+                 sync_depth: int = SYNC_DEPTH, overlap_levels: int = OVERLAP_LEVELS):
         self.model = model
         self.rows = overlap_rows
+        self.levels = overlap_levels  # forwards per background launch (overlap.py, Chained)
         # with overlap, a step that finds nothing ready drafts only this deep before answering (0: the
         # tree's depth); the background deepens the pool while the target verifies
         self.sync_depth = sync_depth
@@ -193,6 +195,7 @@ class DraftSession(Overlap):
                 self.finish()
             else:
                 self.flight_steps += 1
+                self._attach(self.flight)  # its levels that have finished join the pool
         if self.pool is not None:
             ready = self._from_pool(step, accepted_tokens, shape.nodes)
             if ready is not None:
