@@ -7,9 +7,11 @@ A variant `DxR` drafts D levels before answering a step that found nothing ready
 and forwards R pool nodes per background forward (`overlap_rows`); `lL` chains L forwards on the
 device per background launch (`overlap_levels`); a suffix `eN` refreshes the
 draft's retrieval every N steps instead of the configured interval (`e0`: retrieval off), and `nN`
-sends trees of N nodes (e.g. `1x8l2e16n8`). Per row, the draft worker's thread time split
+sends trees of N nodes, `dN` lets a retrieval selection that arrives with a ready tree wait up to
+N ready steps for a miss (`refresh_defer`; e.g. `1x8l2e16n8d0`). Per row, the draft worker's thread time split
 (foreground jobs, the host side of background slices, polling with a slice in flight, idle). Every variant runs the same
-prompts after `ar` (the baseline of the ratios, same run); per variant: decode tokens/s, its ratio
+prompts after `ar` (the baseline of the ratios, same round), `--rounds` times interleaved; per variant
+(medians over documents and rounds): decode tokens/s, its ratio
 to `ar`, acceptance, the share of steps answered from the pool (tree ready), the target's wait
 and the verify time per step. Fixed trees (the method, not the controller).
 """
@@ -35,7 +37,7 @@ from specextend.near_tie import lossless_check
 
 WORKER_COUNTS = ("background_forwards", "ready_trees", "flight_steps", "flight_waits", "rebuilds", "chained_nodes",
                  "dropped_levels")
-WORKER_TIMES = ("foreground_s", "background_host_s", "poll_s", "idle_s")
+WORKER_TIMES = ("foreground_s", "background_host_s", "poll_s")  # (idle_s counts a wait when it ends)
 
 
 def main():
@@ -46,6 +48,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--variants", default="3x8,2x8,1x8,2x16,3x16")
     ap.add_argument("--out")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every variant per document, interleaved (ratios are to the same round's ar)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run with both models on the CPU")
     a = ap.parse_args()
     assert a.cpu or torch.cuda.device_count() >= 2, "two GPUs: the target on cuda:0, the draft on cuda:1"
@@ -56,8 +60,8 @@ def main():
     engines = {"ar": Engine(replace(base, **MODES["ar"]), target, None)}
     workers = []
     for v in a.variants.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?", v)
-        assert m, f"variant {v!r}: DxR[lL][eN][nN]"
+        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?(?:d(\d+))?", v)
+        assert m, f"variant {v!r}: DxR[lL][eN][nN][dN]"
         depth, rows = int(m[1]), int(m[2])
         cfg = replace(base, **MODES["specextend"], draft_overlap=True)
         if m[4] is not None:
@@ -66,14 +70,15 @@ def main():
         if m[5] is not None:
             cfg = replace(cfg, tree=replace(cfg.tree, nodes=int(m[5])))
         w = DraftWorker(drafts[draft_dev].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
-                        sync_depth=depth, overlap_rows=rows, overlap_levels=int(m[3] or 1))
+                        sync_depth=depth, overlap_rows=rows, overlap_levels=int(m[3] or 1),
+                        **({} if m[6] is None else dict(refresh_defer=int(m[6]))))
         workers.append(w)
         engines[v] = Engine(cfg, target, w)
     warm: set = set()
     tol = TIE_TOLERANCE.get(target.decoder.dtype, 0.125)
     rows_out = []
     try:
-        for doc, prompt in prompts:
+        for (doc, prompt), rnd in [(p, k) for p in prompts for k in range(a.rounds)]:
             ref = None
             for name, eng in engines.items():
                 worker = eng.draft if name != "ar" else None
@@ -85,27 +90,29 @@ def main():
                     r.update({k: getattr(after, k) - getattr(before, k) for k in WORKER_COUNTS + WORKER_TIMES})
                 ref = ids if name == "ar" else ref
                 check = lossless_check(target.decoder, prompt, ref, ids, tol) if name != "ar" else {}
-                r.update(variant=name, doc=doc, identical=ids == ref, near_tie=check.get("near_tie", True))
+                r.update(variant=name, doc=doc, round=rnd, identical=ids == ref, near_tie=check.get("near_tie", True))
                 rows_out.append(r)
                 print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
                       f"ready {r['tree_ready_fraction']:.2f}, wait {r['draft_wait_ms']:.2f} ms, "
                       f"verify {r['verify_ms']:.2f} ms; median wait ready {r['wait_ready_ms']:.2f}, "
                       f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms; "
                       + ", ".join(f"{k} {r[k]}" for k in WORKER_COUNTS if k in r)
-                      + ("; thread ms: " + ", ".join(f"{k[:-2]} {1e3 * r[k]:.0f}" for k in WORKER_TIMES) if "idle_s" in r else ""),
+                      + ("; thread ms: " + ", ".join(f"{k[:-2]} {1e3 * r[k]:.0f}" for k in WORKER_TIMES) if "poll_s" in r else ""),
                       flush=True)
     finally:
         for w in workers:
             w.stop()
-    ar = {r["doc"]: r["decode_tokens_per_s"] for r in rows_out if r["variant"] == "ar"}
-    print("\n| variant | decode tok/s | x ar | acceptance | tree ready | wait ms | verify ms |\n|---|---|---|---|---|---|---|")
+    ar = {(r["doc"], r["round"]): r["decode_tokens_per_s"] for r in rows_out if r["variant"] == "ar"}
+    print("\n| variant | decode tok/s | x ar (median) | acceptance | tree ready | wait ms | median wait ready ms | "
+          "verify ms |\n|---|---|---|---|---|---|---|---|")
     for name in engines:
         rs = [r for r in rows_out if r["variant"] == name]
-        m = {k: statistics.fmean(r[k] for r in rs) for k in ("decode_tokens_per_s", "mean_acceptance_length",
-                                                             "tree_ready_fraction", "draft_wait_ms", "verify_ms")}
-        x = statistics.fmean(r["decode_tokens_per_s"] / ar[r["doc"]] for r in rs)
+        m = {k: statistics.median(r[k] for r in rs) for k in ("decode_tokens_per_s", "mean_acceptance_length",
+                                                               "tree_ready_fraction", "draft_wait_ms", "verify_ms",
+                                                               "wait_ready_ms")}
+        x = statistics.median(r["decode_tokens_per_s"] / ar[r["doc"], r["round"]] for r in rs)
         print(f"| {name} | {m['decode_tokens_per_s']:.1f} | {x:.2f} | {m['mean_acceptance_length']:.2f} | "
-              f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['verify_ms']:.2f} |")
+              f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['wait_ready_ms']:.2f} | {m['verify_ms']:.2f} |")
     if a.out:
         with open(a.out, "w") as f:
             info = dict(meta("overlap_sweep", "cpu" if a.cpu else "cuda", []), command="python " + " ".join(sys.argv))

@@ -52,7 +52,10 @@ def select_best_nodes(scores: Sequence[float], depths: Sequence[int], parents: S
     contains every selected node's parent. Returned best first, which is a topological order
     (a parent precedes its children): every prefix of the result is the best tree of its size,
     which the adaptive policy relies on (docs/architecture.md, "Adaptive speculation")."""
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:n]
+    if len(scores) > 64:  # numpy: the same order (lexsort is stable: id breaks the last ties)
+        order = np.lexsort((np.asarray(depths), -np.asarray(scores, dtype=np.float64)))[:n].tolist()
+    else:
+        order = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:n]
     seen: set[int] = set()
     for i in order:  # closure holds by construction; fail loudly if a caller breaks it
         if parents[i] >= 0 and parents[i] not in seen:

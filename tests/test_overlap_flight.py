@@ -45,9 +45,9 @@ def test_remap_rows_follows_the_reroot_and_drops_pruned_nodes():
 
 # ------------------------------------------------------------------ one session, forced "in flight"
 
-def grown(draft, retrieval=PLAIN, slices=1, seed=0):
+def grown(draft, retrieval=PLAIN, slices=1, seed=0, **kw):
     """A session after step 0 and `slices` background forwards, then one more launched and held."""
-    s = DraftSession(draft, prompt(seed=seed), DraftSessionParams(TREE, retrieval, 64), overlap=True)
+    s = DraftSession(draft, prompt(seed=seed), DraftSessionParams(TREE, retrieval, 64), overlap=True, **kw)
     t0 = s.step(0, [7], None)
     for _ in range(slices):
         assert s.background()
@@ -176,8 +176,8 @@ def staged_kv_matches_a_causal_forward(draft, s, nodes=6):
 def test_a_refresh_that_arrives_in_flight_is_applied_after_the_forward(draft):
     """A ready step in flight brings a retrieval selection: the answer comes first; the next slice
     finishes the forward (its children join the re-rooted pool), then rebuilds the working cache,
-    then the pool's nodes are forwarded again over it."""
-    s, t0 = grown(draft, CMR)
+    then the pool's nodes are forwarded again over it (refresh_defer 0: no waiting for a miss)."""
+    s, t0 = grown(draft, CMR, refresh_defer=0)
     pool, flying = s.pool, in_flight(s)
     x = next(i for i in range(len(pool)) if pool.slots[i] >= 0 and i not in flying
              and any(i in pool.ancestors(n)[:-1] for n in flying))

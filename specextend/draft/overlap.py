@@ -46,6 +46,8 @@ from specextend.models.transfer import record_event, to_device, to_host
 
 OVERLAP_ROWS = 8  # pool nodes forwarded per background forward
 POOL_SLOTS = 128  # staged slots the pool may use (bounds one session's background work)
+REFRESH_DEFER = 8  # ready steps a retrieval selection may wait for a miss before it is applied in
+#                   the background (a rebuild forwards the whole pool again, and stalls its growth)
 OVERLAP_LEVELS = 1  # forwards chained on the device per background launch (Chained)
 OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the extra ones are the
 #                    likely bonus tokens where the target rejects every child that was sent
@@ -130,6 +132,7 @@ class Overlap:
         self.pool: Optional[Pool] = None  # candidates below the current root
         self.flight: Optional[Flight] = None  # the background slice in flight
         self._refresh = None  # a retrieval selection to apply in the background
+        self._refresh_age = 0  # ready steps since the selection waiting in _refresh first arrived
         self._restage: list[int] = []  # pool nodes to forward again after a rebuild
         self.flight_steps = 0  # steps that arrived with a background forward in flight
         self.flight_waits = 0  # ready steps that waited for it (their new root's children were in it)
@@ -149,7 +152,7 @@ class Overlap:
         if pool is None:
             return False
         try:
-            if self._refresh is not None:
+            if self._refresh is not None and self._refresh_age >= self.refresh_defer:
                 r, self._refresh = self._refresh, None
                 self._rebuild(r.chunk_ids, r.chunk_size, keep_last=True)
                 self._restage = pool.unstage()  # staged K/V were for the old working cache

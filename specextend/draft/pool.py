@@ -12,10 +12,16 @@ exp(score), so the expansion order is the order in which outcomes are likely.
 
 Node ids are indices into the parallel lists; the root (the last committed token) is not a node
 (its children have parent -1). Scores are log-probabilities relative to the root.
+
+The pool grows by `2 x tree_topk` children per forwarded node (about a thousand nodes after a few
+steps), and its bookkeeping runs on the draft's host thread between forwards and on a ready
+step's critical path, so its queries are output-sensitive: children by parent (walk, reroot), a
+heap of the unforwarded nodes (frontier), numpy for the best-n selection (tree.py).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -33,6 +39,20 @@ class Pool:
     depths: list[int] = field(default_factory=list)  # [P] root's children = 1
     slots: list[int] = field(default_factory=list)  # [P] staged offset once forwarded, else -1
     staged: int = 0  # staged slots in use (forwarded nodes and padding)
+    # indexes over the lists above (kept by the methods here; slots may be set from outside only
+    # from -1 to a slot, which the heap tolerates: it drops forwarded nodes as it meets them)
+    _kids: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)  # parent -> children
+    _todo: list[tuple[float, int, int]] = field(default_factory=list, repr=False, compare=False)  # heap (-score, depth, id)
+
+    def __post_init__(self) -> None:
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self._kids = {}
+        for i, p in enumerate(self.parents):
+            self._kids.setdefault(p, []).append(i)
+        self._todo = [(-self.scores[i], self.depths[i], i) for i, s in enumerate(self.slots) if s < 0]
+        heapq.heapify(self._todo)
 
     @classmethod
     def from_expansion(cls, tokens: Sequence[int], scores: Sequence[float], parents: Sequence[int],
@@ -51,13 +71,21 @@ class Pool:
         return sum(s >= 0 for s in self.slots)
 
     def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
+        return list(self._kids.get(node, ()))
 
     def frontier(self, rows: int, max_depth: int) -> list[int]:
-        """Up to `rows` not yet forwarded nodes with the best scores (their parents all are)."""
-        todo = [i for i, s in enumerate(self.slots) if s < 0 and self.depths[i] < max_depth]
-        todo.sort(key=lambda i: (-self.scores[i], self.depths[i], i))
-        return todo[:rows]
+        """Up to `rows` not yet forwarded nodes with the best scores (their parents all are), best
+        first; ties by depth, then id. Forwarded nodes leave the heap as they reach its top."""
+        heap, out, deep = self._todo, [], []
+        while heap and len(out) < rows:
+            item = heapq.heappop(heap)
+            i = item[2]
+            if self.slots[i] >= 0:
+                continue  # forwarded since it was pushed: gone for good
+            (out if item[1] < max_depth else deep).append(item)
+        for item in out + deep:  # a query: they stay candidates until forwarded
+            heapq.heappush(heap, item)
+        return [i for _, _, i in out]
 
     def ancestors(self, node: int) -> list[int]:
         out = []
@@ -90,12 +118,17 @@ class Pool:
                      child_logp: torch.Tensor) -> None:  # [F, k] log-probabilities
         toks, logp = child_tokens.tolist(), child_logp.tolist()
         for r, node in enumerate(nodes):
+            kids = self._kids.setdefault(node, [])
+            base, depth = self.scores[node], self.depths[node] + 1
             for tok, lp in zip(toks[r], logp[r]):
+                i, score = len(self.tokens), base + float(lp)
                 self.tokens.append(int(tok))
-                self.scores.append(self.scores[node] + float(lp))
+                self.scores.append(score)
                 self.parents.append(node)
-                self.depths.append(self.depths[node] + 1)
+                self.depths.append(depth)
                 self.slots.append(-1)
+                kids.append(i)
+                heapq.heappush(self._todo, (-score, depth, i))
 
     def best_tree(self, n: int) -> tuple[list[int], list[int]]:
         """The best n nodes by path score, as a tree (tokens, parents) in topological order."""
@@ -113,7 +146,7 @@ class Pool:
         for tok in tokens:
             nxt = None
             if node is not None:
-                nxt = next((i for i, p in enumerate(self.parents) if p == node and self.tokens[i] == tok), None)
+                nxt = next((i for i in self._kids.get(node, ()) if self.tokens[i] == tok), None)
             out.append(nxt)
             node = nxt
         return out
@@ -124,6 +157,7 @@ class Pool:
         order = sorted((i for i, s in enumerate(self.slots) if s >= 0), key=lambda i: self.slots[i])
         self.slots = [-1] * len(self.slots)
         self.staged = 0
+        self._reindex()
         return order
 
     def reroot(self, path: Sequence[int]) -> tuple["Pool", list[int], list[int]]:
@@ -135,22 +169,30 @@ class Pool:
     def reroot_ids(self, path: Sequence[int]) -> tuple["Pool", list[int], list[int], dict[int, int]]:
         """`reroot`, and the map old id -> new id of the nodes kept (the new root -> -1)."""
         root = path[-1]
+        # the root's descendants whose parents are forwarded (or the root itself), in id order
+        # (topological: parents come first), found through the children index
+        found, stack = [], [root]
+        while stack:
+            p = stack.pop()
+            if p == root or self.slots[p] >= 0:
+                kids = self._kids.get(p, ())
+                found.extend(kids)
+                stack.extend(kids)
+        found.sort()
         keep: dict[int, int] = {root: -1}  # old id -> new id
-        new = Pool()
-        for i in range(root + 1, len(self.tokens)):  # topological order: parents come first
-            p = self.parents[i]
-            # a node's parent must be forwarded (not one still waiting to be re-staged)
-            if p in keep and (p == root or self.slots[p] >= 0):
-                keep[i] = len(new.tokens)
-                new.tokens.append(self.tokens[i])
-                new.scores.append(self.scores[i] - self.scores[root])
-                new.parents.append(keep[p])
-                new.depths.append(self.depths[i] - self.depths[root])
-                new.slots.append(-1)
-        old_ids = sorted((i for i in keep if i != root and self.slots[i] >= 0), key=lambda i: self.slots[i])
+        base_score, base_depth = self.scores[root], self.depths[root]
+        tokens, scores, parents, depths = [], [], [], []
+        for new_id, i in enumerate(found):
+            keep[i] = new_id
+            tokens.append(self.tokens[i])
+            scores.append(self.scores[i] - base_score)
+            parents.append(keep[self.parents[i]])
+            depths.append(self.depths[i] - base_depth)
+        old_ids = sorted((i for i in found if self.slots[i] >= 0), key=lambda i: self.slots[i])
+        slots = [-1] * len(found)
         staged_keep = []
         for slot, old in enumerate(old_ids):
-            new.slots[keep[old]] = slot
+            slots[keep[old]] = slot
             staged_keep.append(self.slots[old])
-        new.staged = len(staged_keep)
+        new = Pool(tokens, scores, parents, depths, slots, len(staged_keep))
         return new, [self.slots[i] for i in path], staged_keep, keep

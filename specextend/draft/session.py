@@ -30,8 +30,8 @@ from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.expand import Level, PostGraphs, expand_tree_co, level_post
-from specextend.draft.overlap import (OVERLAP_LEVELS, OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS,  # noqa: F401 (re-exported)
-                                      Overlap)
+from specextend.draft.overlap import (OVERLAP_LEVELS, OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS,  # noqa: F401
+                                      REFRESH_DEFER, Overlap)
 from specextend.draft.pool import Pool
 from specextend.draft.tree_graph import TreeCall, TreeGraphs
 from specextend.models.batch import ForwardCall, Result, run_alone
@@ -89,10 +89,12 @@ class DraftSession(Overlap):
 
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
                  prefill_chunk: int = 2048, overlap: bool = False, overlap_rows: int = OVERLAP_ROWS,
-                 sync_depth: int = SYNC_DEPTH, overlap_levels: int = OVERLAP_LEVELS):
+                 sync_depth: int = SYNC_DEPTH, overlap_levels: int = OVERLAP_LEVELS,
+                 refresh_defer: int = REFRESH_DEFER):
         self.model = model
         self.rows = overlap_rows
         self.levels = overlap_levels  # forwards per background launch (overlap.py, Chained)
+        self.refresh_defer = refresh_defer  # ready steps a selection waits for a miss (0: apply in the background)
         # with overlap, a step that finds nothing ready drafts only this deep before answering (0: the
         # tree's depth); the background deepens the pool while the target verifies
         self.sync_depth = sync_depth
@@ -199,8 +201,11 @@ class DraftSession(Overlap):
         if self.pool is not None:
             ready = self._from_pool(step, accepted_tokens, shape.nodes)
             if ready is not None:
-                if refresh:
+                if refresh:  # the newest selection waits for the next miss (or REFRESH_DEFER ready steps)
+                    self._refresh_age = 0 if self._refresh is None else self._refresh_age + 1
                     self._refresh = retrieval
+                elif self._refresh is not None:
+                    self._refresh_age += 1
                 return ready
         if not refresh and self._refresh is not None:  # a selection still waiting: apply it now
             retrieval, refresh = self._refresh, True

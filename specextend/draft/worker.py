@@ -28,7 +28,7 @@ from specextend.draft.base import DraftError, DraftSessionNotFound, DraftSession
 from specextend.draft.batch import BatchCounts, drive_batch
 from specextend.draft.jobs import (POLL_S, Close, Job, JobWorker, Open, SerialDraft, Step,  # noqa: F401 (re-exported)
                                    WorkerStats, as_worker)
-from specextend.draft.session import OVERLAP_LEVELS, OVERLAP_ROWS, SYNC_DEPTH, DraftSession
+from specextend.draft.session import OVERLAP_LEVELS, OVERLAP_ROWS, REFRESH_DEFER, SYNC_DEPTH, DraftSession
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Decoder
 
@@ -60,7 +60,8 @@ class DraftWorker(JobWorker):
 
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
-                 gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS):
+                 gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
+                 refresh_defer: int = REFRESH_DEFER):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
@@ -70,6 +71,7 @@ class DraftWorker(JobWorker):
         self.overlap = overlap
         self.overlap_rows = overlap_rows
         self.overlap_levels = overlap_levels
+        self.refresh_defer = refresh_defer
         if overlap and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._sessions: dict[str, SessionEntry] = {}  # the worker thread's only
@@ -145,7 +147,7 @@ class DraftWorker(JobWorker):
             raise DraftError("empty prompt")
         session = DraftSession(self.model, job.prompt_ids, job.params, self.prefill_chunk, overlap=self.overlap,
                                overlap_rows=self.overlap_rows, sync_depth=self.sync_depth,
-                               overlap_levels=self.overlap_levels)
+                               overlap_levels=self.overlap_levels, refresh_defer=self.refresh_defer)
         self._sessions[job.session_id] = SessionEntry(session)
 
     def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:
@@ -179,7 +181,7 @@ class DraftWorker(JobWorker):
         prompt = [(17 * i + 3) % vocab for i in range(job.prompt_len)]
         session = DraftSession(self.model, prompt, job.params, self.prefill_chunk, overlap=self.overlap,
                                overlap_rows=self.overlap_rows, sync_depth=self.sync_depth,
-                               overlap_levels=self.overlap_levels)
+                               overlap_levels=self.overlap_levels, refresh_defer=self.refresh_defer)
         session.step(0, [prompt[-1]], None)
         if session.pads_catch_up(self.model):
             session.step(1, prompt[:job.params.tree.depth + 2], None)  # more than a step accepts: a catch-up
