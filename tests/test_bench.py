@@ -57,6 +57,9 @@ def test_report_rebuilds_the_page_from_the_record(e2e_run, tmp_path):
     page, readme = tmp_path / "README.md", tmp_path / "TOP.md"
     page.write_text(f"# Results\n\nhand-written\n\n{BEGIN}\nold\n{END}\n\nfooter\n")
     readme.write_text(f"## Performance at a glance\n\n{BEGIN}\n{END}\n")
+    sweep = out / "overlap" / "2x-gpu.json"  # a standalone script's record: not a section of the page
+    sweep.parent.mkdir(exist_ok=True)
+    sweep.write_text(json.dumps(dict(meta=dict(suite="overlap_sweep", device="2x GPU", date="2026-11-26"), rows=[])))
     assert main(["bench", "--report", "--out", str(out), "--page", str(page), "--readme", str(readme)]) == 0
     text = page.read_text()
     assert text.startswith("# Results\n\nhand-written") and text.endswith("footer\n") and "\nold\n" not in text
@@ -65,6 +68,7 @@ def test_report_rebuilds_the_page_from_the_record(e2e_run, tmp_path):
     assert links and all((page.parent / link.split("](")[1].split(")")[0]).is_file()
                          for line in links for link in line.split(" "))
     assert "**e2e**, cpu" in readme.read_text() and "specextend" in readme.read_text()
+    assert "overlap_sweep" not in text
 
 
 def test_bench_needs_a_suite_or_report(capsys):

@@ -16,15 +16,17 @@ TABLES = {"kernels": kernels.table, "signal": signal.table}  # the others: e2e.t
 
 
 def latest(out: Path) -> list[dict]:
-    """One run per (suite, device, adaptive or not): the latest."""
+    """One run per (suite, device, adaptive or not): the latest. Only the `specextend bench` suites
+    (ORDER): the standalone scripts' records (e.g. overlap_sweep.py) are described by hand."""
     seen, runs = set(), []
     for run in record.load_all(out):
+        if run["meta"]["suite"] not in ORDER:
+            continue
         key = (run["meta"]["suite"], run["meta"]["device"], run["meta"].get("tree_policy") == "adaptive")
         if key not in seen:
             seen.add(key)
             runs.append(run)
-    return sorted(runs, key=lambda r: (ORDER.index(r["meta"]["suite"]) if r["meta"]["suite"] in ORDER else 99,
-                                       r["meta"]["device"]))
+    return sorted(runs, key=lambda r: (ORDER.index(r["meta"]["suite"]), r["meta"]["device"]))
 
 
 def _table(run: dict) -> str:
