@@ -60,6 +60,11 @@ class Rung:
 
 
 PLAIN = Rung(0, 0)
+# draft prefill / target prefill from which the session starts plain (TreeController.seed_draft): at
+# 1 a draft level costs about a target forward and no tree can pay; the margin covers what the
+# proxy misses (two prefills sharing a CPU, one-off costs of a first open; the tiny test pair, a
+# same-size copy of its target, measures 0.8 on 2 CPU cores, the 68M draft beside it about 12)
+SLOW_DRAFT = 3.0
 
 
 def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
@@ -150,6 +155,7 @@ class TreeController:
     extra_spec: Optional[float] = None  # a speculative step's seconds beyond forwards and draft wait (average)
     extra_plain: Optional[float] = None  # a plain step's seconds beyond its forward (average)
     plain_forward: Optional[float] = None  # a plain step's forward seconds, alone (average)
+    draft_ratio: Optional[float] = None  # the draft's prefill over the target's, when it says drafting cannot pay
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
@@ -174,7 +180,7 @@ class TreeController:
             if self.plain_forward is not None and self.sessions <= 1:
                 fwd = self.plain_forward  # measured: the line is mostly verifications, a costlier path
             return fwd + (self.extra_plain or 0.0)
-        return fwd + self.draft(rung.depth) + (self.extra_spec or 0.0)
+        return fwd + self.draft_seconds(rung.depth) + (self.extra_spec or 0.0)
 
     def rate(self, rung: Rung) -> float:
         """Predicted tokens per second of a step of `rung`."""
@@ -185,10 +191,27 @@ class TreeController:
         """The rung of the highest predicted tokens per second (the smaller one on a tie)."""
         return max(self.rungs, key=lambda r: (self.rate(r), -r.nodes))
 
+    def seed_draft(self, ratio: float) -> None:
+        """The prior before any tree: the draft's prefill took `ratio` times the target's on the same
+        prompt. A draft level costing a target forward or more leaves no tree able to beat a plain
+        step, whatever it accepts; from SLOW_DRAFT up the session starts plain, a draft level is
+        priced at `ratio` plain forwards until measured, and probes come as rarely as that price
+        says. Below it the prior is not used (the first tree measures the draft, cheaply)."""
+        if ratio >= SLOW_DRAFT:
+            self.draft_ratio = ratio
+
+    def draft_seconds(self, depth: int) -> float:
+        """Predicted wait for a tree `depth` deep: the measured line, else the prior (seed_draft)."""
+        if self.draft.known or self.draft_ratio is None:
+            return self.draft(depth)
+        a, b = self.forward.line()
+        one = self.plain_forward if self.plain_forward is not None else a + b
+        return depth * self.draft_ratio * one
+
     def choose(self, sessions: int = 1) -> Rung:
         """The next step's rung; `sessions` share the target's forwards now."""
         self.sessions = sessions
-        if self.spec_steps == 0:
+        if self.spec_steps == 0 and self.draft_ratio is None:
             return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
         if not self.plain_steps:
             return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)

@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
 
+def _timed(fn, *args) -> float:
+    """Calls fn(*args) and returns its wall time in seconds (the draft's open: its prefill)."""
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (too long, bad ids); maps to HTTP 400."""
 
@@ -223,15 +230,19 @@ class Engine:
         try:
             t0 = time.perf_counter()
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
-                opening = self._openers.submit(self.draft.open, sid, list(prompt_ids),
+                opening = self._openers.submit(_timed, self.draft.open, sid, list(prompt_ids),
                                                DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
             # retrieval is scored from the prefill
             logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture))
+            target_prefill_s = time.perf_counter() - t0
             token = next_token(logits, params, gen)
             if opening is not None:
                 try:
-                    yield DraftCall(future=opening)
+                    open_s = yield DraftCall(future=opening)
+                    # the draft's prefill against the target's, same prompt: the controller's prior
+                    # for what drafting costs (docs/architecture.md, "Adaptive speculation")
+                    ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
                 except DraftError as e:
                     use_draft = self._fall_back(stats, sid, e)
             retrieving = use_draft and cfg.retrieval.enabled

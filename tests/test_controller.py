@@ -3,7 +3,6 @@ each step chosen among a ladder of sizes, plain decoding included, to maximise p
 per second; backing off as more sessions share the target's forwards; probing so it can come
 back; lossless whatever it chooses."""
 
-import threading
 
 import pytest
 import torch
@@ -331,3 +330,38 @@ def test_the_drafts_catch_up_after_plain_steps_is_not_charged_to_speculation(tin
     assert stats.plain_steps >= 6 and stats.num_steps >= 4
     assert waits[0] is None and waits[1] is not None  # after 3 plain steps: a catch-up, then a plain wait
     assert None in waits[2:] and all(w is None or w > 0 for w in waits)
+
+
+def test_a_draft_whose_prefill_says_it_cannot_pay_is_never_tried():
+    """seed_draft: a draft prefill 12x the target's (the 68M draft beside the tiny target on a CPU)
+    starts the session plain, and with a level priced at 12 plain forwards the first probe is
+    hundreds of steps away; a ratio under SLOW_DRAFT changes nothing (the smallest tree first)."""
+    ctl = TreeController(list(RUNGS))
+    ctl.seed_draft(12.0)
+    chosen = simulate(ctl, dict(zip(RUNGS[1:], PROFILES["easy"])), 100)
+    assert all(r.plain for r in chosen) and ctl.probe_every > 100
+    fast = TreeController(list(RUNGS))
+    fast.seed_draft(0.8)
+    assert fast.choose() == RUNGS[1] and fast.draft_ratio is None
+
+
+def test_the_engine_seeds_its_controller_from_the_drafts_open(tiny_models):
+    """A draft whose open takes far longer than the target's prefill: the adaptive session never
+    speculates (output equals plain decoding); the same draft opening quickly speculates."""
+    import time as _time
+
+    pair = tiny_models("float64")
+    prompt, params = list(range(3, 90)), SamplingParams(30, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
+
+    class SlowOpen(DraftWorker):
+        def open(self, session_id, prompt_ids, params):
+            _time.sleep(0.5)  # the tiny target prefills 87 tokens in milliseconds
+            return super().open(session_id, prompt_ids, params)
+
+    slow = SlowOpen(pair[1].decoder)
+    out, _, stats = make_engine(pair, "sd", draft_backend=slow, tree_policy="adaptive").generate(prompt, params)
+    assert out == ref and stats.num_steps == 0 and stats.plain_steps == 29
+    out, _, stats = make_engine(pair, "sd", tree_policy="adaptive").generate(prompt, params)
+    assert out == ref and stats.num_steps > 0
+    slow.shutdown()
