@@ -62,7 +62,7 @@ def test_chained_levels_equal_the_host_forwarding_the_nodes_they_picked(draft, r
     assert a.scores == pytest.approx(b.scores, abs=1e-12)
     used = [i for i in range(len(a)) if a.slots[i] >= 0]
     assert [a.slots[i] for i in used] == [b.slots[i] for i in used]
-    slots = torch.tensor([a.slots[i] for i in used])
+    slots = torch.tensor([a.slots[i] for i in used], device=chained.work.data.device)
     ka = chained.work.staged(0, a.staged).index_select(3, slots)
     kb = host.work.staged(0, b.staged).index_select(3, slots)
     assert torch.equal(ka, kb)

@@ -17,7 +17,7 @@ from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, Tre
 from specextend.draft.base import DraftError, DraftSessionParams, Retrieval
 from specextend.draft.chaos import Chaos, ChaosDraft
 from specextend.draft.overlap import remap_rows
-from specextend.draft.session import DraftSession
+from specextend.draft.session import DraftSession, SectionTimer
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
@@ -57,8 +57,18 @@ def grown(draft, retrieval=PLAIN, slices=1, seed=0, **kw):
 
 
 def twin(session):
-    """The same session with its flight finished before anything else (the reference)."""
-    other = copy.deepcopy(session, {id(session.model): session.model})  # the model (and its graphs) shared
+    """The same session with its flight finished before anything else (the reference). On a GPU
+    the flight's events are not copyable: the original's forward is waited for (its `held` flag,
+    what keeps it "in flight" here, is untouched) and the copy's events are None (done)."""
+    memo = {id(session.model): session.model,  # the model (and its graphs) shared
+            id(session.rebuild_timer): SectionTimer(session.model.device)}  # CUDA events inside
+    flight = session.flight
+    if flight is not None:
+        flight.wait()
+        for event in [flight.event] + [c.event for c in flight.deeper]:
+            if event is not None:
+                memo[id(event)] = None
+    other = copy.deepcopy(session, memo)
     other.flight.held = False
     other.finish()
     return other
