@@ -65,7 +65,6 @@ PLAIN = Rung(0, 0)
 # proxy misses (two prefills sharing a CPU, one-off costs of a first open; the tiny test pair, a
 # same-size copy of its target, measures 0.8 on 2 CPU cores, the 68M draft beside it about 12)
 SLOW_DRAFT = 3.0
-SEEDED_PROBE = 64  # steps before the first probe at the latest while only the prior prices the draft
 
 
 def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
@@ -196,10 +195,10 @@ class TreeController:
         """The prior before any tree: the draft's prefill took `ratio` times the target's on the same
         prompt. A draft level costing a target forward or more leaves no tree able to beat a plain
         step, whatever it accepts; from SLOW_DRAFT up the session starts plain, a draft level is
-        priced at `ratio` plain forwards until measured, and the first probe comes as late as that
-        price says but within SEEDED_PROBE steps (a prior misled by one-off costs, such as a first
-        open's compilation, costs that many plain steps at most). Below SLOW_DRAFT the prior is
-        not used (the first tree measures the draft, cheaply)."""
+        priced at `ratio` plain forwards until measured, and the first probe is the smallest tree
+        (a prior misled by one-off costs, such as a first open's compilation, is corrected by it),
+        as late as that tree's price says. Below SLOW_DRAFT the prior is not used (the first tree
+        measures the draft, cheaply)."""
         if ratio >= SLOW_DRAFT:
             self.draft_ratio = ratio
 
@@ -224,14 +223,15 @@ class TreeController:
         if best == self.top:  # nothing larger to probe
             self.probe_every = self.since_probe = 0
             return best
+        # while only the prior prices the draft, the probe is the smallest tree: it measures a level
+        # of drafting cheaply, which corrects a wrong prior; then the full tree
+        probe = self.top if self.draft.known or self.draft_ratio is None else self.rungs[1]
         if not self.probe_every:
-            ratio = self.step_seconds(self.top) / max(self.step_seconds(best), 1e-9)
+            ratio = self.step_seconds(probe) / max(self.step_seconds(best), 1e-9)
             self.probe_every = max(self.min_probe, int(self.probe_ratio * ratio + 0.5))
-            if not self.draft.known:  # priced by the prior only: a wrong prior costs SEEDED_PROBE steps at most
-                self.probe_every = min(self.probe_every, SEEDED_PROBE)
         if self.since_probe >= self.probe_every:
             self._probing, self._best = True, best
-            return self.top
+            return probe
         return best
 
     def _top_may_pay(self) -> bool:
