@@ -281,7 +281,10 @@ class TreeController:
             self.probe_steps += 1
             self.since_probe = 0
             moved_up = self.best().nodes > self._best.nodes
-            self.probe_every = 0 if moved_up else min(2 * self.probe_every, self.max_probe)
+            # a prior-priced probe (the smallest tree) is followed by full-tree probes: their
+            # interval is worked out anew from the costs just measured, not doubled from its own
+            again = moved_up or rung != self.top
+            self.probe_every = 0 if again else min(2 * self.probe_every, self.max_probe)
 
 
 class AlwaysSpeculate(TreeController):

@@ -369,3 +369,28 @@ def test_the_engine_seeds_its_controller_from_the_drafts_open(tiny_models):
     out, _, stats = make_engine(pair, "sd", tree_policy="adaptive").generate(prompt, params)
     assert out == ref and stats.num_steps > 0
     slow.shutdown()
+
+
+def test_after_the_cheap_probe_the_full_tree_probes_at_an_interval_from_measured_costs():
+    """A draft slower than its prior said (3.5 plain forwards a level; it costs 12): after the
+    smallest-tree probe, the next probe is the full tree, after enough steps that it costs a tenth
+    of the time at the measured price (not the cheap probe's interval doubled: that interval came
+    from the prior's price, and the full tree would cost far more than a tenth)."""
+    ctl, chosen = TreeController(list(RUNGS)), []
+    ctl.seed_draft(3.5)
+    level = 12 * (FIXED + ROW)  # a draft level costs 12 plain forwards
+    for _ in range(4000):
+        r = ctl.choose()
+        ctl.record_forward(r.nodes + 1, FIXED + ROW * (r.nodes + 1))
+        if r.plain:
+            ctl.record_plain()
+        else:
+            ctl.record_spec(r, level * r.depth, {q: 0.0 for q in ctl.rungs[1:] if q.nodes <= r.nodes and q.depth <= r.depth})
+        chosen.append(r)
+    probes = [(i, r) for i, r in enumerate(chosen) if not r.plain]
+    assert probes[0][1] == RUNGS[1] and probes[1][1] == RUNGS[-1]
+    top_cost = FIXED + ROW * (RUNGS[-1].nodes + 1) + level * RUNGS[-1].depth
+    gap = probes[1][0] - probes[0][0]
+    assert gap >= 0.9 * 10 * top_cost / (FIXED + ROW)  # the probes-cost-a-tenth rule at the measured price
+    spent = sum(FIXED + ROW * (r.nodes + 1) + (level * r.depth if not r.plain else 0) for r in chosen)
+    assert len(probes) * top_cost < 0.15 * spent
