@@ -63,8 +63,9 @@ def true_rate(rung, accepted, sessions=1):
     return (1 + (0 if rung.plain else accepted[rung])) / own
 
 
-def simulate(ctl, accepted, steps, sessions=1):
-    """Drives a controller with the synthetic costs and `accepted` draft tokens per rung."""
+def simulate(ctl, accepted, steps, sessions=1, level=LEVEL):
+    """Drives a controller with the synthetic costs (a draft level costing `level`) and `accepted`
+    draft tokens per rung."""
     chosen = []
     for _ in range(steps):
         r = ctl.choose(sessions)
@@ -74,7 +75,7 @@ def simulate(ctl, accepted, steps, sessions=1):
             ctl.record_plain()
         else:
             covered = [q for q in ctl.rungs[1:] if q.nodes <= r.nodes and q.depth <= r.depth]
-            ctl.record_spec(r, LEVEL * r.depth, {q: accepted[q] for q in covered})
+            ctl.record_spec(r, level * r.depth, {q: accepted[q] for q in covered})
         chosen.append(r)
     return chosen
 
@@ -90,15 +91,7 @@ PROFILES = {  # accepted draft tokens per step of the 4-, 8- and 16-node trees
 def test_a_draft_far_slower_than_the_target_is_not_warmed_up_on_its_full_tree():
     """After the smallest tree shows what a level of drafting costs, the full tree is skipped when
     even every level accepted could not beat a plain step (a 68M draft beside a tiny target)."""
-    ctl, chosen = TreeController(list(RUNGS)), []
-    for _ in range(12):
-        r = ctl.choose()
-        ctl.record_forward(r.nodes + 1, FIXED + ROW * (r.nodes + 1))
-        if r.plain:
-            ctl.record_plain()
-        else:
-            ctl.record_spec(r, 50 * FIXED * r.depth, {q: 0.0 for q in ctl.rungs[1:] if q.nodes <= r.nodes})
-        chosen.append(r)
+    chosen = simulate(TreeController(list(RUNGS)), dict.fromkeys(RUNGS[1:], 0.0), 12, level=50 * FIXED)
     assert chosen[0] == RUNGS[1] and RUNGS[-1] not in chosen[1:]
     assert all(r.plain for r in chosen[1:])
 
@@ -376,17 +369,10 @@ def test_after_the_cheap_probe_the_full_tree_probes_at_an_interval_from_measured
     smallest-tree probe, the next probe is the full tree, after enough steps that it costs a tenth
     of the time at the measured price (not the cheap probe's interval doubled: that interval came
     from the prior's price, and the full tree would cost far more than a tenth)."""
-    ctl, chosen = TreeController(list(RUNGS)), []
+    ctl = TreeController(list(RUNGS))
     ctl.seed_draft(3.5)
     level = 12 * (FIXED + ROW)  # a draft level costs 12 plain forwards
-    for _ in range(4000):
-        r = ctl.choose()
-        ctl.record_forward(r.nodes + 1, FIXED + ROW * (r.nodes + 1))
-        if r.plain:
-            ctl.record_plain()
-        else:
-            ctl.record_spec(r, level * r.depth, {q: 0.0 for q in ctl.rungs[1:] if q.nodes <= r.nodes and q.depth <= r.depth})
-        chosen.append(r)
+    chosen = simulate(ctl, dict.fromkeys(RUNGS[1:], 0.0), 4000, level=level)
     probes = [(i, r) for i, r in enumerate(chosen) if not r.plain]
     assert probes[0][1] == RUNGS[1] and probes[1][1] == RUNGS[-1]
     top_cost = FIXED + ROW * (RUNGS[-1].nodes + 1) + level * RUNGS[-1].depth
