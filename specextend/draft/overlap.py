@@ -80,20 +80,21 @@ class Flight:
     deeper: list[Chained] = field(default_factory=list)  # levels 2.. not attached yet, in order
     bases: dict[int, int] = field(default_factory=dict)  # row of the last attached level -> its first child's id
 
-    def _done(self, event: Optional[torch.cuda.Event]) -> bool:
+    def passed(self, event: Optional[torch.cuda.Event]) -> bool:
+        """The device has passed `event` (one of this flight's levels)."""
         return not self.held and (event is None or event.query())
 
-    def done(self) -> bool:
-        """Every level has finished on the device (stream order: the last one has)."""
-        return self._done(self.deeper[-1].event if self.deeper else self.event)
+    @property
+    def last_event(self) -> Optional[torch.cuda.Event]:
+        """The last level's event: in stream order, every level has finished once it has."""
+        return self.deeper[-1].event if self.deeper else self.event
 
-    def first_done(self) -> bool:
-        return self._done(self.event)
+    def done(self) -> bool:
+        return self.passed(self.last_event)
 
     def wait(self) -> None:
-        for event in [self.event] + [c.event for c in self.deeper]:
-            if event is not None:
-                event.synchronize()
+        if self.last_event is not None:
+            self.last_event.synchronize()
 
     def may_hold(self, node: int) -> bool:
         """`node` (in the pool, not forwarded) is a candidate of the next chained level: a child of
@@ -192,17 +193,15 @@ class Overlap:
         chained level's nodes (their slots) and children. Nothing if its pool was dropped."""
         if flight.pool is not self.pool:
             return
-        if flight.rows and (wait or flight.first_done()):
+        if flight.rows and (wait or flight.passed(flight.event)):
             rows = [r for r, _ in flight.rows]
-            base, w = len(self.pool), flight.tokens.shape[1]
-            self.pool.add_children([n for _, n in flight.rows], flight.tokens[rows], flight.logp[rows])
-            flight.bases = {r: base + k * w for k, r in enumerate(rows)}
+            self._add_level(flight, [n for _, n in flight.rows], rows, flight.tokens, flight.logp)
             flight.rows = []
             if flight.moved:
-                self.late_children += len(rows) * w
+                self.late_children += len(rows) * flight.tokens.shape[1]
         elif flight.rows:
             return
-        while flight.deeper and flight.bases and (wait or flight._done(flight.deeper[0].event)):
+        while flight.deeper and flight.bases and (wait or flight.passed(flight.deeper[0].event)):
             lvl = flight.deeper.pop(0)
             w = lvl.tokens.shape[1]
             nodes, rows = [], []
@@ -214,10 +213,16 @@ class Overlap:
                 self.pool.slots[node] = lvl.start + j
                 nodes.append(node)
                 rows.append(j)
-            base = len(self.pool)
             self.chained_nodes += len(nodes)
-            self.pool.add_children(nodes, lvl.tokens[rows], lvl.logp[rows])
-            flight.bases = {r: base + k * w for k, r in enumerate(rows)}
+            self._add_level(flight, nodes, rows, lvl.tokens, lvl.logp)
+
+    def _add_level(self, flight: Flight, nodes: list[int], rows: list[int],
+                   tokens: torch.Tensor, logp: torch.Tensor) -> None:  # [R, w] each: a level's top-k
+        """The children of a level's `nodes` (its top-k `rows`) join the pool; `flight.bases` maps
+        each row to its first child's id, where the next chained level finds its parents."""
+        base, w = len(self.pool), tokens.shape[1]
+        self.pool.add_children(nodes, tokens[rows], logp[rows])
+        flight.bases = {r: base + k * w for k, r in enumerate(rows)}
 
     def background(self) -> bool:
         """One slice launched and finished (synchronous: tests, warm-up)."""
@@ -295,14 +300,15 @@ class Overlap:
         forwarded in it (in flight counts: stream order), else None."""
         pool, flight = self.pool, self.flight
         path = pool.walk(accepted)
-        missing = next((node for node in path if node is None or pool.slots[node] < 0), -1)
-        if missing is not None and missing >= 0 and flight is not None and flight.pool is pool and flight.may_hold(missing):
+        gap = pool.first_unforwarded(path)
+        if (gap is not None and path[gap] is not None and flight is not None and flight.pool is pool
+                and flight.may_hold(path[gap])):
             # a node of the path is a candidate of the chained level in flight: wait for the flight
             self.flight_waits += 1
             self.finish()
             flight, path = None, pool.walk(accepted)
-            missing = next((node for node in path if node is None or pool.slots[node] < 0), -1)
-        if missing != -1:
+            gap = pool.first_unforwarded(path)
+        if gap is not None:
             return None
         if flight is not None and flight.deeper:  # not attached: their nodes were never in this pool
             self.dropped_levels += len(flight.deeper)

@@ -151,6 +151,11 @@ class Pool:
             node = nxt
         return out
 
+    def first_unforwarded(self, path: Sequence[Optional[int]]) -> Optional[int]:
+        """Index of the first entry of `path` (walk's result) not in the pool or not forwarded;
+        None when every node of it was forwarded."""
+        return next((k for k, node in enumerate(path) if node is None or self.slots[node] < 0), None)
+
     def unstage(self) -> list[int]:
         """Forget every staged slot (the working cache was rebuilt); returns the nodes that were
         forwarded, in their old slot order (parents first), to forward again."""
