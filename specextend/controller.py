@@ -202,9 +202,14 @@ class TreeController:
         if ratio >= SLOW_DRAFT:
             self.draft_ratio = ratio
 
+    @property
+    def priced_by_prior(self) -> bool:
+        """No tree has measured the draft yet, and the prior (seed_draft) prices it."""
+        return self.draft_ratio is not None and not self.draft.known
+
     def draft_seconds(self, depth: int) -> float:
         """Predicted wait for a tree `depth` deep: the measured line, else the prior (seed_draft)."""
-        if self.draft.known or self.draft_ratio is None:
+        if not self.priced_by_prior:
             return self.draft(depth)
         a, b = self.forward.line()
         one = self.plain_forward if self.plain_forward is not None else a + b
@@ -225,7 +230,7 @@ class TreeController:
             return best
         # while only the prior prices the draft, the probe is the smallest tree: it measures a level
         # of drafting cheaply, which corrects a wrong prior; then the full tree
-        probe = self.top if self.draft.known or self.draft_ratio is None else self.rungs[1]
+        probe = self.rungs[1] if self.priced_by_prior else self.top
         if not self.probe_every:
             ratio = self.step_seconds(probe) / max(self.step_seconds(best), 1e-9)
             self.probe_every = max(self.min_probe, int(self.probe_ratio * ratio + 0.5))

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
 
-def _timed(fn, *args) -> float:
+def _seconds_of(fn, *args) -> float:
     """Calls fn(*args) and returns its wall time in seconds (the draft's open: its prefill)."""
     t = time.perf_counter()
     fn(*args)
@@ -55,7 +55,6 @@ class RequestStats:
     draft_tokens: int = 0  # draft tokens proposed in total
     retrieval_refreshes: int = 0
     draft_cache_tokens: int = 0
-    ready_steps: int = 0  # trees the draft had ready when asked (overlapped drafting)
     plain_steps: int = 0  # plain decoding steps the adaptive policy chose while a draft was available
     probe_steps: int = 0  # steps with the largest tree the adaptive policy took to re-measure it
     ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
@@ -85,6 +84,11 @@ class RequestStats:
     def target_wait_ms_per_step(self) -> float:
         """Time the target waited for a tree, per step (the draft call, transport included)."""
         return 1e3 * self.draft_s / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def ready_steps(self) -> int:
+        """Trees the draft had ready when asked (overlapped drafting)."""
+        return sum(self.ready_per_step)
 
     @property
     def tree_ready_fraction(self) -> float:
@@ -230,7 +234,7 @@ class Engine:
         try:
             t0 = time.perf_counter()
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
-                opening = self._openers.submit(_timed, self.draft.open, sid, list(prompt_ids),
+                opening = self._openers.submit(_seconds_of, self.draft.open, sid, list(prompt_ids),
                                                DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
             # retrieval is scored from the prefill
@@ -287,7 +291,6 @@ class Engine:
                     stats.draft_tokens += len(tokens)
                     stats.nodes_per_step.append(len(tokens))
                     stats.draft_cache_tokens = tree.draft_cache_tokens
-                    stats.ready_steps += tree.ready
                     stats.wait_per_step.append(draft_s)
                     stats.ready_per_step.append(bool(tree.ready))
                     stats.refresh_per_step.append(refreshed)
