@@ -9,6 +9,7 @@ never runs. `SerialDraft` puts any DraftBackend behind such a queue.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -176,16 +177,19 @@ class JobWorker(DraftBackend):
             job, fut = item
             if not fut.set_running_or_notify_cancel():
                 continue  # cancelled while queued (e.g. its RPC deadline passed)
-            t_job = time.perf_counter()
-            try:
+            with self._timed("foreground_s"):
                 self._run_job(job, fut)
-            finally:
-                self._spent("foreground_s", t_job)
 
-    def _spent(self, key: str, since: float) -> None:
-        dt = time.perf_counter() - since
-        with self._lock:
-            self._times[key] += dt
+    @contextlib.contextmanager
+    def _timed(self, key: str):
+        """Adds the block's wall time to the thread's time split (WorkerStats)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t
+            with self._lock:
+                self._times[key] += dt
 
     def _run_job(self, job: Job, fut: Future) -> None:
         """One foreground job (a Step gathers the steps queued behind it into a batch)."""
@@ -280,26 +284,19 @@ class JobWorker(DraftBackend):
                 return self._jobs.get_nowait()
             except queue.Empty:
                 pass
-            t = time.perf_counter()
-            flying = self._in_flight()  # finishes the slice if it is done
-            self._spent("background_host_s", t)
+            with self._timed("background_host_s"):
+                flying = self._in_flight()  # finishes the slice if it is done
             if flying:
-                t = time.perf_counter()
                 try:
-                    return self._jobs.get(timeout=POLL_S)
+                    with self._timed("poll_s"):
+                        return self._jobs.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
-                finally:
-                    self._spent("poll_s", t)
-            t = time.perf_counter()
-            launched = self._background()
-            self._spent("background_host_s", t)
+            with self._timed("background_host_s"):
+                launched = self._background()
             if not launched:
-                t = time.perf_counter()
-                try:
+                with self._timed("idle_s"):
                     return self._jobs.get()
-                finally:
-                    self._spent("idle_s", t)
             with self._lock:
                 self._background_forwards += 1
 

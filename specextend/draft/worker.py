@@ -142,12 +142,16 @@ class DraftWorker(JobWorker):
                 self._dropped_levels += s.dropped_levels
         return None
 
+    def _new_session(self, prompt_ids, params: DraftSessionParams) -> DraftSession:
+        """A session on this worker's model with its drafting settings (prefills the prompt)."""
+        return DraftSession(self.model, prompt_ids, params, self.prefill_chunk, overlap=self.overlap,
+                            overlap_rows=self.overlap_rows, sync_depth=self.sync_depth,
+                            overlap_levels=self.overlap_levels, refresh_defer=self.refresh_defer)
+
     def _open(self, job: Open) -> None:
         if not job.prompt_ids:
             raise DraftError("empty prompt")
-        session = DraftSession(self.model, job.prompt_ids, job.params, self.prefill_chunk, overlap=self.overlap,
-                               overlap_rows=self.overlap_rows, sync_depth=self.sync_depth,
-                               overlap_levels=self.overlap_levels, refresh_defer=self.refresh_defer)
+        session = self._new_session(job.prompt_ids, job.params)
         self._sessions[job.session_id] = SessionEntry(session)
 
     def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:
@@ -179,9 +183,7 @@ class DraftWorker(JobWorker):
     def _warm_up(self, job: "_WarmUp") -> int:
         vocab = self.model.args.vocab_size
         prompt = [(17 * i + 3) % vocab for i in range(job.prompt_len)]
-        session = DraftSession(self.model, prompt, job.params, self.prefill_chunk, overlap=self.overlap,
-                               overlap_rows=self.overlap_rows, sync_depth=self.sync_depth,
-                               overlap_levels=self.overlap_levels, refresh_defer=self.refresh_defer)
+        session = self._new_session(prompt, job.params)
         session.step(0, [prompt[-1]], None)
         if session.pads_catch_up(self.model):
             session.step(1, prompt[:job.params.tree.depth + 2], None)  # more than a step accepts: a catch-up
