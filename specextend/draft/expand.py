@@ -23,12 +23,12 @@ drafting keeps expanding that pool, pool.py).
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, Generator, Optional
 
 import torch
 
 from specextend.config import TreeConfig
+from specextend.models.graphed import Graphed
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 Pool = tuple[list[int], list[float], list[int], list[int], list[int]]
@@ -70,42 +70,12 @@ def level_post(logits: torch.Tensor,  # [F, V] the frontier's next-token logits
     return cand_tokens, cand_scores, parents, cand_tokens[best], cand_scores[best], size + best, nxt_mask
 
 
-class PostGraphs:
+class PostGraphs(Graphed):
     """level_post replayed as one CUDA graph per shape (F, V, S, k, size), shared by a model's draft
-    sessions: inputs are copied into static buffers and outputs cloned out under a lock."""
+    sessions (models/graphed.py)."""
 
     def __init__(self, device: torch.device):
-        self.plans: dict = {}
-        self.lock = threading.Lock()
-        self.replays = 0
-        self._pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(device)
-
-    def __call__(self, logits, fr_score, fr_id, mask, k: int, size: int, wide: int = 0) -> tuple[torch.Tensor, ...]:
-        key = (tuple(logits.shape), logits.dtype, tuple(mask.shape), k, size, wide)
-        with self.lock:
-            plan = self.plans.get(key)
-            if plan is None:  # normal tensors (see graphs.StepGraphs.forward)
-                with torch.inference_mode(False), torch.no_grad():
-                    plan = self.plans[key] = self._build(logits, fr_score, fr_id, mask, k, size, wide)
-            graph, inputs, outputs = plan
-            for dst, src in zip(inputs, (logits, fr_score, fr_id, mask)):
-                dst.copy_(src)
-            graph.replay()
-            self.replays += 1
-            return tuple(o.clone() for o in outputs)
-
-    def _build(self, logits, fr_score, fr_id, mask, k, size, wide):
-        inputs = tuple(x.clone() for x in (logits, fr_score, fr_id, mask))
-        s = self._stream
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up off the capture (top-k workspaces)
-            level_post(*inputs, k, size, wide)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=s, capture_error_mode="thread_local"):
-            outputs = level_post(*inputs, k, size, wide)
-        return graph, inputs, outputs
+        super().__init__(level_post, device)
 
 
 def drive(co: Generator, forward: Forward, should_stop: Callable[[], bool] = lambda: False) -> Optional[Pool]:

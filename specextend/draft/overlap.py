@@ -126,6 +126,23 @@ def pool_rows_mask(pool: Pool, nodes: list[int], start: int, rows: int) -> np.nd
     return mask
 
 
+def chain_pick(score: torch.Tensor,  # [R] the level before's rows' path scores (-inf: padding)
+               top_lp: torch.Tensor, top_ids: torch.Tensor,  # [R, w] its rows' children
+               pos: torch.Tensor,  # [R] its positions
+               mask: torch.Tensor,  # [R, start] bool, its mask rows (over the staged keys before this level)
+               start: int) -> tuple[torch.Tensor, ...]:
+    """A chained level's rows, on the device: the best R children of the level before by path
+    score -> their scores [R] (best first), picks [R] (row * w + child in the level before), tokens
+    [R], positions [R] and mask [R, start + R] (the parent's row, and the row's own slot)."""
+    r, w = top_lp.shape
+    cand = (score[:, None] + top_lp).reshape(-1)  # [R * w]
+    score, pick = torch.topk(cand, r)  # [R] each
+    prow = torch.div(pick, w, rounding_mode="floor")  # [R] the level before's row
+    own = torch.eye(r, dtype=torch.bool, device=score.device)  # [R, R] each row's own slot
+    nxt = torch.cat([mask[prow], own], dim=1)  # [R, start + R]
+    return score, pick, top_ids.reshape(-1)[pick], pos[prow] + 1, nxt
+
+
 class Overlap:
     """DraftSession's overlapped drafting (a mixin: it uses the session's caches, model and pool)."""
 
@@ -256,7 +273,7 @@ class Overlap:
         if not children:
             return Flight(pool, event=record_event(dev))
         w = OVERLAP_WIDTH * self.params.tree.topk
-        top_lp, top_ids = top_logprobs(logits[:r], w)  # [R, w] (padding rows too: chained levels index them)
+        top_lp, top_ids = self._graphed(top_logprobs)(logits[:r], w)  # [R, w] (padding rows too: chained levels index them)
         tokens, logp = to_host(top_ids[:f]), to_host(top_lp[:f])  # [F, w] each: valid once the event is done
         flight = Flight(pool, list(enumerate(nodes)), tokens, logp, record_event(dev))  # recorded after the copies
         if levels > 1:
@@ -275,21 +292,13 @@ class Overlap:
         order resumes at the next launch), over the level before's mask rows plus its own slot."""
         dev, r = self.model.device, self.rows
         w = top_lp.shape[1]
+        pick_rows, top = self._graphed(chain_pick), self._graphed(top_logprobs)
         out = []
         for _ in range(n):
             start += r
-            cand = (score[:, None] + top_lp).reshape(-1)  # [R * w]
-            score, pick = torch.topk(cand, r)  # [R] each: best first
-            prow = torch.div(pick, w, rounding_mode="floor")  # [R] the level before's row
-            ids = top_ids.reshape(-1)[pick]  # [R]
-            pos = pos[prow] + 1  # [R]
-            own = torch.arange(r, device=dev)
-            nxt = torch.zeros(r, start + r, dtype=torch.bool, device=dev)  # [R, start + R]
-            nxt[:, :start] = mask[prow]
-            nxt[own, start + own] = True
-            mask = nxt
+            score, pick, ids, pos, mask = pick_rows(score, top_lp, top_ids, pos, mask, start)
             logits, _ = self.model.forward(ids, pos, self.work, mask, ForwardOptions(staged=start))
-            top_lp, top_ids = top_logprobs(logits[:r], w)  # [R, w]
+            top_lp, top_ids = top(logits[:r], w)  # [R, w]
             out.append(Chained(start, to_host(pick), to_host(score), to_host(top_ids), to_host(top_lp),
                                record_event(dev)))
         return out
@@ -323,9 +332,11 @@ class Overlap:
         staged = self.work.staged(0, pool.staged)  # [layers, 2, G, staged, D]
         if self.store is not None:  # the store keeps pre-RoPE K: undo the working positions' rotation
             kv = staged.index_select(3, idx[:len(commit)])  # [layers, 2, G, c, D]
-            pos = torch.arange(self.work.length, self.work.length + len(commit), device=dev)
-            cos, sin = self.model.rope.cos_sin(pos, self.model.dtype)
-            k_pre = apply_rope(kv[:, 0], cos, -sin) / self.model.rope.scaling ** 2
+            rope = self.model.rope
+            cos, sin = rope.span(self.work.length, len(commit), self.model.dtype, inverse=True)  # [c, D]
+            k_pre = apply_rope(kv[:, 0], cos, sin)
+            if rope.scaling != 1.0:
+                k_pre = k_pre / rope.scaling ** 2
             self.store.stage_all(k_pre, kv[:, 1])
             self.store.advance(len(commit))
         self.work.commit(idx)

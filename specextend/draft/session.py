@@ -37,6 +37,7 @@ from specextend.draft.tree_graph import TreeCall, TreeGraphs
 from specextend.models.batch import ForwardCall, Result, run_alone
 from specextend.models.decoder import Decoder, ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs
+from specextend.models.graphed import Graphed
 from specextend.models.rope import apply_rope
 from specextend.models.transfer import to_device
 from specextend.retrieval import chunk_positions, initial_chunks
@@ -162,7 +163,7 @@ class DraftSession(Overlap):
             pos = torch.cat([pos, torch.tensor([last])])
         pos = to_device(pos, torch.long, self.model.device)
         kv = self.store.data.index_select(3, pos)  # [layers, 2, G, W, D]
-        cos, sin = self.model.rope.cos_sin(torch.arange(pos.numel(), device=pos.device), self.model.dtype)
+        cos, sin = self.model.rope.span(0, pos.numel(), self.model.dtype)  # [W, D]
         self.work.load(apply_rope(kv[:, 0], cos, sin), kv[:, 1])
         self.rebuild_timer.stop()
         self.refreshes += 1
@@ -231,6 +232,17 @@ class DraftSession(Overlap):
             if m.post_graphs is None:
                 m.post_graphs = PostGraphs(m.device)
         return m.post_graphs
+
+    def _graphed(self, fn):
+        """`fn` (a function of device tensors, models/graphed.py) replayed as CUDA graphs where the
+        model's forwards are captured (made once per model, shared by its sessions), else `fn`."""
+        m = self.model
+        if m.graphs is None or not m.graphs.capture:
+            return fn
+        with _POST_LOCK:
+            if fn not in m.graphed:
+                m.graphed[fn] = Graphed(fn, m.device)
+        return m.graphed[fn]
 
     def _tree_graphs(self, tree: TreeConfig) -> Optional[TreeGraphs]:
         """The model's whole-expansion graphs (made once per model where its forwards are captured

@@ -124,6 +124,7 @@ class Decoder:
         self.graphs = None  # StepGraphs (graphs.py) once enabled
         self.post_graphs = None  # a draft's tree-expansion bookkeeping as graphs (draft/expand.PostGraphs)
         self.tree_graphs = None  # a draft's whole tree expansions as graphs (draft/tree_graph.TreeGraphs)
+        self.graphed = {}  # function -> its CUDA-graph replays (models/graphed.Graphed), shared by sessions
 
     @property
     def device(self) -> torch.device:

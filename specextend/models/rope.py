@@ -29,6 +29,7 @@ class Rope:
     def __init__(self, inv_freq: torch.Tensor, scaling: float = 1.0):
         self.inv_freq = inv_freq  # [D/2] float32
         self.scaling = scaling
+        self._tables: dict = {}  # dtype -> (cos, signed sin, its negation) [N, D] for positions 0..N-1
 
     def to(self, device) -> "Rope":
         return Rope(self.inv_freq.to(device), self.scaling)
@@ -43,6 +44,19 @@ class Rope:
         sin = emb.sin() * self.scaling
         sin = torch.cat([-sin[:, : sin.shape[1] // 2], sin[:, sin.shape[1] // 2:]], dim=-1)
         return (emb.cos() * self.scaling).to(dtype), sin.to(dtype)
+
+
+    def span(self, lo: int, n: int, dtype: torch.dtype, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin of positions lo..lo+n-1 as views of a table computed once per dtype (grown by
+        doubling): no kernels on the host's path (the draft's re-roots and rebuilds call this
+        between forwards; cos_sin is ~10 small ops). `inverse`: the signed sine negated, so that
+        apply_rope undoes the rotation (times scaling**2)."""
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < lo + n:
+            size = max(1024, 1 << (lo + n - 1).bit_length())
+            cos, sin = self.cos_sin(torch.arange(size, device=self.inv_freq.device), dtype)
+            table = self._tables[dtype] = (cos, sin, -sin)
+        return table[0][lo:lo + n], table[2 if inverse else 1][lo:lo + n]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
