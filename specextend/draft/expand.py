@@ -28,6 +28,7 @@ from typing import Callable, Generator, Optional
 import torch
 
 from specextend.config import TreeConfig
+from specextend.draft import vocab_topk
 from specextend.models.graphed import Graphed
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -42,7 +43,12 @@ def top_logprobs(logits: torch.Tensor,  # [..., V] next-token logits
     token ids [..., w]). Top-k of the logits themselves (log-softmax keeps their order) minus the
     row's log-sum-exp, so the [..., V] float32 log-softmax is never written (its kernel runs one
     block per row: 34 us a call for the 0.5B draft's 152K vocabulary and 4-8 rows on an H200,
-    2026-11-23). The whole draft step measured the same within noise either way (8.1-8.5 ms)."""
+    2026-11-23). The whole draft step measured the same within noise either way (8.1-8.5 ms).
+    Rows of a CUDA tensor go through vocab_topk.py's kernels (this torch path is their twin)."""
+    rows = logits.reshape(-1, logits.shape[-1]) if logits.dim() <= 2 else logits  # [R, V] (a view)
+    if vocab_topk.supported(rows, w):  # two Triton kernels instead of torch.topk's radix select
+        lp, ids = vocab_topk.vocab_topk(rows, w)
+        return (lp, ids) if logits.dim() == 2 else (lp[0], ids[0])
     cd = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
     top = torch.topk(logits, w)  # [..., w] sorted
     lse = torch.logsumexp(logits.to(cd), -1, keepdim=True)  # [..., 1]

@@ -1,0 +1,62 @@
+"""draft/vocab_topk.py's kernels against torch (topk + log-sum-exp) on the draft's logits shapes,
+each replayed as a CUDA graph of 20 calls (kernel time without launch overhead), median of 20.
+
+  python benchmarks/vocab_topk_bench.py --vocab 151936 --rows 4,8,16 --w 4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from specextend.draft.vocab_topk import vocab_topk
+
+
+def torch_twin(logits, w):
+    top = torch.topk(logits, w)
+    return top.values.float() - torch.logsumexp(logits.float(), -1, keepdim=True), top.indices
+
+
+def graph_us(fn, reps=20, rounds=20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--rows", default="4,8,16")
+    ap.add_argument("--w", default="4,8")
+    a = ap.parse_args()
+    out = []
+    for r in map(int, a.rows.split(",")):
+        for w in map(int, a.w.split(",")):
+            logits = torch.randn(r, a.vocab, device="cuda").to(torch.bfloat16)
+            k = graph_us(lambda: vocab_topk(logits, w))
+            t = graph_us(lambda: torch_twin(logits, w))
+            out.append(dict(rows=r, w=w, kernels_us=round(k, 1), torch_us=round(t, 1)))
+            print(f"rows {r:3d} w {w:2d}: kernels {k:6.1f} us, torch topk + lse {t:6.1f} us")
+    print(json.dumps(dict(device=torch.cuda.get_device_name(), vocab=a.vocab, rows=out)))
+
+
+if __name__ == "__main__":
+    main()
