@@ -8,37 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from specextend.draft.vocab_topk import vocab_topk
 
+from prefix_kernel import bench  # CUDA-graph replays of 20 calls, median of the replays, microseconds a call
+
 
 def torch_twin(logits, w):
     top = torch.topk(logits, w)
     return top.values.float() - torch.logsumexp(logits.float(), -1, keepdim=True), top.indices
-
-
-def graph_us(fn, reps=20, rounds=20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
 
 
 def main():
@@ -51,8 +31,8 @@ def main():
     for r in map(int, a.rows.split(",")):
         for w in map(int, a.w.split(",")):
             logits = torch.randn(r, a.vocab, device="cuda").to(torch.bfloat16)
-            k = graph_us(lambda: vocab_topk(logits, w))
-            t = graph_us(lambda: torch_twin(logits, w))
+            k = bench(lambda: vocab_topk(logits, w), reps=20)
+            t = bench(lambda: torch_twin(logits, w), reps=20)
             out.append(dict(rows=r, w=w, kernels_us=round(k, 1), torch_us=round(t, 1)))
             print(f"rows {r:3d} w {w:2d}: kernels {k:6.1f} us, torch topk + lse {t:6.1f} us")
     print(json.dumps(dict(device=torch.cuda.get_device_name(), vocab=a.vocab, rows=out)))
