@@ -104,15 +104,16 @@ def main():
             w.stop()
     ar = {(r["doc"], r["round"]): r["decode_tokens_per_s"] for r in rows_out if r["variant"] == "ar"}
     print("\n| variant | decode tok/s | x ar (median) | acceptance | tree ready | wait ms | median wait ready ms | "
-          "verify ms |\n|---|---|---|---|---|---|---|---|")
+          "queued for the draft's thread ms | verify ms |\n|---|---|---|---|---|---|---|---|---|")
     for name in engines:
         rs = [r for r in rows_out if r["variant"] == name]
         m = {k: statistics.median(r[k] for r in rs) for k in ("decode_tokens_per_s", "mean_acceptance_length",
                                                                "tree_ready_fraction", "draft_wait_ms", "verify_ms",
-                                                               "wait_ready_ms")}
+                                                               "wait_ready_ms", "draft_queue_ms")}
         x = statistics.median(r["decode_tokens_per_s"] / ar[r["doc"], r["round"]] for r in rs)
         print(f"| {name} | {m['decode_tokens_per_s']:.1f} | {x:.2f} | {m['mean_acceptance_length']:.2f} | "
-              f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['wait_ready_ms']:.2f} | {m['verify_ms']:.2f} |")
+              f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['wait_ready_ms']:.2f} | "
+              f"{m['draft_queue_ms']:.2f} | {m['verify_ms']:.2f} |")
     if a.out:
         with open(a.out, "w") as f:
             info = dict(meta("overlap_sweep", "cpu" if a.cpu else "cuda", []), command="python " + " ".join(sys.argv))

@@ -49,6 +49,8 @@ class RequestStats:
     accepted_per_step: list[int] = field(default_factory=list)  # accepted draft tokens per step
     nodes_per_step: list[int] = field(default_factory=list)  # draft nodes verified per step
     wait_per_step: list[float] = field(default_factory=list)  # seconds the target waited for each tree
+    server_per_step: list[float] = field(default_factory=list)  # of which on the draft side (DraftTree.server_s; 0: not measured)
+    queued_per_step: list[float] = field(default_factory=list)  # of which waiting for the draft's thread
     ready_per_step: list[bool] = field(default_factory=list)  # each tree came from the overlap pool
     refresh_per_step: list[bool] = field(default_factory=list)  # each draft step received a retrieval
     context_per_step: list[int] = field(default_factory=list)  # committed context at each step
@@ -85,6 +87,24 @@ class RequestStats:
         """Time the target waited for a tree, per step (the draft call, transport included)."""
         return 1e3 * self.draft_s / self.num_steps if self.num_steps else 0.0
 
+    def _measured(self) -> list[tuple[float, float, float]]:
+        """(wait, draft side, queued) of the steps whose draft reported its own time."""
+        return [t for t in zip(self.wait_per_step, self.server_per_step, self.queued_per_step) if t[1] > 0]
+
+    @property
+    def transport_ms_per_step(self) -> float:
+        """The target's wait beyond the draft side's own time (DraftTree.server_s), per step that
+        reported it: the round trip between target and draft (serialisation, sockets, waking the
+        threads at both ends); about 0 in process (docs/architecture.md, "Wire protocol")."""
+        m = self._measured()
+        return 1e3 * sum(w - d for w, d, _ in m) / len(m) if m else 0.0
+
+    @property
+    def draft_queue_ms_per_step(self) -> float:
+        """Time a step waited for the draft's thread (behind a background launch or another job)."""
+        m = self._measured()
+        return 1e3 * sum(q for _, _, q in m) / len(m) if m else 0.0
+
     @property
     def ready_steps(self) -> int:
         """Trees the draft had ready when asked (overlapped drafting)."""
@@ -111,6 +131,8 @@ class RequestStats:
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,
+                    transport_ms_per_step=self.transport_ms_per_step,
+                    draft_queue_ms_per_step=self.draft_queue_ms_per_step,
                     fallback=self.fallback, retrieval_s=self.retrieval_s,
                     replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
 
@@ -292,6 +314,8 @@ class Engine:
                     stats.nodes_per_step.append(len(tokens))
                     stats.draft_cache_tokens = tree.draft_cache_tokens
                     stats.wait_per_step.append(draft_s)
+                    stats.server_per_step.append(tree.server_s)
+                    stats.queued_per_step.append(tree.queued_s)
                     stats.ready_per_step.append(bool(tree.ready))
                     stats.refresh_per_step.append(refreshed)
                     stats.ahead_depth_sum += tree.ahead_depth

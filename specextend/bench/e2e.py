@@ -147,7 +147,8 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         plain_steps=st.plain_steps, step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
         other_ms=max(step_ms - wait_ms - verify_ms, 0.0) if steps else step_ms,
         draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction,
-        retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s, **wait_split(st))
+        retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s,
+        transport_ms=st.transport_ms_per_step, draft_queue_ms=st.draft_queue_ms_per_step, **wait_split(st))
 
 
 def wait_split(st) -> dict:
@@ -222,7 +223,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         s = dict(pair=pair, length=length, mode=mode, prompts=len(rs), replayed=any(r["replayed"] for r in rs),
                  prompt_tokens=round(statistics.fmean(r["prompt_tokens"] for r in rs)))
         for key in ("decode_tokens_per_s", "tokens_per_s", "ttft_s", "mean_acceptance_length", "step_ms",
-                    "draft_wait_ms", "verify_ms", "other_ms"):
+                    "draft_wait_ms", "verify_ms", "other_ms", "transport_ms", "draft_queue_ms"):
             vals = [r[key] for r in rs if key in r]
             if vals:
                 s[key], s[key + "_std"] = _stats(vals)
@@ -240,9 +241,12 @@ def table(result: dict) -> str:
         return f"{fmt.format(s[key])} ± {fmt.format(s[key + '_std'])}" if key in s else "-"
 
     lines = ["| pair | L | mode | prompts | decode tok/s | x ar | TTFT s | mean acc. len | step ms "
-             "(draft wait / verify / other) |", "|---|---|---|---|---|---|---|---|---|"]
+             "(draft wait [of which transport] / verify / other) |", "|---|---|---|---|---|---|---|---|---|"]
     for s in result["summary"]:
-        split = (f"{s['step_ms']:.2f} ({s['draft_wait_ms']:.2f} / {s['verify_ms']:.2f} / {s['other_ms']:.2f})"
+        wait = f"{s['draft_wait_ms']:.2f}" if "step_ms" in s else ""
+        if s.get("transport_ms"):  # runs from before the draft reported its own time have none
+            wait += f" [{s['transport_ms']:.2f}]"
+        split = (f"{s['step_ms']:.2f} ({wait} / {s['verify_ms']:.2f} / {s['other_ms']:.2f})"
                  if "step_ms" in s else "-")
         lines.append(f"| {s['pair']} | {s['length']} | {s['mode']}{' (replayed)' if s['replayed'] else ''} | "
                      f"{s['prompts']} | {pm(s, 'decode_tokens_per_s', '{:.1f}')} | {pm(s, 'x_ar', '{:.2f}')} | "

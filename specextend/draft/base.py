@@ -78,6 +78,10 @@ class DraftTree:
     draft_cache_tokens: int = 0  # working-cache size the draft drafted with (metrics)
     ready: bool = False  # answered from the overlap pool (drafted while the target verified)
     ahead_depth: int = 0  # depth of the ready pool below the new root when answered (0: not ready)
+    # timing, not part of the tree (equality ignores it): the draft's time on the step from its arrival
+    # to its answer (0: not measured), and how much of it the step waited for the draft's thread
+    server_s: float = field(default=0.0, compare=False)
+    queued_s: float = field(default=0.0, compare=False)
 
 
 class DraftBackend(abc.ABC):

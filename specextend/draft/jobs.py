@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
@@ -76,6 +76,17 @@ class WorkerStats:
     idle_s: float = 0.0
 
 
+def with_times(tree: DraftTree, fut: Future, arrival: Optional[float] = None) -> DraftTree:
+    """`tree` (its step's job finished, `fut` its future) with the draft side's time on the step:
+    from `arrival` (perf_counter when the step reached the draft; default: when it was queued) to
+    now, and how much of it the step waited for the worker's thread (docs/architecture.md,
+    "Wire protocol": the target's wait minus it is the transport)."""
+    now = time.perf_counter()
+    arrival = getattr(fut, "submitted", now) if arrival is None else arrival
+    started = getattr(fut, "started", arrival)
+    return replace(tree, server_s=max(0.0, now - arrival), queued_s=max(0.0, started - arrival))
+
+
 class JobWorker(DraftBackend):
     """One thread running jobs from a queue: foreground jobs in arrival order; between them, while
     `_background()` has work, its slices. Subclasses say what a job does (`_do`)."""
@@ -108,6 +119,7 @@ class JobWorker(DraftBackend):
         """Queues a job; its future holds the job's result (None, or a DraftTree) or its error. A
         future cancelled before the job starts drops the job. A stopped worker fails it at once."""
         fut: Future = Future()
+        fut.submitted = time.perf_counter()  # with_times: the step's queueing and draft time
         with self._lock:
             if not self._stopped:
                 self._jobs.put((job, fut))
@@ -120,7 +132,8 @@ class JobWorker(DraftBackend):
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
              retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
-        return self.submit(Step(session_id, step, tuple(accepted_tokens), retrieval, bound)).result()
+        fut = self.submit(Step(session_id, step, tuple(accepted_tokens), retrieval, bound))
+        return with_times(fut.result(), fut)
 
     def close(self, session_id: str) -> None:
         self.submit(Close(session_id)).result()
@@ -177,6 +190,7 @@ class JobWorker(DraftBackend):
             job, fut = item
             if not fut.set_running_or_notify_cancel():
                 continue  # cancelled while queued (e.g. its RPC deadline passed)
+            fut.started = time.perf_counter()
             with self._timed("foreground_s"):
                 self._run_job(job, fut)
 
@@ -239,6 +253,7 @@ class JobWorker(DraftBackend):
                 self._deferred.append(item)
                 break
             if item[1].set_running_or_notify_cancel():
+                item[1].started = time.perf_counter()
                 batch.append(item)
                 sessions.add(item[0].session_id)
         if self.gather_s > 0:  # what _expected reads

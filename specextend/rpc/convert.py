@@ -32,16 +32,20 @@ def params_from_proto(c: pb.DraftConfig) -> DraftSessionParams:
         max_new_tokens=c.max_new_tokens)
 
 
+def _us(seconds: float) -> int:
+    return min(max(0, round(seconds * 1e6)), 2**32 - 1)
+
+
 def tree_to_proto(tree: DraftTree) -> pb.DraftTree:
     return pb.DraftTree(step=tree.step, tokens=tree.tokens, parents=tree.parents,
                         draft_cache_tokens=tree.draft_cache_tokens, ready=tree.ready,
-                        ahead_depth=tree.ahead_depth)
+                        ahead_depth=tree.ahead_depth, server_us=_us(tree.server_s), queued_us=_us(tree.queued_s))
 
 
 def tree_from_proto(tree: pb.DraftTree) -> DraftTree:
     return DraftTree(step=tree.step, tokens=tuple(tree.tokens), parents=tuple(tree.parents),
                      draft_cache_tokens=tree.draft_cache_tokens, ready=tree.ready,
-                     ahead_depth=tree.ahead_depth)
+                     ahead_depth=tree.ahead_depth, server_s=tree.server_us / 1e6, queued_s=tree.queued_us / 1e6)
 
 
 def step_to_proto(session_id: str, step: int, accepted_tokens, retrieval: Optional[Retrieval],

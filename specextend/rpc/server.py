@@ -23,7 +23,8 @@ from typing import Iterator, Literal, Optional
 
 import grpc
 
-from specextend.draft.base import DraftBackend
+from specextend.draft.base import DraftBackend, DraftTree
+from specextend.draft.jobs import with_times
 from specextend.draft.worker import Close, Job, Open, Step, as_worker
 from specextend.rpc.auth import TokenInterceptor
 from specextend.rpc.convert import bound_from_proto, params_from_proto, retrieval_from_proto, tree_to_proto
@@ -78,7 +79,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _result(self, context: grpc.ServicerContext, fut: concurrent.futures.Future, timeout: Optional[float]):
         """The job's result, or the call aborted with the status its failure maps to (errors.py)."""
         try:
-            return fut.result(timeout=timeout)
+            result = fut.result(timeout=timeout)
+            return with_times(result, fut) if isinstance(result, DraftTree) else result
         except concurrent.futures.TimeoutError:
             fut.cancel()
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the draft did not answer in time")

@@ -35,6 +35,7 @@ import grpc
 import zmq
 from google.protobuf.message import DecodeError
 
+from specextend.draft.jobs import with_times
 from specextend.draft.worker import JobWorker
 from specextend.rpc.auth import UNAUTHENTICATED_DETAILS, frame_token, token_matches
 from specextend.rpc.convert import tree_to_proto
@@ -55,6 +56,7 @@ class _Pending:
     request_id: int
     future: Optional[concurrent.futures.Future]  # the job's (set right after the entry)
     deadline: Optional[float]  # monotonic seconds; None: no timeout_ms
+    received: float = 0.0  # perf_counter when the request was read (with_times: the draft side's time)
 
 
 class StepChannel:
@@ -183,7 +185,7 @@ class StepChannel:
     def _request(self, sock: zmq.Socket, frames: list[bytes]) -> Optional[float]:
         """One request, [identity, request] (zmq_wire.py). Returns its deadline, if its job was
         submitted with one."""
-        identity = frames[0]
+        identity, received = frames[0], time.perf_counter()
         try:
             if len(frames) != 2:
                 raise BadRequest()
@@ -202,7 +204,7 @@ class StepChannel:
         job = step_from_proto(request)
         deadline = time.monotonic() + request.timeout_ms / 1e3 if request.timeout_ms else None
         key = next(self._keys)
-        pending = self._pending[key] = _Pending(identity, request_id, None, deadline)
+        pending = self._pending[key] = _Pending(identity, request_id, None, deadline, received)
         pending.future = self.worker.submit(job)
         pending.future.add_done_callback(partial(self._done, key))
         return deadline
@@ -217,7 +219,8 @@ class StepChannel:
             return
         exc = p.future.exception()
         if exc is None:
-            self._send(sock, p, grpc.StatusCode.OK, tree_to_proto(p.future.result()).SerializeToString())
+            tree = with_times(p.future.result(), p.future, p.received)
+            self._send(sock, p, grpc.StatusCode.OK, tree_to_proto(tree).SerializeToString())
             return
         code, details = status_for(exc)
         if code == grpc.StatusCode.INTERNAL:

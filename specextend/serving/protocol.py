@@ -172,6 +172,8 @@ class SpeculativeDecoding(BaseModel):
     draft_ms_per_step: float = 0.0  # includes the gRPC round trip
     verify_ms_per_step: float = 0.0
     target_wait_ms_per_step: float = 0.0  # the target's wait for a tree (draft work not hidden + transport)
+    transport_ms_per_step: float = 0.0  # of which the round trip to the draft (the wait beyond the draft's own time)
+    draft_queue_ms_per_step: float = 0.0  # of which the step waited for the draft's thread
     tree_ready_fraction: float = 0.0  # steps whose tree was drafted while the target verified
     draft_ahead_depth: float = 0.0  # mean depth drafted ahead of the new root when asked
     plain_steps: int = 0  # plain decoding steps chosen because speculation did not pay (tree_policy=adaptive)

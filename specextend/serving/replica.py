@@ -55,6 +55,8 @@ def spec_decoding(stats: RequestStats) -> dict:
            "draft_ms_per_step": 1e3 * stats.draft_s / steps,  # includes the gRPC round trip
            "verify_ms_per_step": 1e3 * stats.verify_s / steps,
            "target_wait_ms_per_step": stats.target_wait_ms_per_step,
+           "transport_ms_per_step": stats.transport_ms_per_step,
+           "draft_queue_ms_per_step": stats.draft_queue_ms_per_step,
            "tree_ready_fraction": stats.tree_ready_fraction, "draft_ahead_depth": stats.draft_ahead_depth,
            "plain_steps": stats.plain_steps, "probe_steps": stats.probe_steps,
            "mean_tree_nodes": stats.mean_tree_nodes}

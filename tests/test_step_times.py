@@ -1,0 +1,92 @@
+"""The draft side's own time on a step (DraftTree.server_s / queued_s) over every step transport and
+in process, and the target's transport time derived from it (docs/architecture.md, "Wire
+protocol")."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from specextend.draft.base import DraftTree
+from specextend.draft.jobs import SerialDraft
+from specextend.engine import RequestStats
+from specextend.rpc import DraftServerThread, GrpcDraftBackend
+from specextend.rpc.convert import tree_from_proto, tree_to_proto
+from test_rpc import PARAMS, TRANSPORTS, FakeDraft, expected_tree
+
+
+def test_times_cross_the_wire_and_do_not_change_the_tree():
+    tree = DraftTree(step=3, tokens=(5, 6), parents=(-1, 0), server_s=0.001234, queued_s=0.0005)
+    back = tree_from_proto(tree_to_proto(tree))
+    assert back.server_s == pytest.approx(0.001234) and back.queued_s == pytest.approx(0.0005)
+    assert back == DraftTree(step=3, tokens=(5, 6), parents=(-1, 0))  # timing is not the tree's identity
+    old = tree_to_proto(DraftTree(step=3, tokens=(5,), parents=(-1,)))  # a server that does not measure
+    assert tree_from_proto(old).server_s == 0.0
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_a_step_queued_behind_another_sessions_open_reports_it(transport):
+    """Session b's step waits on the draft's thread behind session a's slow open: its tree says so
+    (queued, within the draft's time), and the step's own work (0.05 s) is in the draft's time."""
+    fake = FakeDraft()
+    fake.step_delay_s = 0.05
+    with DraftServerThread(fake) as server:
+        client = GrpcDraftBackend(server.address, **TRANSPORTS[transport])
+        client.open("b", [1, 2, 3], PARAMS)
+        tree = client.step("b", 0, [3])
+        assert tree == expected_tree("b", 0, [3])
+        assert 0.05 <= tree.server_s < 5 and tree.queued_s < tree.server_s
+        fake.open_delay_s = 0.4
+        opening = threading.Thread(target=client.open, args=("a", [1, 2], PARAMS))
+        opening.start()
+        time.sleep(0.1)  # a's open is running on the draft's thread
+        t0 = time.perf_counter()
+        tree = client.step("b", 1, [4])
+        wait = time.perf_counter() - t0
+        opening.join()
+        assert tree == expected_tree("b", 1, [4])
+        assert 0.2 <= tree.queued_s < tree.server_s <= wait  # behind a's open, then its own 0.05 s
+        assert tree.server_s - tree.queued_s >= 0.05
+        client.shutdown()
+
+
+def test_in_process_steps_report_their_queueing_too():
+    fake = FakeDraft()
+    worker = SerialDraft(fake)
+    worker.open("s", [1, 2], PARAMS)
+    fake.step_delay_s = 0.02
+    tree = worker.step("s", 0, [2])
+    assert tree.server_s >= 0.02 and tree.queued_s <= tree.server_s
+    worker.shutdown()
+
+
+def test_transport_is_the_wait_beyond_the_draft_side():
+    st = RequestStats(num_steps=3, wait_per_step=[0.004, 0.006, 0.003], server_per_step=[0.003, 0.004, 0.0],
+                      queued_per_step=[0.001, 0.0005, 0.0])
+    # the third step's draft did not report its time: left out of both
+    assert st.transport_ms_per_step == pytest.approx(1.5)  # (1 + 2) / 2 ms
+    assert st.draft_queue_ms_per_step == pytest.approx(0.75)
+    assert RequestStats(num_steps=1, wait_per_step=[0.004], server_per_step=[0.0],
+                        queued_per_step=[0.0]).transport_ms_per_step == 0.0
+
+
+def test_engine_over_the_step_channel_splits_its_wait(tiny_models):
+    """A real draft worker behind the server, stepped by the engine over ZeroMQ: every step's draft
+    reported its time, the transport is the rest of the wait, and the output is plain decoding's."""
+    from specextend.draft.worker import DraftWorker
+    from test_rpc_stream import plain_and_speculative
+
+    pair = tiny_models("float64")
+    worker = DraftWorker(pair[1].decoder)
+    with DraftServerThread(worker) as server:
+        client = GrpcDraftBackend(server.address)
+        ref, out, stats = plain_and_speculative(pair, client)
+        client.shutdown()
+    worker.shutdown()
+    assert out == ref and stats.num_steps > 0
+    assert all(s > 0 for s in stats.server_per_step) and len(stats.server_per_step) == stats.num_steps
+    assert all(q <= s for q, s in zip(stats.queued_per_step, stats.server_per_step))
+    assert 0 < stats.transport_ms_per_step < stats.target_wait_ms_per_step
+    assert stats.summary()["transport_ms_per_step"] == stats.transport_ms_per_step
