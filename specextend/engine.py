@@ -92,18 +92,26 @@ class RequestStats:
         return [t for t in zip(self.wait_per_step, self.server_per_step, self.queued_per_step) if t[1] > 0]
 
     @property
+    def transport_s(self) -> float:
+        """The target's wait beyond the draft side's own time (DraftTree.server_s), summed over the
+        steps that reported it: the round trip between target and draft (serialisation, sockets,
+        waking the threads at both ends); about 0 in process (docs/architecture.md, "Wire protocol")."""
+        return sum(max(0.0, w - d) for w, d, _ in self._measured())
+
+    @property
+    def draft_queue_s(self) -> float:
+        """Time the steps waited for the draft's thread (behind a background launch or another job)."""
+        return sum(q for _, _, q in self._measured())
+
+    @property
     def transport_ms_per_step(self) -> float:
-        """The target's wait beyond the draft side's own time (DraftTree.server_s), per step that
-        reported it: the round trip between target and draft (serialisation, sockets, waking the
-        threads at both ends); about 0 in process (docs/architecture.md, "Wire protocol")."""
-        m = self._measured()
-        return 1e3 * sum(w - d for w, d, _ in m) / len(m) if m else 0.0
+        n = len(self._measured())
+        return 1e3 * self.transport_s / n if n else 0.0
 
     @property
     def draft_queue_ms_per_step(self) -> float:
-        """Time a step waited for the draft's thread (behind a background launch or another job)."""
-        m = self._measured()
-        return 1e3 * sum(q for _, _, q in m) / len(m) if m else 0.0
+        n = len(self._measured())
+        return 1e3 * self.draft_queue_s / n if n else 0.0
 
     @property
     def ready_steps(self) -> int:

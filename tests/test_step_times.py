@@ -90,3 +90,20 @@ def test_engine_over_the_step_channel_splits_its_wait(tiny_models):
     assert all(q <= s for q, s in zip(stats.queued_per_step, stats.server_per_step))
     assert 0 < stats.transport_ms_per_step < stats.target_wait_ms_per_step
     assert stats.summary()["transport_ms_per_step"] == stats.transport_ms_per_step
+
+
+def test_metrics_and_response_carry_the_split():
+    from specextend.serving.metrics import ReplicaMetrics
+    from specextend.serving.protocol import SpeculativeDecoding
+    from specextend.serving.replica import spec_decoding
+
+    st = RequestStats(num_steps=2, wait_per_step=[0.004, 0.006], server_per_step=[0.003, 0.004],
+                      queued_per_step=[0.001, 0.0005], draft_s=0.010)
+    m = ReplicaMetrics(use_ray=False)
+    m.record_request(st, "length")
+    text = m.exposition()
+    assert "specextend_spec_decode_transport_seconds_total 0.003" in text
+    assert "specextend_spec_decode_draft_queue_seconds_total 0.0015" in text
+    spec = SpeculativeDecoding(**spec_decoding(st)).model_dump()
+    assert spec["transport_ms_per_step"] == pytest.approx(1.5) and spec["draft_queue_ms_per_step"] == pytest.approx(0.75)
+    assert spec["target_wait_ms_per_step"] == pytest.approx(5.0)

@@ -46,6 +46,11 @@ FAMILIES = {
         "counter", "Draft trees that were ready when the target asked (drafted while it verified).", ()),
     "specextend_spec_decode_target_wait_seconds": (
         "counter", "Time the target waited for draft trees (divide by num_drafts for per step).", ()),
+    "specextend_spec_decode_transport_seconds": (
+        "counter", "Of the target's wait, the round trip to the draft: beyond the draft's own time on the "
+        "step, over the steps whose draft reported it.", ()),
+    "specextend_spec_decode_draft_queue_seconds": (
+        "counter", "Of the target's wait, time the steps waited for the draft's thread.", ()),
     "specextend_spec_decode_ahead_depth": (
         "counter", "Sum over steps of the depth drafted ahead of the new root (divide by num_drafts).", ()),
     "specextend_spec_decode_num_plain_steps": (
@@ -115,6 +120,8 @@ class ReplicaMetrics:
             self.inc("specextend_spec_decode_num_accepted_tokens_per_pos", n, position=str(pos))
         self.inc("specextend_spec_decode_num_ready_drafts", stats.ready_steps)
         self.inc("specextend_spec_decode_target_wait_seconds", stats.draft_s)
+        self.inc("specextend_spec_decode_transport_seconds", stats.transport_s)
+        self.inc("specextend_spec_decode_draft_queue_seconds", stats.draft_queue_s)
         self.inc("specextend_spec_decode_ahead_depth", stats.ahead_depth_sum)
         self.inc("specextend_spec_decode_num_plain_steps", stats.plain_steps)
         self.inc("specextend_spec_decode_num_probe_steps", stats.probe_steps)
