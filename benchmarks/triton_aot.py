@@ -38,6 +38,8 @@ from specextend.models.fused_layer import _pow2, combine_config  # noqa: E402
 from specextend.attention.triton_prefix import MIN_CHUNK  # noqa: E402
 from specextend.models import _triton_skinny as SK  # noqa: E402
 from specextend.models.skinny import config as skinny_config  # noqa: E402
+from specextend.draft import _triton_topk as TK  # noqa: E402
+from specextend.draft.vocab_topk import BLOCK as TOPK_BLOCK, MAX_W  # noqa: E402
 
 # name: (H, G, D, intermediate) of the presets (models/presets.py)
 GEOMETRIES = {"llama-3.1-8b": (32, 8, 128, 14336), "llama-3.2-1b": (32, 8, 64, 8192),
@@ -106,6 +108,20 @@ def kernels_for(geo: str, call: str, dt: str):
         E=e, BLOCK=_pow2(e)), dict(num_warps=max(1, min(16, _pow2(e) // 512)))
 
 
+def topk_kernels(vocab: int, dt: str):
+    """The draft's vocabulary top-k (draft/vocab_topk.py) at one vocabulary, for the widths the
+    product uses (tree_topk 4, the overlap's 2 x 4) and the widest it takes."""
+    nb = -(-vocab // TOPK_BLOCK)
+    for w in sorted({4, 8, MAX_W}):
+        yield "block_topk", TK.block_topk, dict(
+            logits_ptr=(f"*{dt}", 0), row_stride=("i32", vocab), cand_v_ptr=("*fp32", 0), cand_i_ptr=("*i32", 0),
+            stat_ptr=("*fp32", 0)), dict(V=vocab, NB=nb, W=w, BLOCK=TOPK_BLOCK), dict(num_warps=8)
+        if dt == "bf16":  # the merge reads float32 candidates whatever the logits' dtype
+            yield "merge_topk", TK.merge_topk, dict(
+                cand_v_ptr=("*fp32", 0), cand_i_ptr=("*i32", 0), stat_ptr=("*fp32", 0), out_v_ptr=("*fp32", 0),
+                out_i_ptr=("*i64", 0)), dict(NB=nb, NBP=_pow2(nb, 1), W=w, CP=_pow2(nb * w, 1)), dict(num_warps=1)
+
+
 def resource_usage(cubin: bytes) -> dict:
     """REG, STACK (bytes of local memory per thread: spills and local arrays), LOCAL, SHARED of the
     kernel, from the cuobjdump that Triton's NVIDIA backend bundles."""
@@ -156,6 +172,20 @@ def main() -> None:
                     print(f"| {name} | {geo} | {call} | {dt} | {r.get('regs')} | {r.get('stack')} | "
                           f"{r.get('shared')} | {r.get('mma')} | {r.get('wgmma')} | {r.get('compile_s')} | {r['ok']} "
                           f"{r.get('error', '')} |", flush=True)
+    vocabs = ((151936, "qwen2.5 vocabulary"),) + (() if a.quick else ((128256, "llama-3 vocabulary"),))
+    for vocab, geo in vocabs:
+        for dt in dtypes:
+            for name, fn, args, const, opts in topk_kernels(vocab, dt):
+                try:
+                    res = compile_one(fn, args, const, opts, a.arch)
+                    res["ok"] = res["shared"] <= SMEM_LIMIT
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    res = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                rows.append(dict(kernel=f"{name} w={const['W']}", geometry=geo, call="draft top-k", dtype=dt, **res))
+                r = rows[-1]
+                print(f"| {r['kernel']} | {geo} | draft top-k | {dt} | {r.get('regs')} | {r.get('stack')} | "
+                      f"{r.get('shared')} | {r.get('mma')} | {r.get('wgmma')} | {r.get('compile_s')} | {r['ok']} "
+                      f"{r.get('error', '')} |", flush=True)
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} kernels compiled for sm_{a.arch}: {len(bad)} failed or over the shared-memory limit, "
           f"{sum(1 for r in rows if r.get('stack'))} use local memory (spills)")

@@ -23,13 +23,16 @@ def test_kernels_compile_for_sm90_within_shared_memory_and_fused_ones_do_not_spi
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
-    assert {r["kernel"] for r in rows} == FUSED | {"prefix_partials"}
+    topk = {f"{k} w={w}" for k in ("block_topk", "merge_topk") for w in (4, 8, 16)}  # draft/vocab_topk.py
+    assert {r["kernel"] for r in rows} == FUSED | {"prefix_partials"} | topk
     assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad  # compiled, shared memory within the sm_90 limit
     assert proc.returncode == 0
     spills = [r for r in rows if r["kernel"] in FUSED and r["stack"]]
     assert not spills, spills
+    # the vocabulary top-k at the widths the product uses (tree_topk 4, overlap's 8) keeps to registers
+    assert not [r for r in rows if r["kernel"].endswith(("w=4", "w=8")) and r["stack"]]
     # half-precision attention dots run on the tensor cores (wgmma where the tile allows)
     assert all(r["mma"] for r in rows if r["kernel"] in ("tree_combine", "prefix_partials", "skinny_linear")
                and r["dtype"] == "bf16")
