@@ -229,7 +229,7 @@ def floors(steps: int) -> dict[str, list[float]]:
     def tcp_echo():
         conn, _ = listener.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while data := conn.recv(4096):
+        while conn.recv(4096):
             conn.sendall(reply)
 
     threading.Thread(target=tcp_echo, daemon=True).start()

@@ -3,7 +3,6 @@ served app with raw HTTP and the official `openai` client (tiny pair on CPU, dra
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx

@@ -148,3 +148,15 @@ def test_sessions_interleaved_through_one_full_graph(capture):
             for c in (cg, ce):
                 c.commit(torch.tensor([0, 2]))
     assert len(graphs.plans) == 2
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 7, 17, 25, 29, 33])
+def test_launch_pieces_cover_the_body_in_doubling_graphs(steps):
+    """Pieces of 1, 2, 4, ... layers, in order, covering every body step once; a short tail joins
+    the piece before it; unsplit, one piece."""
+    pieces = launch_pieces(steps)
+    assert [i for p in pieces for i in p] == list(range(steps))
+    sizes = [len(p) for p in pieces]
+    assert all(sizes[k] == 2 ** k for k in range(len(sizes) - 1))  # every piece but the last doubles
+    assert len(sizes) == 1 or sizes[-1] >= 2 ** (len(sizes) - 1) // 2  # no short tail of its own
+    assert launch_pieces(steps, split=False) == [range(steps)]
