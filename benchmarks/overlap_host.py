@@ -27,6 +27,9 @@ from specextend.draft.session import DraftSession
 from specextend.models.loader import load_model
 
 
+TIMES = ("launch_ms", "model_forward_host_ms", "device_wait_ms", "finish_ms", "ready_step_ms", "miss_step_ms")
+
+
 def hit_path(pool) -> list[int]:
     """Tokens of the best forwarded path from the root, two deep (accepted token + bonus), or []."""
     path, parent = [], -1
@@ -102,10 +105,8 @@ def main():
     warm.warm_up()
     s = DraftSession(draft.decoder, prompt, params, overlap=True, overlap_rows=a.rows, overlap_levels=a.levels)
     s.step(0, [7], None)
-    drive(s, 50, a.every, {k: [] for k in ("launch_ms", "model_forward_host_ms", "device_wait_ms", "finish_ms",
-                                           "ready_step_ms", "miss_step_ms")})
-    times = {k: [] for k in ("launch_ms", "model_forward_host_ms", "device_wait_ms", "finish_ms", "ready_step_ms",
-                             "miss_step_ms")}
+    drive(s, 50, a.every, {k: [] for k in TIMES})  # past the first captures
+    times = {k: [] for k in TIMES}
     prof = cProfile.Profile()
     if a.profile:
         prof.enable()

@@ -10,7 +10,8 @@ import torch
 
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftSessionParams, Retrieval
-from specextend.draft.expand import PostGraphs, expand_tree, expand_tree_host, expand_tree_host_co, level_post
+from specextend.draft.expand import expand_tree, expand_tree_host, expand_tree_host_co, level_post
+from specextend.models.graphed import Graphed
 from specextend.draft.session import DraftSession
 from specextend.models.full_graphs import FullStepGraphs
 from specextend.models.graphs import StepGraphs
@@ -88,7 +89,7 @@ def test_level_bookkeeping_is_eager_without_captured_graphs(tiny_models):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_graphed_level_bookkeeping_equals_eager(tiny_models, dtype):
-    """PostGraphs (captured at first use, then replayed) drafts the eager pool; sessions of one
+    """Graphed(level_post) (captured at first use, then replayed) drafts the eager pool; sessions of one
     model share its graphs and still draft their host twin's trees."""
     draft = tiny_models(dtype)[1].decoder
     cfg = TreeConfig(10, 5, 3)
@@ -102,7 +103,7 @@ def test_graphed_level_bookkeeping_equals_eager(tiny_models, dtype):
 
     L = s.work.length - 1
     eager = expand_tree(forward, root, cfg, L)
-    post = PostGraphs(draft.device)
+    post = Graphed(level_post, draft.device)
     for _ in range(2):  # captures, then replays
         assert expand_tree(forward, root, cfg, L, post=post) == eager
     assert len(post.plans) == cfg.depth - 1 and post.replays == 2 * (cfg.depth - 1)
@@ -118,7 +119,7 @@ def test_graphed_level_bookkeeping_equals_eager(tiny_models, dtype):
     if isinstance(draft.graphs, FullStepGraphs):  # whole expansions as one graph (draft/tree_graph.py)
         assert draft.tree_graphs is not None and draft.tree_graphs.replays > 0
     else:
-        assert draft.post_graphs is not None and draft.post_graphs.replays > 0
+        assert level_post in draft.graphed and draft.graphed[level_post].replays > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -38,14 +38,14 @@ def prompt(n, seed):
 def draft(tiny_models):
     """The tiny draft in float32 on DEVICE with full-step graphs (the twin on the CPU) and tree graphs."""
     dec = tiny_models("float32")[1].decoder
-    saved = dec.graphs, dec.tree_graphs, dec.post_graphs, dec.w, dec.rope
+    saved = dec.graphs, dec.tree_graphs, dict(dec.graphed), dec.w, dec.rope
     dec.w, dec.rope = dec.w.to(DEVICE), dec.rope.to(DEVICE)
     dec.graphs = FullStepGraphs(dec, capture=False)
     dec.tree_graphs = TreeGraphs(dec.graphs)
     try:
         yield dec
     finally:
-        dec.graphs, dec.tree_graphs, dec.post_graphs, dec.w, dec.rope = saved
+        dec.graphs, dec.tree_graphs, dec.graphed, dec.w, dec.rope = saved
 
 
 def run_pair(dec, params, steps=4, overlap=False, bounds=(None,)):

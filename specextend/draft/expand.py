@@ -10,7 +10,7 @@ tests compare them).
 A level's bookkeeping (`level_post`: log-softmax, top-k over the vocabulary, the next frontier
 and its mask) is ~15 small ops whose host cost dominated a small draft's step on an H100
 (2026-11-23: a 68M draft step took 9.6 ms of wall time for 2.7 ms of kernels; torch.topk alone
-cost ~185 us of host time a call, 11 calls a step). `PostGraphs` replays it as one CUDA graph per
+cost ~185 us of host time a call, 11 calls a step). `Graphed(level_post)` replays it as one CUDA graph per
 shape; level_post called directly is its twin (the tests compare them).
 
 Both take `forward(ids [F], positions [F], mask [F, staged + F] bool, staged) -> logits [F, V]`:
@@ -29,7 +29,6 @@ import torch
 
 from specextend.config import TreeConfig
 from specextend.draft import vocab_topk
-from specextend.models.graphed import Graphed
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 Pool = tuple[list[int], list[float], list[int], list[int], list[int]]
@@ -76,14 +75,6 @@ def level_post(logits: torch.Tensor,  # [F, V] the frontier's next-token logits
     return cand_tokens, cand_scores, parents, cand_tokens[best], cand_scores[best], size + best, nxt_mask
 
 
-class PostGraphs(Graphed):
-    """level_post replayed as one CUDA graph per shape (F, V, S, k, size), shared by a model's draft
-    sessions (models/graphed.py)."""
-
-    def __init__(self, device: torch.device):
-        super().__init__(level_post, device)
-
-
 def drive(co: Generator, forward: Forward, should_stop: Callable[[], bool] = lambda: False) -> Optional[Pool]:
     """Runs an expansion coroutine (`expand_tree_co`, `expand_tree_host_co`) with `forward` called
     for each level it yields; None if `should_stop()` says so before a level's forward."""
@@ -100,7 +91,7 @@ def drive(co: Generator, forward: Forward, should_stop: Callable[[], bool] = lam
 
 def expand_tree(forward: Forward, root_logits: torch.Tensor, cfg: TreeConfig, root_pos: int,
                 should_stop: Callable[[], bool] = lambda: False, post=level_post, wide: int = 0) -> Optional[Pool]:
-    """`post`: level_post or a PostGraphs (its CUDA-graph replay); `wide`: children kept per node
+    """`post`: level_post or Graphed(level_post) (its CUDA-graph replay, models/graphed.py); `wide`: children kept per node
     (default: the tree's top-k)."""
     return drive(expand_tree_co(root_logits, cfg, root_pos, post, wide), forward, should_stop)
 

@@ -29,7 +29,7 @@ import torch
 from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
 from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
-from specextend.draft.expand import Level, PostGraphs, expand_tree_co, level_post
+from specextend.draft.expand import Level, expand_tree_co, level_post
 from specextend.draft.overlap import (OVERLAP_LEVELS, OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS,  # noqa: F401
                                       REFRESH_DEFER, Overlap)
 from specextend.draft.pool import Pool
@@ -225,13 +225,7 @@ class DraftSession(Overlap):
     def _post(self):
         """The expansion's per-level bookkeeping: CUDA graphs where the model's forwards are graphed
         (made once per model, shared by its sessions), else op by op."""
-        m = self.model
-        if m.graphs is None or not m.graphs.capture:
-            return level_post
-        with _POST_LOCK:
-            if m.post_graphs is None:
-                m.post_graphs = PostGraphs(m.device)
-        return m.post_graphs
+        return self._graphed(level_post)
 
     def _graphed(self, fn):
         """`fn` (a function of device tensors, models/graphed.py) replayed as CUDA graphs where the

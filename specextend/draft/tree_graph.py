@@ -2,7 +2,7 @@
 "Execution plans").
 
 With a forward graph per level (models/full_graphs.py) and the level's bookkeeping as another
-(expand.PostGraphs), the host still did many small things per level: input copies into the
+(models/graphed.Graphed of expand.level_post), the host still did many small things per level: input copies into the
 plans' static buffers, the staged tree keys copied back, the cache metadata, the graph launches,
 the logits clone, the post graph's inputs and outputs. On an H200 (2026-11-26, the 0.5B draft at
 16K, `benchmarks/profile_step.py` + `trace_gaps.py`) the draft step took 8.8 ms of wall time for

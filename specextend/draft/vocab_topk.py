@@ -18,21 +18,16 @@ from __future__ import annotations
 
 import torch
 
+from specextend.attention.triton_prefix import TRITON_DTYPES, triton_available
+
 BLOCK = 4096  # columns per program: 38 blocks a row for a 152K vocabulary
 MAX_W = 16  # widest top-k taken here (repeated argmax costs w passes over a block)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def supported(logits: torch.Tensor, w: int) -> bool:
     """Rows of a CUDA tensor in a dtype the kernels take, w up to MAX_W, Triton importable."""
-    if not (logits.is_cuda and logits.dim() == 2 and logits.dtype in DTYPES and 1 <= w <= MAX_W
-            and logits.stride(-1) == 1 and w <= logits.shape[1]):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return (logits.is_cuda and logits.dim() == 2 and logits.dtype in TRITON_DTYPES and 1 <= w <= MAX_W
+            and logits.stride(-1) == 1 and w <= logits.shape[1] and triton_available())
 
 
 def vocab_topk(logits: torch.Tensor,  # [R, V], last dim contiguous

@@ -122,7 +122,6 @@ class Decoder:
         self.backend = backend
         self.scale = 1.0 / math.sqrt(args.head_dim)
         self.graphs = None  # StepGraphs (graphs.py) once enabled
-        self.post_graphs = None  # a draft's tree-expansion bookkeeping as graphs (draft/expand.PostGraphs)
         self.tree_graphs = None  # a draft's whole tree expansions as graphs (draft/tree_graph.TreeGraphs)
         self.graphed = {}  # function -> its CUDA-graph replays (models/graphed.Graphed), shared by sessions
 

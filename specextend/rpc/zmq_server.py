@@ -56,7 +56,7 @@ class _Pending:
     request_id: int
     future: Optional[concurrent.futures.Future]  # the job's (set right after the entry)
     deadline: Optional[float]  # monotonic seconds; None: no timeout_ms
-    received: float = 0.0  # perf_counter when the request was read (with_times: the draft side's time)
+    received: float  # perf_counter when the request was read (with_times: the draft side's time)
 
 
 class StepChannel:
