@@ -2,7 +2,11 @@
 SiLU / bias kernels), at the draft's and small targets' decode shapes: every tile that skinny.choose
 weighs at start-up, with and without Programmatic Dependent Launch, plus a wider sweep with --sweep.
 
-    python benchmarks/skinny_tune.py [--sweep] [--out FILE.json]
+    python benchmarks/skinny_tune.py [--sweep] [--streamed] [--out FILE.json]
+
+--streamed adds the streamed kernel's tiles (skinny_loop: bn x bk x split x warps); with many tiles,
+compile them first in parallel processes (`--compile-only --shard i/n`, Triton's cache keeps them)
+so that the timed run compiles nothing.
 
 Each timing is skinny.time_op's: the median of CUDA-graph replays of one call per weight copy, the
 copies together twice the L2 cache (a forward reads each layer's weights from memory), so launch
@@ -43,15 +47,36 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / skinny.time_op(lambda _: b.copy_(a), [a])
 
 
+def streamed_tiles(kind: str, t: int, n: int, k: int) -> list:
+    """The streamed kernel's grid: column blocks x loop steps x splits x warps x stages, each
+    effective split once (k_slice), at least 32 and at most 1,024 programs."""
+    out = []
+    for bn, bk, split, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8), (4, 8), (3, 4)):
+        c = skinny.Tile(bn, split, warps, bk, stages)
+        ks, _, eff = skinny.k_slice(kind, t, k, c)
+        programs = -(-n // bn) * eff
+        if eff == split and 32 <= programs <= 1024 and ks >= bk:
+            out.append(c)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also every tile of a wider grid")
+    ap.add_argument("--streamed", action="store_true", help="also the streamed kernel's tiles")
+    ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default all)")
+    ap.add_argument("--compile-only", action="store_true", help="run each tile once, time nothing")
+    ap.add_argument("--shard", default="0/1", help="i/n: this process's share of the tiles (--compile-only)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    shard, shards = map(int, a.shard.split("/"))
     dev, dt = torch.device("cuda"), torch.bfloat16
-    bw = copy_bandwidth()
+    bw = copy_bandwidth() if not a.compile_only else 1.0
     rows = []
+    job = 0
     for name, (t, n, k, kind) in SHAPES.items():
+        if a.shapes and name not in a.shapes.split(","):
+            continue
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(t, k, device=dev, generator=g).to(dt)
         nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dt)
@@ -82,26 +107,42 @@ def main() -> None:
         if a.sweep:
             tiles += [skinny.Tile(bn, s, wp) for bn, s, wp in itertools.product((16, 32, 64), (1, 2, 3, 4, 6, 8, 12, 16, 24),
                                                                                   (4, 8))]
-            tiles = list(dict.fromkeys(tiles))
+        if a.streamed:
+            tiles += streamed_tiles(kind, t, n, k)
+        tiles = list(dict.fromkeys(tiles))
+        if a.compile_only:
+            for c in tiles:
+                job += 1
+                if job % shards == shard:
+                    try:
+                        kern(copies[0], c)
+                    except Exception as e:  # noqa: BLE001 - reported by the timed run
+                        print(name, c, type(e).__name__)
+            torch.cuda.synchronize()
+            continue
         row = dict(shape=name, t=t, n=n, k=k, kind=kind, floor_us=w.numel() * 2 / bw * 1e6,
                    torch_us=skinny.time_op(twin, copies) * 1e6, tiles=[])
-        for c, on in itertools.product(tiles, (False, True) if pdl.enabled(dev) else (False,)):
+        for c, on in itertools.product(tiles, (False, True) if pdl.enabled(dev) and not a.streamed else (pdl.enabled(dev),)):
             pdl.SWITCH = None if on else False
             try:
                 us = skinny.time_op(lambda ww, c=c: kern(ww, c), copies) * 1e6
             except Exception as e:  # noqa: BLE001 - out of resources: reported
                 us = float("nan")
                 print(name, c, type(e).__name__)
-            row["tiles"].append(dict(bn=c.bn, split=c.split, warps=c.warps, pdl=on, us=us, candidate=c in cands))
+            row["tiles"].append(dict(bn=c.bn, split=c.split, warps=c.warps, bk=c.bk, stages=c.stages, pdl=on, us=us,
+                                     candidate=c in cands))
         pdl.SWITCH = None
         ok = [r for r in row["tiles"] if r["us"] == r["us"]]
         row["best"] = min(ok, key=lambda r: r["us"])
         row["best_candidate"] = min((r for r in ok if r["candidate"] and r["pdl"] == pdl.enabled(dev)),
                                     key=lambda r: r["us"])
-        row["best_no_pdl"] = min((r for r in ok if not r["pdl"]), key=lambda r: r["us"])
+        row["best_no_pdl"] = min((r for r in ok if not r["pdl"]), key=lambda r: r["us"], default=row["best"])
+        row["best_streamed"] = min((r for r in ok if r["bk"]), key=lambda r: r["us"], default=row["best"])
         rows.append(row)
         del copies
         torch.cuda.empty_cache()
+    if a.compile_only:
+        return
     print(f"\n{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16")
     print("| shape | T | N | K | floor us | torch us | without PDL us | start-up choice us | best us | "
           "(tiles: bn/split/warps) |")
@@ -110,7 +151,15 @@ def main() -> None:
         c, s, n = r["best_candidate"], r["best"], r["best_no_pdl"]
         print(f"| {r['shape']} | {r['t']} | {r['n']} | {r['k']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | "
               f"{n['us']:.1f} | {c['us']:.1f} | {s['us']:.1f} | {n['bn']}/{n['split']}/{n['warps']} "
-              f"{c['bn']}/{c['split']}/{c['warps']} {s['bn']}/{s['split']}/{s['warps']}{' pdl' if s['pdl'] else ''} |")
+              f"{c['bn']}/{c['split']}/{c['warps']} {s['bn']}/{s['split']}/{s['warps']}/{s['bk']}{' pdl' if s['pdl'] else ''} |")
+    if a.streamed:
+        print("\n| shape | floor us | torch us | best streamed us | x floor | x torch | bn/split/warps/bk/stages |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            b = r["best_streamed"]
+            print(f"| {r['shape']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {b['us']:.1f} | "
+                  f"{b['us'] / r['floor_us']:.2f} | {b['us'] / r['torch_us']:.2f} | "
+                  f"{b['bn']}/{b['split']}/{b['warps']}/{b['bk']}/{b['stages']} |")
     out = dict(suite="skinny_tune", commit=record.commit(), date=datetime.date.today().isoformat(),
                command="python " + " ".join(sys.argv), device=torch.cuda.get_device_name(), copy_bandwidth_Bps=bw,
                rows=rows)

@@ -123,9 +123,12 @@ def test_default_tiles_fit_the_register_budget_and_cover_k():
             assert ks * split >= k > ks * (split - 1) and ksp >= ks and ks % 32 == 0
             assert ksp * (c.bn * (2 if kind == "glu" else 1) + skinny._pow2(t)) <= skinny.BUDGET[warps]
     assert skinny.default_tile("res", 4, 896, 4864).split == 19  # 256-column slices of the 0.5B's down
-    for kind in skinny.KINDS:  # candidates: the default first, each at most once
+    for kind in skinny.KINDS:  # candidates: each at most once, streamed ones, the whole-slice default
         cands = skinny.candidates(kind, 4, 896, 4864)
-        assert cands[0] == skinny.default_tile(kind, 4, 896, 4864) and len(set(cands)) == len(cands) == 4
+        assert len(set(cands)) == len(cands) and skinny.default_tile(kind, 4, 896, 4864) in cands
+        for c in (c for c in cands if c.bk):
+            ks, _, split = skinny.k_slice(kind, 4, 4864, c)
+            assert split == c.split and ks >= c.bk
 
 
 def test_pdl_only_compiled_on_hopper_or_later():
@@ -149,3 +152,38 @@ def test_choose_on_the_cpu_is_the_default_tile_and_times_nothing():
     def boom(*_):
         raise AssertionError("timed on the CPU")
     assert skinny.choose("res", x, w, boom, boom, 40) == skinny.default_tile("res", 4, 40, 96)
+
+
+LOOP_TILES = [skinny.Tile(bn=16, bk=32), skinny.Tile(bn=32, bk=64, stages=2), skinny.Tile(bn=16, split=3, bk=32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", LOOP_TILES, ids=lambda c: f"bn{c.bn}-s{c.split}-bk{c.bk}")
+def test_streamed_kernel_equals_twin(dtype, tile):
+    """The streamed kernel (skinny_loop: the weight slice loaded BK columns per loop step) in all
+    three uses: K not a multiple of the step (a masked last step) nor of the split's range, N not
+    of the column block, rows padded to the tile; without a split the norm's statistics come from
+    the loop's own x tiles, with one from a pass over the whole row."""
+    gen = torch.Generator().manual_seed(tile.bn + tile.bk + tile.split)
+    t, k, n = 5, 200, 40
+    x = _rnd(gen, t, k, dtype=dtype) * 3
+    nw = 1 + 0.5 * _rnd(gen, k, dtype=dtype)
+    w = _rnd(gen, 2 * n, k, dtype=dtype) * 0.1
+    b = _rnd(gen, n, dtype=dtype)
+    got = skinny.norm_linear(x, nw, 1e-6, w[:n].contiguous(), b, tile)
+    ref = skinny.reference(x.float(), nw.float(), 1e-6, w[:n].float(), b.float())
+    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    got = skinny.norm_glu(x, nw, 1e-6, w, tile)
+    ref = skinny.reference(x.float(), nw.float(), 1e-6, w.float(), glu=True)
+    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    for _ in range(2):  # twice on the same split-K counters
+        y = _rnd(gen, t, n, dtype=dtype)
+        ref = skinny.reference(x.float(), None, 0.0, w[:n].float(), residual=y.float())
+        assert skinny.linear_residual_(y, x, w[:n].contiguous(), tile) is y
+        torch.testing.assert_close(y.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_streamed_k_slices_cover_k_in_whole_steps():
+    for k, split, bk in ((896, 1, 128), (4864, 4, 256), (200, 3, 32), (8960, 6, 128)):
+        ks, ksp, s = skinny.k_slice("res", 4, k, skinny.Tile(16, split, bk=bk))
+        assert ks % bk == 0 and ks == ksp and ks * s >= k > ks * (s - 1) and s <= split

@@ -109,3 +109,85 @@ def _epilogue(acc, acc2, bias, dst, io, BIAS: tl.constexpr, GLU: tl.constexpr, R
     if RESIDUAL:
         acc += tl.load(dst, mask=io, other=0.0).to(tl.float32)
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=io)
+
+
+@triton.jit
+def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
+                K: tl.constexpr, N: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                GLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
+                BT: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, BK: tl.constexpr,
+                SPLIT: tl.constexpr, STAGES: tl.constexpr, BKX: tl.constexpr, PDL: tl.constexpr):
+    """skinny_linear with the weight slice streamed: program (pid, pk) loops over its K columns
+    [pk * KS, +KS) (KS a multiple of BK) BK at a time, the loads of the next STAGES - 1 steps in
+    flight while one multiplies (software pipelining), so a program needs no register budget for
+    its slice and K is split only to spread a narrow output over more multiprocessors (the
+    whole-slice kernel above split the 0.5B draft's gate/up 14 ways to fit its registers, and
+    paid the partials' round trip). The same maths, epilogue and split-K reduction as
+    skinny_linear; without a split the norm's statistics come from the x tiles the loop reads."""
+    pid = tl.program_id(0)
+    pk = tl.program_id(1)
+    offs_t = tl.arange(0, BT)  # [BT]
+    offs_n = pid * BN + tl.arange(0, BN)  # [BN]
+    t_ok = offs_t < T
+    n_ok = offs_n < N
+    bias = tl.zeros([BN], tl.float32)
+    if BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # the kernels before this one are done: x and y may be read
+    acc = tl.zeros([BT, BN], tl.float32)
+    acc2 = tl.zeros([BT, BN], tl.float32)
+    ss = tl.zeros([BT], tl.float32)
+    for kk in tl.range(0, KS, BK, num_stages=STAGES):
+        offs_k = pk * KS + kk + tl.arange(0, BK)  # [BK]
+        k_ok = offs_k < K
+        wmask = n_ok[:, None] & k_ok[None, :]
+        wk = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK]
+        xk = tl.load(x_ptr + offs_t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                     other=0.0)  # [BT, BK]
+        if NORM:
+            xf = xk.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            nwk = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+            xk = (xf * nwk[None, :]).to(xk.dtype)
+        if IEEE:
+            acc += tl.dot(xk, tl.trans(wk), input_precision="ieee")  # [BT, BN]
+        else:
+            acc += tl.dot(xk, tl.trans(wk))
+        if GLU:
+            uk = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK] up rows
+            if IEEE:
+                acc2 += tl.dot(xk, tl.trans(uk), input_precision="ieee")
+            else:
+                acc2 += tl.dot(xk, tl.trans(uk))
+    if NORM:
+        if SPLIT > 1:  # this program saw only its K range: the whole row's sum of squares
+            ss = tl.zeros([BT], tl.float32)
+            for k1 in range(0, K, BKX):
+                offs_x = k1 + tl.arange(0, BKX)
+                xx = tl.load(x_ptr + offs_t[:, None] * K + offs_x[None, :], mask=t_ok[:, None] & (offs_x < K)[None, :],
+                             other=0.0).to(tl.float32)  # [BT, BKX]
+                ss += tl.sum(xx * xx, 1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT]
+        acc = acc * rstd[:, None]
+        acc2 = acc2 * rstd[:, None]
+    io = t_ok[:, None] & n_ok[None, :]  # [BT, BN]
+    dst = y_ptr + offs_t[:, None] * N + offs_n[None, :]
+    if SPLIT == 1:
+        _epilogue(acc, acc2, bias, dst, io, BIAS, GLU, RESIDUAL, y_ptr)
+    else:
+        part = ws_ptr + offs_t[:, None] * N + offs_n[None, :]  # [BT, BN] of partial 0 (gate)
+        tl.store(part + pk * 2 * BT * N, acc, mask=io)
+        if GLU:
+            tl.store(part + (pk * 2 + 1) * BT * N, acc2, mask=io)
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.zeros([BT, BN], tl.float32)
+            total2 = tl.zeros([BT, BN], tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(part + s * 2 * BT * N, mask=io, other=0.0, cache_modifier=".cg")
+                if GLU:
+                    total2 += tl.load(part + (s * 2 + 1) * BT * N, mask=io, other=0.0, cache_modifier=".cg")
+            _epilogue(total, total2, bias, dst, io, BIAS, GLU, RESIDUAL, y_ptr)
+            tl.atomic_xchg(cnt_ptr + pid, 0)

@@ -44,6 +44,8 @@ class Tile:
     bn: int  # output columns per program
     split: int = 1  # programs sharing a column block, each over K / split columns (split-K)
     warps: int = 4
+    bk: int = 0  # > 0: the streamed kernel (skinny_loop), K columns per loop step; 0: whole slice
+    stages: int = 3  # the streamed kernel's loads in flight (software pipelining)
 
 
 # Weight and x elements one program holds in registers (its [BN, KS] weight slice, twice for the
@@ -61,8 +63,12 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def k_slice(kind: str, t: int, k: int, c: Tile) -> tuple[int, int, int]:
-    """(KS, KSP, split): K columns per program (a multiple of 32), that rounded up to a power of two
-    (the register tile), and the programs per column block that cover K."""
+    """(KS, KSP, split): K columns per program (a multiple of 32, or of the loop step bk), that
+    rounded up to a power of two (the register tile of the whole-slice kernel), and the programs
+    per column block that cover K."""
+    if c.bk:
+        ks = -(-(-(-k // c.split)) // c.bk) * c.bk
+        return ks, ks, -(-k // ks)
     ks = -(-(-(-k // c.split)) // 32) * 32
     return ks, _pow2(ks), -(-k // ks)
 
@@ -105,7 +111,7 @@ def pdl(device: torch.device) -> bool:
 
 
 def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None):
-    from specextend.models._triton_skinny import skinny_linear as kernel
+    from specextend.models import _triton_skinny as kernels
 
     t, k = x.shape
     assert x.is_contiguous() and w.is_contiguous() and y.is_contiguous() and t <= MAX_ROWS
@@ -119,11 +125,14 @@ def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None):
         ws = torch.empty(split, 2, bt, n, dtype=torch.float32, device=x.device)  # [SPLIT, gate|up, BT, N] partials
         cnt = _counters(w, bt, tiles)
     on = pdl(x.device)
-    kernel[(tiles, split)](x, nw if nw is not None else dummy, w, b if b is not None else dummy, y, ws, cnt,
-                           float(eps), t, K=k, N=n, NORM=nw is not None, BIAS=b is not None, GLU=glu,
-                           RESIDUAL=residual, IEEE=x.dtype == torch.float32, BT=bt, BN=c.bn, KS=ks, KSP=ksp,
-                           SPLIT=split, BKX=min(256, _pow2(k)), PDL=on, num_warps=c.warps,
-                           **launch_args(on))
+    args = (x, nw if nw is not None else dummy, w, b if b is not None else dummy, y, ws, cnt, float(eps), t)
+    flags = dict(K=k, N=n, NORM=nw is not None, BIAS=b is not None, GLU=glu, RESIDUAL=residual,
+                 IEEE=x.dtype == torch.float32, BT=bt, BN=c.bn, KS=ks, SPLIT=split, BKX=min(256, _pow2(k)), PDL=on,
+                 num_warps=c.warps, **launch_args(on))
+    if c.bk:
+        kernels.skinny_loop[(tiles, split)](*args, BK=c.bk, STAGES=c.stages, **flags)
+    else:
+        kernels.skinny_linear[(tiles, split)](*args, KSP=ksp, **flags)
     return y
 
 
@@ -166,11 +175,24 @@ _CHOICES: dict[tuple, Optional[Tile]] = {}
 Op = Callable[[torch.Tensor], None]  # runs the layer's op on one weight matrix (timing inputs bound)
 
 
+def streamed_tile(n: int, k: int, bn: int, bk: int = 128, programs: int = 128) -> Tile:
+    """The streamed kernel with column blocks of bn, K split (a power of two, at most 8, each
+    program at least one loop step) until about `programs` programs run: one per multiprocessor,
+    each streaming its slice with its loads pipelined."""
+    split = 1
+    while -(-n // bn) * split < programs and split < 8 and k // (2 * split) >= bk:
+        split *= 2
+    return Tile(bn, split, 4, bk, 3)
+
+
 def candidates(kind: str, t: int, n: int, k: int) -> list[Tile]:
-    """The default tile (8 warps), the same at 4 warps (half the K slice: twice the programs), and
-    both with 32-column blocks."""
-    out = [default_tile(kind, t, n, k, 8), default_tile(kind, t, n, k, 4)]
-    out += [Tile(32, c.split * 2, c.warps) for c in out]
+    """The streamed kernel at 16- and 32-column blocks, with the split streamed_tile picks and
+    half of it; the whole-slice kernel's default tile."""
+    out = []
+    for bn in (16, 32):
+        c = streamed_tile(n, k, bn)
+        out += [c, Tile(bn, max(1, c.split // 2), 4, 128, 3)]
+    out.append(default_tile(kind, t, n, k, 8))
     return list(dict.fromkeys(out))
 
 
@@ -185,8 +207,8 @@ def choose(kind: str, x: torch.Tensor, w: torch.Tensor, twin: Op, kernel: Callab
     key = (x.device, kind, t, n, k, x.dtype, pdl(x.device))
     if key in _CHOICES:
         return _CHOICES[key]
-    if torch.cuda.is_current_stream_capturing():  # a shape the warm-up did not run: no timing now
-        return default_tile(kind, t, n, k)
+    if torch.cuda.is_current_stream_capturing():  # a shape the warm-up did not run: no timing now,
+        return None  # and the ordinary ops are the known quantity
     copies = _weight_copies(w)
     times = {None: time_op(twin, copies)}
     for c in candidates(kind, t, n, k):
