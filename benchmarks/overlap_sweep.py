@@ -95,7 +95,8 @@ def main():
                 print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
                       f"ready {r['tree_ready_fraction']:.2f}, wait {r['draft_wait_ms']:.2f} ms, "
                       f"verify {r['verify_ms']:.2f} ms; median wait ready {r['wait_ready_ms']:.2f}, "
-                      f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms; "
+                      f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms; ready: "
+                      f"draft side {r.get('ready_server_ms', 0.0):.2f}, queued {r.get('ready_queued_ms', 0.0):.2f} ms; "
                       + ", ".join(f"{k} {r[k]}" for k in WORKER_COUNTS if k in r)
                       + ("; thread ms: " + ", ".join(f"{k[:-2]} {1e3 * r[k]:.0f}" for k in WORKER_TIMES) if "poll_s" in r else ""),
                       flush=True)
@@ -104,16 +105,18 @@ def main():
             w.stop()
     ar = {(r["doc"], r["round"]): r["decode_tokens_per_s"] for r in rows_out if r["variant"] == "ar"}
     print("\n| variant | decode tok/s | x ar (median) | acceptance | tree ready | wait ms | median wait ready ms | "
-          "queued for the draft's thread ms | verify ms |\n|---|---|---|---|---|---|---|---|---|")
+          "queued for the draft's thread ms | ready: draft side / queued ms | verify ms |\n|---|---|---|---|---|---|---|---|---|---|")
     for name in engines:
         rs = [r for r in rows_out if r["variant"] == name]
         m = {k: statistics.median(r[k] for r in rs) for k in ("decode_tokens_per_s", "mean_acceptance_length",
                                                                "tree_ready_fraction", "draft_wait_ms", "verify_ms",
-                                                               "wait_ready_ms", "draft_queue_ms")}
+                                                               "wait_ready_ms", "draft_queue_ms",
+                                                               "ready_server_ms", "ready_queued_ms")}
         x = statistics.median(r["decode_tokens_per_s"] / ar[r["doc"], r["round"]] for r in rs)
         print(f"| {name} | {m['decode_tokens_per_s']:.1f} | {x:.2f} | {m['mean_acceptance_length']:.2f} | "
               f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['wait_ready_ms']:.2f} | "
-              f"{m['draft_queue_ms']:.2f} | {m['verify_ms']:.2f} |")
+              f"{m['draft_queue_ms']:.2f} | {m['ready_server_ms']:.2f} / {m['ready_queued_ms']:.2f} | "
+              f"{m['verify_ms']:.2f} |")
     if a.out:
         with open(a.out, "w") as f:
             info = dict(meta("overlap_sweep", "cpu" if a.cpu else "cuda", []), command="python " + " ".join(sys.argv))

@@ -153,13 +153,17 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
 
 def wait_split(st) -> dict:
     """The target's median wait for a tree (ms) over steps answered from the overlap pool, over the
-    others, and over the steps that brought the draft a retrieval selection (0.0 where none)."""
+    others, and over the steps that brought the draft a retrieval selection (0.0 where none); for the
+    ready steps also the median of the draft side's own time on them (arrival to answer) and of
+    their queueing for the draft's thread within it (docs/architecture.md, "Wire protocol")."""
     waits = list(zip(st.wait_per_step, st.ready_per_step, st.refresh_per_step))
+    ready = [(sv, q) for sv, q, r in zip(st.server_per_step, st.queued_per_step, st.ready_per_step) if r]
 
     def med(xs):
         return 1e3 * statistics.median(xs) if xs else 0.0
     return dict(wait_ready_ms=med([w for w, r, _ in waits if r]), wait_drafted_ms=med([w for w, r, _ in waits if not r]),
-                wait_refresh_ms=med([w for w, _, f in waits if f]))
+                wait_refresh_ms=med([w for w, _, f in waits if f]), ready_server_ms=med([sv for sv, _ in ready]),
+                ready_queued_ms=med([q for _, q in ready]))
 
 
 def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], dtype: str = "auto",
