@@ -116,6 +116,41 @@ def test_a_ready_tree_leaves_the_caches_a_plain_step_would(draft, retrieval):
     assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-5)  # float32 logits
 
 
+@pytest.mark.parametrize("retrieval", [False, True])
+def test_a_ready_answer_comes_before_its_kv_moves_and_they_follow_before_any_other_work(draft, retrieval):
+    """A ready step driven as the worker drives it (step_co) answers with its re-root's K/V moves
+    still pending (`settle`): the caches are untouched until then, and the tree and the caches after
+    `settle` equal those of the synchronous step. A background launch runs the pending moves first."""
+    from specextend.draft.batch import run_alone
+
+    r = RetrievalConfig(enabled=retrieval, chunk_size=8, top_k=4, draft_prefill_window=0)
+    params = DraftSessionParams(TREE, r, 64)
+    lazy, eager = DraftSession(draft, prompt(), params, overlap=True), DraftSession(draft, prompt(), params, overlap=True)
+    trees = []
+    for s in (lazy, eager):
+        t0 = s.step(0, [7], None)
+        assert grow(s) > 0
+        pool = s.pool
+        bonus = next(i for i in pool.children(0) if pool.slots[i] >= 0)
+        trees.append((t0, [t0.tokens[0], pool.tokens[bonus]]))
+    assert trees[0] == trees[1]
+    accepted = trees[0][1]
+    length, data = lazy.work.length, lazy.work.data.clone()
+    hit = run_alone(lazy.step_co(1, accepted, None), draft)
+    assert hit.ready and lazy._settle is not None
+    assert lazy.work.length == length and torch.equal(lazy.work.data, data)  # nothing moved yet
+    ref = eager.step(1, accepted, None)  # the synchronous step settles before it returns
+    assert ref.ready and eager._settle is None and hit == ref
+    assert hit.draft_cache_tokens == eager.work.length
+    assert lazy.launch()  # settles first, then forwards over the moved caches
+    lazy.finish()
+    assert lazy._settle is None and lazy.work.length == eager.work.length
+    n = eager.work.length
+    assert torch.equal(lazy.work.data[:, :, :, :n], eager.work.data[:, :, :, :n])
+    if retrieval:
+        assert torch.equal(lazy.store.data[:, :, :, :n], eager.store.data[:, :, :, :n])
+
+
 def test_a_missed_verdict_drafts_as_without_overlap(draft):
     """With sync_depth 0 a miss drafts the whole tree, exactly as without overlap (the wider pool
     changes nothing in the selected tree here); with sync_depth 2, only two levels."""
@@ -160,16 +195,18 @@ class SlowBackground:
 
 
 @pytest.mark.parametrize("mode", ["sd", "specextend"])
-@pytest.mark.parametrize("interleaving", ["slow target", "fast target", "slow draft"])
+@pytest.mark.parametrize("interleaving", ["slow target", "fast target", "slow draft", "settle first"])
 def test_overlapped_output_equals_plain_decoding(tiny_models, monkeypatch, mode, interleaving):
+    """"settle first": the twin of answering a ready step before its K/V moves (answer_first=False),
+    with a slow target so that ready steps happen."""
     pair = tiny_models("float64")
-    worker = DraftWorker(pair[1].decoder, overlap=True)
+    worker = DraftWorker(pair[1].decoder, overlap=True, answer_first=interleaving != "settle first")
     if interleaving == "slow draft":
         SlowBackground(monkeypatch, 0.02)
-    latency = {"slow target": 0.05, "fast target": 0.0, "slow draft": 0.0}[interleaving]
+    latency = {"slow target": 0.05, "fast target": 0.0, "slow draft": 0.0, "settle first": 0.05}[interleaving]
     ref, out, stats = run(pair, ChaosDraft(worker, Chaos(latency_s=latency)), mode)
     assert out == ref
-    if interleaving == "slow target":  # the draft had time: ready trees were really used
+    if latency > 0:  # the draft had time: ready trees were really used
         assert stats.ready_steps > 0 and stats.draft_ahead_depth > 0
     if mode == "specextend":
         assert stats.retrieval_refreshes > 1  # refreshes were due on ready steps too

@@ -94,6 +94,7 @@ class JobWorker(DraftBackend):
     batches_steps = False  # Step jobs go through _do_steps, batched up to max_batch (DraftWorker)
     max_batch = 1
     gather_s = 0.0  # how long a batch may wait for the steps of sessions that stepped recently
+    answer_first = True  # a batch's answers are handed over before its _after_steps work (False: the twin)
 
     def __init__(self, name: str = "draft") -> None:
         self.name = name
@@ -218,8 +219,13 @@ class JobWorker(DraftBackend):
                 self._batched_steps += len(batch)
                 self._step_forwards += counts.forwards
                 self._step_calls += counts.calls
+            jobs = [j for j, _ in batch]
+            if not self.answer_first:
+                self._after_steps(jobs)
             for (j, f), outcome in zip(batch, outcomes):
                 self._complete(j, f, outcome)
+            if self.answer_first:
+                self._after_steps(jobs)
             return
         try:
             result = self._do(job)
@@ -273,6 +279,9 @@ class JobWorker(DraftBackend):
         for sid in [s for s, t in self._recent.items() if now - t > window]:
             del self._recent[sid]
         return min(len(self._recent), self.max_batch)
+
+    def _after_steps(self, jobs: list[Step]) -> None:
+        """Work a batch of steps left for after their answers were handed over (none here)."""
 
     def _complete(self, job: Job, fut: Future, result) -> None:
         if isinstance(result, BaseException):

@@ -158,6 +158,7 @@ class Overlap:
         self.dropped_rows = 0  # pending rows dropped by a re-root (their node pruned)
         self.dropped_levels = 0  # chained levels dropped by a re-root before they were attached
         self.chained_nodes = 0  # pool nodes forwarded in chained levels
+        self._settle: Optional[tuple[list[int], list[int], int]] = None  # a ready answer's K/V moves, not yet queued
 
     # ------------------------------------------------------------------ background
     def launch(self) -> bool:
@@ -166,6 +167,7 @@ class Overlap:
         there is nothing useful left to do. A previous flight is finished first."""
         if self.flight is not None:
             self.finish()
+        self.settle()
         pool = self.pool
         if pool is None:
             return False
@@ -251,6 +253,7 @@ class Overlap:
         """Forget the pool and its pending work. A forward in flight stays in flight (the worker
         waits for its end before launching another) but its result is dropped; its device work
         completes, in stream order, before anything queued after it."""
+        self.settle()
         self.pool, self._refresh, self._restage = None, None, []
         if self.flight is not None:
             self.flight.rows, self.flight.deeper = [], []
@@ -327,9 +330,32 @@ class Overlap:
             self.flight_waits += 1
             self.finish()
         new, commit, keep, ids = pool.reroot_ids(path)
+        self.settle()
+        self._settle = (commit, keep, pool.staged)  # the K/V moves: queued after the answer (settle)
+        self.pool, self._restage = new, []
+        if self.flight is not None:  # its pending children follow their nodes into the new pool
+            self.flight.rows, dropped = remap_rows(self.flight.rows, ids)
+            self.flight.pool, self.flight.moved = new, True
+            self.dropped_rows += dropped
+        # answer with what is ready, however little: growing it now would put draft forwards back on
+        # the critical path (the pool keeps growing while the target verifies this tree)
+        tokens, parents = new.best_tree(nodes)
+        return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
+                         draft_cache_tokens=self.work.length + len(commit), ready=True, ahead_depth=new.ready_depth())
+
+    def settle(self) -> None:
+        """Queue the device work of the last ready answer: its re-root's K/V moves (the accepted
+        path's staged K/V committed, in the retrieval store too, the kept nodes' staged K/V
+        compacted). A ready step answers before them, so that they are not on the target's wait;
+        the worker runs this right after handing the answer over, and every entry point that
+        touches the caches (a step, a background launch, dropping the pool) runs it first."""
+        pending, self._settle = self._settle, None
+        if pending is None:
+            return
+        commit, keep, staged_n = pending
         dev = self.work.data.device
         idx = to_device(commit + keep, torch.long, dev)  # [c + m] staged slots: committed, then kept
-        staged = self.work.staged(0, pool.staged)  # [layers, 2, G, staged, D]
+        staged = self.work.staged(0, staged_n)  # [layers, 2, G, staged, D]
         if self.store is not None:  # the store keeps pre-RoPE K: undo the working positions' rotation
             kv = staged.index_select(3, idx[:len(commit)])  # [layers, 2, G, c, D]
             rope = self.model.rope
@@ -341,16 +367,6 @@ class Overlap:
             self.store.advance(len(commit))
         self.work.commit(idx)
         self.work.truncate(self.work.length - len(keep))  # the kept nodes stay staged, at 0..m-1
-        self.pool, self._restage = new, []
-        if self.flight is not None:  # its pending children follow their nodes into the new pool
-            self.flight.rows, dropped = remap_rows(self.flight.rows, ids)
-            self.flight.pool, self.flight.moved = new, True
-            self.dropped_rows += dropped
-        # answer with what is ready, however little: growing it now would put draft forwards back on
-        # the critical path (the pool keeps growing while the target verifies this tree)
-        tokens, parents = new.best_tree(nodes)
-        return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
-                         draft_cache_tokens=self.work.length, ready=True, ahead_depth=new.ready_depth())
 
     def warm_up(self) -> int:
         """Runs the overlap's forwards at every shape they take (start slots up to POOL_SLOTS), so

@@ -182,7 +182,9 @@ class DraftSession(Overlap):
              bound: Optional[TreeBound] = None) -> DraftTree:
         """Commit the accepted tokens (the last is the next root) and draft the next tree, within
         `bound` (this step's cap from the target's adaptive policy, base.py) if given."""
-        return run_alone(self.step_co(step, accepted_tokens, retrieval, bound), self.model)
+        tree = run_alone(self.step_co(step, accepted_tokens, retrieval, bound), self.model)
+        self.settle()
+        return tree
 
     def step_co(self, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
                 bound: Optional[TreeBound] = None) -> Generator[ForwardCall, Result, DraftTree]:
@@ -192,6 +194,7 @@ class DraftSession(Overlap):
         shape = (bound or TreeBound()).apply(self.params.tree)  # this step's nodes and depth
         if not accepted_tokens:
             raise ValueError("a step needs at least the bonus token")
+        self.settle()
         refresh = retrieval is not None and self.store is not None and bool(retrieval.chunk_ids)
         if self.flight is not None:  # a background forward: finished (cheap), or still in flight
             if self.flight.done():

@@ -61,7 +61,7 @@ class DraftWorker(JobWorker):
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
                  gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
-                 refresh_defer: int = REFRESH_DEFER):
+                 refresh_defer: int = REFRESH_DEFER, answer_first: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
@@ -72,6 +72,7 @@ class DraftWorker(JobWorker):
         self.overlap_rows = overlap_rows
         self.overlap_levels = overlap_levels
         self.refresh_defer = refresh_defer
+        self.answer_first = answer_first  # a ready step's K/V moves after its answer (False: before it)
         if overlap and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._sessions: dict[str, SessionEntry] = {}  # the worker thread's only
@@ -117,6 +118,18 @@ class DraftWorker(JobWorker):
             log.exception("finishing a background forward failed")
             session.drop_pool()
         return False
+
+    def _after_steps(self, jobs) -> None:
+        """A ready answer's K/V moves (overlap.py, `settle`), queued once the answer is handed over."""
+        for job in jobs:
+            entry = self._sessions.get(job.session_id)
+            if entry is None:
+                continue
+            try:
+                entry.session.settle()
+            except Exception:  # noqa: BLE001 - as in _background: the next step drafts anew
+                log.exception("settling a ready step failed for session %s", job.session_id)
+                entry.session.drop_pool()
 
     def _do(self, job: Job):
         """Every job but Step (those go to _do_steps, batched)."""
