@@ -38,6 +38,7 @@ from specextend.models.fused_layer import _pow2, combine_config  # noqa: E402
 from specextend.attention.triton_prefix import MIN_CHUNK  # noqa: E402
 from specextend.models import _triton_skinny as SK  # noqa: E402
 from specextend.models.skinny import config as skinny_config  # noqa: E402
+from specextend.models.skinny import k_slice as skinny_slice, streamed_tile as skinny_streamed  # noqa: E402
 from specextend.draft import _triton_topk as TK  # noqa: E402
 from specextend.draft.vocab_topk import BLOCK as TOPK_BLOCK, MAX_W  # noqa: E402
 
@@ -104,6 +105,16 @@ def kernels_for(geo: str, call: str, dt: str):
             K=k, N=n, NORM=norm, BIAS=bias, GLU=glu, RESIDUAL=res, IEEE=dt == "fp32", BT=sc["BT"], BN=sc["BN"],
             KS=sc["KS"], KSP=sc["KSP"], SPLIT=sc["SPLIT"], BKX=sc["BKX"], PDL=True), dict(
             num_warps=sc["num_warps"], launch_pdl=True)
+        if dt == "fp32":  # the streamed kernel's float32 IEEE dots at 64 rows spill at bk 128: a start-up
+            continue  # candidate only, timed against the ordinary ops (skinny.choose), never forced
+        st = skinny_streamed(n, k, 16)  # the streamed kernel at the start-up candidates' first tile
+        ks, _, split = skinny_slice("res", t, k, st)
+        yield "skinny_loop", SK.skinny_loop, dict(
+            x_ptr=(p, 0), nw_ptr=(p, 0), w_ptr=(p, 0), b_ptr=(p, 0), y_ptr=(p, 0), ws_ptr=("*fp32", 0),
+            cnt_ptr=("*i32", 0), eps=("fp32", 0), T=("i32", t)), dict(
+            K=k, N=n, NORM=norm, BIAS=bias, GLU=glu, RESIDUAL=res, IEEE=dt == "fp32", BT=sc["BT"], BN=st.bn,
+            KS=ks, BK=st.bk, SPLIT=split, STAGES=st.stages, BKX=sc["BKX"], PDL=True), dict(
+            num_warps=st.warps, launch_pdl=True)
     yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(
         E=e, BLOCK=_pow2(e)), dict(num_warps=max(1, min(16, _pow2(e) // 512)))
 

@@ -79,6 +79,17 @@ def skinny_linear(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
         rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT] (linear: applied to each partial)
         acc = acc * rstd[:, None]
         acc2 = acc2 * rstd[:, None]
+    _finish(acc, acc2, bias, y_ptr, ws_ptr, cnt_ptr, pid, pk, offs_t, offs_n, t_ok, n_ok, N, BT, BN, SPLIT, BIAS, GLU,
+            RESIDUAL)
+
+
+@triton.jit
+def _finish(acc, acc2, bias, y_ptr, ws_ptr, cnt_ptr, pid, pk, offs_t, offs_n, t_ok, n_ok, N: tl.constexpr,
+            BT: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, BIAS: tl.constexpr, GLU: tl.constexpr,
+            RESIDUAL: tl.constexpr):
+    """A program's accumulators [BT, BN] (float32) to y: the epilogue at once without a split; with
+    one, the partial(s) to ws and the arrival counted, the last program of the column block
+    summing them in split order."""
     io = t_ok[:, None] & n_ok[None, :]  # [BT, BN]
     dst = y_ptr + offs_t[:, None] * N + offs_n[None, :]
     if SPLIT == 1:
@@ -172,22 +183,5 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
         rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT]
         acc = acc * rstd[:, None]
         acc2 = acc2 * rstd[:, None]
-    io = t_ok[:, None] & n_ok[None, :]  # [BT, BN]
-    dst = y_ptr + offs_t[:, None] * N + offs_n[None, :]
-    if SPLIT == 1:
-        _epilogue(acc, acc2, bias, dst, io, BIAS, GLU, RESIDUAL, y_ptr)
-    else:
-        part = ws_ptr + offs_t[:, None] * N + offs_n[None, :]  # [BT, BN] of partial 0 (gate)
-        tl.store(part + pk * 2 * BT * N, acc, mask=io)
-        if GLU:
-            tl.store(part + (pk * 2 + 1) * BT * N, acc2, mask=io)
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            total = tl.zeros([BT, BN], tl.float32)
-            total2 = tl.zeros([BT, BN], tl.float32)
-            for s in range(SPLIT):
-                total += tl.load(part + s * 2 * BT * N, mask=io, other=0.0, cache_modifier=".cg")
-                if GLU:
-                    total2 += tl.load(part + (s * 2 + 1) * BT * N, mask=io, other=0.0, cache_modifier=".cg")
-            _epilogue(total, total2, bias, dst, io, BIAS, GLU, RESIDUAL, y_ptr)
-            tl.atomic_xchg(cnt_ptr + pid, 0)
+    _finish(acc, acc2, bias, y_ptr, ws_ptr, cnt_ptr, pid, pk, offs_t, offs_n, t_ok, n_ok, N, BT, BN, SPLIT, BIAS, GLU,
+            RESIDUAL)
