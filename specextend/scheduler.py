@@ -44,6 +44,16 @@ class DraftCall:
         return self.future.result() if self.future is not None else self.fn()
 
 
+def _called(fn: Callable[[], Any]) -> Future:
+    """fn's result (or exception) in a completed future, called here."""
+    f: Future = Future()
+    try:
+        f.set_result(fn())
+    except Exception as exc:  # noqa: BLE001 - delivered to the session like a pool call's
+        f.set_exception(exc)
+    return f
+
+
 @dataclass
 class Load:
     """What a driver tells a session about the target forward that carried its last call
@@ -199,8 +209,14 @@ class Batcher:
             self._advance(e)
         # the round's draft steps leave together, once every session has had its turn: they reach the
         # draft's queue within microseconds of each other, and the draft worker runs them as one batch
-        for e in self._sessions:
-            if e.draft_fn is not None:
+        issued = [e for e in self._sessions if e.draft_fn is not None]
+        if len(issued) == 1:  # one draft step: called on this thread, which would wait for it anyway
+            e = issued[0]  # (two thread hand-offs fewer on the step's critical path)
+            fn, e.draft_fn = e.draft_fn, None
+            e.future = _called(fn)
+            self._advance(e)
+        else:
+            for e in issued:
                 fn, e.draft_fn = e.draft_fn, None
                 e.future = self._pool.submit(fn)
                 e.future.add_done_callback(self._notify)

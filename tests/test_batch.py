@@ -215,3 +215,34 @@ def test_a_draft_still_opening_holds_no_other_session(tiny_models):
     b.shutdown()
     th.join(10)
     assert finished == {"plain": None, "waits": None}
+
+
+class ThreadNames(ChaosDraft):
+    """Records the thread each draft step runs on."""
+
+    def __init__(self, inner):
+        super().__init__(inner, Chaos())
+        self.threads: list[str] = []
+
+    def step(self, *args, **kw):
+        self.threads.append(threading.current_thread().name)
+        return super().step(*args, **kw)
+
+
+@pytest.mark.parametrize("sessions", [1, 3])
+def test_a_lone_draft_step_runs_on_the_batchers_thread_and_concurrent_ones_on_the_pool(tiny_models, sessions):
+    """A round that issues one draft step calls it in place (the round waits for it anyway: no thread
+    hand-off on the step's path); several leave together from the pool. Output as alone, either way."""
+    pair = tiny_models("float64")
+    backend = ThreadNames(DraftWorker(pair[1].decoder))
+    engine = make_engine(pair, "sd", draft_backend=backend)
+    reqs = [(_prompt(30 + i, i), SamplingParams(max_new_tokens=10, ignore_eos=True), {}) for i in range(sessions)]
+    got, _ = run_batched(engine, reqs)
+    ar = make_engine(pair, "ar")
+    for (p, params, _), (tokens, finish, _) in zip(reqs, got):
+        assert (tokens, finish) == ar.generate(p, params)[:2]
+    on_pool = [n for n in backend.threads if n.startswith("draft-call")]
+    if sessions == 1:
+        assert backend.threads and not on_pool  # every step on the batcher's thread
+    else:
+        assert on_pool  # rounds with several sessions' steps
