@@ -28,6 +28,10 @@ from specextend.verify import verify_tree
 
 log = logging.getLogger(__name__)
 
+# A prepare is due this long before the verification it runs beside is expected to end (its answer's
+# way back and the draft's assembly of it; docs/architecture.md, "Prepared outcomes")
+PREPARE_MARGIN_S = 0.0003
+
 
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
@@ -60,6 +64,7 @@ class RequestStats:
     plain_steps: int = 0  # plain decoding steps the adaptive policy chose while a draft was available
     probe_steps: int = 0  # steps with the largest tree the adaptive policy took to re-measure it
     ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
+    prepared_steps: int = 0  # trees taken from a prepare's outcomes: no step call (docs/architecture.md)
     fallback: bool = False
     replayed: bool = False
     prompt_tokens: int = 0
@@ -140,7 +145,7 @@ class RequestStats:
                     probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,
                     transport_ms_per_step=self.transport_ms_per_step,
-                    draft_queue_ms_per_step=self.draft_queue_ms_per_step,
+                    draft_queue_ms_per_step=self.draft_queue_ms_per_step, prepared_steps=self.prepared_steps,
                     fallback=self.fallback, retrieval_s=self.retrieval_s,
                     replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
 
@@ -288,13 +293,23 @@ class Engine:
             yield ev
             step, committed = 0, [token]
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
+            prepare = use_draft and self.draft.supports_prepare
+            prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
+            verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             while out.finish is None:
                 rung = ctl.choose(load.sessions) if use_draft else PLAIN
                 t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
                 if not rung.plain:
                     try:
                         ts = time.perf_counter()
-                        tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, rung.bound))
+                        tree, applied = None, True  # applied: this step's call carries the verdict
+                        if prepared is not None:
+                            outs, prepared = (yield DraftCall(future=prepared)), None
+                            tree = outs.get(pending) if outs.step == step else None
+                            applied = tree is None
+                            stats.prepared_steps += not applied
+                        if tree is None:
+                            tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, rung.bound))
                         draft_s = time.perf_counter() - ts
                         stats.draft_s += draft_s
                         refreshed = retrieval is not None
@@ -308,8 +323,20 @@ class Engine:
                     refresh = cfg.retrieval.enabled and (step + 1) % cfg.retrieval.every == 0
                     scored = refresh and cfg.retrieval.select == "attention"
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
+                    if prepare and use_draft:  # queued: the draft prepares the next trees while it runs
+                        t_prep = time.perf_counter()
+                        try:
+                            prepared = self.draft.prepare(sid, step, () if applied else pending,
+                                                          None if applied else retrieval,
+                                                          max(0.0, verify_ema - PREPARE_MARGIN_S))
+                        except DraftError as e:  # met where the next step would have: its fallback
+                            prepared = Future()
+                            prepared.set_exception(e)
                     forced = replay[step % len(replay)] if replay else None
                     verdict = verify_tree(logits, tokens, parents, params, gen, forced)
+                    if prepared is not None:
+                        dt = time.perf_counter() - t_prep
+                        verify_ema = dt if not verify_ema else 0.7 * verify_ema + 0.3 * dt
                     target.commit(verdict.accepted)
                     row = verdict.accepted[-1] + 1 if verdict.accepted else 0
                     retrieval = self._retrieval(target, row, stats) if refresh else None

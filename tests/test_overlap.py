@@ -218,6 +218,56 @@ def test_overlapped_output_equals_plain_decoding(tiny_models, monkeypatch, mode,
     worker.shutdown()
 
 
+class SlowVerdicts:
+    """Forces 'the draft prepares while the target verifies': every verdict takes `delay_s` longer."""
+
+    def __init__(self, monkeypatch, delay_s):
+        import specextend.engine as engine_mod
+
+        original = engine_mod.verify_tree
+
+        def slow(*args, **kw):
+            time.sleep(delay_s)
+            return original(*args, **kw)
+
+        monkeypatch.setattr(engine_mod, "verify_tree", slow)
+
+
+@pytest.mark.parametrize("mode", ["sd", "specextend"])
+@pytest.mark.parametrize("dies", [False, True])
+def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode, dies):
+    """A prepare (sent as the verification is queued) answers the next trees for the likeliest
+    verdicts; a verdict among them takes no step call and goes to the draft with the next prepare,
+    with the retrieval selection due (specextend). The output equals plain decoding; prepared trees
+    were really used; the draft failing in a prepare falls back as in a step."""
+    pair = tiny_models("float64")
+    SlowVerdicts(monkeypatch, 0.02)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    calls = {"step": 0, "prepare": 0}
+
+    class Counting(ChaosDraft):
+        def step(self, *args, **kw):
+            calls["step"] += 1
+            return super().step(*args, **kw)
+
+        def prepare(self, session_id, step, accepted_tokens, retrieval, due_s):
+            calls["prepare"] += 1
+            if dies and step == 4 and accepted_tokens:
+                raise DraftError("injected: the draft died in a prepare")
+            return super().prepare(session_id, step, accepted_tokens, retrieval, due_s)
+
+    ref, out, stats = run(pair, Counting(worker, Chaos()), mode)
+    assert out == ref
+    if dies:
+        assert stats.fallback
+    else:
+        assert stats.prepared_steps > 0 and calls["step"] + stats.prepared_steps == stats.num_steps
+        assert calls["prepare"] == stats.num_steps  # one per verification
+        if mode == "specextend":
+            assert stats.retrieval_refreshes > 1
+    worker.shutdown()
+
+
 def test_ready_trees_are_used_over_grpc_with_concurrent_sessions(tiny_models):
     pair = tiny_models("float64")
     worker = DraftWorker(pair[1].decoder, overlap=True)
@@ -259,11 +309,16 @@ def test_draft_failure_mid_speculation_falls_back_losslessly(tiny_models):
     pair = tiny_models("float64")
     worker = DraftWorker(pair[1].decoder, overlap=True)
 
-    class DiesAtStep3(ChaosDraft):
+    class DiesAtStep3(ChaosDraft):  # whether step 3's verdict goes with a step call or a prepare
         def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
             if step == 3:
                 raise DraftError("injected: the draft died")
             return super().step(session_id, step, accepted_tokens, retrieval, bound)
+
+        def prepare(self, session_id, step, accepted_tokens, retrieval, due_s):
+            if step == 3 and accepted_tokens:
+                raise DraftError("injected: the draft died")
+            return super().prepare(session_id, step, accepted_tokens, retrieval, due_s)
 
     ref, out, stats = run(pair, DiesAtStep3(worker, Chaos(latency_s=0.02)))
     assert out == ref and stats.fallback and stats.num_steps == 3

@@ -104,3 +104,29 @@ def test_indexed_queries_equal_their_scans_on_grown_and_rerooted_pools(seed):
             assert order == sorted((i for i, s in enumerate(slots) if s >= 0), key=lambda i: slots[i])
             assert pool.frontier(8, 12) == frontier_scan(pool, 8, 12)
     assert checked > 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_outcome_trees_equal_reroot_then_best_tree(seed):
+    """Each prepared outcome (overlap's next tree for a likely verdict, built by a heap from its new
+    root) equals the re-root at that verdict followed by best_tree; the verdicts are the forwarded
+    nodes whose children joined the pool, likeliest first (ties by depth, then id)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = 6
+    logp = lambda f: -torch.randint(0, 6, (f, w), generator=gen).double() / 4  # noqa: E731
+    pool = Pool(list(range(w)), sorted(logp(1)[0].tolist(), reverse=True), [-1] * w, [1] * w, [-1] * w, 0)
+    for _ in range(12):
+        nodes = pool.frontier(4, 12)
+        pool.mark_forwarded(nodes, pool.staged, len(nodes))
+        if len(nodes) > 1:  # the last one in flight: forwarded, its children not yet in the pool
+            pool.add_children(nodes[:-1], torch.randint(0, 50, (len(nodes) - 1, w), generator=gen), logp(len(nodes) - 1))
+    ready = sorted((i for i in range(len(pool)) if pool.slots[i] >= 0 and pool.children(i)),
+                   key=lambda i: (-pool.scores[i], pool.depths[i], i))
+    for m, n in ((1, 4), (8, 16), (100, 40)):
+        got = pool.outcome_trees(m, n)
+        assert len(got) == min(m, len(ready))
+        for b, (verdict, tokens, parents) in zip(ready, got):
+            path = pool.ancestors(b)
+            assert verdict == tuple(pool.tokens[i] for i in path)
+            new = pool.reroot(path)[0]
+            assert (tokens, parents) == tuple(new.best_tree(n)) and tokens

@@ -13,6 +13,16 @@ Protocol of a session (the target drives):
       and applies nothing twice.
   close(session_id)                             frees everything of the session (idempotent)
 
+With overlapped drafting a backend may also prepare the next tree before the verdict
+(`supports_prepare`, docs/architecture.md, "Prepared outcomes"):
+  prepare(session_id, step, accepted_tokens, retrieval, due_s) -> Future[Outcomes]
+      sent right after the target queues a verification: applies `accepted_tokens` as step `step`
+      (as `step` would, its tree unused; nothing when empty: the last step already applied them),
+      keeps drafting ahead, and answers `due_s` after its arrival (or when it has nothing left to
+      draft) with the trees it has ready for the likeliest verdicts of that verification. A
+      verdict among them needs no step call: its tree is there, and the verdict travels with the
+      next prepare; any other verdict takes a step call as before.
+
 The draft side runs these as jobs on one worker (worker.py): open, step and close in arrival
 order, and, with overlap on, background drafting between them that any arriving job pre-empts.
 """
@@ -20,6 +30,7 @@ order, and, with overlap on, background drafting between them that any arriving 
 from __future__ import annotations
 
 import abc
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -84,7 +95,26 @@ class DraftTree:
     queued_s: float = field(default=0.0, compare=False)
 
 
+@dataclass(frozen=True)
+class Outcomes:
+    """A prepare's answer: for the likeliest verdicts of the tree being verified (each the accepted
+    path's tokens + the bonus token), the next tree, as `step(session_id, self.step, verdict)`
+    would answer it from the pool; likeliest first."""
+
+    step: int  # the step number of the next verdict
+    trees: tuple[tuple[tuple[int, ...], DraftTree], ...] = ()  # (verdict tokens, its tree)
+    server_s: float = field(default=0.0, compare=False)  # the draft side's time from arrival to answer
+    queued_s: float = field(default=0.0, compare=False)  # ... of which it waited for the draft's thread
+
+    def get(self, verdict: Sequence[int]) -> Optional[DraftTree]:
+        key = tuple(verdict)
+        return next((tree for v, tree in self.trees if v == key), None)
+
+
 class DraftBackend(abc.ABC):
+    supports_prepare: bool = False  # `prepare` (overlapped drafting's prepared outcomes) is served
+
+
     @abc.abstractmethod
     def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None: ...
 
@@ -100,6 +130,11 @@ class DraftBackend(abc.ABC):
 
     @abc.abstractmethod
     def close(self, session_id: str) -> None: ...
+
+    def prepare(self, session_id: str, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
+                due_s: float) -> "Future[Outcomes]":
+        """See the module's docstring; only where `supports_prepare`."""
+        raise NotImplementedError(f"{type(self).__name__} does not prepare outcomes")
 
     def health(self) -> bool:
         return True

@@ -55,9 +55,25 @@ class ChaosDraft(DraftBackend):
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
              retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
+        if self.chaos.latency_s:
+            time.sleep(self.chaos.latency_s)
+        return self.inner.step(session_id, step, accepted_tokens, self._signal(session_id, step, retrieval), bound)
+
+    @property
+    def supports_prepare(self) -> bool:
+        return self.inner.supports_prepare
+
+    def prepare(self, session_id: str, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
+                due_s: float):
+        """Passed on (no latency: a prepare runs beside the verification, off the step's path); the
+        selection it carries with a verdict goes through the same perturbations as a step's."""
+        if accepted_tokens:
+            retrieval = self._signal(session_id, step, retrieval)
+        return self.inner.prepare(session_id, step, accepted_tokens, retrieval, due_s)
+
+    def _signal(self, session_id: str, step: int, retrieval: Optional[Retrieval]) -> Optional[Retrieval]:
+        """The selection delivered with step `step`: `retrieval` late, dropped or repeated."""
         c, n = self.chaos, self.counters
-        if c.latency_s:
-            time.sleep(c.latency_s)
         queue = self._pending.setdefault(session_id, deque())
         if retrieval is not None:
             n.updates += 1
@@ -76,7 +92,7 @@ class ChaosDraft(DraftBackend):
             n.delivered_ids += len(due[1].chunk_ids)
             n.repeated += repeat
             n.late += not repeat and due[0] < step
-        return self.inner.step(session_id, step, accepted_tokens, due[1] if due is not None else None, bound)
+        return due[1] if due is not None else None
 
     def close(self, session_id: str) -> None:
         self._pending.pop(session_id, None)

@@ -50,7 +50,18 @@ class Close:
     session_id: str
 
 
-Job = Union[Open, Step, Close]
+@dataclass(frozen=True)
+class Prepare:
+    """base.py's `prepare`: apply the verdict (if any) as step `step`, answer `due_s` later."""
+
+    session_id: str
+    step: int
+    accepted_tokens: tuple[int, ...]  # (): nothing to apply
+    retrieval: Optional[Retrieval] = None
+    due_s: float = 0.0
+
+
+Job = Union[Open, Step, Close, Prepare]
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,10 @@ class JobWorker(DraftBackend):
     def close(self, session_id: str) -> None:
         self.submit(Close(session_id)).result()
 
+    def prepare(self, session_id: str, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
+                due_s: float) -> Future:
+        return self.submit(Prepare(session_id, step, tuple(accepted_tokens), retrieval, due_s))
+
     def health(self) -> bool:
         return self._thread.is_alive()
 
@@ -208,6 +223,11 @@ class JobWorker(DraftBackend):
 
     def _run_job(self, job: Job, fut: Future) -> None:
         """One foreground job (a Step gathers the steps queued behind it into a batch)."""
+        if isinstance(job, (Step, Close, Prepare)):
+            self._answer_prepared(job.session_id)  # a session's prepare is answered before its next job
+        if isinstance(job, Prepare):
+            self._start_prepare(job, fut)
+            return
         if isinstance(job, Step) and self.batches_steps:
             batch = self._gather(job, fut)
             counts = BatchCounts()
@@ -304,6 +324,7 @@ class JobWorker(DraftBackend):
         if self._deferred:
             return self._deferred.popleft()
         while True:
+            self._answer_prepared(due_only=True)
             try:
                 return self._jobs.get_nowait()
             except queue.Empty:
@@ -319,10 +340,18 @@ class JobWorker(DraftBackend):
             with self._timed("background_host_s"):
                 launched = self._background()
             if not launched:
+                self._answer_prepared()  # nothing left to draft: every prepare is answered now
                 with self._timed("idle_s"):
                     return self._jobs.get()
             with self._lock:
                 self._background_forwards += 1
+
+    def _start_prepare(self, job: Prepare, fut: Future) -> None:
+        """A Prepare job: answered later by `_answer_prepared` (here: not served)."""
+        fut.set_exception(DraftError(f"{type(self).__name__} does not prepare outcomes"))
+
+    def _answer_prepared(self, session_id: Optional[str] = None, due_only: bool = False) -> None:
+        """Answer the pending prepares (of one session; with `due_only`, those whose time has come)."""
 
     def _setup(self) -> None:
         """Runs first on the worker thread."""

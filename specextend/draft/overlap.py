@@ -43,6 +43,7 @@ from specextend.kv_cache import CacheFull
 from specextend.models.decoder import ForwardOptions
 from specextend.models.rope import apply_rope
 from specextend.models.transfer import record_event, to_device, to_host
+from specextend.tree import node_depths
 
 OVERLAP_ROWS = 8  # pool nodes forwarded per background forward
 POOL_SLOTS = 128  # staged slots the pool may use (bounds one session's background work)
@@ -342,6 +343,22 @@ class Overlap:
         tokens, parents = new.best_tree(nodes)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length + len(commit), ready=True, ahead_depth=new.ready_depth())
+
+    def outcomes(self, step: int, m: int) -> list[tuple[tuple[int, ...], DraftTree]]:
+        """A prepare's answer (base.py): the trees ready for the m likeliest verdicts, as this
+        session's `step` would answer them from the pool (Pool.outcome_trees), each keyed by its
+        verdict's tokens. The levels of a forward in flight that have finished join the pool first;
+        nothing waits for the device."""
+        if self.pool is None:
+            return []
+        if self.flight is not None:
+            self._attach(self.flight)
+        out = []
+        for verdict, tokens, parents in self.pool.outcome_trees(m, self.params.tree.nodes):
+            out.append((verdict, DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
+                                           draft_cache_tokens=self.work.length + len(verdict), ready=True,
+                                           ahead_depth=max(node_depths(parents)))))
+        return out
 
     def settle(self) -> None:
         """Queue the device work of the last ready answer: its re-root's K/V moves (the accepted

@@ -135,6 +135,31 @@ class Pool:
         chosen = select_best_nodes(self.scores, self.depths, self.parents, n)
         return reindex_tree(chosen, self.tokens, self.parents)
 
+    def outcome_trees(self, m: int, n: int) -> list[tuple[tuple[int, ...], list[int], list[int]]]:
+        """The m likeliest verdicts whose next tree is ready, best first: forwarded nodes whose
+        children have joined the pool, by path score (a verdict's probability under the draft), each
+        as (its verdict's tokens: the path from the root's child down to it, the last one the bonus
+        token; the next tree's tokens; its parents), the tree being what `reroot` at that verdict
+        and `best_tree(n)` would give (the subtree's best n nodes, grown from the new root through
+        forwarded nodes by a heap: O(n log n) a verdict, not O(subtree)). Twin: reroot + best_tree."""
+        ready = [i for i, s in enumerate(self.slots) if s >= 0 and self._kids.get(i)]
+        ready.sort(key=lambda i: (-self.scores[i], self.depths[i], i))
+        out = []
+        for b in ready[:m]:
+            heap = [(-self.scores[c], self.depths[c], c) for c in self._kids[b]]
+            heapq.heapify(heap)
+            chosen: list[int] = []
+            while heap and len(chosen) < n:
+                _, _, c = heapq.heappop(heap)
+                chosen.append(c)
+                if self.slots[c] >= 0:
+                    for g in self._kids.get(c, ()):
+                        heapq.heappush(heap, (-self.scores[g], self.depths[g], g))
+            pos = {c: k for k, c in enumerate(chosen)}
+            out.append((tuple(self.tokens[a] for a in self.ancestors(b)), [self.tokens[c] for c in chosen],
+                        [pos.get(self.parents[c], -1) for c in chosen]))
+        return out
+
     def ready_depth(self) -> int:
         """Depth of the deepest node (how far ahead the pool reaches)."""
         return max(self.depths, default=0)

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generator, Optional
 
 import torch
 
-from specextend.draft.base import DraftError, DraftSessionNotFound, DraftSessionParams, DraftStepOutOfOrder, DraftTree
+from specextend.draft.base import (DraftError, DraftSessionNotFound, DraftSessionParams, DraftStepOutOfOrder, DraftTree,
+                                   Outcomes)
 from specextend.draft.batch import BatchCounts, drive_batch
-from specextend.draft.jobs import (POLL_S, Close, Job, JobWorker, Open, SerialDraft, Step,  # noqa: F401 (re-exported)
-                                   WorkerStats, as_worker)
+from specextend.draft.jobs import (POLL_S, Close, Job, JobWorker, Open, Prepare, SerialDraft,  # noqa: F401 (re-exported)
+                                   Step, WorkerStats, as_worker)
 from specextend.draft.session import OVERLAP_LEVELS, OVERLAP_ROWS, REFRESH_DEFER, SYNC_DEPTH, DraftSession
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Decoder
@@ -43,6 +46,8 @@ SWITCH_INTERVAL_S = 0.0002
 MAX_BATCH = 8
 # How long a step may wait for the steps of the other sessions that stepped recently (jobs.py)
 GATHER_S = 0.001
+# Verdicts a prepare answers trees for (docs/architecture.md, "Prepared outcomes")
+OUTCOMES = 16
 
 
 @dataclass
@@ -61,7 +66,7 @@ class DraftWorker(JobWorker):
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
                  gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
-                 refresh_defer: int = REFRESH_DEFER, answer_first: bool = True):
+                 refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
@@ -73,6 +78,8 @@ class DraftWorker(JobWorker):
         self.overlap_levels = overlap_levels
         self.refresh_defer = refresh_defer
         self.answer_first = answer_first  # a ready step's K/V moves after its answer (False: before it)
+        self.prepares = prepare  # prepared outcomes (with overlap)
+        self._prepared: dict[str, tuple[float, Future]] = {}  # session -> (when due, perf_counter; its future)
         if overlap and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._sessions: dict[str, SessionEntry] = {}  # the worker thread's only
@@ -118,6 +125,51 @@ class DraftWorker(JobWorker):
             log.exception("finishing a background forward failed")
             session.drop_pool()
         return False
+
+    @property
+    def supports_prepare(self) -> bool:
+        return self.overlap and self.prepares
+
+    def _start_prepare(self, job: Prepare, fut: Future) -> None:
+        """Apply the verdict now, as a step would (its tree unused), and leave the answer for when
+        it is due: the background grows the pool meanwhile."""
+        entry = self._sessions.get(job.session_id)
+        try:
+            if entry is None:
+                raise DraftSessionNotFound(f"unknown draft session {job.session_id!r}")
+            if not self.supports_prepare:
+                raise DraftError("this draft worker does not prepare outcomes (overlap off)")
+            if job.accepted_tokens:
+                (out,) = drive_batch(self.model, [self._step_co(Step(job.session_id, job.step, job.accepted_tokens,
+                                                                     job.retrieval))])
+                if isinstance(out, BaseException):
+                    raise out
+                entry.session.settle()
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
+            fut.set_exception(exc)
+            return
+        self._prepared[job.session_id] = (getattr(fut, "started", time.perf_counter()) + job.due_s, fut)
+
+    def _answer_prepared(self, session_id: Optional[str] = None, due_only: bool = False) -> None:
+        if not self._prepared:
+            return
+        now = time.perf_counter()
+        for sid in [session_id] if session_id is not None else list(self._prepared):
+            item = self._prepared.get(sid)
+            if item is None or (due_only and now < item[0]):
+                continue
+            del self._prepared[sid]
+            fut, entry = item[1], self._sessions.get(sid)
+            try:
+                if entry is None:
+                    raise DraftSessionNotFound(f"unknown draft session {sid!r}")
+                trees = entry.session.outcomes(entry.last_step + 1, OUTCOMES)
+            except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
+                fut.set_exception(exc)
+                continue
+            submitted = getattr(fut, "submitted", now)
+            fut.set_result(Outcomes(entry.last_step + 1, tuple(trees), server_s=time.perf_counter() - submitted,
+                                    queued_s=getattr(fut, "started", submitted) - submitted))
 
     def _after_steps(self, jobs) -> None:
         """A ready answer's K/V moves (overlap.py, `settle`), queued once the answer is handed over."""
