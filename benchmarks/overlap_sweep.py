@@ -9,7 +9,8 @@ device per background launch (`overlap_levels`); a suffix `eN` refreshes the
 draft's retrieval every N steps instead of the configured interval (`e0`: retrieval off), and `nN`
 sends trees of N nodes, `dN` lets a retrieval selection that arrives with a ready tree wait up to
 N ready steps for a miss (`refresh_defer`; e.g. `1x8l2e16n8d0`), and a final `s` settles a ready
-step's K/V moves before answering it (the twin of answering first, DraftWorker's `answer_first`). Per row, the draft worker's thread time split
+step's K/V moves before answering it (the twin of answering first, DraftWorker's `answer_first`), and
+`p` turns prepared outcomes off (every tree by a step call, as before them). Per row, the draft worker's thread time split
 (foreground jobs, the host side of background slices, polling with a slice in flight, idle). Every variant runs the same
 prompts after `ar` (the baseline of the ratios, same round), `--rounds` times interleaved; per variant
 (medians over documents and rounds): decode tokens/s, its ratio
@@ -61,8 +62,8 @@ def main():
     engines = {"ar": Engine(replace(base, **MODES["ar"]), target, None)}
     workers = []
     for v in a.variants.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?(?:d(\d+))?(s)?", v)
-        assert m, f"variant {v!r}: DxR[lL][eN][nN][dN][s]"
+        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?(?:d(\d+))?(s)?(p)?", v)
+        assert m, f"variant {v!r}: DxR[lL][eN][nN][dN][s][p]"
         depth, rows = int(m[1]), int(m[2])
         cfg = replace(base, **MODES["specextend"], draft_overlap=True)
         if m[4] is not None:
@@ -72,7 +73,7 @@ def main():
             cfg = replace(cfg, tree=replace(cfg.tree, nodes=int(m[5])))
         w = DraftWorker(drafts[draft_dev].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
                         sync_depth=depth, overlap_rows=rows, overlap_levels=int(m[3] or 1),
-                        answer_first=m[7] is None, **({} if m[6] is None else dict(refresh_defer=int(m[6]))))
+                        answer_first=m[7] is None, prepare=m[8] is None, **({} if m[6] is None else dict(refresh_defer=int(m[6]))))
         workers.append(w)
         engines[v] = Engine(cfg, target, w)
     warm: set = set()
@@ -94,7 +95,8 @@ def main():
                 r.update(variant=name, doc=doc, round=rnd, identical=ids == ref, near_tie=check.get("near_tie", True))
                 rows_out.append(r)
                 print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
-                      f"ready {r['tree_ready_fraction']:.2f}, wait {r['draft_wait_ms']:.2f} ms, "
+                      f"ready {r['tree_ready_fraction']:.2f} (prepared {r.get('prepared_steps', 0)} of "
+                      f"{r['num_steps']}), wait {r['draft_wait_ms']:.2f} ms, "
                       f"verify {r['verify_ms']:.2f} ms; median wait ready {r['wait_ready_ms']:.2f}, "
                       f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms; ready: "
                       f"draft side {r.get('ready_server_ms', 0.0):.2f}, queued {r.get('ready_queued_ms', 0.0):.2f} ms; "

@@ -290,6 +290,58 @@ def test_ready_trees_are_used_over_grpc_with_concurrent_sessions(tiny_models):
     worker.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless(tiny_models, monkeypatch, transport):
+    """Over a real server on 127.0.0.1: with the ZeroMQ step channel the client prepares (the server
+    said so when the session opened), prepared trees are used and every session's output equals
+    plain decoding; over gRPC alone there are no prepares (a prepare's answer is not a DraftTree),
+    and the same holds with step calls only."""
+    pair = tiny_models("float64")
+    SlowVerdicts(monkeypatch, 0.02)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    results, prepares = {}, {}
+    with DraftServerThread(worker) as server:
+        def one(seed):
+            client = GrpcDraftBackend(server.address, transport=transport)
+            results[seed] = run(pair, client, "specextend", seed=seed)
+            prepares[seed] = client.supports_prepare
+            client.shutdown()
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for seed, (ref, out, stats) in results.items():
+        assert out == ref, seed
+    used = sum(stats.prepared_steps for _, _, stats in results.values())
+    if transport == "zmq":
+        assert all(prepares.values()) and used > 0
+    else:
+        assert not any(prepares.values()) and used == 0
+    assert worker.num_sessions == 0
+    worker.shutdown()
+
+
+def test_outcomes_cross_the_wire_unchanged_and_grpc_refuses_a_prepare(tiny_models):
+    from specextend.draft.base import DraftTree, Outcomes
+    from specextend.rpc.convert import outcomes_from_proto, outcomes_to_proto, prepare_to_proto
+    from specextend.v1 import draft_pb2 as pb
+
+    tree = DraftTree(step=5, tokens=(3, 4), parents=(-1, 0), draft_cache_tokens=70, ready=True, ahead_depth=2)
+    outs = Outcomes(5, (((7, 8), tree), ((9,), tree)), server_s=0.002, queued_s=0.0001)
+    back = outcomes_from_proto(pb.Outcomes.FromString(outcomes_to_proto(outs).SerializeToString()))
+    assert back == outs and back.get([9]) == tree and back.get([8]) is None
+    assert back.server_s == pytest.approx(0.002) and back.queued_s == pytest.approx(0.0001)
+    worker = DraftWorker(tiny_models("float64")[1].decoder, overlap=True)
+    with DraftServerThread(worker) as server:
+        client = GrpcDraftBackend(server.address, transport="grpc")
+        with pytest.raises(DraftError, match="step channel"):
+            client._call("Step", prepare_to_proto("s", 1, [5], None, 0.001), 5.0)
+        client.shutdown()
+    worker.shutdown()
+
+
 def test_a_failing_background_forward_costs_only_its_time(tiny_models, monkeypatch):
     pair = tiny_models("float64")
     calls = []

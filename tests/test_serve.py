@@ -118,7 +118,7 @@ def test_completion_equals_greedy(client, reference):
     spec = out.model_extra["speculative_decoding"]
     assert spec["fallback"] is False and spec["num_steps"] >= 1 and spec["mean_acceptance_length"] >= 1
     assert 0 <= spec["tree_ready_fraction"] <= 1 and spec["target_wait_ms_per_step"] > 0
-    assert spec["draft_ahead_depth"] >= 0
+    assert spec["draft_ahead_depth"] >= 0 and 0 <= spec["prepared_fraction"] <= spec["tree_ready_fraction"]
     assert 0 <= spec["draft_queue_ms_per_step"] and 0 <= spec["transport_ms_per_step"] < spec["target_wait_ms_per_step"]
     # the same request streamed: same ids, same text
     stream = client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,

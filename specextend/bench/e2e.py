@@ -148,7 +148,8 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         other_ms=max(step_ms - wait_ms - verify_ms, 0.0) if steps else step_ms,
         draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction,
         retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s,
-        transport_ms=st.transport_ms_per_step, draft_queue_ms=st.draft_queue_ms_per_step, **wait_split(st))
+        transport_ms=st.transport_ms_per_step, draft_queue_ms=st.draft_queue_ms_per_step,
+        prepared_steps=st.prepared_steps, **wait_split(st))
 
 
 def wait_split(st) -> dict:

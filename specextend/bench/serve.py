@@ -76,7 +76,8 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
         out.update(mean_acceptance_length=spec.get("mean_acceptance_length", 1.0), num_steps=steps,
                    step_ms=step_ms, draft_wait_ms=wait, verify_ms=verify, other_ms=max(step_ms - wait - verify, 0.0),
                    tree_ready_fraction=spec.get("tree_ready_fraction", 0.0),
-                   transport_ms=spec.get("transport_ms_per_step", 0.0), draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0))
+                   transport_ms=spec.get("transport_ms_per_step", 0.0), draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0),
+                   prepared_fraction=spec.get("prepared_fraction", 0.0))
     return out
 
 

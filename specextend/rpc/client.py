@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal, Optional, Sequence
@@ -27,9 +28,11 @@ from typing import Literal, Optional, Sequence
 import grpc
 from google.protobuf.message import DecodeError
 
-from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
+from specextend.draft.base import (DraftBackend, DraftError, DraftSessionParams, DraftTree, Outcomes, Retrieval,
+                                   TreeBound)
 from specextend.rpc.auth import call_metadata
-from specextend.rpc.convert import params_to_proto, step_to_proto, tree_from_proto
+from specextend.rpc.convert import (outcomes_from_proto, params_to_proto, prepare_to_proto, step_to_proto,
+                                    tree_from_proto)
 from specextend.rpc.errors import RETRYABLE, STREAM_RETRYABLE, error_from_rpc, error_from_status
 from specextend.rpc.stream import SessionStream, StreamFailed
 from specextend.rpc.zmq_client import StepChannelClient, StepFailed
@@ -87,6 +90,8 @@ class GrpcDraftBackend(DraftBackend):
         self._streams: dict[str, SessionStream] = {}  # session id -> its StepStream
         self._steps: Optional[StepChannelClient] = None  # the server's ZeroMQ step channel, once advertised
         self._discover = False  # ask Health for the channel before the next step (set by reconnect)
+        self._prepares = False  # the server's step channel answers prepares (its OpenSessionReply)
+        self._waiters = ThreadPoolExecutor(8, thread_name_prefix="draft-prepare")  # a prepare's wait for its answer
         self.reconnect(address)
 
     @property
@@ -113,6 +118,7 @@ class GrpcDraftBackend(DraftBackend):
 
     def shutdown(self) -> None:
         """Closes the channel; later calls raise DraftError (close() still does not)."""
+        self._waiters.shutdown(wait=False)
         with self._lock:
             old, self._channel, self._stub = self._channel, None, None
             streams, self._streams = self._streams, {}
@@ -245,6 +251,7 @@ class GrpcDraftBackend(DraftBackend):
                 f"draft received {reply.prompt_tokens} of {len(prompt_ids)} prompt tokens"
             )
         self._learn_endpoint(reply.step_endpoint)
+        self._prepares = reply.prepares
         steps = self._steps
         if steps is not None:  # connected now, off the first step's path
             steps.warm()
@@ -271,6 +278,32 @@ class GrpcDraftBackend(DraftBackend):
         if tree.step != step:
             raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")
         return tree
+
+    @property
+    def supports_prepare(self) -> bool:
+        """Prepares go over the step channel only, to a server that said it answers them."""
+        return self._prepares and self._steps is not None
+
+    def prepare(self, session_id: str, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
+                due_s: float) -> Future:
+        """base.py's prepare over the step channel: sent now, its answer awaited on a thread of
+        this client's (the caller reads the future when the verification ends). No retry over gRPC:
+        a failure is the request's DraftError (its fallback), as a step's after its retry."""
+        steps = self._steps
+        if steps is None:
+            raise DraftError("the draft's step channel is gone: no prepares")
+        request = prepare_to_proto(session_id, step, accepted_tokens, retrieval, due_s)
+        request.timeout_ms = math.ceil(self.timeout_s * 1e3)
+        return self._waiters.submit(self._prepare_call, steps, request.SerializeToString(), step)
+
+    def _prepare_call(self, steps: StepChannelClient, data: bytes, step: int) -> Outcomes:
+        try:
+            outs = outcomes_from_proto(pb.Outcomes.FromString(steps.call(data, self.timeout_s)))
+        except StepFailed as err:
+            raise error_from_status(err.code, err.details, "Prepare", steps.endpoint, self.timeout_s) from err
+        except DecodeError as err:
+            raise DraftError(f"draft step channel at {steps.endpoint} sent malformed Outcomes") from err
+        return outs
 
     def close(self, session_id: str) -> None:
         """Best effort, never raises: a failure is logged and the engine carries on."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specextend.config import RetrievalConfig, TreeConfig
-from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
+from specextend.draft.base import DraftSessionParams, DraftTree, Outcomes, Retrieval, TreeBound
 from specextend.v1 import draft_pb2 as pb
 
 
@@ -46,6 +46,23 @@ def tree_from_proto(tree: pb.DraftTree) -> DraftTree:
     return DraftTree(step=tree.step, tokens=tuple(tree.tokens), parents=tuple(tree.parents),
                      draft_cache_tokens=tree.draft_cache_tokens, ready=tree.ready,
                      ahead_depth=tree.ahead_depth, server_s=tree.server_us / 1e6, queued_s=tree.queued_us / 1e6)
+
+
+def outcomes_to_proto(outs: Outcomes) -> pb.Outcomes:
+    return pb.Outcomes(step=outs.step, outcomes=[pb.Outcome(verdict=v, tree=tree_to_proto(t)) for v, t in outs.trees],
+                       server_us=_us(outs.server_s), queued_us=_us(outs.queued_s))
+
+
+def outcomes_from_proto(outs: pb.Outcomes) -> Outcomes:
+    return Outcomes(outs.step, tuple((tuple(o.verdict), tree_from_proto(o.tree)) for o in outs.outcomes),
+                    server_s=outs.server_us / 1e6, queued_s=outs.queued_us / 1e6)
+
+
+def prepare_to_proto(session_id: str, step: int, accepted_tokens, retrieval: Optional[Retrieval],
+                     due_s: float) -> pb.StepRequest:
+    request = step_to_proto(session_id, step, accepted_tokens, retrieval)
+    request.prepare, request.prepare_due_us = True, _us(due_s)
+    return request
 
 
 def step_to_proto(session_id: str, step: int, accepted_tokens, retrieval: Optional[Retrieval],

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Iterator, Literal, Optional
+from typing import Iterator, Literal, Optional, Union
 
 import grpc
 
 from specextend.draft.base import DraftBackend, DraftTree
 from specextend.draft.jobs import with_times
-from specextend.draft.worker import Close, Job, Open, Step, as_worker
+from specextend.draft.worker import Close, Job, Open, Prepare, Step, as_worker
 from specextend.rpc.auth import TokenInterceptor
 from specextend.rpc.convert import bound_from_proto, params_from_proto, retrieval_from_proto, tree_to_proto
 from specextend.rpc.errors import status_for
@@ -47,8 +47,12 @@ SERVER_OPTIONS = (
 )
 
 
-def step_from_proto(request: pb.StepRequest) -> Step:
-    """The worker's job for a StepRequest (unary Step or one message of StepStream)."""
+def step_from_proto(request: pb.StepRequest) -> Union[Step, Prepare]:
+    """The worker's job for a StepRequest (unary Step, one message of StepStream, or the step
+    channel's, where it may be a prepare)."""
+    if request.prepare:
+        return Prepare(request.session_id, request.step, tuple(request.accepted_tokens), retrieval_from_proto(request),
+                       request.prepare_due_us / 1e6)
     return Step(request.session_id, request.step, tuple(request.accepted_tokens), retrieval_from_proto(request),
                 bound_from_proto(request))
 
@@ -102,13 +106,20 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         try:
             self._run(context, Open(request.session_id, prompt_ids, params))
             opened = context.is_active()
-            return pb.OpenSessionReply(prompt_tokens=len(prompt_ids), step_endpoint=self.step_endpoint)
+            return pb.OpenSessionReply(prompt_tokens=len(prompt_ids), step_endpoint=self.step_endpoint,
+                                       prepares=bool(self.step_endpoint) and self.worker.supports_prepare)
         finally:
             if not opened:  # the caller gave up: close after the open (queued or run), nothing leaks
                 self.worker.submit(Close(request.session_id))
 
     def Step(self, request: pb.StepRequest, context) -> pb.DraftTree:
-        return tree_to_proto(self._run(context, step_from_proto(request)))
+        return tree_to_proto(self._run(context, self._step_job(request, context)))
+
+    @staticmethod
+    def _step_job(request: pb.StepRequest, context) -> Step:
+        if request.prepare:  # its answer is Outcomes, not a DraftTree: the step channel's alone
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prepare goes over the step channel (ZeroMQ)")
+        return step_from_proto(request)
 
     def StepStream(self, requests, context) -> Iterator[pb.DraftTree]:
         """One session's steps over one call (docs/architecture.md, "Wire protocol"): each request is
@@ -117,7 +128,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         in_flight: list[concurrent.futures.Future] = []
         context.add_callback(lambda: in_flight and in_flight[0].cancel())
         for request in requests:
-            fut = self.worker.submit(step_from_proto(request))
+            fut = self.worker.submit(self._step_job(request, context))
             in_flight[:] = (fut,)
             yield tree_to_proto(self._result(context, fut, request.timeout_ms / 1e3 if request.timeout_ms else None))
 

@@ -35,10 +35,11 @@ import grpc
 import zmq
 from google.protobuf.message import DecodeError
 
+from specextend.draft.base import Outcomes
 from specextend.draft.jobs import with_times
 from specextend.draft.worker import JobWorker
 from specextend.rpc.auth import UNAUTHENTICATED_DETAILS, frame_token, token_matches
-from specextend.rpc.convert import tree_to_proto
+from specextend.rpc.convert import outcomes_to_proto, tree_to_proto
 from specextend.rpc.errors import status_for
 from specextend.rpc.server import step_from_proto
 from specextend.rpc.zmq_wire import (MAX_MESSAGE_BYTES, BadRequest, decode_request, encode_reply, is_ipv6,
@@ -219,8 +220,9 @@ class StepChannel:
             return
         exc = p.future.exception()
         if exc is None:
-            tree = with_times(p.future.result(), p.future, p.received)
-            self._send(sock, p, grpc.StatusCode.OK, tree_to_proto(tree).SerializeToString())
+            result = with_times(p.future.result(), p.future, p.received)
+            body = outcomes_to_proto(result) if isinstance(result, Outcomes) else tree_to_proto(result)
+            self._send(sock, p, grpc.StatusCode.OK, body.SerializeToString())
             return
         code, details = status_for(exc)
         if code == grpc.StatusCode.INTERNAL:

@@ -175,6 +175,7 @@ class SpeculativeDecoding(BaseModel):
     transport_ms_per_step: float = 0.0  # of which the round trip to the draft (the wait beyond the draft's own time)
     draft_queue_ms_per_step: float = 0.0  # of which the step waited for the draft's thread
     tree_ready_fraction: float = 0.0  # steps whose tree was drafted while the target verified
+    prepared_fraction: float = 0.0  # of all steps, those whose tree came with a prepare (no step call)
     draft_ahead_depth: float = 0.0  # mean depth drafted ahead of the new root when asked
     plain_steps: int = 0  # plain decoding steps chosen because speculation did not pay (tree_policy=adaptive)
     probe_steps: int = 0  # steps with the largest tree taken to re-measure it (tree_policy=adaptive)

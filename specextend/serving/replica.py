@@ -58,6 +58,7 @@ def spec_decoding(stats: RequestStats) -> dict:
            "transport_ms_per_step": stats.transport_ms_per_step,
            "draft_queue_ms_per_step": stats.draft_queue_ms_per_step,
            "tree_ready_fraction": stats.tree_ready_fraction, "draft_ahead_depth": stats.draft_ahead_depth,
+           "prepared_fraction": stats.prepared_steps / steps if stats.num_steps else 0.0,
            "plain_steps": stats.plain_steps, "probe_steps": stats.probe_steps,
            "mean_tree_nodes": stats.mean_tree_nodes}
     if stats.replayed:
