@@ -6,7 +6,6 @@ a forward is done when launched, so `Flight.held` (done only once waited on) kee
 """
 
 import copy
-import threading
 import time
 
 import pytest
@@ -21,6 +20,7 @@ from specextend.draft.session import DraftSession, SectionTimer
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
+from test_overlap import concurrently
 
 TREE = TreeConfig(8, 4, 3)
 PLAIN = RetrievalConfig(enabled=False)
@@ -288,11 +288,7 @@ def test_concurrent_sessions_over_grpc_with_steps_in_flight(tiny_models, monkeyp
             results[seed] = run(pair, ChaosDraft(client, Chaos(latency_s=0.02)), "specextend", seed=seed)
             client.shutdown()
 
-        threads = [threading.Thread(target=one, args=(s,)) for s in (1, 2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        concurrently(one, (1, 2))
     for seed, (ref, out, _) in results.items():
         assert out == ref, seed
     assert hold.total("flight_steps") > 0
