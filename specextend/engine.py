@@ -296,6 +296,7 @@ class Engine:
             prepare = use_draft and self.draft.supports_prepare
             prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
+            late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
             while out.finish is None:
                 rung = ctl.choose(load.sessions) if use_draft else PLAIN
                 t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
@@ -305,6 +306,7 @@ class Engine:
                         tree, applied = None, True  # applied: this step's call carries the verdict
                         if prepared is not None:
                             outs, prepared = (yield DraftCall(future=prepared)), None
+                            late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)
                             tree = outs.get(pending) if outs.step == step else None
                             applied = tree is None
                             stats.prepared_steps += not applied
@@ -328,7 +330,7 @@ class Engine:
                         try:
                             prepared = self.draft.prepare(sid, step, () if applied else pending,
                                                           None if applied else retrieval,
-                                                          max(0.0, verify_ema - PREPARE_MARGIN_S))
+                                                          max(0.0, verify_ema - PREPARE_MARGIN_S - late_ema))
                         except DraftError as e:  # met where the next step would have: its fallback
                             prepared = Future()
                             prepared.set_exception(e)
