@@ -96,7 +96,8 @@ def main():
                 rows_out.append(r)
                 print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
                       f"ready {r['tree_ready_fraction']:.2f} (prepared {r.get('prepared_steps', 0)} of "
-                      f"{r['num_steps']}), wait {r['draft_wait_ms']:.2f} ms, "
+                      f"{r['num_steps']}, median wait {r.get('wait_prepared_ms', 0.0):.2f} ms), "
+                      f"wait {r['draft_wait_ms']:.2f} ms, "
                       f"verify {r['verify_ms']:.2f} ms; median wait ready {r['wait_ready_ms']:.2f}, "
                       f"drafted {r['wait_drafted_ms']:.2f}, with a retrieval {r['wait_refresh_ms']:.2f} ms; ready: "
                       f"draft side {r.get('ready_server_ms', 0.0):.2f}, queued {r.get('ready_queued_ms', 0.0):.2f} ms; "

@@ -64,7 +64,7 @@ class RequestStats:
     plain_steps: int = 0  # plain decoding steps the adaptive policy chose while a draft was available
     probe_steps: int = 0  # steps with the largest tree the adaptive policy took to re-measure it
     ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
-    prepared_steps: int = 0  # trees taken from a prepare's outcomes: no step call (docs/architecture.md)
+    prepared_per_step: list[bool] = field(default_factory=list)  # each tree came with a prepare (no step call)
     fallback: bool = False
     replayed: bool = False
     prompt_tokens: int = 0
@@ -117,6 +117,11 @@ class RequestStats:
     def draft_queue_ms_per_step(self) -> float:
         n = len(self._measured())
         return 1e3 * self.draft_queue_s / n if n else 0.0
+
+    @property
+    def prepared_steps(self) -> int:
+        """Trees taken from a prepare's outcomes (docs/architecture.md, "Prepared outcomes")."""
+        return sum(self.prepared_per_step)
 
     @property
     def ready_steps(self) -> int:
@@ -309,7 +314,6 @@ class Engine:
                             late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)
                             tree = outs.get(pending) if outs.step == step else None
                             applied = tree is None
-                            stats.prepared_steps += not applied
                         if tree is None:
                             tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, rung.bound))
                         draft_s = time.perf_counter() - ts
@@ -354,6 +358,7 @@ class Engine:
                     stats.server_per_step.append(tree.server_s)
                     stats.queued_per_step.append(tree.queued_s)
                     stats.ready_per_step.append(bool(tree.ready))
+                    stats.prepared_per_step.append(not applied)
                     stats.refresh_per_step.append(refreshed)
                     stats.ahead_depth_sum += tree.ahead_depth
                     committed = pending = verdict.tokens

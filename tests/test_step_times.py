@@ -118,8 +118,8 @@ def test_wait_split_gives_the_ready_steps_draft_side_and_queueing():
 
     st = SimpleNamespace(wait_per_step=[0.004, 0.001, 0.002, 0.010], ready_per_step=[False, True, True, False],
                          refresh_per_step=[False, False, True, False], server_per_step=[0.003, 0.0006, 0.0010, 0.009],
-                         queued_per_step=[0.0, 0.0002, 0.0004, 0.001])
+                         queued_per_step=[0.0, 0.0002, 0.0004, 0.001], prepared_per_step=[False, False, True, False])
     got = wait_split(st)
     assert got["wait_ready_ms"] == pytest.approx(1.5) and got["wait_drafted_ms"] == pytest.approx(7.0)
     assert got["ready_server_ms"] == pytest.approx(0.8) and got["ready_queued_ms"] == pytest.approx(0.3)
-    assert got["wait_refresh_ms"] == pytest.approx(2.0)
+    assert got["wait_refresh_ms"] == pytest.approx(2.0) and got["wait_prepared_ms"] == pytest.approx(2.0)

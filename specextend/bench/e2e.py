@@ -163,7 +163,9 @@ def wait_split(st) -> dict:
     def med(xs):
         return 1e3 * statistics.median(xs) if xs else 0.0
     return dict(wait_ready_ms=med([w for w, r, _ in waits if r]), wait_drafted_ms=med([w for w, r, _ in waits if not r]),
-                wait_refresh_ms=med([w for w, _, f in waits if f]), ready_server_ms=med([sv for sv, _ in ready]),
+                wait_refresh_ms=med([w for w, _, f in waits if f]),
+                wait_prepared_ms=med([w for w, p in zip(st.wait_per_step, st.prepared_per_step) if p]),
+                ready_server_ms=med([sv for sv, _ in ready]),
                 ready_queued_ms=med([q for _, q in ready]))
 
 
