@@ -10,7 +10,7 @@ draft's retrieval every N steps instead of the configured interval (`e0`: retrie
 sends trees of N nodes, `dN` lets a retrieval selection that arrives with a ready tree wait up to
 N ready steps for a miss (`refresh_defer`; e.g. `1x8l2e16n8d0`), and a final `s` settles a ready
 step's K/V moves before answering it (the twin of answering first, DraftWorker's `answer_first`), and
-`p` turns prepared outcomes off (every tree by a step call, as before them). Per row, the draft worker's thread time split
+`p` turns prepared outcomes on (DraftWorker's `prepare`, the app's `draft_prepare`). Per row, the draft worker's thread time split
 (foreground jobs, the host side of background slices, polling with a slice in flight, idle). Every variant runs the same
 prompts after `ar` (the baseline of the ratios, same round), `--rounds` times interleaved; per variant
 (medians over documents and rounds): decode tokens/s, its ratio
@@ -73,7 +73,7 @@ def main():
             cfg = replace(cfg, tree=replace(cfg.tree, nodes=int(m[5])))
         w = DraftWorker(drafts[draft_dev].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
                         sync_depth=depth, overlap_rows=rows, overlap_levels=int(m[3] or 1),
-                        answer_first=m[7] is None, prepare=m[8] is None, **({} if m[6] is None else dict(refresh_defer=int(m[6]))))
+                        answer_first=m[7] is None, prepare=m[8] is not None, **({} if m[6] is None else dict(refresh_defer=int(m[6]))))
         workers.append(w)
         engines[v] = Engine(cfg, target, w)
     warm: set = set()

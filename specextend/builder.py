@@ -76,6 +76,7 @@ def build_engine(config: EngineConfig) -> Engine:
     target, draft = load_pair(config)
     backend = None
     if draft is not None:
-        backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap)
+        backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap,
+                              prepare=config.draft_prepare)
         backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
     return Engine(config, target, backend)

@@ -114,6 +114,10 @@ class EngineConfig:
     draft_overlap: Optional[bool] = Field(
         None, description="the draft keeps drafting while the target verifies (default: on when the draft "
                           "has its own GPU)")
+    draft_prepare: bool = Field(
+        False, description="with draft_overlap: the draft prepares the next trees for the likeliest verdicts "
+                           "while the target verifies, so that a verdict among them takes no step call (off: "
+                           "not yet measured to pay)")
     attention_backend: Literal["auto", "flash", "torch", "eager"] = Field("auto", description="attention kernels")
     execution: Literal["auto", "eager", "graphs"] = Field(
         "auto", description="decode-time forwards: graphs (CUDA graphs + Triton kernels), eager, or auto "

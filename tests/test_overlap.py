@@ -251,7 +251,7 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
     were really used; the draft failing in a prepare falls back as in a step."""
     pair = tiny_models("float64")
     SlowVerdicts(monkeypatch, 0.02)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
+    worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
     calls = {"step": 0, "prepare": 0}
 
     class Counting(ChaosDraft):
@@ -303,7 +303,7 @@ def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless
     and the same holds with step calls only."""
     pair = tiny_models("float64")
     SlowVerdicts(monkeypatch, 0.02)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
+    worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
     results, prepares = {}, {}
     with DraftServerThread(worker) as server:
         def one(seed):
@@ -334,7 +334,7 @@ def test_outcomes_cross_the_wire_unchanged_and_grpc_refuses_a_prepare(tiny_model
     back = outcomes_from_proto(pb.Outcomes.FromString(outcomes_to_proto(outs).SerializeToString()))
     assert back == outs and back.get([9]) == tree and back.get([8]) is None
     assert back.server_s == pytest.approx(0.002) and back.queued_s == pytest.approx(0.0001)
-    worker = DraftWorker(tiny_models("float64")[1].decoder, overlap=True)
+    worker = DraftWorker(tiny_models("float64")[1].decoder, overlap=True, prepare=True)
     with DraftServerThread(worker) as server:
         client = GrpcDraftBackend(server.address, transport="grpc")
         with pytest.raises(DraftError, match="step channel"):

@@ -66,7 +66,7 @@ class DraftWorker(JobWorker):
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
                  gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
-                 refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = True):
+                 refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model

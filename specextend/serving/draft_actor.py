@@ -34,7 +34,7 @@ class DraftActor:
         # tiny draft is built as the correlated copy of the (deterministic) tiny target
         _, self.model = load_pair(config, roles=("draft",))
         self.backend = DraftWorker(self.model.decoder, name=self.model.name, prefill_chunk=config.prefill_chunk,
-                                   overlap=config.overlap)
+                                   overlap=config.overlap, prepare=config.draft_prepare)
         # with overlap, the background forwards' graphs are captured now, not on a request's path
         self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
         self.server = DraftServerThread(self.backend, host=LOOPBACK, port=0, model=self.model.name, token=token,
