@@ -497,3 +497,28 @@ def test_a_stopped_worker_fails_calls_instead_of_hanging(draft):
     with pytest.raises(DraftError, match="stopped"):
         worker.open("s", prompt(), DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64))
     assert not worker.health()
+
+
+def test_a_job_that_breaks_the_worker_fails_alone(draft, monkeypatch):
+    """A failure outside a job's own error handling (a bug) fails that job's caller; the worker's
+    thread lives on and serves the next job (a worker thread that died left every later caller
+    waiting forever)."""
+    from specextend.draft.jobs import JobWorker
+
+    worker = DraftWorker(draft, overlap=True)
+    original = JobWorker._run_job
+    broken = {"once": True}
+
+    def run_job(self, job, fut):
+        if broken.pop("once", False):
+            raise RuntimeError("injected: a bug in the worker")
+        return original(self, job, fut)
+
+    monkeypatch.setattr(JobWorker, "_run_job", run_job)
+    params = DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64)
+    with pytest.raises(RuntimeError, match="injected"):
+        worker.open("a", prompt(), params)
+    worker.open("b", prompt(), params)
+    assert worker.step("b", 0, [7], None).tokens and worker.health()
+    worker.close("b")
+    worker.shutdown()

@@ -10,6 +10,7 @@ never runs. `SerialDraft` puts any DraftBackend behind such a queue.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -22,6 +23,8 @@ import torch
 
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.batch import BatchCounts
+
+log = logging.getLogger(__name__)
 
 # How often the worker looks whether a background forward in flight has finished, while it waits
 # for a job (a job wakes it at once): a draft forward takes ~1 ms on an H200.
@@ -208,7 +211,12 @@ class JobWorker(DraftBackend):
                 continue  # cancelled while queued (e.g. its RPC deadline passed)
             fut.started = time.perf_counter()
             with self._timed("foreground_s"):
-                self._run_job(job, fut)
+                try:
+                    self._run_job(job, fut)
+                except Exception as exc:  # noqa: BLE001 - a bug outside a job's own handling fails that
+                    log.exception("draft worker %r: job %s failed", self.name, type(job).__name__)
+                    if not fut.done():  # job, not the thread: every later caller would wait forever
+                        fut.set_exception(exc)
 
     @contextlib.contextmanager
     def _timed(self, key: str):
