@@ -1,7 +1,8 @@
 """The draft model's worker (docs/architecture.md, "Draft side"), on the job queue of jobs.py.
 
 One thread owns the draft model and every session's state; nothing else touches them. Jobs:
-`Open`, `Step` and `Close` run in arrival order (the foreground); `Step` jobs of different
+`Open`, `Step`, `Prepare` (answered when due: docs/architecture.md, "Prepared outcomes") and `Close`
+run in arrival order (the foreground); `Step` jobs of different
 sessions waiting together in the queue run as one batch (up to `max_batch`), their forwards
 batched level by level (batch.py). With overlap on, the
 sessions that have drafting left to do between steps get one background forward each, round
