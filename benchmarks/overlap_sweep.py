@@ -33,6 +33,7 @@ import torch
 from specextend.bench.e2e import MODES, PAIRS, TIE_TOLERANCE, load_models, run_engine
 from specextend.bench.record import meta
 from specextend.bench.texts import documents, prompt_ids
+from specextend.draft.base import DraftSessionParams
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.near_tie import lossless_check
@@ -74,6 +75,9 @@ def main():
         w = DraftWorker(drafts[draft_dev].decoder, prefill_chunk=base.prefill_chunk, overlap=True,
                         sync_depth=depth, overlap_rows=rows, overlap_levels=int(m[3] or 1),
                         answer_first=m[7] is None, prepare=m[8] is not None, **({} if m[6] is None else dict(refresh_defer=int(m[6]))))
+        # its background shapes' CUDA graphs before any timed request (the served app warms its draft
+        # the same way; a first overlap engine otherwise met them in its timed request, 2026-11-26)
+        w.warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, max_new_tokens=a.new_tokens))
         workers.append(w)
         engines[v] = Engine(cfg, target, w)
     warm: set = set()
