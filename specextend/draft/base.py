@@ -114,7 +114,6 @@ class Outcomes:
 class DraftBackend(abc.ABC):
     supports_prepare: bool = False  # `prepare` (overlapped drafting's prepared outcomes) is served
 
-
     @abc.abstractmethod
     def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None: ...
 

@@ -90,8 +90,9 @@ class WorkerStats:
     idle_s: float = 0.0
 
 
-def with_times(tree: DraftTree, fut: Future, arrival: Optional[float] = None) -> DraftTree:
-    """`tree` (its step's job finished, `fut` its future) with the draft side's time on the step:
+def with_times(tree, fut: Future, arrival: Optional[float] = None):
+    """`tree` (a DraftTree or a prepare's Outcomes: its job finished, `fut` its future) with the
+    draft side's time on the step:
     from `arrival` (perf_counter when the step reached the draft; default: when it was queued) to
     now, and how much of it the step waited for the worker's thread (docs/architecture.md,
     "Wire protocol": the target's wait minus it is the transport)."""

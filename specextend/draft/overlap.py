@@ -331,8 +331,8 @@ class Overlap:
             self.flight_waits += 1
             self.finish()
         new, commit, keep, ids = pool.reroot_ids(path)
-        self.settle()
-        self._settle = (commit, keep, pool.staged)  # the K/V moves: queued after the answer (settle)
+        self._settle = (commit, keep, pool.staged)  # the K/V moves: queued after the answer (settle;
+        #                                             step_co ran the previous one first)
         self.pool, self._restage = new, []
         if self.flight is not None:  # its pending children follow their nodes into the new pool
             self.flight.rows, dropped = remap_rows(self.flight.rows, ids)

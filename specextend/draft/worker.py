@@ -31,7 +31,7 @@ from specextend.draft.base import (DraftError, DraftSessionNotFound, DraftSessio
                                    Outcomes)
 from specextend.draft.batch import BatchCounts, drive_batch
 from specextend.draft.jobs import (POLL_S, Close, Job, JobWorker, Open, Prepare, SerialDraft,  # noqa: F401 (re-exported)
-                                   Step, WorkerStats, as_worker)
+                                   Step, WorkerStats, as_worker, with_times)
 from specextend.draft.session import OVERLAP_LEVELS, OVERLAP_ROWS, REFRESH_DEFER, SYNC_DEPTH, DraftSession
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Decoder
@@ -149,7 +149,7 @@ class DraftWorker(JobWorker):
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
             fut.set_exception(exc)
             return
-        self._prepared[job.session_id] = (getattr(fut, "started", time.perf_counter()) + job.due_s, fut)
+        self._prepared[job.session_id] = (fut.started + job.due_s, fut)
 
     def _answer_prepared(self, session_id: Optional[str] = None, due_only: bool = False) -> None:
         if not self._prepared:
@@ -168,9 +168,7 @@ class DraftWorker(JobWorker):
             except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
                 fut.set_exception(exc)
                 continue
-            submitted = getattr(fut, "submitted", now)
-            fut.set_result(Outcomes(entry.last_step + 1, tuple(trees), server_s=time.perf_counter() - submitted,
-                                    queued_s=getattr(fut, "started", submitted) - submitted))
+            fut.set_result(with_times(Outcomes(entry.last_step + 1, tuple(trees)), fut))
 
     def _after_steps(self, jobs) -> None:
         """A ready answer's K/V moves (overlap.py, `settle`), queued once the answer is handed over."""

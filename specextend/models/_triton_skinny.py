@@ -58,12 +58,7 @@ def skinny_linear(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
     xk = tl.load(x_ptr + offs_t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                  other=0.0)  # [BT, KSP]
     if NORM:
-        ss = tl.zeros([BT], tl.float32)
-        for k0 in range(0, K, BKX):  # the whole row's sum of squares
-            offs_x = k0 + tl.arange(0, BKX)
-            xx = tl.load(x_ptr + offs_t[:, None] * K + offs_x[None, :], mask=t_ok[:, None] & (offs_x < K)[None, :],
-                         other=0.0).to(tl.float32)  # [BT, BKX]
-            ss += tl.sum(xx * xx, 1)
+        ss = _row_sumsq(x_ptr, offs_t, t_ok, K, BT, BKX)  # [BT]
         xk = (xk.to(tl.float32) * nwk[None, :]).to(xk.dtype)
     if IEEE:
         acc = tl.dot(xk, tl.trans(wk), input_precision="ieee")  # [BT, BN]
@@ -81,6 +76,19 @@ def skinny_linear(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
         acc2 = acc2 * rstd[:, None]
     _finish(acc, acc2, bias, y_ptr, ws_ptr, cnt_ptr, pid, pk, offs_t, offs_n, t_ok, n_ok, N, BT, BN, SPLIT, BIAS, GLU,
             RESIDUAL)
+
+
+@triton.jit
+def _row_sumsq(x_ptr, offs_t, t_ok, K: tl.constexpr, BT: tl.constexpr, BKX: tl.constexpr):
+    """[BT] float32 sums of squares of x's rows [T, K] over all of K, BKX columns at a time (the
+    norm's statistics of a program that does not read the whole row for its dot)."""
+    ss = tl.zeros([BT], tl.float32)
+    for k0 in range(0, K, BKX):
+        offs_x = k0 + tl.arange(0, BKX)
+        xx = tl.load(x_ptr + offs_t[:, None] * K + offs_x[None, :], mask=t_ok[:, None] & (offs_x < K)[None, :],
+                     other=0.0).to(tl.float32)  # [BT, BKX]
+        ss += tl.sum(xx * xx, 1)
+    return ss
 
 
 @triton.jit
@@ -174,12 +182,7 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
                 acc2 += tl.dot(xk, tl.trans(uk))
     if NORM:
         if SPLIT > 1:  # this program saw only its K range: the whole row's sum of squares
-            ss = tl.zeros([BT], tl.float32)
-            for k1 in range(0, K, BKX):
-                offs_x = k1 + tl.arange(0, BKX)
-                xx = tl.load(x_ptr + offs_t[:, None] * K + offs_x[None, :], mask=t_ok[:, None] & (offs_x < K)[None, :],
-                             other=0.0).to(tl.float32)  # [BT, BKX]
-                ss += tl.sum(xx * xx, 1)
+            ss = _row_sumsq(x_ptr, offs_t, t_ok, K, BT, BKX)  # [BT]
         rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT]
         acc = acc * rstd[:, None]
         acc2 = acc2 * rstd[:, None]

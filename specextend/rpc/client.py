@@ -294,16 +294,15 @@ class GrpcDraftBackend(DraftBackend):
             raise DraftError("the draft's step channel is gone: no prepares")
         request = prepare_to_proto(session_id, step, accepted_tokens, retrieval, due_s)
         request.timeout_ms = math.ceil(self.timeout_s * 1e3)
-        return self._waiters.submit(self._prepare_call, steps, request.SerializeToString(), step)
+        return self._waiters.submit(self._prepare_call, steps, request.SerializeToString())
 
-    def _prepare_call(self, steps: StepChannelClient, data: bytes, step: int) -> Outcomes:
+    def _prepare_call(self, steps: StepChannelClient, data: bytes) -> Outcomes:
         try:
-            outs = outcomes_from_proto(pb.Outcomes.FromString(steps.call(data, self.timeout_s)))
+            return outcomes_from_proto(pb.Outcomes.FromString(steps.call(data, self.timeout_s)))
         except StepFailed as err:
             raise error_from_status(err.code, err.details, "Prepare", steps.endpoint, self.timeout_s) from err
         except DecodeError as err:
             raise DraftError(f"draft step channel at {steps.endpoint} sent malformed Outcomes") from err
-        return outs
 
     def close(self, session_id: str) -> None:
         """Best effort, never raises: a failure is logged and the engine carries on."""
