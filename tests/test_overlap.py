@@ -227,56 +227,6 @@ def concurrently(fn, args) -> None:
         t.join()
 
 
-class SlowVerdicts:
-    """Forces 'the draft prepares while the target verifies': every verdict takes `delay_s` longer."""
-
-    def __init__(self, monkeypatch, delay_s):
-        import specextend.engine as engine_mod
-
-        original = engine_mod.verify_tree
-
-        def slow(*args, **kw):
-            time.sleep(delay_s)
-            return original(*args, **kw)
-
-        monkeypatch.setattr(engine_mod, "verify_tree", slow)
-
-
-@pytest.mark.parametrize("mode", ["sd", "specextend"])
-@pytest.mark.parametrize("dies", [False, True])
-def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode, dies):
-    """A prepare (sent as the verification is queued) answers the next trees for the likeliest
-    verdicts; a verdict among them takes no step call and goes to the draft with the next prepare,
-    with the retrieval selection due (specextend). The output equals plain decoding; prepared trees
-    were really used; the draft failing in a prepare falls back as in a step."""
-    pair = tiny_models("float64")
-    SlowVerdicts(monkeypatch, 0.02)
-    worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
-    calls = {"step": 0, "prepare": 0}
-
-    class Counting(ChaosDraft):
-        def step(self, *args, **kw):
-            calls["step"] += 1
-            return super().step(*args, **kw)
-
-        def prepare(self, session_id, step, accepted_tokens, retrieval, due_s):
-            calls["prepare"] += 1
-            if dies and accepted_tokens:  # the first verdict that goes with a prepare
-                raise DraftError("injected: the draft died in a prepare")
-            return super().prepare(session_id, step, accepted_tokens, retrieval, due_s)
-
-    ref, out, stats = run(pair, Counting(worker, Chaos()), mode)
-    assert out == ref
-    if dies:
-        assert stats.fallback and stats.prepared_steps == 1
-    else:
-        assert stats.prepared_steps > 0 and calls["step"] + stats.prepared_steps == stats.num_steps
-        assert calls["prepare"] == stats.num_steps  # one per verification
-        if mode == "specextend":
-            assert stats.retrieval_refreshes > 1
-    worker.shutdown()
-
-
 def test_ready_trees_are_used_over_grpc_with_concurrent_sessions(tiny_models):
     pair = tiny_models("float64")
     worker = DraftWorker(pair[1].decoder, overlap=True)
@@ -292,54 +242,6 @@ def test_ready_trees_are_used_over_grpc_with_concurrent_sessions(tiny_models):
         assert out == ref, seed
     assert sum(stats.ready_steps for _, _, stats in results.values()) > 0
     assert worker.stats().background_forwards > 0 and worker.num_sessions == 0
-    worker.shutdown()
-
-
-@pytest.mark.parametrize("transport", ["zmq", "grpc"])
-def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless(tiny_models, monkeypatch, transport):
-    """Over a real server on 127.0.0.1: with the ZeroMQ step channel the client prepares (the server
-    said so when the session opened), prepared trees are used and every session's output equals
-    plain decoding; over gRPC alone there are no prepares (a prepare's answer is not a DraftTree),
-    and the same holds with step calls only."""
-    pair = tiny_models("float64")
-    SlowVerdicts(monkeypatch, 0.02)
-    worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
-    results, prepares = {}, {}
-    with DraftServerThread(worker) as server:
-        def one(seed):
-            client = GrpcDraftBackend(server.address, transport=transport)
-            results[seed] = run(pair, client, "specextend", seed=seed)
-            prepares[seed] = client.supports_prepare
-            client.shutdown()
-
-        concurrently(one, (1, 2))
-    for seed, (ref, out, stats) in results.items():
-        assert out == ref, seed
-    used = sum(stats.prepared_steps for _, _, stats in results.values())
-    if transport == "zmq":
-        assert all(prepares.values()) and used > 0
-    else:
-        assert not any(prepares.values()) and used == 0
-    assert worker.num_sessions == 0
-    worker.shutdown()
-
-
-def test_outcomes_cross_the_wire_unchanged_and_grpc_refuses_a_prepare(tiny_models):
-    from specextend.draft.base import DraftTree, Outcomes
-    from specextend.rpc.convert import outcomes_from_proto, outcomes_to_proto, prepare_to_proto
-    from specextend.v1 import draft_pb2 as pb
-
-    tree = DraftTree(step=5, tokens=(3, 4), parents=(-1, 0), draft_cache_tokens=70, ready=True, ahead_depth=2)
-    outs = Outcomes(5, (((7, 8), tree), ((9,), tree)), server_s=0.002, queued_s=0.0001)
-    back = outcomes_from_proto(pb.Outcomes.FromString(outcomes_to_proto(outs).SerializeToString()))
-    assert back == outs and back.get([9]) == tree and back.get([8]) is None
-    assert back.server_s == pytest.approx(0.002) and back.queued_s == pytest.approx(0.0001)
-    worker = DraftWorker(tiny_models("float64")[1].decoder, overlap=True, prepare=True)
-    with DraftServerThread(worker) as server:
-        client = GrpcDraftBackend(server.address, transport="grpc")
-        with pytest.raises(DraftError, match="step channel"):
-            client._call("Step", prepare_to_proto("s", 1, [5], None, 0.001), 5.0)
-        client.shutdown()
     worker.shutdown()
 
 
@@ -380,54 +282,6 @@ def test_draft_failure_mid_speculation_falls_back_losslessly(tiny_models):
     worker.shutdown()
 
 
-def ready_step_with_a_selection(draft, defer=0):
-    """A session with retrieval whose step 1 is answered from the pool while a retrieval selection
-    arrives with it; returns the session and its rebuild count before that step. `defer`: ready
-    steps the selection may wait for a miss before the background applies it (0: at once)."""
-    from specextend.draft.base import Retrieval
-
-    params = DraftSessionParams(TREE, RetrievalConfig(enabled=True, chunk_size=8, top_k=4, draft_prefill_window=0), 64)
-    over = DraftSession(draft, prompt(), params, overlap=True, refresh_defer=defer)
-    t0 = over.step(0, [7], None)
-    grow(over)
-    pool = over.pool
-    bonus = next(i for i in pool.children(0) if pool.slots[i] >= 0)
-    refreshes = over.refreshes
-    hit = over.step(1, [t0.tokens[0], pool.tokens[bonus]], Retrieval((0, 2, 5, 7), 8))
-    assert hit.ready and over.refreshes == refreshes  # not yet: the answer came first
-    return over, refreshes
-
-
-def a_hit(session):
-    """Tokens of a verdict the session's pool foresaw: a forwarded first-level node and its forwarded child."""
-    pool = session.pool
-    a = next(i for i in range(len(pool)) if pool.depths[i] == 1 and pool.slots[i] >= 0
-             and any(pool.slots[c] >= 0 for c in pool.children(i)))
-    b = next(c for c in pool.children(a) if pool.slots[c] >= 0)
-    return [pool.tokens[a], pool.tokens[b]]
-
-
-def test_a_refresh_due_on_a_ready_step_is_applied_after_it_and_restages_the_pool(draft):
-    """The retrieval rebuild runs in the background after a ready answer; the pool's nodes are then
-    forwarded again over the new working cache: each staged K/V equals a causal forward of its path."""
-    import copy
-
-    from specextend.attention.backends import CAUSAL
-
-    over, refreshes = ready_step_with_a_selection(draft)
-    grow(over)
-    assert over.refreshes == refreshes + 1 and not over._restage and over.pool.forwarded > 0
-    w = over.work
-    for node in [i for i, s in enumerate(over.pool.slots) if s >= 0][:6]:
-        path = over.pool.ancestors(node)
-        cache = copy.deepcopy(w)
-        ids = torch.tensor([over.pool.tokens[i] for i in path])
-        draft.forward(ids, torch.arange(w.length, w.length + len(path)), cache, CAUSAL)
-        want = cache.data[:, :, :, w.length + len(path) - 1]  # [layers, 2, G, D]
-        got = w.data[:, :, :, w.length + over.pool.slots[node]]
-        assert torch.allclose(got, want, atol=1e-9), node
-
-
 def test_warm_up_runs_the_background_forwards_before_traffic(draft):
     from specextend.draft.session import POOL_SLOTS
 
@@ -462,33 +316,6 @@ def test_an_arriving_job_preempts_background_work(draft, monkeypatch):
     time.sleep(0.15)
     assert len(slices) <= n + 1  # a closed session gets no more background work
     worker.shutdown()
-
-
-def test_a_selection_waiting_in_the_background_is_applied_by_a_missed_step(draft):
-    over, refreshes = ready_step_with_a_selection(draft)
-    got = over.step(2, [255, 254], None)  # a miss before the background ran: the selection is not lost
-    assert not got.ready and over.refreshes == refreshes + 1
-
-
-def test_a_deferred_selection_waits_for_a_miss_while_the_pool_grows(draft):
-    """With refresh_defer, the background grows the pool instead of rebuilding (a rebuild forwards
-    the whole pool again); the next miss applies the selection before it drafts."""
-    over, refreshes = ready_step_with_a_selection(draft, defer=4)
-    forwarded = over.pool.forwarded
-    assert grow(over) > 0 and over.pool.forwarded > forwarded
-    assert over.refreshes == refreshes and over._refresh is not None and not over._restage
-    got = over.step(2, [255, 254], None)
-    assert not got.ready and over.refreshes == refreshes + 1 and over._refresh is None
-
-
-def test_a_deferred_selection_is_applied_in_the_background_after_its_ready_steps(draft):
-    over, refreshes = ready_step_with_a_selection(draft, defer=1)
-    grow(over)
-    assert over.refreshes == refreshes  # waited one ready step for a miss
-    hit = over.step(2, a_hit(over), None)
-    assert hit.ready and over.refreshes == refreshes
-    grow(over)  # its one ready step has passed: the background rebuilds, then re-stages the pool
-    assert over.refreshes == refreshes + 1 and over._refresh is None and not over._restage
 
 
 def test_a_stopped_worker_fails_calls_instead_of_hanging(draft):

@@ -1,0 +1,113 @@
+"""Prepared outcomes (docs/architecture.md, "Prepared outcomes"): while the target verifies, the draft
+prepares the next trees for the likeliest verdicts; a verdict among them takes no step call. In
+process, over the ZeroMQ step channel of a real server on 127.0.0.1, and refused over gRPC; float64,
+every output against plain decoding."""
+
+import time
+
+import pytest
+
+from specextend.draft.base import DraftError
+from specextend.draft.chaos import Chaos, ChaosDraft
+from specextend.draft.worker import DraftWorker
+from specextend.rpc import DraftServerThread, GrpcDraftBackend
+
+from test_overlap import concurrently, run
+
+
+class SlowVerdicts:
+    """Forces 'the draft prepares while the target verifies': every verdict takes `delay_s` longer."""
+
+    def __init__(self, monkeypatch, delay_s):
+        import specextend.engine as engine_mod
+
+        original = engine_mod.verify_tree
+
+        def slow(*args, **kw):
+            time.sleep(delay_s)
+            return original(*args, **kw)
+
+        monkeypatch.setattr(engine_mod, "verify_tree", slow)
+
+
+@pytest.mark.parametrize("mode", ["sd", "specextend"])
+@pytest.mark.parametrize("dies", [False, True])
+def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode, dies):
+    """A prepare (sent as the verification is queued) answers the next trees for the likeliest
+    verdicts; a verdict among them takes no step call and goes to the draft with the next prepare,
+    with the retrieval selection due (specextend). The output equals plain decoding; prepared trees
+    were really used; the draft failing in a prepare falls back as in a step."""
+    pair = tiny_models("float64")
+    SlowVerdicts(monkeypatch, 0.02)
+    worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
+    calls = {"step": 0, "prepare": 0}
+
+    class Counting(ChaosDraft):
+        def step(self, *args, **kw):
+            calls["step"] += 1
+            return super().step(*args, **kw)
+
+        def prepare(self, session_id, step, accepted_tokens, retrieval, due_s):
+            calls["prepare"] += 1
+            if dies and accepted_tokens:  # the first verdict that goes with a prepare
+                raise DraftError("injected: the draft died in a prepare")
+            return super().prepare(session_id, step, accepted_tokens, retrieval, due_s)
+
+    ref, out, stats = run(pair, Counting(worker, Chaos()), mode)
+    assert out == ref
+    if dies:
+        assert stats.fallback and stats.prepared_steps == 1
+    else:
+        assert stats.prepared_steps > 0 and calls["step"] + stats.prepared_steps == stats.num_steps
+        assert calls["prepare"] == stats.num_steps  # one per verification
+        if mode == "specextend":
+            assert stats.retrieval_refreshes > 1
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless(tiny_models, monkeypatch, transport):
+    """Over a real server on 127.0.0.1: with the ZeroMQ step channel the client prepares (the server
+    said so when the session opened), prepared trees are used and every session's output equals
+    plain decoding; over gRPC alone there are no prepares (a prepare's answer is not a DraftTree),
+    and the same holds with step calls only."""
+    pair = tiny_models("float64")
+    SlowVerdicts(monkeypatch, 0.02)
+    worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
+    results, prepares = {}, {}
+    with DraftServerThread(worker) as server:
+        def one(seed):
+            client = GrpcDraftBackend(server.address, transport=transport)
+            results[seed] = run(pair, client, "specextend", seed=seed)
+            prepares[seed] = client.supports_prepare
+            client.shutdown()
+
+        concurrently(one, (1, 2))
+    for seed, (ref, out, stats) in results.items():
+        assert out == ref, seed
+    used = sum(stats.prepared_steps for _, _, stats in results.values())
+    if transport == "zmq":
+        assert all(prepares.values()) and used > 0
+    else:
+        assert not any(prepares.values()) and used == 0
+    assert worker.num_sessions == 0
+    worker.shutdown()
+
+
+def test_outcomes_cross_the_wire_unchanged_and_grpc_refuses_a_prepare(tiny_models):
+    from specextend.draft.base import DraftTree, Outcomes
+    from specextend.rpc.convert import outcomes_from_proto, outcomes_to_proto, prepare_to_proto
+    from specextend.v1 import draft_pb2 as pb
+
+    tree = DraftTree(step=5, tokens=(3, 4), parents=(-1, 0), draft_cache_tokens=70, ready=True, ahead_depth=2)
+    outs = Outcomes(5, (((7, 8), tree), ((9,), tree)), server_s=0.002, queued_s=0.0001)
+    back = outcomes_from_proto(pb.Outcomes.FromString(outcomes_to_proto(outs).SerializeToString()))
+    assert back == outs and back.get([9]) == tree and back.get([8]) is None
+    assert back.server_s == pytest.approx(0.002) and back.queued_s == pytest.approx(0.0001)
+    worker = DraftWorker(tiny_models("float64")[1].decoder, overlap=True, prepare=True)
+    with DraftServerThread(worker) as server:
+        client = GrpcDraftBackend(server.address, transport="grpc")
+        with pytest.raises(DraftError, match="step channel"):
+            client._call("Step", prepare_to_proto("s", 1, [5], None, 0.001), 5.0)
+        client.shutdown()
+    worker.shutdown()
