@@ -5,7 +5,10 @@ Backends:
   eager  plain math (attention_eager): the reference, any device and dtype;
   torch  PyTorch's fused SDPA kernels; where a log-sum-exp is needed, the LSE-returning ATen ops
          (flash on CPU and on CUDA half types, memory-efficient on CUDA float32), wrapped below;
-  flash  flash-attn 2 (CUDA, when importable); masks it cannot express go to `torch`.
+  flash  the FlashAttention project's kernels (attention/flash.py: flash-attn-4 on Hopper or newer,
+         else flash-attn 2) for prefill-sized calls; decode-sized calls, explicit masks, other
+         dtypes and CUDA-graph captures go to `torch`. It also takes a causal block that ends the
+         keys (a prefill chunk over its prefix, optionally windowed) in one call.
 GQA never repeats the prefix K/V: with no mask, the H/G query heads of a group are folded into
 the query-length axis so one [G, (H/G)*T, D] call covers them.
 """
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specextend.attention.eager import attention_eager, compute_dtype
+from specextend.attention.flash import FlashKernel, find_kernel
 
 CAUSAL = "causal"
 Mask = Union[None, str, torch.Tensor]
@@ -55,6 +59,16 @@ class AttentionBackend:
     name = "base"
 
     def attend(self, q, k, v, mask: Mask, scale: float, need_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        raise NotImplementedError
+
+    def takes_end_causal(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether attend_end_causal runs q [H, T, D] over k [G, S, D] in one kernel."""
+        return False
+
+    def attend_end_causal(self, q, k, v, scale: float, need_lse: bool, window: int = 0):
+        """Query i of T at position S - T + i sees keys up to it (and, with window > 0, only the
+        last `window` of them). Only where takes_end_causal says so; hybrid.layer_attention
+        composes the same attention from the other calls everywhere else (the twin)."""
         raise NotImplementedError
 
 
@@ -95,29 +109,37 @@ class TorchBackend(AttentionBackend):
 
 class FlashBackend(AttentionBackend):
     name = "flash"
+    min_rows = 64  # below this (decode, tree verification) PyTorch's kernels and ours do better
 
-    def __init__(self):
-        from flash_attn import flash_attn_func  # noqa: F401  (import error = backend unavailable)
-
-        self._fn = flash_attn_func
+    def __init__(self, kernel: Optional[FlashKernel] = None, min_rows: Optional[int] = None):
+        self.kernel = kernel or find_kernel()
+        if self.kernel is None:
+            raise ValueError("attention_backend=flash needs CUDA and flash-attn-4 (extra 'flash') or flash-attn 2")
+        if min_rows is not None:
+            self.min_rows = min_rows
         self._fallback = TorchBackend()
 
+    def _fast(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        return (q.shape[1] >= self.min_rows and self.kernel.supports(q, k)
+                and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
     def attend(self, q, k, v, mask, scale, need_lse):
-        if isinstance(mask, torch.Tensor) or q.dtype not in (torch.float16, torch.bfloat16):
+        if isinstance(mask, torch.Tensor) or not self._fast(q, k):
             return self._fallback.attend(q, k, v, mask, scale, need_lse)
-        out, lse, _ = self._fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                               softmax_scale=scale, causal=mask == CAUSAL, return_attn_probs=True)
-        return out[0].transpose(0, 1), lse[0].float()
+        # a square causal block: end-aligned and top-aligned causal are the same
+        return self.attend_end_causal(q, k, v, scale, need_lse, causal=mask == CAUSAL)
+
+    def takes_end_causal(self, q, k):
+        return self._fast(q, k)
+
+    def attend_end_causal(self, q, k, v, scale, need_lse, window=0, causal=True):
+        out, lse = self.kernel(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, causal, window,
+                               need_lse)  # [T, H, D], [H, T]
+        return out.transpose(0, 1), lse
 
 
 def flash_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return find_kernel() is not None
 
 
 def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
@@ -129,7 +151,5 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     if name == "torch":
         return TorchBackend()
     if name == "flash":
-        if not flash_available():
-            raise ValueError("attention_backend=flash needs CUDA and the flash-attn package (extra 'flash')")
         return FlashBackend()
     raise ValueError(f"unknown attention backend {name!r}")

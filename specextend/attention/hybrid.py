@@ -6,6 +6,8 @@ Two compositions (both exact):
           mask in explicit float32 math), merged by log-sum-exp;
   plain   one masked attention over the L + T keys (the standard verification baseline).
 `window` > 0 restricts every query to the last `window` positions (draft prefill).
+A backend that runs a causal block ending the keys in one kernel (flash, for prefill chunks) takes
+the causal cases whole; the compositions below are its twin.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def layer_attention(
     """Returns out [H, T, D] and, if need_lse, the merged lse [H, T]."""
     t = q.shape[1]
     L = prefix_len
+    if new_mask == CAUSAL and backend.takes_end_causal(q, k):  # one kernel; the paths below are its twin
+        lo = max(0, L - window + 1) if window > 0 else 0
+        return backend.attend_end_causal(q, k[:, lo:L + t], v[:, lo:L + t], scale, need_lse, window)
     if window > 0 and new_mask == CAUSAL:
         lo = max(0, L - window + 1)
         pos_q = torch.arange(L, L + t, device=q.device)[:, None]  # [T, 1]
