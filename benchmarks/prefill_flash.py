@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -93,6 +94,28 @@ def prefill_rows(preset: str, lengths: list[int], chunk: int) -> tuple[list[dict
     return rows, compile_s
 
 
+def plot(run: dict, path: str) -> None:
+    """Attention ms and whole-prefill s against prompt tokens, both backends (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, rows, keys, unit, title in (
+            (axes[0], run["attention"], ("sdpa_ms", "flash_ms"), "ms", "one layer's causal attention"),
+            (axes[1], run["prefill"], ("torch_s", "flash_s"), "s", "whole chunked prefill")):
+        n = [r["tokens"] for r in rows]
+        for key, label in zip(keys, ("PyTorch SDPA", run["meta"]["kernel"])):
+            ax.plot(n, [r[key] for r in rows], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel=unit, title=title)
+        ax.legend()
+    g = run["meta"]["geometry"]
+    fig.suptitle(f"{g['preset']} geometry, {run['meta']['device']}, {run['meta']['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama-3.1-8b")
@@ -100,7 +123,11 @@ def main():
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--plot", help="redraw the plot of a recorded run (JSON) and exit")
     a = ap.parse_args()
+    if a.plot:
+        with open(a.plot) as f:
+            return plot(json.load(f), a.plot.removesuffix(".json") + ".png")
     lengths = [int(x) for x in a.lengths.split(",")]
     from specextend.models.presets import hf_config
 
@@ -119,13 +146,14 @@ def main():
     for r, p in zip(attention, prefill):
         print(f"| {r['tokens']} | {r['sdpa_ms']:.2f} | {r['flash_ms']:.2f} | {r['speedup']:.2f} | "
               f"{p['torch_s']:.2f} | {p['flash_s']:.2f} | {p['speedup']:.2f} |")
-    run = dict(meta=meta("prefill_flash", "cuda", ["python", "benchmarks/prefill_flash.py"] + [
-        f"--preset {a.preset}", f"--lengths {a.lengths}", f"--chunk {a.chunk}"], kernel=kernel.name,
-        geometry=dict(preset=a.preset, heads=h, kv_heads=g, head_dim=d), import_s=import_s,
-        first_prefill_s=compile_s), attention=attention, prefill=prefill)
+    run = dict(meta=meta("prefill_flash", "cuda", [], kernel=kernel.name,
+                         geometry=dict(preset=a.preset, heads=h, kv_heads=g, head_dim=d), import_s=import_s,
+                         first_prefill_s=compile_s), attention=attention, prefill=prefill)
+    run["meta"]["command"] = " ".join(["python", *sys.argv])
     if a.out:
         with open(a.out, "w") as f:
             json.dump(run, f, indent=1)
+        plot(run, a.out.removesuffix(".json") + ".png")
 
 
 if __name__ == "__main__":
