@@ -75,7 +75,11 @@ def use_kernel_cache() -> Optional[str]:
     unless TRITON_CACHE_DIR names another folder: a replica restarted where the model cache
     persists (the same host, or a volume) loads its kernels instead of compiling them again
     (docs/architecture.md, "Models"). Triton reads the variable at each compile, so this must
-    run before the first one; returns the folder."""
+    run before the first one; returns the folder. flash-attn-4's compiled kernels likewise, under
+    `$SPECEXTEND_CACHE/flash-attn-4` (its persistent cache, read when it is imported), unless
+    FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED / _DIR say otherwise."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache_dir() / "flash-attn-4"))
     return os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -81,6 +82,18 @@ def test_triton_kernels_are_kept_in_the_model_cache_unless_told_otherwise(monkey
     assert knobs.cache.dir == str(tmp_path / "cache" / "triton")  # read at each compile: takes effect
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     assert fetch.use_kernel_cache() == str(tmp_path / "mine")
+
+
+def test_flash_attn_4_kernels_persist_in_the_model_cache_unless_told_otherwise(monkeypatch, tmp_path):
+    for name in ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    fetch.use_kernel_cache()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "cache" / "flash-attn-4")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    fetch.use_kernel_cache()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"
 
 
 def test_fetch_assembles_verifies_and_marks(cache, tmp_path):

@@ -102,3 +102,11 @@ def test_flash_prefill_chunk_matches_torch(L):
     ref, ref_lse = layer_attention(TorchBackend(), q, k, v, L, CAUSAL, 0.125, need_lse=True)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-3, rtol=1e-3)
+
+
+def test_warm_up_runs_each_prefill_variant_once():
+    kernel = Counting()
+    be = FlashBackend(kernel, min_rows=8)
+    assert be.warm_up(4, 2, 16, torch.float64, "cpu", windowed=True) == 4  # window or not, LSE or not
+    assert be.warm_up(4, 2, 16, torch.float64, "cpu") == 2
+    assert kernel.calls == 6

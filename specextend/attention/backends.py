@@ -132,6 +132,22 @@ class FlashBackend(AttentionBackend):
     def takes_end_causal(self, q, k):
         return self._fast(q, k)
 
+    def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                windowed: bool = False) -> int:
+        """Runs once each variant a prefill will call (with and without the LSE; windowed for a
+        draft), so that kernels that compile at first use (flash-attn-4) do it at start-up, not in
+        a request. Returns the calls made."""
+        q = torch.zeros(heads, 2 * self.min_rows, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(kv_heads, 4 * self.min_rows, head_dim, dtype=dtype, device=device)
+        if not self._fast(q, k):
+            return 0
+        calls = 0
+        for window in (0, self.min_rows) if windowed else (0,):
+            for need_lse in (False, True):
+                self.attend_end_causal(q, k, k, head_dim ** -0.5, need_lse, window)
+                calls += 1
+        return calls
+
     def attend_end_causal(self, q, k, v, scale, need_lse, window=0, causal=True):
         out, lse = self.kernel(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, causal, window,
                                need_lse)  # [T, H, D], [H, T]

@@ -29,6 +29,9 @@ Kernel = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 def _fa4() -> Optional[Callable]:
+    from specextend.fetch import use_kernel_cache
+
+    use_kernel_cache()  # its compiled kernels persist beside the models' (read at import)
     try:
         from flash_attn.cute import flash_attn_func
     except Exception as e:  # noqa: BLE001  (a broken CUDA-DSL install must not stop the server)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from specextend.attention.backends import get_backend
+from specextend.attention.backends import FlashBackend, get_backend
 from specextend.fetch import use_kernel_cache
 from specextend.models import presets
 from specextend.models.args import ModelArgs
@@ -248,6 +248,8 @@ def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "a
         args = dataclasses.replace(args, eos_token_ids=tuple(args.eos_token_ids) + tuple(sorted(extra_eos)))
     inv_freq, scaling = inv_freq_from_config(config)
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
+    if isinstance(backend, FlashBackend):  # its kernels compile now, not in the first long prompt
+        backend.warm_up(args.num_heads, args.num_kv_heads, args.head_dim, dt, dev, windowed=role == "draft")
     attach_plan(decoder, execution)
     decoder.load_seconds = time.perf_counter() - t0
     return LoadedModel(name=meta.name, decoder=decoder, tokenizer=tokenizer, hf_config=config)
