@@ -79,6 +79,7 @@ class SpecExtendReplica:
     def __init__(self, settings: dict) -> None:
         from specextend.builder import load_pair
 
+        t0 = time.perf_counter()
         self.settings = s = AppSettings.model_validate(settings)
         self.cfg = cfg = s.to_engine_config()
         self.draft_actor = None
@@ -90,6 +91,7 @@ class SpecExtendReplica:
         # the pair is checked before any weights load; the draft actor then loads the draft's
         # weights while this process loads the target's (docs/architecture.md, "Deployment")
         self.target, _ = load_pair(cfg, roles=("target",), checked=start_draft if s.uses_draft else None)
+        t_target = time.perf_counter()
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
         self.ar_engine = Engine(dataclasses.replace(cfg, mode="ar"), self.target)
@@ -98,6 +100,7 @@ class SpecExtendReplica:
             address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
             self.draft = draft_client(s, address, self._draft_token)
             self.engine = Engine(cfg, self.target, self.draft)
+        t_draft = time.perf_counter()
         self.draft_ok = self.draft is not None
         self._restoring: Optional[asyncio.Task] = None
         self.draft_epoch = 0  # restores so far: a request's fallback blames only the draft it started on
@@ -108,8 +111,12 @@ class SpecExtendReplica:
         self.draft_ok = self.draft is not None and not warm.fallback
         # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
         self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions))
-        log.info("replica ready: target %s, draft %s (steps over %s), KV budget %.0f MiB", self.target.name,
-                 self.draft.address if self.draft else "none",
+        t_ready = time.perf_counter()
+        # where a (re)start's time goes: the target's weights, then waiting for the draft actor, then warm-up
+        log.info("replica ready in %.1f s (target loaded %.1f s, draft ready %.1f s later, warm-up %.1f s): "
+                 "target %s, draft %s (steps over %s), KV budget %.0f MiB", t_ready - t0, t_target - t0,
+                 t_draft - t_target, t_ready - t_draft,
+                 self.target.name, self.draft.address if self.draft else "none",
                  (self.draft.step_endpoint or "gRPC") if self.draft else "-", self.admission.budget_bytes / 2**20)
 
     # ------------------------------------------------------------------ set-up
