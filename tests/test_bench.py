@@ -162,6 +162,10 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
     assert all(r["tokens"] == 8 for r in record["rows"][1:])
     spec = record["rows"][2]
     assert spec["num_steps"] > 0 and spec["mean_acceptance_length"] >= 1 and spec["verify_ms"] > 0
+    for row in record["rows"][1:]:  # each app's start-up by phase, read from its /metrics
+        phases = [row[f"startup_{p}_s"] for p in ("target", "draft", "warm_up")]
+        assert all(p >= 0 for p in phases) and sum(phases) <= row["startup_s"]
+    assert spec["startup_draft_s"] + spec["startup_warm_up_s"] > 0
     assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
                                      near_tie=True)]
     assert (tmp_path / "serve" / "cpu-step_split.png").is_file()

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specextend.config import EngineConfig, SamplingParams
 
@@ -343,8 +344,12 @@ def test_metrics_endpoint(server):
                  "specextend_prompt_tokens_total", "specextend_generation_tokens_total",
                  "specextend_draft_fallbacks_total", "specextend_num_requests_running",
                  "specextend_spec_decode_tree_nodes_bucket", "specextend_spec_decode_num_plain_steps_total",
-                 "specextend_spec_decode_num_probe_steps_total"):
+                 "specextend_spec_decode_num_probe_steps_total", "specextend_replica_starts_total"):
         assert name in text, name
+    startup = {s.labels["phase"]: s.value for fam in text_string_to_metric_families(text)
+               if fam.name == "specextend_replica_startup_seconds" for s in fam.samples}
+    assert set(startup) == {"target", "draft", "warm_up"} and all(v >= 0 for v in startup.values())
+    assert startup["target"] > 0 and startup["warm_up"] > 0  # weights loaded, a warm-up request ran
 
 
 @pytest.mark.parametrize("no_restart", [True, False], ids=["killed-for-good", "restarted-by-ray"])

@@ -48,6 +48,26 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"the app did not become ready in {timeout_s:.0f} s")
 
 
+def startup_phases(url: str, timeout_s: float = 15.0) -> dict:
+    """The replica's start-up by phase from /metrics (specextend_replica_startup_seconds), once the one
+    replica of the app has published it (every 2 s); {} if it has not within timeout_s."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        values = {}
+        for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=30).text):
+            for sample in fam.samples:
+                if fam.name == "specextend_replica_starts":
+                    values["starts"] = sample.value
+                elif fam.name == "specextend_replica_startup_seconds":
+                    values[f"startup_{sample.labels['phase']}_s"] = sample.value
+        if values.pop("starts", 0) == 1:
+            return values
+        time.sleep(0.5)
+    return {}
+
+
 def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion: client-side tokens/s and TTFT, the server's per-step split."""
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
@@ -109,6 +129,9 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                     serve.run(specextend(args), name="bench", blocking=False)
                     wait_ready(url, 1800)
                     startup = time.perf_counter() - t0
+                    phases = startup_phases(url)
+                    progress(f"served {mode} ({where}) ready in {startup:.1f} s: "
+                             + ", ".join(f"{k[8:-2]} {v:.1f} s" for k, v in phases.items()))
                     model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
                     name = f"{mode}-{where}" if mode != "ar" else "ar"
                     warm = False
@@ -131,7 +154,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                     differing.append((checks[-1], pair, prompt, refs[key], ids))
                             rows.append(dict(pair=pair_name, length=length, prompt_tokens=len(prompt), doc=doc.name,
                                              mode=name, replayed=pair.replayed and mode != "ar",
-                                             startup_s=startup, **r))
+                                             startup_s=startup, **phases, **r))
                             progress(f"served {pair_name} L={length} {doc.name} {name}: "
                                      f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s")
                     serve.delete("bench")

@@ -65,6 +65,11 @@ FAMILIES = {
     "specextend_draft_fallbacks": ("counter", "Requests that fell back to plain decoding.", ()),
     "specextend_time_to_first_token_seconds": ("histogram", "Time to first token.", ()),
     "specextend_inter_token_latency_seconds": ("histogram", "Time between streamed tokens.", ()),
+    "specextend_replica_starts": ("counter", "Replica starts that reached ready (the first and every restart).", ()),
+    "specextend_replica_startup_seconds": (
+        "counter", "Seconds from a replica's start to ready, by phase: target (loading its weights), draft (then "
+        "waiting for the draft actor), warm_up (every shape captured, kernels compiled); divide by replica_starts.",
+        ("phase",)),
     "specextend_num_requests_running": ("gauge", "Active sessions.", ()),
     "specextend_num_requests_waiting": ("gauge", "Requests queued for admission.", ()),
 }
@@ -108,6 +113,11 @@ class ReplicaMetrics:
 
     def observe(self, name: str, value: float) -> None:
         self._apply(name, "observe", value)
+
+    def record_start(self, target_s: float, draft_s: float, warm_up_s: float) -> None:
+        self.inc("specextend_replica_starts")
+        for phase, seconds in (("target", target_s), ("draft", draft_s), ("warm_up", warm_up_s)):
+            self.inc("specextend_replica_startup_seconds", seconds, phase=phase)
 
     def record_request(self, stats, finish_reason: str | None) -> None:
         """Per-request counters from a RequestStats (finished, stopped or cancelled)."""

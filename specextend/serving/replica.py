@@ -113,6 +113,7 @@ class SpecExtendReplica:
         self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions))
         t_ready = time.perf_counter()
         # where a (re)start's time goes: the target's weights, then waiting for the draft actor, then warm-up
+        self.metrics.record_start(t_target - t0, t_draft - t_target, t_ready - t_draft)  # published within 2 s
         log.info("replica ready in %.1f s (target loaded %.1f s, draft ready %.1f s later, warm-up %.1f s): "
                  "target %s, draft %s (steps over %s), KV budget %.0f MiB", t_ready - t0, t_target - t0,
                  t_draft - t_target, t_ready - t_draft,
