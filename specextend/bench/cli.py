@@ -16,6 +16,7 @@ Suites and their defaults (`--pair NAME=L1,L2` and the other flags override them
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -62,6 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tree-policy", default="fixed", choices=("fixed", "adaptive"),
                    help="fixed: every step speculative (the methods compared); adaptive: as the app's default")
     p.add_argument("--port", type=int, default=8000, help="serve: the local HTTP port")
+    p.add_argument("--app-args", type=json.loads, default={},
+                   help="serve: more Serve application arguments for every app, as a JSON object "
+                        "(e.g. '{\"stream_interval_ms\": 0}'); recorded with the run")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results folder (JSON and plots)")
     p.add_argument("--report", action="store_true", help="rebuild the results page from the JSON under --out")
     p.add_argument("--page", type=Path, default=Path("benchmarks/README.md"), help="--report: the results page")
@@ -125,7 +129,7 @@ def run_suite(a, argv: list[str]) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     meta = record.meta(a.suite, device, argv, pairs=pairs, new_tokens=new_tokens, docs=docs, dtype=a.dtype,
-                       tree_policy=a.tree_policy)  # the commit as the run starts
+                       tree_policy=a.tree_policy, **({"app_args": a.app_args} if a.app_args else {}))
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if a.suite == "signal":
         result, table = _signal(a, pairs, new_tokens, docs, kind, device, meta, progress)
@@ -145,7 +149,8 @@ def run_suite(a, argv: list[str]) -> int:
             raise ValueError(f"unknown pair {sorted(unknown)}; known: {', '.join(e2e.PAIRS)}")
         modes = _modes(a, a.suite, gpus)
         if a.suite == "serve":
-            result = served.run(pairs, modes, new_tokens, docs, a.port, progress=progress, tree_policy=a.tree_policy)
+            result = served.run(pairs, modes, new_tokens, docs, a.port, progress=progress, tree_policy=a.tree_policy,
+                                app_args=a.app_args)
         else:
             result = e2e.run(pairs, modes, new_tokens, docs, a.dtype, a.tree_policy, device, progress=progress)
         table = e2e.table(result)

@@ -102,7 +102,10 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
 
 
 def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], port: int = 8000,
-        progress=print, tree_policy: str = "fixed") -> dict:
+        progress=print, tree_policy: str = "fixed", app_args: dict | None = None) -> dict:
+    from specextend.serving.settings import AppSettings
+
+    AppSettings.model_validate(app_args or {})  # a bad argument fails here, not inside Serve
     rows = _in_process_ar(pairs, modes, new_tokens, docs, tree_policy, progress)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -122,7 +125,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
             for mode in modes:
                 for where, gpus, overlap in placements() if mode != "ar" else placements()[:1]:
                     args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy=tree_policy,
-                                draft_overlap=overlap)
+                                draft_overlap=overlap) | (app_args or {})
                     if pair.replayed and mode != "ar":
                         args["replay_accept_length"] = REPLAY_ACCEPT
                     t0 = time.perf_counter()
