@@ -182,10 +182,6 @@ class ServingConfig:
     stream_interval_ms: float = Field(
         STREAM_INTERVAL_MS, ge=0, le=1000, description="a stream's tokens leave the replica at most once per this "
         "interval (the first token and the finish at once): fast steps share one item and one SSE chunk; 0: every step")
-    gil_switch_interval_ms: Optional[float] = Field(
-        None, gt=0, le=100, description="the replica process's thread switch interval in ms (sys.setswitchinterval): "
-        "how long its engine thread may wait for the interpreter, holding a draft tree or a forward's result, while "
-        "another thread runs Python (default: Python's, 5 ms)")
     served_model_name: Optional[str] = Field(None, min_length=1, description="model id of the API (default: the target's)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
     step_transport: Literal["zmq", "grpc"] = Field(

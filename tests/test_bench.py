@@ -153,13 +153,13 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
         port = s.getsockname()[1]
     argv = ["bench", "--suite", "serve", "--device", "cpu", "--pair", "tiny=64", "--docs", "python", "--modes",
             "ar,specextend", "--new-tokens", "8", "--port", str(port), "--out", str(tmp_path),
-            "--app-args", '{"gil_switch_interval_ms": 0.5}']
-    assert main(argv[:-1] + ['{"gil_switch_interval_ms": -1}']) != 0  # refused before any model loads
-    assert "gil_switch_interval_ms" in capsys.readouterr().err
+            "--app-args", '{"stream_interval_ms": 0}']
+    assert main(argv[:-1] + ['{"stream_interval_ms": -1}']) != 0  # refused before any model loads
+    assert "stream_interval_ms" in capsys.readouterr().err
     assert main(argv) == 0
     assert "| tiny | 64 | specextend-cpu | 1 |" in capsys.readouterr().out
     record = json.loads((tmp_path / "serve" / "cpu.json").read_text())
-    assert record["meta"]["app_args"] == {"gil_switch_interval_ms": 0.5}
+    assert record["meta"]["app_args"] == {"stream_interval_ms": 0}
     # in-process ar first (the served path's cost within one run), then the served modes
     assert [r["mode"] for r in record["rows"]] == ["ar-in-process", "ar", "specextend-cpu"]
     assert all(r["ttft_s"] > 0 for r in record["rows"])

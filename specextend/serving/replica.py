@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import sys
 import time
 import uuid
 from typing import AsyncIterator, Optional
@@ -83,8 +82,6 @@ class SpecExtendReplica:
         t0 = time.perf_counter()
         self.settings = s = AppSettings.model_validate(settings)
         self.cfg = cfg = s.to_engine_config()
-        if s.gil_switch_interval_ms is not None:
-            sys.setswitchinterval(s.gil_switch_interval_ms / 1e3)
         self.draft_actor = None
         self._draft_token = new_token()  # this replica's draft accepts only this replica (*Wire protocol*)
 
