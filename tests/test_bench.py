@@ -170,6 +170,7 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
         phases = [row[f"startup_{p}_s"] for p in ("target", "draft", "warm_up")]
         assert all(p >= 0 for p in phases) and sum(phases) <= row["startup_s"]
     assert spec["startup_draft_s"] + spec["startup_warm_up_s"] > 0
+    assert spec["startup_draft_actor_load_s"] > 0 and "startup_draft_actor_load_s" not in record["rows"][1]
     assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
                                      near_tie=True)]
     assert (tmp_path / "serve" / "cpu-step_split.png").is_file()

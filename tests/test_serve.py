@@ -350,6 +350,9 @@ def test_metrics_endpoint(server):
                if fam.name == "specextend_replica_startup_seconds" for s in fam.samples}
     assert set(startup) == {"target", "draft", "warm_up"} and all(v >= 0 for v in startup.values())
     assert startup["target"] > 0 and startup["warm_up"] > 0  # weights loaded, a warm-up request ran
+    actor = {s.labels["phase"]: s.value for fam in text_string_to_metric_families(text)
+             if fam.name == "specextend_draft_actor_startup_seconds" for s in fam.samples}
+    assert set(actor) == {"spawn", "load", "warm_up", "serve"} and actor["load"] > 0 and actor["spawn"] > 0
 
 
 @pytest.mark.parametrize("no_restart", [True, False], ids=["killed-for-good", "restarted-by-ray"])

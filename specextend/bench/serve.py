@@ -49,8 +49,9 @@ def wait_ready(url: str, timeout_s: float) -> None:
 
 
 def startup_phases(url: str, timeout_s: float = 15.0) -> dict:
-    """The replica's start-up by phase from /metrics (specextend_replica_startup_seconds), once the one
-    replica of the app has published it (every 2 s); {} if it has not within timeout_s."""
+    """The replica's start-up by phase from /metrics (specextend_replica_startup_seconds, and its draft
+    actor's, specextend_draft_actor_startup_seconds), once the one replica of the app has published
+    it (every 2 s); {} if it has not within timeout_s."""
     from prometheus_client.parser import text_string_to_metric_families
 
     deadline = time.time() + timeout_s
@@ -62,6 +63,8 @@ def startup_phases(url: str, timeout_s: float = 15.0) -> dict:
                     values["starts"] = sample.value
                 elif fam.name == "specextend_replica_startup_seconds":
                     values[f"startup_{sample.labels['phase']}_s"] = sample.value
+                elif fam.name == "specextend_draft_actor_startup_seconds":
+                    values[f"startup_draft_actor_{sample.labels['phase']}_s"] = sample.value
         if values.pop("starts", 0) == 1:
             return values
         time.sleep(0.5)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from specextend.config import EngineConfig
 
@@ -30,15 +31,20 @@ class DraftActor:
         from specextend.draft.worker import DraftWorker
         from specextend.rpc import DraftServerThread
 
+        t0 = time.time()  # wall clock: the replica that created this actor compares it with its own
         # checks the pair (tokenizers, vocabularies) before loading the draft's weights; a random
         # tiny draft is built as the correlated copy of the (deterministic) tiny target
         _, self.model = load_pair(config, roles=("draft",))
+        t1 = time.time()
         self.backend = DraftWorker(self.model.decoder, name=self.model.name, prefill_chunk=config.prefill_chunk,
                                    overlap=config.overlap, prepare=config.draft_prepare)
         # with overlap, the background forwards' graphs are captured now, not on a request's path
         self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
+        t2 = time.time()
         self.server = DraftServerThread(self.backend, host=LOOPBACK, port=0, model=self.model.name, token=token,
                                         step_channel="ipc" if step_transport == "zmq" else None)
+        # where this start's time went (the replica reports it in /metrics, docs/architecture.md, "Models")
+        self.startup = dict(started_at=t0, load_s=t1 - t0, warm_up_s=t2 - t1, serve_s=time.time() - t2)
         log.info("draft %s serving on %s, steps on %s (pid %d, CUDA_VISIBLE_DEVICES=%s, overlap %s)",
                  self.model.name, self.server.address, self.server.step_endpoint or "gRPC only", os.getpid(),
                  os.environ.get("CUDA_VISIBLE_DEVICES"), config.overlap)
@@ -50,7 +56,7 @@ class DraftActor:
     def info(self) -> dict:
         return {"model": self.model.name, "address": self.server.address,
                 "step_endpoint": self.server.step_endpoint, "pid": os.getpid(),
-                "sessions": self.backend.num_sessions,
+                "sessions": self.backend.num_sessions, "startup": self.startup,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def __ray_shutdown__(self) -> None:

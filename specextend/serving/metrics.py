@@ -70,6 +70,10 @@ FAMILIES = {
         "counter", "Seconds from a replica's start to ready, by phase: target (loading its weights), draft (then "
         "waiting for the draft actor), warm_up (every shape captured, kernels compiled); divide by replica_starts.",
         ("phase",)),
+    "specextend_draft_actor_startup_seconds": (
+        "counter", "Seconds of the draft actor's starts, by phase: spawn (from its creation to its constructor: a "
+        "new process and its imports), load (the draft's weights), warm_up (captures), serve (its servers).",
+        ("phase",)),
     "specextend_num_requests_running": ("gauge", "Active sessions.", ()),
     "specextend_num_requests_waiting": ("gauge", "Requests queued for admission.", ()),
 }
@@ -118,6 +122,14 @@ class ReplicaMetrics:
         self.inc("specextend_replica_starts")
         for phase, seconds in (("target", target_s), ("draft", draft_s), ("warm_up", warm_up_s)):
             self.inc("specextend_replica_startup_seconds", seconds, phase=phase)
+
+    def record_draft_start(self, created_at: float, startup: dict) -> None:
+        """The draft actor's start: `startup` as DraftActor.info() gives it, `created_at` the
+        replica's wall clock when it created the actor (same node)."""
+        phases = dict(spawn=max(0.0, startup["started_at"] - created_at), load=startup["load_s"],
+                      warm_up=startup["warm_up_s"], serve=startup["serve_s"])
+        for phase, seconds in phases.items():
+            self.inc("specextend_draft_actor_startup_seconds", seconds, phase=phase)
 
     def record_request(self, stats, finish_reason: str | None) -> None:
         """Per-request counters from a RequestStats (finished, stopped or cancelled)."""

@@ -86,6 +86,7 @@ class SpecExtendReplica:
         self._draft_token = new_token()  # this replica's draft accepts only this replica (*Wire protocol*)
 
         def start_draft() -> None:
+            self._draft_created_at = time.time()
             self.draft_actor = self._start_draft_actor()
 
         # the pair is checked before any weights load; the draft actor then loads the draft's
@@ -114,6 +115,8 @@ class SpecExtendReplica:
         t_ready = time.perf_counter()
         # where a (re)start's time goes: the target's weights, then waiting for the draft actor, then warm-up
         self.metrics.record_start(t_target - t0, t_draft - t_target, t_ready - t_draft)  # published within 2 s
+        if self.draft_actor is not None:
+            self._record_draft_start()
         log.info("replica ready in %.1f s (target loaded %.1f s, draft ready %.1f s later, warm-up %.1f s): "
                  "target %s, draft %s (steps over %s), KV budget %.0f MiB", t_ready - t0, t_target - t0,
                  t_draft - t_target, t_ready - t_draft,
@@ -133,6 +136,14 @@ class SpecExtendReplica:
         return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
                                  scheduling_strategy=strategy).remote(cfg, self._draft_token,
                                                                       step_transport=s.step_transport)
+
+    def _record_draft_start(self) -> None:
+        try:
+            info = ray.get(self.draft_actor.info.remote(), timeout=DRAFT_START_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a metric is not worth failing a start over
+            log.warning("draft actor start-up not recorded: %s", e)
+            return
+        self.metrics.record_draft_start(self._draft_created_at, info["startup"])
 
     def _replica_key(self) -> str:
         try:
