@@ -110,3 +110,15 @@ def test_warm_up_runs_each_prefill_variant_once():
     assert be.warm_up(4, 2, 16, torch.float64, "cpu", windowed=True) == 4  # window or not, LSE or not
     assert be.warm_up(4, 2, 16, torch.float64, "cpu") == 2
     assert kernel.calls == 6
+
+
+def test_a_kernel_that_fails_its_warm_up_leaves_the_model_on_pytorchs_kernels():
+    def broken(*a):
+        raise RuntimeError("no kernel for this GPU")
+
+    be = FlashBackend(FlashKernel("reference", broken), min_rows=8)
+    assert be.warm_up(4, 2, 16, torch.float64, "cpu") == 0
+    q, k, v = rand(4, 2, 16, 30, 8)
+    out, _ = layer_attention(be, q, k, v, 30, CAUSAL, 0.3)  # served by the fallback, no error
+    ref, _ = layer_attention(TorchBackend(), q, k, v, 30, CAUSAL, 0.3)
+    torch.testing.assert_close(out, ref)

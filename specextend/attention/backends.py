@@ -15,6 +15,7 @@ the query-length axis so one [G, (H/G)*T, D] call covers them.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Union
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from specextend.attention.eager import attention_eager, compute_dtype
 from specextend.attention.flash import FlashKernel, find_kernel
 
+log = logging.getLogger(__name__)
 CAUSAL = "causal"
 Mask = Union[None, str, torch.Tensor]
 
@@ -120,7 +122,7 @@ class FlashBackend(AttentionBackend):
         self._fallback = TorchBackend()
 
     def _fast(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        return (q.shape[1] >= self.min_rows and self.kernel.supports(q, k)
+        return (self.kernel is not None and q.shape[1] >= self.min_rows and self.kernel.supports(q, k)
                 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def attend(self, q, k, v, mask, scale, need_lse):
@@ -142,10 +144,15 @@ class FlashBackend(AttentionBackend):
         if not self._fast(q, k):
             return 0
         calls = 0
-        for window in (0, self.min_rows) if windowed else (0,):
-            for need_lse in (False, True):
-                self.attend_end_causal(q, k, k, head_dim ** -0.5, need_lse, window)
-                calls += 1
+        try:
+            for window in (0, self.min_rows) if windowed else (0,):
+                for need_lse in (False, True):
+                    self.attend_end_causal(q, k, k, head_dim ** -0.5, need_lse, window)
+                    calls += 1
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot run here must not take the server down
+            log.warning("%s failed its warm-up (%s: %s); this model uses PyTorch's kernels", self.kernel.name,
+                        type(e).__name__, e)
+            self.kernel = None
         return calls
 
     def attend_end_causal(self, q, k, v, scale, need_lse, window=0, causal=True):
