@@ -91,6 +91,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def app_fixture(settings: dict):
+    """(port, base URL, a module-scoped `server` fixture that runs the app there): a serve suite's
+    `PORT, BASE, server = app_fixture(SETTINGS)`."""
+    import pytest
+
+    port = free_port()
+
+    @pytest.fixture(scope="module")
+    def server():
+        with served_app(settings, port) as handle:
+            yield handle
+
+    return port, f"http://127.0.0.1:{port}", server
+
+
 @contextmanager
 def served_app(settings: dict, port: int) -> Iterator:
     """The real Serve app (deploy.app) on a fresh local Ray, HTTP on 127.0.0.1:`port`; yields the
@@ -108,3 +123,14 @@ def served_app(settings: dict, port: int) -> Iterator:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# The served tiny pair of the serve suites (test_serve.py, test_serve_ingress.py)
+SERVE_TARGET, SERVE_DRAFT = "random:llama-tiny", "random:llama-tiny-draft"
+SERVE_SETTINGS = dict(target=SERVE_TARGET, draft=SERVE_DRAFT, num_gpus=0, dtype="float32", tree_nodes=8, tree_depth=4,
+                      tree_topk=2, prefill_chunk=32, retrieval_chunk_size=8, retrieval_top_k=4, retrieval_every=2,
+                      max_prompt_tokens=256, max_new_tokens=256, max_concurrent_sessions=4,
+                      max_queued_requests=12, draft_overlap=True,  # overlapped drafting: lossless, every check holds
+                      max_request_bytes=4 << 20, request_read_timeout_s=3)
+# 90 tokens: above the CMR budget (32 tokens) and prefilled in 3 chunks, other sessions' steps between
+SERVE_PROMPT = "The quick brown fox jumps over the lazy dog. " * 2

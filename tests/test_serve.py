@@ -5,7 +5,6 @@ official `openai` client. Served output must equal the in-process greedy AR engi
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,31 +14,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specextend.config import EngineConfig, SamplingParams
 
-from helpers import free_port, served_app
+from helpers import SERVE_DRAFT, SERVE_PROMPT, SERVE_SETTINGS, SERVE_TARGET, app_fixture
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-
-
-
-PORT = free_port()
-BASE = f"http://127.0.0.1:{PORT}"
-TARGET, DRAFT = "random:llama-tiny", "random:llama-tiny-draft"
-SETTINGS = dict(target=TARGET, draft=DRAFT, num_gpus=0, dtype="float32", tree_nodes=8, tree_depth=4,
-                tree_topk=2, prefill_chunk=32, retrieval_chunk_size=8, retrieval_top_k=4, retrieval_every=2,
-                max_prompt_tokens=256, max_new_tokens=256, max_concurrent_sessions=4,
-                max_queued_requests=12, draft_overlap=True,  # overlapped drafting: lossless, so every check holds
-                max_request_bytes=4 << 20, request_read_timeout_s=3)
-# 90 tokens: above the CMR budget (32 tokens) and prefilled in 3 chunks, other sessions' steps between
-PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
+TARGET, DRAFT, SETTINGS, PROMPT = SERVE_TARGET, SERVE_DRAFT, SERVE_SETTINGS, SERVE_PROMPT
+PORT, BASE, server = app_fixture(SETTINGS)
 
 
 # ------------------------------------------------------------------ fixtures
-
-@pytest.fixture(scope="module")
-def server():
-    with served_app(SETTINGS, PORT) as handle:
-        yield handle
 
 
 @pytest.fixture(scope="module")
@@ -403,135 +386,3 @@ def test_chat_content_is_text_not_special_tokens(client, reference):
                                          max_tokens=2, temperature=0, extra_body={"return_token_ids": True})
     assert dev.model_extra["prompt_token_ids"] == chat_ids(reference.tokenizer,
                                                            [{"role": "system", "content": "Be brief."}])
-
-
-def test_head_health(server):
-    r = httpx.head(f"{BASE}/health")
-    assert r.status_code == 200 and r.content == b""
-
-
-def test_oversized_body_is_413(server):
-    big = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
-    r = httpx.post(f"{BASE}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text
-    chunked = httpx.post(f"{BASE}/v1/completions", content=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
-                         headers={"content-type": "application/json"}, timeout=60)  # no Content-Length: counted
-    assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "invalid_request_error"
-
-
-def _raw_post(body: bytes, content_length: int, wait_s: float = 60) -> bytes:
-    import socket
-
-    with socket.create_connection(("127.0.0.1", PORT), timeout=wait_s) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (content_length, body))
-        reply = b""
-        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-        return reply
-
-
-def test_short_body_times_out_with_408(server):
-    """A body shorter than its Content-Length (or a client that stalls) gets a 408 after
-    request_read_timeout_s (3 s here), not a connection held open forever."""
-    reply = _raw_post(b'{"prompt": "x"', 100)
-    head, _, body = reply.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408"), reply[:300]
-    assert b'"code":408' in body
-    ok = _raw_post(b'{"prompt": "x", "max_tokens": 1}', len(b'{"prompt": "x", "max_tokens": 1}'))
-    assert ok.startswith(b"HTTP/1.1 200"), ok[:300]
-
-
-def test_long_prompt_tokenizes_off_the_event_loop(server):
-    """While megabytes of text are tokenized (then refused: too long), the replica keeps serving:
-    a short request sent after the long one finishes first."""
-    done = []
-
-    def post(body):
-        r = httpx.post(f"{BASE}/v1/completions", json=body, timeout=120)
-        done.append((body["max_tokens"], r.status_code))
-
-    with ThreadPoolExecutor(2) as pool:
-        big = pool.submit(post, {"prompt": "lorem ipsum " * 300_000, "max_tokens": 2})
-        time.sleep(1.0)  # the long prompt is being tokenized by now (it takes seconds)
-        small = pool.submit(post, {"prompt": "short", "max_tokens": 1, "temperature": 0})
-        big.result(), small.result()
-    assert done == [(1, 200), (2, 400)], done
-
-
-def _replica_rss() -> int:
-    import psutil
-
-    procs = [p for p in psutil.Process().children(recursive=True)
-             if "ServeReplica:specextend:SpecExtend" in " ".join(p.cmdline())]
-    assert len(procs) == 1, procs
-    return procs[0].memory_info().rss
-
-
-def test_oversized_token_id_prompts_stay_out_of_the_replica(server):
-    """Token-id prompts over max_prompt_tokens are refused at the ingress: the replica's memory
-    stays flat (it grew by megabytes per such request when the replica decoded and refused them)."""
-    body = b'{"prompt": [' + b",".join([b"1"] * 1_500_000) + b'], "max_tokens": 1}'
-    httpx.post(f"{BASE}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
-    before = _replica_rss()
-    for _ in range(12):
-        r = httpx.post(f"{BASE}/v1/completions", content=body, headers={"content-type": "application/json"},
-                       timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-    grown = (_replica_rss() - before) / 2**20
-    assert grown < 24, f"the replica grew by {grown:.0f} MiB"
-
-
-def test_metrics_gauges_are_current(server):
-    """num_requests_running reads 0 soon after the last request (published after the slot is
-    released); a replica that stopped publishing (killed) is left out and its entry deleted."""
-    import json
-
-    from ray.experimental import internal_kv
-
-    from specextend.serving import metrics as m
-
-    for _ in range(2):
-        httpx.post(f"{BASE}/v1/completions", json={"prompt": "gauge", "max_tokens": 2}, timeout=60)
-        deadline = time.time() + 3
-        while "specextend_num_requests_running 0.0" not in httpx.get(f"{BASE}/metrics").text:
-            assert time.time() < deadline, "num_requests_running still reads a finished request"
-            time.sleep(0.1)
-    dead = m.ReplicaMetrics(use_ray=False)
-    dead.set("specextend_num_requests_running", 5)
-    key = m.KV_PREFIX + "killed-replica"
-    internal_kv._internal_kv_put(key, json.dumps({"ts": time.time() - 15, "text": dead.exposition()}).encode(),
-                                 overwrite=True, namespace=m.KV_NAMESPACE)
-    assert "specextend_num_requests_running 0.0" in httpx.get(f"{BASE}/metrics").text
-    assert not internal_kv._internal_kv_exists(key, namespace=m.KV_NAMESPACE)
-
-
-def test_client_errors_and_disconnects_log_no_tracebacks(server):
-    """A request's own errors (4xx) and a client that leaves mid-stream are not server errors:
-    no ERROR lines, no tracebacks in the ingress's or the replica's logs."""
-    import glob
-
-    import ray
-
-    logs = ray._private.worker._global_node.get_logs_dir_path()
-    files = glob.glob(f"{logs}/serve/replica_specextend_*.log") + glob.glob(f"{logs}/worker-*.err")
-    sizes = {f: os.path.getsize(f) for f in files}
-    for body in ({"prompt": "x", "speculative_decoding": {"max_tree_nodes": 9}}, {"prompt": "x" * 300}):
-        assert httpx.post(f"{BASE}/v1/completions", json=body, timeout=30).status_code == 400
-    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{BASE}/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        for _ in range(3):
-            next(lines)
-    time.sleep(5)  # the replica notices the cancel; logs are flushed
-    new = ""
-    for f in files:
-        with open(f, errors="replace") as fh:
-            fh.seek(sizes[f])
-            new += fh.read()
-    bad = [line for line in new.splitlines() if line.startswith("ERROR") or "Traceback" in line
-           or "ExceptionGroup" in line]
-    assert not bad, "\n".join(bad[:10])

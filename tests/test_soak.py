@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from helpers import free_port, served_app
+from helpers import app_fixture
 
 pytestmark = [pytest.mark.serve, pytest.mark.soak, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -28,14 +28,7 @@ SETTINGS = dict(target=TARGET, draft=DRAFT, num_gpus=0, dtype="float64", tree_no
 
 
 
-PORT = free_port()
-BASE = f"http://127.0.0.1:{PORT}"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with served_app(SETTINGS, PORT) as handle:
-        yield handle
+PORT, BASE, server = app_fixture(SETTINGS)
 
 
 @pytest.fixture(scope="module")
