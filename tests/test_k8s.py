@@ -244,9 +244,13 @@ def test_dockerfile_installs_project_and_bakes_models():
     text = DOCKERFILE.read_text()
     assert re.search(r"pip install \"torch==\$\{TORCH_VERSION\}\"", text)
     assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, re.M), "pin torch"
-    assert re.search(r"pip install \. ", text)
+    assert re.search(r'pip install "\.\$\{extra\}" ', text)
     assert "specextend fetch-models" in text
     assert re.search(r"^ARG FETCH_MODELS=1$", text, re.M)
+    # the GPU image has flash-attn-4 (the [flash] extra); the CPU variant's instructions leave it out
+    assert re.search(r"^ARG WITH_FLASH=1$", text, re.M) and 'extra="[flash]"' in text
+    assert "flash" in ks.pyproject()["optional-dependencies"]
+    assert "--build-arg WITH_FLASH=0" in text
 
 
 @pytest.mark.parametrize("name", NAMES)
