@@ -7,7 +7,7 @@ loads the weights that process needs (the replica the target's, the draft actor 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 from specextend.config import EngineConfig
 from specextend.draft.base import DraftSessionParams
@@ -55,13 +55,9 @@ def _load(meta: ModelMeta, config: EngineConfig, **kw) -> LoadedModel:
 
 
 def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft"),
-              checked: Optional[Callable[[], None]] = None) -> tuple[Optional[LoadedModel], Optional[LoadedModel]]:
-    """Checks the pair, calls `checked()` if given (the replica starts its draft actor there, so
-    that the two load their weights at once), then loads the weights of the `roles` asked for
-    (None for the others)."""
+              ) -> tuple[Optional[LoadedModel], Optional[LoadedModel]]:
+    """Checks the pair, then loads the weights of the `roles` asked for (None for the others)."""
     target_meta, draft_meta = read_pair(config)
-    if checked is not None:
-        checked()
     target = _load(target_meta, config) if "target" in roles else None
     draft = None
     if draft_meta is not None and "draft" in roles:

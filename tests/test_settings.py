@@ -199,22 +199,3 @@ def test_a_mismatched_pair_is_refused_before_deploying(tmp_path):
     with pytest.raises(IncompatibleModels, match="tokenizer mismatch"):
         load_pair(EngineConfig(target="random:llama-tiny", draft=folder, device="cpu"), roles=("draft",))
     specextend({**TINY, "draft": folder, "num_gpus": 0, "mode": "ar"})  # no draft in ar mode: fine
-
-
-def test_load_pair_calls_checked_after_the_check_and_before_any_weights(tmp_path, monkeypatch):
-    """The replica starts its draft actor from `checked`, so the two load their weights at once;
-    a pair that fails the check starts nothing."""
-    from specextend import builder
-    from specextend.config import EngineConfig
-
-    events = []
-    load = builder._load
-    monkeypatch.setattr(builder, "_load", lambda meta, *a, **kw: events.append(meta.role) or load(meta, *a, **kw))
-    pair = EngineConfig(target="random:llama-tiny", draft="random:llama-tiny-draft", device="cpu")
-    target, draft = builder.load_pair(pair, roles=("target",), checked=lambda: events.append("checked"))
-    assert events == ["checked", "target"] and target is not None and draft is None
-    events.clear()
-    bad = EngineConfig(target="random:llama-tiny", draft=str(tiny_hf_folder(tmp_path / "other")), device="cpu")
-    with pytest.raises(builder.IncompatibleModels):
-        builder.load_pair(bad, roles=("target",), checked=lambda: events.append("checked"))
-    assert events == []

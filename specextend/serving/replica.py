@@ -85,13 +85,13 @@ class SpecExtendReplica:
         self.draft_actor = None
         self._draft_token = new_token()  # this replica's draft accepts only this replica (*Wire protocol*)
 
-        def start_draft() -> None:
+        if s.uses_draft:
+            # first thing: the draft actor's process starts, imports, checks the pair again and loads
+            # while this one reads the pair and loads the target (the app builder refused a
+            # mismatched pair before deploying; docs/architecture.md, "Deployment")
             self._draft_created_at = time.time()
             self.draft_actor = self._start_draft_actor()
-
-        # the pair is checked before any weights load; the draft actor then loads the draft's
-        # weights while this process loads the target's (docs/architecture.md, "Deployment")
-        self.target, _ = load_pair(cfg, roles=("target",), checked=start_draft if s.uses_draft else None)
+        self.target, _ = load_pair(cfg, roles=("target",))
         t_target = time.perf_counter()
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
