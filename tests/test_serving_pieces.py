@@ -53,3 +53,16 @@ def test_metrics_merge_sums_replicas():
     text = merge_expositions([a.exposition(), b.exposition()])
     assert "specextend_spec_decode_num_accepted_tokens_total 6.0" in text
     assert 'specextend_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0' in text
+
+
+def test_the_replica_and_draft_actor_modules_import_no_torch():
+    """Serve imports a replica's class module before its constructor runs, and Ray the draft
+    actor's: neither may import torch or transformers (seconds), so that the replica starts its
+    draft actor before its own heavy imports and the two processes import at once."""
+    import subprocess
+    import sys
+
+    code = ("import sys, specextend.serving.replica, specextend.serving.draft_actor; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -4,8 +4,19 @@ client.GrpcDraftBackend is the DraftBackend the target calls; server.DraftServic
 DraftBackend (the in-process draft worker in production); errors.py maps status codes to DraftError.
 """
 
-from specextend.rpc.client import DraftHealth, GrpcDraftBackend
-from specextend.rpc.server import DraftServerThread, DraftServicer, start_draft_server
+import importlib
+
+# imported on first use (PEP 562), so that `specextend.rpc.auth` alone stays light: the replica
+# makes its draft actor's token before it imports torch (docs/architecture.md, "Deployment")
+_WHERE = {"DraftHealth": "client", "GrpcDraftBackend": "client", "DraftServerThread": "server",
+          "DraftServicer": "server", "start_draft_server": "server"}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"specextend.rpc.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DraftHealth",

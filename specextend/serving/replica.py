@@ -25,20 +25,29 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from specextend.config import SamplingParams
-from specextend.engine import Engine, RequestError, RequestStats
 from specextend.models.chat import encode_chat
 from specextend.rpc.auth import new_token
-from specextend.scheduler import Batcher, Load
 from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
 from specextend.serving.draft_actor import DraftActor
 from specextend.serving.errors import APIError, BadRequestError
-from specextend.serving.pump import EngineThread, SessionPump
 from specextend.serving.settings import MODEL_CPUS, AppSettings
 from specextend.serving.textstream import TextStream
-from specextend.warmup import warm_up
 
 log = logging.getLogger(__name__)
+
+# The engine side (torch, transformers: seconds of imports) is imported by the replica's constructor
+# after it has started its draft actor, so that the two processes' imports overlap
+# (docs/architecture.md, "Deployment"); this module itself imports none of it.
+Engine = RequestError = RequestStats = Batcher = Load = EngineThread = SessionPump = warm_up = None
+
+
+def import_engine_side() -> None:
+    global Engine, RequestError, RequestStats, Batcher, Load, EngineThread, SessionPump, warm_up
+    from specextend.engine import Engine, RequestError, RequestStats
+    from specextend.scheduler import Batcher, Load
+    from specextend.serving.pump import EngineThread, SessionPump
+    from specextend.warmup import warm_up
 
 DRAFT_MAX_RESTARTS = 3  # Ray restarts of one draft actor; after that a new actor is started
 DRAFT_START_TIMEOUT_S = 600.0  # loading a draft model (real models on a slow disk take minutes)
@@ -91,6 +100,7 @@ class SpecExtendReplica:
             # mismatched pair before deploying; docs/architecture.md, "Deployment")
             self._draft_created_at = time.time()
             self.draft_actor = self._start_draft_actor()
+        import_engine_side()
         self.target, _ = load_pair(cfg, roles=("target",))
         t_target = time.perf_counter()
         self.tokenizer = self.target.tokenizer
