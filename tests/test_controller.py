@@ -283,7 +283,7 @@ def test_policy_metrics_and_response_fields():
     from specextend.engine import RequestStats
     from specextend.serving.metrics import ReplicaMetrics
     from specextend.serving.protocol import SpeculativeDecoding
-    from specextend.serving.replica import spec_decoding
+    from specextend.serving.protocol import spec_decoding
 
     stats = RequestStats(num_steps=3, accepted_per_step=[2, 0, 1], nodes_per_step=[16, 4, 4], draft_tokens=24,
                          plain_steps=5, probe_steps=1, num_generated=11)

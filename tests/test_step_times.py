@@ -95,7 +95,7 @@ def test_engine_over_the_step_channel_splits_its_wait(tiny_models):
 def test_metrics_and_response_carry_the_split():
     from specextend.serving.metrics import ReplicaMetrics
     from specextend.serving.protocol import SpeculativeDecoding
-    from specextend.serving.replica import spec_decoding
+    from specextend.serving.protocol import spec_decoding
 
     st = RequestStats(num_steps=2, wait_per_step=[0.004, 0.006], server_per_step=[0.003, 0.004],
                       queued_per_step=[0.001, 0.0005], draft_s=0.010)

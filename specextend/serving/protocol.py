@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from specextend.serving.errors import BadRequestError
+
+if TYPE_CHECKING:  # the ingress imports this module and never torch
+    from specextend.engine import RequestStats
 
 
 def _omit_none(value: Any) -> bool:
@@ -181,6 +184,26 @@ class SpeculativeDecoding(BaseModel):
     probe_steps: int = 0  # steps with the largest tree taken to re-measure it (tree_policy=adaptive)
     mean_tree_nodes: float = 0.0  # draft nodes verified per speculative step (the trees chosen)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
+
+
+def spec_decoding(stats: RequestStats) -> dict:
+    """A SpeculativeDecoding object's fields from a request's engine.RequestStats."""
+    steps = max(stats.num_steps, 1)
+    out = {"mean_acceptance_length": stats.mean_acceptance_length, "num_steps": stats.num_steps,
+           "retrieval_refreshes": stats.retrieval_refreshes,
+           "draft_cache_tokens": stats.draft_cache_tokens, "fallback": stats.fallback,
+           "draft_ms_per_step": 1e3 * stats.draft_s / steps,  # includes the gRPC round trip
+           "verify_ms_per_step": 1e3 * stats.verify_s / steps,
+           "target_wait_ms_per_step": stats.target_wait_ms_per_step,
+           "transport_ms_per_step": stats.transport_ms_per_step,
+           "draft_queue_ms_per_step": stats.draft_queue_ms_per_step,
+           "tree_ready_fraction": stats.tree_ready_fraction, "draft_ahead_depth": stats.draft_ahead_depth,
+           "prepared_fraction": stats.prepared_steps / steps if stats.num_steps else 0.0,
+           "plain_steps": stats.plain_steps, "probe_steps": stats.probe_steps,
+           "mean_tree_nodes": stats.mean_tree_nodes}
+    if stats.replayed:
+        out["replayed"] = True
+    return out
 
 
 class CompletionChoice(BaseModel):

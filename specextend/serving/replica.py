@@ -31,6 +31,7 @@ from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
 from specextend.serving.draft_actor import DraftActor
 from specextend.serving.errors import APIError, BadRequestError
+from specextend.serving.protocol import spec_decoding
 from specextend.serving.settings import MODEL_CPUS, AppSettings
 from specextend.serving.textstream import TextStream
 
@@ -53,26 +54,6 @@ DRAFT_MAX_RESTARTS = 3  # Ray restarts of one draft actor; after that a new acto
 DRAFT_START_TIMEOUT_S = 600.0  # loading a draft model (real models on a slow disk take minutes)
 CPU_KV_FRACTION = 0.25  # default KV budget on CPU: this share of the host's memory
 GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory after warm-up
-
-
-def spec_decoding(stats: RequestStats) -> dict:
-    """The per-response `speculative_decoding` object."""
-    steps = max(stats.num_steps, 1)
-    out = {"mean_acceptance_length": stats.mean_acceptance_length, "num_steps": stats.num_steps,
-           "retrieval_refreshes": stats.retrieval_refreshes,
-           "draft_cache_tokens": stats.draft_cache_tokens, "fallback": stats.fallback,
-           "draft_ms_per_step": 1e3 * stats.draft_s / steps,  # includes the gRPC round trip
-           "verify_ms_per_step": 1e3 * stats.verify_s / steps,
-           "target_wait_ms_per_step": stats.target_wait_ms_per_step,
-           "transport_ms_per_step": stats.transport_ms_per_step,
-           "draft_queue_ms_per_step": stats.draft_queue_ms_per_step,
-           "tree_ready_fraction": stats.tree_ready_fraction, "draft_ahead_depth": stats.draft_ahead_depth,
-           "prepared_fraction": stats.prepared_steps / steps if stats.num_steps else 0.0,
-           "plain_steps": stats.plain_steps, "probe_steps": stats.probe_steps,
-           "mean_tree_nodes": stats.mean_tree_nodes}
-    if stats.replayed:
-        out["replayed"] = True
-    return out
 
 
 def draft_client(settings: AppSettings, address: str, token: str):
