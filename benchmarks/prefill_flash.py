@@ -23,23 +23,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specextend.attention.backends import get_backend
+from specextend.bench.kernels import timed  # median wall time, the device synchronized around each call
 from specextend.bench.record import meta
 from specextend.models.loader import load_model
 from specextend.target import TargetSession
 
-
-def cuda_time(fn, reps: int) -> float:
-    """Median seconds of fn() by CUDA events, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+CUDA = torch.device("cuda")
 
 
 def attention_rows(h: int, g: int, d: int, lengths: list[int], reps: int) -> list[dict]:
@@ -51,8 +40,8 @@ def attention_rows(h: int, g: int, d: int, lengths: list[int], reps: int) -> lis
         v = torch.randn(g, n, d, device="cuda", dtype=torch.bfloat16)
         kr, vr = k.repeat_interleave(h // g, 0)[None], v.repeat_interleave(h // g, 0)[None]  # [1, H, N, D]
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            sdpa = cuda_time(lambda: F.scaled_dot_product_attention(q[None], kr, vr, is_causal=True), reps)
-        fa = cuda_time(lambda: flash.attend_end_causal(q, k, v, d ** -0.5, False), reps)
+            sdpa = timed(lambda: F.scaled_dot_product_attention(q[None], kr, vr, is_causal=True), CUDA, reps, 1)
+        fa = timed(lambda: flash.attend_end_causal(q, k, v, d ** -0.5, False), CUDA, reps, 1)
         flops = 4 * h * d * n * n / 2  # causal: half the score matrix, QK^T and PV
         rows.append(dict(tokens=n, sdpa_ms=1e3 * sdpa, flash_ms=1e3 * fa, speedup=sdpa / fa,
                          flash_tflops=flops / fa / 1e12))

@@ -67,7 +67,8 @@ FAMILIES = {
     "specextend_inter_token_latency_seconds": ("histogram", "Time between streamed tokens.", ()),
     "specextend_replica_starts": ("counter", "Replica starts that reached ready (the first and every restart).", ()),
     "specextend_replica_startup_seconds": (
-        "counter", "Seconds from a replica's start to ready, by phase: target (loading its weights), draft (then "
+        "counter", "Seconds from a replica's start to ready, by phase: target (the engine's imports, the pair's "
+        "check, its weights), draft (then "
         "waiting for the draft actor), warm_up (every shape captured, kernels compiled); divide by replica_starts.",
         ("phase",)),
     "specextend_draft_actor_startup_seconds": (
