@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--execution", default="auto", choices=("auto", "graphs", "eager"))
     ap.add_argument("--skinny", default="auto", choices=("auto", "on", "off"),
                     help="the skinny linear kernels in the full-step graphs (auto: the loader's choice)")
+    ap.add_argument("--persistent", default="auto", choices=("auto", "on", "off"),
+                    help="a decoder layer per launch (models/persistent.py; auto: the loader's choice)")
     ap.add_argument("--trace", help="a folder: write each step kind's chrome trace there (.json.gz)")
     ap.add_argument("--accepted", type=int, default=1, help="tokens the draft step commits (1: the bonus only)")
     ap.add_argument("--wall-reps", type=int, default=0, help="also time this many draft steps without the profiler")
@@ -79,11 +81,15 @@ def main():
     kw = dict(execution=a.execution)
     target = load_model(a.target, "target", **kw)
     draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, **kw)
-    if a.skinny != "auto":
+    if a.skinny != "auto" or a.persistent != "auto":
         from specextend.models.full_graphs import FullStepGraphs
+        from specextend.models.loader import persistent_kernels_supported, skinny_kernels_supported
 
         for m in (target, draft):
-            m.decoder.graphs = FullStepGraphs(m.decoder, fused=True, skinny=a.skinny == "on")
+            d = m.decoder
+            skinny = skinny_kernels_supported(d) if a.skinny == "auto" else a.skinny == "on"
+            persist = persistent_kernels_supported(d) if a.persistent == "auto" else a.persistent == "on"
+            d.graphs = FullStepGraphs(d, fused=True, skinny=skinny, persistent=persist)
     prompt = torch.randint(0, 256, (a.length,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     sess = TargetSession(target.decoder, a.length + 64, hybrid=True)
@@ -126,7 +132,8 @@ def main():
                 times.append((time.perf_counter() - t0) * 1e3)
             out[name]["wall_ms_unprofiled"] = statistics.median(times)
             print(f"{name}: {statistics.median(times):.2f} ms median wall without the profiler ({a.wall_reps} steps)")
-    print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, draft=a.draft, **out)))
+    print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, draft=a.draft,
+                          persistent=a.persistent, **out)))
 
 
 if __name__ == "__main__":

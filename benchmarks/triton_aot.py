@@ -40,6 +40,8 @@ from specextend.models import _triton_skinny as SK  # noqa: E402
 from specextend.models.skinny import config as skinny_config  # noqa: E402
 from specextend.models.skinny import k_slice as skinny_slice, streamed_tile as skinny_streamed  # noqa: E402
 from specextend.draft import _triton_topk as TK  # noqa: E402
+from specextend.models import _triton_persist as PER  # noqa: E402
+from specextend.models.persistent import MAX_ROWS as PERSIST_ROWS  # noqa: E402
 from specextend.draft.vocab_topk import BLOCK as TOPK_BLOCK, MAX_W  # noqa: E402
 
 # name: (H, G, D, intermediate) of the presets (models/presets.py)
@@ -115,6 +117,19 @@ def kernels_for(geo: str, call: str, dt: str):
             K=k, N=n, NORM=norm, BIAS=bias, GLU=glu, RESIDUAL=res, IEEE=dt == "fp32", BT=sc["BT"], BN=st.bn,
             KS=ks, BK=st.bk, SPLIT=split, STAGES=st.stages, BKX=sc["BKX"], PDL=True), dict(
             num_warps=st.warps, launch_pdl=True)
+    if t <= PERSIST_ROWS:  # the persistent layer kernel (models/persistent.py), all stages in one launch
+        bc = min(16, max(16, _pow2(d // 2)))
+        pointers = ("x nw1 wqkv bqkv cos sin q k v kp kv kt vt attn wo nw2 wgu act wd").split()
+        strides = dict(skg=n * d, skt=d, svg=n * d, svt=d, spg=t * d, spt=d, stg=n * d, stn=d, svtg=n * d, svtn=d)
+        args = {**{f"{x}_ptr": (p, 0) for x in pointers}, **{k: ("i32", v) for k, v in strides.items()},
+                "meta_ptr": ("*i64", 0), "layer": ("i32", 3), "outp_ptr": ("*fp32", 0), "lsep_ptr": ("*fp32", 0),
+                "bias_ptr": ("*fp32", 0), "lse_ptr": ("*fp32", 0), "sync_ptr": ("*i32", 0), "eps": ("fp32", 0),
+                "scale_log2": ("fp32", 0)}
+        yield "layer_kernel", PER.layer_kernel, args, dict(
+            T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=inter, N=n, S=splits, SP=cc["sp"], BT=max(16, _pow2(t)), BC=bc,
+            BN=16, BK=128, PBM=c["bm"], PBN=c["block_n"], MIN_CHUNK=MIN_CHUNK, CBM=cc["bm"], CBN=cc["bn"], DC=cc["dc"],
+            SB=cc["sb"], HAS_BIAS=True, STORE_PRE=call == "draft-level", NEED_LSE=call == "ar", IEEE=dt == "fp32",
+            INTERPRET=False, STAGE=-1), dict(num_warps=cc["warps"], launch_cooperative_grid=True)
     yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(
         E=e, BLOCK=_pow2(e)), dict(num_warps=max(1, min(16, _pow2(e) // 512)))
 

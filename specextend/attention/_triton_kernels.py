@@ -44,9 +44,17 @@ def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer
     if PDL:  # nothing to load before the wait: PDL hides the launch gap (specextend/pdl.py)
         gdc_launch_dependents()
         gdc_wait()
-    mb = tl.program_id(0)
-    s = tl.program_id(1)
-    g = tl.program_id(2)
+    prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
+                 tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                 G, D, DP, SPLITS, BLOCK_M, BLOCK_N, MIN_CHUNK, IEEE, INTERPRET)
+
+
+@triton.jit
+def prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M, mb, s, g,
+                 G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Row block mb of KV head g over split s of the committed keys (prefix_partials' one program;
+    also a work item of the persistent layer kernel, models/_triton_persist.py)."""
     idx = tl.arange(0, 4)
     mv = tl.load(meta_ptr + idx)  # [4] (offset, L, capacity, unused): scalars by reduction
     # cache.data - kv_ptr in elements, a multiple of 16 (cache_meta): written as // 16 * 16 so that the

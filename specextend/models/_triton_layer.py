@@ -58,9 +58,20 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     if PDL:  # nothing to load before the wait: PDL hides the launch gap (specextend/pdl.py)
         gdc_launch_dependents()
         gdc_wait()
-    mb = tl.program_id(0)
-    g = tl.program_id(1)
-    c = tl.program_id(2)
+    combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
+                  stride_kg, stride_kn, stride_vg, stride_vn, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                  tl.num_programs(1), T, R, N, S, SP, D, DP, DC, BLOCK_M, BLOCK_N, SB, NEED_LSE, IEEE, INTERPRET)
+
+
+@triton.jit
+def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
+                  stride_kg, stride_kn, stride_vg, stride_vn, mb, g, c, NG,
+                  T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                  D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """tree_combine's program (mb, g, c) of NG KV heads (also a work item of the persistent layer
+    kernel, models/_triton_persist.py)."""
     M: tl.constexpr = R * T
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, DP)  # [DP] all head dims (scores)
@@ -121,7 +132,7 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     j = offs_m // T
     t = offs_m % T
-    dst = t * (R * tl.num_programs(1) * D) + (g * R + j) * D  # [T, H, D] layout: o-proj input
+    dst = t * (R * NG * D) + (g * R + j) * D  # [T, H, D] layout: o-proj input
     tl.store(out_ptr + dst[:, None] + offs_c[None, :], out.to(out_ptr.dtype.element_ty), mask=io)
     if NEED_LSE:
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))

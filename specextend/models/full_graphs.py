@@ -24,6 +24,7 @@ import torch
 from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
                                                  triton_available)
 from specextend.kv_cache import KVCache
+from specextend.models import persistent as persistent_mod
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan
 from specextend.models.transfer import copy_from_host
 
@@ -53,8 +54,12 @@ def launch_pieces(steps: int, split: bool = True) -> list[range]:
 
 class FullStepGraphs(StepGraphs):
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False,
-                 fused: bool = False, split_launch: bool = True, skinny: bool = False):
+                 fused: bool = False, split_launch: bool = True, skinny: bool = False, persistent: bool = False):
         super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile, fused=fused, skinny=skinny)
+        if persistent and not persistent_mod.supported(model):
+            raise ValueError("the persistent layer kernel takes half-precision or float32 models without QK-norm")
+        self.persistent = persistent  # a layer per launch (persistent.py) for plans of <= MAX_ROWS queries
+        self.persist_launch = model.device.type == "cuda"  # False: its twin, one launch per stage
         self.pieces = launch_pieces(model.args.num_layers + 1, split_launch)
         dev = model.device
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
@@ -71,8 +76,14 @@ class FullStepGraphs(StepGraphs):
     def _set_meta(self, p: _Plan, cache: KVCache, L: int) -> None:
         copy_from_host(p.meta, cache_meta(cache.data, self.anchor, L))  # pinned: no wait for queued work
 
+    def _persists(self, p: _Plan) -> bool:
+        return self.persistent and p.key.t <= persistent_mod.MAX_ROWS
+
     def _body(self, p: _Plan, steps: range | None = None) -> None:
         n = self.model.args.num_layers
+        if self._persists(p):
+            persistent_mod.body(self, p, steps or range(n + 1), self.persist_launch)
+            return
         for i in steps or range(n + 1):
             self._segment(p, i)
             if i < n:
@@ -96,6 +107,8 @@ class FullStepGraphs(StepGraphs):
         p.lse_p = torch.zeros(g, s, rows, dtype=torch.float32, device=dev)  # [G, S, R*T]
         p.meta = torch.zeros(4, dtype=torch.int64, device=dev)  # cache offset, L, capacity, 0 (cache_meta)
         self._set_meta(p, cache, cache.length)
+        if self._persists(p):
+            persistent_mod.new_buffers(p, m)
         return p
 
     def _build(self, key: ShapeKey, cache: KVCache) -> _Plan:

@@ -190,7 +190,8 @@ def attach_plan(decoder: Decoder, execution: str = "auto") -> None:
 
     if full_graphs_supported(decoder):
         fused = fused_kernels_supported(decoder)
-        decoder.graphs = FullStepGraphs(decoder, fused=fused, skinny=fused and skinny_kernels_supported(decoder))
+        decoder.graphs = FullStepGraphs(decoder, fused=fused, skinny=fused and skinny_kernels_supported(decoder),
+                                        persistent=fused and persistent_kernels_supported(decoder))
     else:
         decoder.graphs = StepGraphs(decoder)
 
@@ -199,6 +200,15 @@ def fused_kernels_supported(decoder: Decoder) -> bool:
     """The Triton-fused layer kernels (fused_layer.py) cover every half-precision and float32 model
     the full-step graphs take (H100, 2026-11-23: 8B verify at 16K 11.60 -> 9.64 ms)."""
     return decoder.dtype != torch.float64
+
+
+def persistent_kernels_supported(decoder: Decoder) -> bool:
+    """A decoder layer per launch (persistent.py) for the decode-time forwards of <= 16 queries:
+    half-precision models without QK-norm, on CUDA. Off until measured (see docs/architecture.md,
+    "Kernels")."""
+    from specextend.models import persistent
+
+    return False and decoder.device.type == "cuda" and decoder.dtype != torch.float32 and persistent.supported(decoder)
 
 
 def skinny_kernels_supported(decoder: Decoder) -> bool:
