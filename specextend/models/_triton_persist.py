@@ -47,7 +47,7 @@ def _grid_sync(sync_ptr, target):
 def _rstd(x_ptr, eps, offs_t, t_ok, E: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """1 / RMS of each row of x [T, E] -> [BT] float32."""
     ss = tl.zeros([BT], tl.float32)
-    for k0 in range(0, E, BK):
+    for k0 in tl.static_range(0, E, BK):  # unrolled: every chunk's load in flight at once
         offs_k = k0 + tl.arange(0, BK)
         xk = tl.load(x_ptr + offs_t[:, None] * E + offs_k[None, :], mask=t_ok[:, None] & (offs_k < E)[None, :],
                      other=0.0).to(tl.float32)
@@ -67,10 +67,10 @@ def _normed(x_ptr, nw_ptr, rstd, offs_t, t_ok, k0, E: tl.constexpr, BK: tl.const
 
 @triton.jit
 def _qkv_item(it, x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr,
-              skg, skt, svg, svt, spg, spt, eps,
+              skg, skt, svg, svt, spg, spt, rstd,
               T: tl.constexpr, E: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
               BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-              STORE_PRE: tl.constexpr, IEEE: tl.constexpr):
+              STORE_PRE: tl.constexpr, IEEE: tl.constexpr, KS: tl.constexpr):
     """Item `it` = (head j of the H + 2G, chunk c of its first half): columns j*D + [c*BC, c*BC + BC)
     and the same + D/2 (the pairs RoPE rotates together). As fused_layer.layer_pre: norm, QKV (+
     bias) rounded to the storage dtype, RoPE as rope_scatter (x * cos rounded, then + x_rot * sin)."""
@@ -83,10 +83,9 @@ def _qkv_item(it, x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v
     offs_c = c * BC + tl.arange(0, BC)  # [BC] dims of the first half
     c_ok = offs_c < HALF
     col = j * D + offs_c  # [BC] rows of w [(H + 2G) * D, E]
-    rstd = _rstd(x_ptr, eps, offs_t, t_ok, E, BT, BK)
     acc_lo = tl.zeros([BT, BC], tl.float32)
     acc_hi = tl.zeros([BT, BC], tl.float32)
-    for k0 in range(0, E, BK):
+    for k0 in tl.range(0, E, BK, num_stages=KS):
         xn, offs_k, k_ok = _normed(x_ptr, nw_ptr, rstd, offs_t, t_ok, k0, E, BK)  # [BT, BK]
         wm = k_ok[:, None] & c_ok[None, :]
         wl = tl.load(w_ptr + col[None, :] * E + offs_k[:, None], mask=wm, other=0.0)  # [BK, BC]
@@ -131,7 +130,7 @@ def _qkv_item(it, x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v
 
 @triton.jit
 def _linres_item(it, a_ptr, w_ptr, x_ptr, T: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, KS: tl.constexpr):
     """x[:, cols] += a [T, K] @ w[cols, :]^T for the BN columns of item `it`, in float32, rounded once
     (as x.addmm_(a, w.t()))."""
     offs_t = tl.arange(0, BT)
@@ -139,7 +138,7 @@ def _linres_item(it, a_ptr, w_ptr, x_ptr, T: tl.constexpr, K: tl.constexpr, N: t
     offs_n = it * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     acc = tl.zeros([BT, BN], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=KS):  # KS chunks of the weights in flight
         offs_k = k0 + tl.arange(0, BK)
         k_ok = offs_k < K
         a = tl.load(a_ptr + offs_t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
@@ -152,18 +151,17 @@ def _linres_item(it, a_ptr, w_ptr, x_ptr, T: tl.constexpr, K: tl.constexpr, N: t
 
 
 @triton.jit
-def _glu_item(it, x_ptr, nw_ptr, w_ptr, act_ptr, eps, T: tl.constexpr, E: tl.constexpr, I: tl.constexpr,
-              BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+def _glu_item(it, x_ptr, nw_ptr, w_ptr, act_ptr, rstd, T: tl.constexpr, E: tl.constexpr, I: tl.constexpr,
+              BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, KS: tl.constexpr):
     """act[:, cols] = silu(gate) * up for the BN columns of item `it`, gate/up = RMSNorm(x) @ w^T
     (w [2I, E]: gate rows, then up rows), each rounded as fused_layer's silu_mul does."""
     offs_t = tl.arange(0, BT)
     t_ok = offs_t < T
     offs_n = it * BN + tl.arange(0, BN)
     n_ok = offs_n < I
-    rstd = _rstd(x_ptr, eps, offs_t, t_ok, E, BT, BK)
     acc_g = tl.zeros([BT, BN], tl.float32)
     acc_u = tl.zeros([BT, BN], tl.float32)
-    for k0 in range(0, E, BK):
+    for k0 in tl.range(0, E, BK, num_stages=KS):
         xn, offs_k, k_ok = _normed(x_ptr, nw_ptr, rstd, offs_t, t_ok, k0, E, BK)
         wm = k_ok[:, None] & n_ok[None, :]
         wg = tl.load(w_ptr + offs_n[None, :] * E + offs_k[:, None], mask=wm, other=0.0)  # [BK, BN]
@@ -189,7 +187,7 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
                  PBM: tl.constexpr, PBN: tl.constexpr, MIN_CHUNK: tl.constexpr,
                  CBM: tl.constexpr, CBN: tl.constexpr, DC: tl.constexpr, SB: tl.constexpr,
                  HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr, NEED_LSE: tl.constexpr,
-                 IEEE: tl.constexpr, INTERPRET: tl.constexpr, STAGE: tl.constexpr):
+                 IEEE: tl.constexpr, INTERPRET: tl.constexpr, STAGE: tl.constexpr, KS: tl.constexpr):
     """One decoder layer (see the module docstring); shapes and layouts as persistent.run_layer's."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -203,11 +201,14 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
     N4: tl.constexpr = (E + BN - 1) // BN
     N5: tl.constexpr = (I + BN - 1) // BN
     ALL: tl.constexpr = STAGE < 0
+    offs_t = tl.arange(0, BT)
+    t_ok = offs_t < T
     if ALL or STAGE == 1:
+        rstd = _rstd(x_ptr, eps, offs_t, t_ok, E, BT, BK)  # once per program: x is the stage's input
         it = pid
         while it < N1:
             _qkv_item(it, x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr,
-                      skg, skt, svg, svt, spg, spt, eps, T, E, H, G, D, BT, BC, BK, HAS_BIAS, STORE_PRE, IEEE)
+                      skg, skt, svg, svt, spg, spt, rstd, T, E, H, G, D, BT, BC, BK, HAS_BIAS, STORE_PRE, IEEE, KS)
             it += P
     if ALL:
         _grid_sync(sync_ptr, P)
@@ -231,19 +232,20 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
     if ALL or STAGE == 4:
         it = pid
         while it < N4:
-            _linres_item(it, attn_ptr, wo_ptr, x_ptr, T, H * D, E, BT, BN, BK, IEEE)
+            _linres_item(it, attn_ptr, wo_ptr, x_ptr, T, H * D, E, BT, BN, BK, IEEE, KS)
             it += P
     if ALL:
         _grid_sync(sync_ptr, 4 * P)
     if ALL or STAGE == 5:
+        rstd = _rstd(x_ptr, eps, offs_t, t_ok, E, BT, BK)
         it = pid
         while it < N5:
-            _glu_item(it, x_ptr, nw2_ptr, wgu_ptr, act_ptr, eps, T, E, I, BT, BN, BK, IEEE)
+            _glu_item(it, x_ptr, nw2_ptr, wgu_ptr, act_ptr, rstd, T, E, I, BT, BN, BK, IEEE, KS)
             it += P
     if ALL:
         _grid_sync(sync_ptr, 5 * P)
     if ALL or STAGE == 6:
         it = pid
         while it < N4:
-            _linres_item(it, act_ptr, wd_ptr, x_ptr, T, I, E, BT, BN, BK, IEEE)
+            _linres_item(it, act_ptr, wd_ptr, x_ptr, T, I, E, BT, BN, BK, IEEE, KS)
             it += P

@@ -31,6 +31,7 @@ from specextend.models.fused_layer import _pow2, combine_config
 MAX_ROWS = 16  # queries per forward: one 16-row tile of the tensor-core dots
 BLOCK_COLS = 16  # output columns per work item of the projections
 BLOCK_K = 128  # reduction chunk of the projections
+K_STAGES = 4  # chunks of a projection's weights in flight per program (the loop's software pipeline)
 STAGES = 6
 
 
@@ -57,9 +58,10 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
               act: torch.Tensor,  # [T, I] scratch
               lse: Optional[torch.Tensor],  # [H, T] float32: the merged LSE out (cross-model retrieval)
               sync: torch.Tensor,  # [1] int32, zero: the grid barrier's counter
-              persistent: bool = True, programs: int = 0) -> None:
+              persistent: bool = True, programs: int = 0, only: int = 0) -> None:
     """Layer `layer` of a decode-time forward. persistent: one cooperative launch of `programs`
-    programs (0: one per multiprocessor); else the twin, one launch per stage."""
+    programs (0: one per multiprocessor); else the twin, one launch per stage (`only`: that stage
+    alone, for benchmarks/persistent_layer.py)."""
     from specextend.attention._triton_kernels import INTERPRETED
     from specextend.models._triton_persist import layer_kernel
 
@@ -85,13 +87,14 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
                   BC=bc, BN=BLOCK_COLS, BK=BLOCK_K, PBM=pc["bm"], PBN=pc["block_n"],
                   MIN_CHUNK=-(-MIN_CHUNK // pc["block_n"]) * pc["block_n"], CBM=cc["bm"], CBN=cc["bn"],
                   DC=cc["dc"], SB=cc["sb"], HAS_BIAS=lw.qkv_bias is not None, STORE_PRE=kpre_dst is not None,
-                  NEED_LSE=lse is not None, IEEE=ieee, INTERPRET=INTERPRETED, num_warps=cc["warps"])
+                  NEED_LSE=lse is not None, IEEE=ieee, KS=K_STAGES, INTERPRET=INTERPRETED, num_warps=cc["warps"])
     if persistent:
         progs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
         layer_kernel[(progs,)](*args, STAGE=-1, launch_cooperative_grid=True, **consts)
         return
     for stage, items in enumerate(stage_items(a, t, s, pc["bm"], cc["bm"], cc["dc"], bc), start=1):
-        layer_kernel[(items,)](*args, STAGE=stage, **consts)
+        if not only or stage == only:
+            layer_kernel[(items,)](*args, STAGE=stage, **consts)
 
 
 def stage_items(a: ModelArgs, t: int, s: int, pbm: int, cbm: int, dc: int, bc: int) -> list[int]:

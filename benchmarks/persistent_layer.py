@@ -1,0 +1,93 @@
+"""Device time of a decode-time forward's layers: the fused plan (ten kernels a layer) against the
+persistent layer kernel (models/persistent.py), and each of its stages alone (one launch per
+stage and layer), as CUDA graphs of every layer replayed, against the weights' floor.
+
+    python benchmarks/persistent_layer.py --model random:qwen2.5-0.5b --rows 4 --keys 1024
+
+Prints a table; the JSON on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from specextend.attention.backends import CAUSAL
+from specextend.bench.kernels import copy_bandwidth
+from specextend.models import persistent
+from specextend.models.decoder import ForwardOptions
+from specextend.models.full_graphs import FullStepGraphs
+from specextend.models.loader import load_model
+
+
+def replay_us(fn, reps: int) -> float:
+    """Median device time (us) of fn() captured as one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="random:qwen2.5-0.5b")
+    ap.add_argument("--rows", type=int, default=4, help="queries of the forward (a draft level: 4)")
+    ap.add_argument("--keys", type=int, default=1024, help="committed keys (the draft's retrieval cache: ~1K)")
+    ap.add_argument("--reps", type=int, default=50)
+    a = ap.parse_args()
+    dec = load_model(a.model, "draft", dtype="bfloat16", device="cuda", execution="eager").decoder
+    args, t = dec.args, a.rows
+    cache = dec.new_cache(a.keys + 64)
+    cache.data.normal_()
+    cache.advance(a.keys)
+    ids = torch.randint(0, args.vocab_size, (t,), device="cuda")
+    pos = torch.arange(a.keys, a.keys + t, device="cuda")
+    rows = []
+    plans = {}
+    for name, persist in (("fused", False), ("persistent", True)):
+        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=persist)
+        gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
+        p = plans[name] = (gr, next(iter(gr.plans.values())))
+        n = args.num_layers
+        us = replay_us(lambda gr=gr, p=p[1]: gr._body(p, range(n)), a.reps)  # the layers, not the head
+        rows.append(dict(what=f"{name}: {n} layers", us=us, per_layer_us=us / n))
+    gr, p = plans["persistent"]
+    for stage, what in enumerate(("qkv+rope", "prefix", "combine", "o-proj", "gate/up", "down"), start=1):
+        def one(stage=stage):
+            for i in range(args.num_layers):
+                lw = dec.w.layers[i]
+                persistent.run_layer(args, lw, i, dec.scale, p.x, p.cos, p.sin, p.pq, p.scratch[i, 0, :, 0:],
+                                     p.scratch[i, 1, :, 0:], None, gr.anchor, p.meta, p.out_p, p.lse_p,
+                                     p.scratch[i, 0], p.scratch[i, 1], p.bias, p.attn, p.act, None,
+                                     p.sync[i:i + 1], persistent=False, only=stage)
+        us = replay_us(one, a.reps)
+        rows.append(dict(what=f"stage {stage} {what} alone", us=us, per_layer_us=us / args.num_layers))
+    lw = dec.w.layers[0]
+    layer_bytes = sum(x.numel() * x.element_size() for x in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    floor = layer_bytes / copy_bandwidth(torch.device("cuda")) * 1e6  # read at a copy's byte rate
+    rows.append(dict(what="floor: one layer's weights at the copy bandwidth", us=floor * args.num_layers,
+                     per_layer_us=floor))
+    print(f"{a.model}, {t} rows, {a.keys} keys, {torch.cuda.get_device_name()}")
+    print("| what | us | us per layer |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['what']} | {r['us']:.1f} | {r['per_layer_us']:.2f} |")
+    print(json.dumps(dict(model=a.model, rows=t, keys=a.keys, device=torch.cuda.get_device_name(), table=rows)))
+
+
+if __name__ == "__main__":
+    main()
