@@ -49,7 +49,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4, help="queries of the forward (a draft level: 4)")
     ap.add_argument("--keys", type=int, default=1024, help="committed keys (the draft's retrieval cache: ~1K)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--tiles", default="", help="BK:KS:warps,... : the projections' tiles to sweep (persistent only)")
     a = ap.parse_args()
+    if a.tiles:
+        return sweep(a)
     dec = load_model(a.model, "draft", dtype="bfloat16", device="cuda", execution="eager").decoder
     args, t = dec.args, a.rows
     cache = dec.new_cache(a.keys + 64)
@@ -87,6 +90,28 @@ def main() -> None:
     for r in rows:
         print(f"| {r['what']} | {r['us']:.1f} | {r['per_layer_us']:.2f} |")
     print(json.dumps(dict(model=a.model, rows=t, keys=a.keys, device=torch.cuda.get_device_name(), table=rows)))
+
+
+def sweep(a) -> None:
+    """The persistent layers at each tile of --tiles (persistent.BLOCK_K, K_STAGES, NUM_WARPS)."""
+    dec = load_model(a.model, "draft", dtype="bfloat16", device="cuda", execution="eager").decoder
+    cache = dec.new_cache(a.keys + 64)
+    cache.data.normal_()
+    cache.advance(a.keys)
+    ids = torch.randint(0, dec.args.vocab_size, (a.rows,), device="cuda")
+    pos = torch.arange(a.keys, a.keys + a.rows, device="cuda")
+    n = dec.args.num_layers
+    out = []
+    for tile in ["fused"] + a.tiles.split(","):
+        if tile != "fused":
+            persistent.BLOCK_K, persistent.K_STAGES, persistent.NUM_WARPS = map(int, tile.split(":"))
+        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=tile != "fused")
+        gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
+        p = next(iter(gr.plans.values()))
+        us = replay_us(lambda: gr._body(p, range(n)), a.reps)
+        out.append(dict(tile=tile, us=us, per_layer_us=us / n))
+        print(f"| {tile} | {us:.1f} | {us / n:.2f} |", flush=True)
+    print(json.dumps(dict(model=a.model, rows=a.rows, keys=a.keys, device=torch.cuda.get_device_name(), sweep=out)))
 
 
 if __name__ == "__main__":

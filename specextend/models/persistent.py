@@ -32,6 +32,7 @@ MAX_ROWS = 16  # queries per forward: one 16-row tile of the tensor-core dots
 BLOCK_COLS = 16  # output columns per work item of the projections
 BLOCK_K = 128  # reduction chunk of the projections
 K_STAGES = 4  # chunks of a projection's weights in flight per program (the loop's software pipeline)
+NUM_WARPS = 0  # 0: the combine stage's (fused_layer.combine_config)
 STAGES = 6
 
 
@@ -87,7 +88,8 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
                   BC=bc, BN=BLOCK_COLS, BK=BLOCK_K, PBM=pc["bm"], PBN=pc["block_n"],
                   MIN_CHUNK=-(-MIN_CHUNK // pc["block_n"]) * pc["block_n"], CBM=cc["bm"], CBN=cc["bn"],
                   DC=cc["dc"], SB=cc["sb"], HAS_BIAS=lw.qkv_bias is not None, STORE_PRE=kpre_dst is not None,
-                  NEED_LSE=lse is not None, IEEE=ieee, KS=K_STAGES, INTERPRET=INTERPRETED, num_warps=cc["warps"])
+                  NEED_LSE=lse is not None, IEEE=ieee, KS=K_STAGES, INTERPRET=INTERPRETED,
+                  num_warps=NUM_WARPS or cc["warps"])
     if persistent:
         progs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
         layer_kernel[(progs,)](*args, STAGE=-1, launch_cooperative_grid=True, **consts)
