@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4, help="queries of the forward (a draft level: 4)")
     ap.add_argument("--keys", type=int, default=1024, help="committed keys (the draft's retrieval cache: ~1K)")
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--tiles", default="", help="BK:KS:warps,... : the projections' tiles to sweep (persistent only)")
+    ap.add_argument("--tiles", default="", help="BK:KS:warps[:programs per SM],... : the persistent kernel's tiles to sweep")
     a = ap.parse_args()
     if a.tiles:
         return sweep(a)
@@ -104,9 +104,11 @@ def sweep(a) -> None:
     out = []
     for tile in ["fused"] + a.tiles.split(","):
         if tile != "fused":
-            persistent.BLOCK_K, persistent.K_STAGES, persistent.NUM_WARPS = map(int, tile.split(":"))
+            bk, ks, warps, per_sm = (list(map(int, tile.split(":"))) + [1])[:4]
+            persistent.BLOCK_K, persistent.K_STAGES, persistent.NUM_WARPS, persistent.PER_SM = bk, ks, warps, per_sm
         gr = FullStepGraphs(dec, capture=False, fused=True, persistent=tile != "fused")
         gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
+        gr.num_sms = 0  # the launch's programs from persistent.PER_SM (the plan's splits are made)
         p = next(iter(gr.plans.values()))
         us = replay_us(lambda: gr._body(p, range(n)), a.reps)
         out.append(dict(tile=tile, us=us, per_layer_us=us / n))

@@ -33,6 +33,7 @@ BLOCK_COLS = 16  # output columns per work item of the projections
 BLOCK_K = 128  # reduction chunk of the projections
 K_STAGES = 4  # chunks of a projection's weights in flight per program (the loop's software pipeline)
 NUM_WARPS = 0  # 0: the combine stage's (fused_layer.combine_config)
+PER_SM = 1  # programs per multiprocessor of the cooperative launch
 STAGES = 6
 
 
@@ -91,7 +92,7 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
                   NEED_LSE=lse is not None, IEEE=ieee, KS=K_STAGES, INTERPRET=INTERPRETED,
                   num_warps=NUM_WARPS or cc["warps"])
     if persistent:
-        progs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+        progs = programs or PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count
         layer_kernel[(progs,)](*args, STAGE=-1, launch_cooperative_grid=True, **consts)
         return
     for stage, items in enumerate(stage_items(a, t, s, pc["bm"], cc["bm"], cc["dc"], bc), start=1):
