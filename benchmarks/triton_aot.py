@@ -41,6 +41,7 @@ from specextend.models.skinny import config as skinny_config  # noqa: E402
 from specextend.models.skinny import k_slice as skinny_slice, streamed_tile as skinny_streamed  # noqa: E402
 from specextend.draft import _triton_topk as TK  # noqa: E402
 from specextend.models import _triton_persist as PER  # noqa: E402
+from specextend.models import persistent as PER_MOD  # noqa: E402
 from specextend.models.persistent import MAX_ROWS as PERSIST_ROWS  # noqa: E402
 from specextend.draft.vocab_topk import BLOCK as TOPK_BLOCK, MAX_W  # noqa: E402
 
@@ -127,9 +128,9 @@ def kernels_for(geo: str, call: str, dt: str):
                 "scale_log2": ("fp32", 0)}
         yield "layer_kernel", PER.layer_kernel, args, dict(
             T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=inter, N=n, S=splits, SP=cc["sp"], BT=max(16, _pow2(t)), BC=bc,
-            BN=16, BK=128, PBM=c["bm"], PBN=c["block_n"], MIN_CHUNK=MIN_CHUNK, CBM=cc["bm"], CBN=cc["bn"], DC=cc["dc"],
+            BN=16, BK=PER_MOD.BLOCK_K, PBM=c["bm"], PBN=c["block_n"], MIN_CHUNK=MIN_CHUNK, CBM=cc["bm"], CBN=cc["bn"], DC=cc["dc"],
             SB=cc["sb"], HAS_BIAS=True, STORE_PRE=call == "draft-level", NEED_LSE=call == "ar", IEEE=dt == "fp32",
-            INTERPRET=False, STAGE=-1, KS=4), dict(num_warps=cc["warps"], launch_cooperative_grid=True)
+            INTERPRET=False, STAGE=-1, KS=PER_MOD.K_STAGES), dict(num_warps=cc["warps"], launch_cooperative_grid=True)
     yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(
         E=e, BLOCK=_pow2(e)), dict(num_warps=max(1, min(16, _pow2(e) // 512)))
 

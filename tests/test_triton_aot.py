@@ -24,7 +24,7 @@ def test_kernels_compile_for_sm90_within_shared_memory_and_fused_ones_do_not_spi
     assert proc.stdout.strip(), proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
     topk = {f"{k} w={w}" for k in ("block_topk", "merge_topk") for w in (4, 8, 16)}  # draft/vocab_topk.py
-    assert {r["kernel"] for r in rows} == FUSED | {"prefix_partials"} | topk
+    assert {r["kernel"] for r in rows} == FUSED | {"prefix_partials", "layer_kernel"} | topk
     assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad  # compiled, shared memory within the sm_90 limit
@@ -34,5 +34,6 @@ def test_kernels_compile_for_sm90_within_shared_memory_and_fused_ones_do_not_spi
     # the vocabulary top-k at the widths the product uses (tree_topk 4, overlap's 8) keeps to registers
     assert not [r for r in rows if r["kernel"].endswith(("w=4", "w=8")) and r["stack"]]
     # half-precision attention dots run on the tensor cores (wgmma where the tile allows)
-    assert all(r["mma"] for r in rows if r["kernel"] in ("tree_combine", "prefix_partials", "skinny_linear", "skinny_loop")
+    assert all(r["mma"] for r in rows if r["kernel"] in ("tree_combine", "prefix_partials", "skinny_linear", "skinny_loop",
+                                                        "layer_kernel")
                and r["dtype"] == "bf16")

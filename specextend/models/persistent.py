@@ -11,6 +11,10 @@ zeroed once per forward).
 The twin runs the same kernel one stage per launch (`persistent=False`); tests compare it with the
 fused plan and Decoder.forward_eager on the CPU (Triton's interpreter), and the persistent launch
 with both on CUDA. `body` is FullStepGraphs' body for plans of at most MAX_ROWS queries.
+
+Not in the production plan yet: correct, but its projections are slower than cuBLAS's and the
+layer took 47 us against the fused plan's 38 (H100, 2026-11-26; docs/architecture.md, "Kernels",
+says why and what comes next).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from specextend.models.fused_layer import _pow2, combine_config
 
 MAX_ROWS = 16  # queries per forward: one 16-row tile of the tensor-core dots
 BLOCK_COLS = 16  # output columns per work item of the projections
-BLOCK_K = 128  # reduction chunk of the projections
-K_STAGES = 4  # chunks of a projection's weights in flight per program (the loop's software pipeline)
+BLOCK_K = 256  # reduction chunk of the projections  } the best of 7 tiles swept on an H100 (2026-11-26,
+K_STAGES = 3  # chunks in flight per program      } benchmarks/persistent_layer.py --tiles)
 NUM_WARPS = 0  # 0: the combine stage's (fused_layer.combine_config)
 PER_SM = 1  # programs per multiprocessor of the cooperative launch
 STAGES = 6
