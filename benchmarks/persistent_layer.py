@@ -15,32 +15,28 @@ import json
 import torch
 
 from specextend.attention.backends import CAUSAL
-from specextend.bench.kernels import copy_bandwidth
+from specextend.bench.kernels import copy_bandwidth, graph_us
 from specextend.models import persistent
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs
 from specextend.models.loader import load_model
 
 
-def replay_us(fn, reps: int) -> float:
-    """Median device time (us) of fn() captured as one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+def setup(a):
+    """The model and a committed cache of a.keys random keys -> (decoder, forward(persistent) ->
+    (FullStepGraphs, its plan) after one uncaptured forward of a.rows queries)."""
+    dec = load_model(a.model, "draft", dtype="bfloat16", device="cuda", execution="eager").decoder
+    cache = dec.new_cache(a.keys + 64)
+    cache.data.normal_()
+    cache.advance(a.keys)
+    ids = torch.randint(0, dec.args.vocab_size, (a.rows,), device="cuda")
+    pos = torch.arange(a.keys, a.keys + a.rows, device="cuda")
+
+    def forward(persist: bool):
+        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=persist)
+        gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
+        return gr, next(iter(gr.plans.values()))
+    return dec, forward
 
 
 def main() -> None:
@@ -53,32 +49,19 @@ def main() -> None:
     a = ap.parse_args()
     if a.tiles:
         return sweep(a)
-    dec = load_model(a.model, "draft", dtype="bfloat16", device="cuda", execution="eager").decoder
+    dec, forward = setup(a)
     args, t = dec.args, a.rows
-    cache = dec.new_cache(a.keys + 64)
-    cache.data.normal_()
-    cache.advance(a.keys)
-    ids = torch.randint(0, args.vocab_size, (t,), device="cuda")
-    pos = torch.arange(a.keys, a.keys + t, device="cuda")
+    n = args.num_layers
     rows = []
-    plans = {}
     for name, persist in (("fused", False), ("persistent", True)):
-        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=persist)
-        gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
-        p = plans[name] = (gr, next(iter(gr.plans.values())))
-        n = args.num_layers
-        us = replay_us(lambda gr=gr, p=p[1]: gr._body(p, range(n)), a.reps)  # the layers, not the head
+        gr, p = forward(persist)
+        us = graph_us(lambda gr=gr, p=p: gr._body(p, range(n)), a.reps)  # the layers, not the head
         rows.append(dict(what=f"{name}: {n} layers", us=us, per_layer_us=us / n))
-    gr, p = plans["persistent"]
     for stage, what in enumerate(("qkv+rope", "prefix", "combine", "o-proj", "gate/up", "down"), start=1):
         def one(stage=stage):
             for i in range(args.num_layers):
-                lw = dec.w.layers[i]
-                persistent.run_layer(args, lw, i, dec.scale, p.x, p.cos, p.sin, p.pq, p.scratch[i, 0, :, 0:],
-                                     p.scratch[i, 1, :, 0:], None, gr.anchor, p.meta, p.out_p, p.lse_p,
-                                     p.scratch[i, 0], p.scratch[i, 1], p.bias, p.attn, p.act, None,
-                                     p.sync[i:i + 1], persistent=False, only=stage)
-        us = replay_us(one, a.reps)
+                persistent.layer(gr, p, i, False, only=stage)
+        us = graph_us(one, a.reps)
         rows.append(dict(what=f"stage {stage} {what} alone", us=us, per_layer_us=us / args.num_layers))
     lw = dec.w.layers[0]
     layer_bytes = sum(x.numel() * x.element_size() for x in (lw.qkv, lw.o, lw.gate_up, lw.down))
@@ -94,23 +77,16 @@ def main() -> None:
 
 def sweep(a) -> None:
     """The persistent layers at each tile of --tiles (persistent.BLOCK_K, K_STAGES, NUM_WARPS)."""
-    dec = load_model(a.model, "draft", dtype="bfloat16", device="cuda", execution="eager").decoder
-    cache = dec.new_cache(a.keys + 64)
-    cache.data.normal_()
-    cache.advance(a.keys)
-    ids = torch.randint(0, dec.args.vocab_size, (a.rows,), device="cuda")
-    pos = torch.arange(a.keys, a.keys + a.rows, device="cuda")
+    dec, forward = setup(a)
     n = dec.args.num_layers
     out = []
     for tile in ["fused"] + a.tiles.split(","):
         if tile != "fused":
             bk, ks, warps, per_sm = (list(map(int, tile.split(":"))) + [1])[:4]
             persistent.BLOCK_K, persistent.K_STAGES, persistent.NUM_WARPS, persistent.PER_SM = bk, ks, warps, per_sm
-        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=tile != "fused")
-        gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
+        gr, p = forward(tile != "fused")
         gr.num_sms = 0  # the launch's programs from persistent.PER_SM (the plan's splits are made)
-        p = next(iter(gr.plans.values()))
-        us = replay_us(lambda: gr._body(p, range(n)), a.reps)
+        us = graph_us(lambda: gr._body(p, range(n)), a.reps)
         out.append(dict(tile=tile, us=us, per_layer_us=us / n))
         print(f"| {tile} | {us:.1f} | {us / n:.2f} |", flush=True)
     print(json.dumps(dict(model=a.model, rows=a.rows, keys=a.keys, device=torch.cuda.get_device_name(), sweep=out)))

@@ -14,39 +14,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 
 import torch
 
 from specextend.attention.backends import sdpa_lse
 from specextend.attention.triton_prefix import cache_meta, num_splits, prefix_partials
+from specextend.bench.kernels import graph_us
 
 
 def bench(fn, reps=10, per_graph=20):
-    """Median device time of one call (us): `per_graph` calls captured in a CUDA graph, replayed
-    (no host launch cost inside the timed region, as in the step graphs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / per_graph)
-    return statistics.median(ts)
+    """Median device time of one call (us), from CUDA-graph replays of `per_graph` calls."""
+    return graph_us(fn, reps, per_graph, warmup=3)
 
 
 def main():

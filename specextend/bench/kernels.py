@@ -38,6 +38,33 @@ def timed(fn, dev, reps: int, warmup: int = 2) -> float:
     return statistics.median(out)
 
 
+def graph_us(fn, reps: int = 10, per_graph: int = 1, warmup: int = 1) -> float:
+    """Median device time (us) of one call of fn(): `per_graph` calls captured in a CUDA graph,
+    replayed between CUDA events (no host launch cost inside the timed region, as in the step
+    graphs). `warmup` calls on a side stream first (Triton compiles, cuBLAS handles)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per_graph):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / per_graph)
+    return statistics.median(ts)
+
+
 def copy_bandwidth(dev: torch.device) -> float:
     """Bytes read + written per second by a large device copy."""
     n = (1 << 30) if dev.type == "cuda" else (1 << 26)

@@ -23,14 +23,12 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from specextend.attention.eager import compute_dtype
-from specextend.attention.tree_merge import mask_bias
 from specextend.attention.triton_prefix import MIN_CHUNK, config as prefix_config
 from specextend.models.args import ModelArgs
 from specextend.models.decoder import LayerWeights, head
 from specextend.models.fused_layer import _pow2, combine_config
+from specextend.models.segments import prologue
 
 MAX_ROWS = 16  # queries per forward: one 16-row tile of the tensor-core dots
 BLOCK_COLS = 16  # output columns per work item of the projections
@@ -88,7 +86,7 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
             anchor, meta, layer, out_p, lse_p, kt, vt, kt.stride(0), kt.stride(1), vt.stride(0), vt.stride(1),
             bias, attn, lse if lse is not None else attn, lw.o, lw.post_norm, lw.gate_up, act, lw.down, sync,
             a.rms_norm_eps, scale * math.log2(math.e))
-    bc = min(BLOCK_COLS, max(16, _pow2(d // 2)))
+    bc = BLOCK_COLS  # rotation pairs per QKV item (a head dim of 16 leaves half of them masked)
     consts = dict(T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=i, N=n, S=s, SP=cc["sp"], BT=max(16, _pow2(t)),
                   BC=bc, BN=BLOCK_COLS, BK=BLOCK_K, PBM=pc["bm"], PBN=pc["block_n"],
                   MIN_CHUNK=-(-MIN_CHUNK // pc["block_n"]) * pc["block_n"], CBM=cc["bm"], CBN=cc["bn"],
@@ -127,21 +125,25 @@ def new_buffers(p, model) -> None:
 def body(graphs, p, steps: range, persistent: bool) -> None:
     """FullStepGraphs' body steps (a layer each, the last the head) with a layer per launch."""
     m = graphs.model
-    a, w, st = m.args, m.w, p.key.staged
-    n = a.num_layers
+    n = m.args.num_layers
     for i in steps:
-        if i == 0:  # the prologue: the barriers' counters, embedding, RoPE tables, tree mask
+        if i == 0:  # the barriers' counters, then embedding, RoPE tables, tree mask
             p.sync.zero_()
-            p.cos, p.sin = m.rope.cos_sin(p.pos, m.dtype)  # [T, D]
-            p.bias = mask_bias(p.mask, a.num_heads // a.num_kv_heads, compute_dtype(m.dtype))
-            p.x = F.embedding(p.ids, w.embed)  # [T, E]
-        if i == n:
-            p.logits = head(a, w.norm, w.lm_head, p.x, p.rows)
-            if p.key.capture:
-                p.cap_q, p.cap_lse = p.pq, p.plse
+            p.x, p.cos, p.sin, p.bias = prologue(m.args, m.rope, m.w.embed, p.ids, p.pos, p.mask)
+        if i < n:
+            layer(graphs, p, i, persistent)
             continue
-        need_lse = p.key.capture and i == n - 1
-        run_layer(a, w.layers[i], i, m.scale, p.x, p.cos, p.sin, p.pq,
-                  p.scratch[i, 0, :, st:], p.scratch[i, 1, :, st:], None if p.store_k is None else p.store_k[i],
-                  graphs.anchor, p.meta, p.out_p, p.lse_p, p.scratch[i, 0], p.scratch[i, 1], p.bias,
-                  p.attn, p.act, p.plse if need_lse else None, p.sync[i:i + 1], persistent, graphs.num_sms)
+        p.logits = head(m.args, m.w.norm, m.w.lm_head, p.x, p.rows)
+        if p.key.capture:
+            p.cap_q, p.cap_lse = p.pq, p.plse
+
+
+def layer(graphs, p, i: int, persistent: bool, only: int = 0) -> None:
+    """Layer i of plan p's forward (run_layer on the plan's buffers; `only`: that stage alone)."""
+    m = graphs.model
+    st = p.key.staged
+    need_lse = p.key.capture and i == m.args.num_layers - 1
+    run_layer(m.args, m.w.layers[i], i, m.scale, p.x, p.cos, p.sin, p.pq,
+              p.scratch[i, 0, :, st:], p.scratch[i, 1, :, st:], None if p.store_k is None else p.store_k[i],
+              graphs.anchor, p.meta, p.out_p, p.lse_p, p.scratch[i, 0], p.scratch[i, 1], p.bias,
+              p.attn, p.act, p.plse if need_lse else None, p.sync[i:i + 1], persistent, graphs.num_sms, only)

@@ -62,12 +62,19 @@ def first(a: ModelArgs, rope: Rope, embed: torch.Tensor, lw: LayerWeights,
           k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False,
           skinny: bool = False):
     """-> x [T, E], q [H, T, D], cos, sin [T, D], bias [(H/G) * T, staged + T]."""
+    x, cos, sin, bias = prologue(a, rope, embed, ids, pos, mask)
+    q = _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused, skinny)
+    return x, q, cos, sin, bias
+
+
+def prologue(a: ModelArgs, rope: Rope, embed: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+             mask: torch.Tensor):
+    """A forward's inputs -> x [T, E], cos, sin [T, D], the additive tree mask [(H/G) * T, staged + T]
+    (also the persistent body's first step, persistent.py)."""
     dt = embed.dtype
     cos, sin = rope.cos_sin(pos, dt)
     bias = mask_bias(mask, a.num_heads // a.num_kv_heads, compute_dtype(dt))
-    x = F.embedding(ids, embed)  # [T, E]
-    q = _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused, skinny)
-    return x, q, cos, sin, bias
+    return F.embedding(ids, embed), cos, sin, bias
 
 
 def mid(a: ModelArgs, scale: float, lw_prev: LayerWeights, lw: LayerWeights,
