@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4, help="queries of the forward (a draft level: 4)")
     ap.add_argument("--keys", type=int, default=1024, help="committed keys (the draft's retrieval cache: ~1K)")
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--tiles", default="", help="BK:KS:warps[:programs per SM],... : the persistent kernel's tiles to sweep")
+    ap.add_argument("--tiles", default="", help="BK:KS:warps[:programs per SM[:columns]],... : the persistent kernel's tiles to sweep")
     a = ap.parse_args()
     if a.tiles:
         return sweep(a)
@@ -76,14 +76,18 @@ def main() -> None:
 
 
 def sweep(a) -> None:
-    """The persistent layers at each tile of --tiles (persistent.BLOCK_K, K_STAGES, NUM_WARPS)."""
+    """The persistent layers at each tile of --tiles (persistent.BLOCK_K, K_STAGES, NUM_WARPS, PER_SM,
+    BLOCK_COLS)."""
     dec, forward = setup(a)
     n = dec.args.num_layers
+    cols = persistent.BLOCK_COLS
     out = []
     for tile in ["fused"] + a.tiles.split(","):
         if tile != "fused":
-            bk, ks, warps, per_sm = (list(map(int, tile.split(":"))) + [1])[:4]
-            persistent.BLOCK_K, persistent.K_STAGES, persistent.NUM_WARPS, persistent.PER_SM = bk, ks, warps, per_sm
+            v = list(map(int, tile.split(":")))
+            persistent.BLOCK_K, persistent.K_STAGES, persistent.NUM_WARPS = v[:3]
+            persistent.PER_SM = v[3] if len(v) > 3 else 1
+            persistent.BLOCK_COLS = v[4] if len(v) > 4 else cols
         gr, p = forward(tile != "fused")
         gr.num_sms = 0  # the launch's programs from persistent.PER_SM (the plan's splits are made)
         us = graph_us(lambda: gr._body(p, range(n)), a.reps)
