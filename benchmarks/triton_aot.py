@@ -128,7 +128,8 @@ def kernels_for(geo: str, call: str, dt: str):
                 "scale_log2": ("fp32", 0)}
         yield "layer_kernel", PER.layer_kernel, args, dict(
             T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=inter, N=n, S=splits, SP=cc["sp"], BT=max(16, _pow2(t)),
-            BN=PER_MOD.BLOCK_COLS, BK=PER_MOD.BLOCK_K, PBM=c["bm"], PBN=c["block_n"], MIN_CHUNK=MIN_CHUNK, CBM=cc["bm"], CBN=cc["bn"], DC=cc["dc"],
+            BN=PER_MOD.BLOCK_COLS, BK=PER_MOD.BLOCK_K, MAXP=3,  # MAXP: slots per program, an address stride
+            PBM=c["bm"], PBN=c["block_n"], MIN_CHUNK=MIN_CHUNK, CBM=cc["bm"], CBN=cc["bn"], DC=cc["dc"],
             SB=cc["sb"], HAS_BIAS=True, STORE_PRE=call == "draft-level", NEED_LSE=call == "ar", IEEE=dt == "fp32",
             INTERPRET=False, STAGE=-1, KS=PER_MOD.K_STAGES), dict(num_warps=cc["warps"], launch_cooperative_grid=True)
     yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(

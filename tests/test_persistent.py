@@ -17,18 +17,21 @@ from test_graphs import assert_same_run, decoder_on, run_calls
 CUDA = torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("name,block_k", [("llama3", persistent.BLOCK_K), ("qwen2", persistent.BLOCK_K), ("qwen2", 16)])
-def test_persistent_twin_equals_eager(name, block_k, monkeypatch):
+@pytest.mark.parametrize("name,block_k,programs", [("llama3", persistent.BLOCK_K, 0), ("qwen2", persistent.BLOCK_K, 0),
+                                                   ("qwen2", 16, 17)])
+def test_persistent_twin_equals_eager(name, block_k, programs, monkeypatch):
     """Every decode-time call kind (AR, verification with CMR capture, draft levels with staged
     keys and the retrieval store) through the layer kernel's stages equals the plain forward; the
-    tiny models' head dim of 16 leaves half of each QKV item's columns masked. Chunks of 16 split
-    the projections' tiles between programs (stream-K partials joined by the last of them), and
-    ranges shorter than a tile; the default chunk takes each tiny tile whole."""
+    tiny models' head dim of 16 leaves half of each QKV item's columns masked. Chunks of 16 over 17
+    programs split the projections' tiles between programs (stream-K partials joined by the last of
+    them) and leave a program of the o-projection (16 units) without any; the default chunk takes
+    each tiny tile whole."""
     monkeypatch.setattr(persistent, "BLOCK_K", block_k)
     dec = decoder_on(name, DEVICE, torch.float32)
     ref = run_calls(dec, dec.forward_eager, DEVICE)
     graphs = FullStepGraphs(dec, capture=False, fused=True, persistent=True)
     graphs.persist_launch = False
+    graphs.num_sms = programs or graphs.num_sms
     got = run_calls(dec, graphs.forward, DEVICE)
     assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
     assert all(hasattr(p, "sync") for p in graphs.plans.values())  # every plan took the persistent body

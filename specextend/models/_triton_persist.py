@@ -110,38 +110,40 @@ def _unit(u, acc_a, acc_b, KIND: tl.constexpr, a_ptr, nw_ptr, rstd, w_ptr, offs_
 
 
 @triton.jit
-def _tile_sums(u, u0, pid, P, acc_a, acc_b, part_ptr, cnt_ptr, U: tl.constexpr, KC: tl.constexpr,
+def _tile_sums(t, u0, u1, pid, P, part_ptr, cnt_ptr, U: tl.constexpr, KC: tl.constexpr, MAXP: tl.constexpr,
                BT: tl.constexpr, BN: tl.constexpr, TWO: tl.constexpr):
-    """After unit u, the last of this program's part of tile t = u // KC -> (the tile's sums, whether
-    this program finishes the tile). A whole tile is finished by its program. A tile shared by
-    programs (stream-K): each writes its float32 partial to its slot (two per program: its first
-    and its last tile), then adds its unit count to the tile's counter; the program that completes
-    the count sums every partial in the order of the programs (of the reduction: deterministic,
-    whatever the arrival order), resets the counter and finishes the tile."""
-    t = u // KC
+    """Tile t, of which this program (units [u0, u1)) wrote a partial -> (the tile's sums [BT, BN] x 2,
+    whether this program finishes it). A tile whole in one program is its own. A tile shared by
+    programs: each adds its unit count to the tile's counter; the program that completes the count
+    sums every partial in the order of the programs (of the reduction: deterministic, whatever the
+    arrival order), resets the counter and finishes the tile."""
+    offs = tl.arange(0, BT)[:, None] * BN + tl.arange(0, BN)[None, :]  # [BT, BN]
     ks = tl.maximum(u0 - t * KC, 0)
-    n = u % KC + 1 - ks  # units of the tile done here
+    n = tl.minimum(u1 - t * KC, KC) - ks  # units of the tile done here
     ready = n == KC
-    if n != KC:
-        offs = tl.arange(0, BT)[:, None] * BN + tl.arange(0, BN)[None, :]  # [BT, BN]
-        slot = part_ptr + (pid * 2 + (u0 // KC != t).to(tl.int32)) * (2 * BT * BN)
-        tl.store(slot + offs, acc_a)
+    if ready:
+        sl = part_ptr + (pid * MAXP + t - u0 // KC) * (2 * BT * BN)
+        acc_a = tl.load(sl + offs)
         if TWO:
-            tl.store(slot + BT * BN + offs, acc_b)
-        tl.debug_barrier()  # every thread's partial written before the release
+            acc_b = tl.load(sl + BT * BN + offs)
+        else:
+            acc_b = tl.zeros([BT, BN], tl.float32)
+    else:
+        acc_a = tl.zeros([BT, BN], tl.float32)
+        acc_b = tl.zeros([BT, BN], tl.float32)
         old = tl.atomic_add(cnt_ptr + t, n, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
         ready = old + n == KC
         if ready:
-            acc_a = tl.zeros([BT, BN], tl.float32)
-            acc_b = tl.zeros([BT, BN], tl.float32)
             p = ((t * KC + 1) * P - 1) // U  # the program holding the tile's first unit
             last = ((t * KC + KC) * P - 1) // U
             while p <= last:
-                sl = part_ptr + (p * 2 + ((p * U // P) // KC != t).to(tl.int32)) * (2 * BT * BN)
-                acc_a += tl.load(sl + offs, cache_modifier=".cg")
+                pu0 = p * U // P
+                has = (p + 1) * U // P > pu0  # with more programs than units, some have none
+                sl = part_ptr + (p * MAXP + t - pu0 // KC) * (2 * BT * BN)
+                acc_a += tl.load(sl + offs, mask=has, other=0.0, cache_modifier=".cg")
                 if TWO:
-                    acc_b += tl.load(sl + BT * BN + offs, cache_modifier=".cg")
+                    acc_b += tl.load(sl + BT * BN + offs, mask=has, other=0.0, cache_modifier=".cg")
                 p += 1
             tl.store(cnt_ptr + t, 0)
     return acc_a, acc_b, ready
@@ -225,13 +227,15 @@ def _stream(KIND: tl.constexpr, pid, P, a_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr,
             x_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr, skg, skt, svg, svt, spg, spt, out_ptr,
             NT: tl.constexpr, K: tl.constexpr, NCOL: tl.constexpr, OFFB: tl.constexpr, TWO: tl.constexpr,
             NORM: tl.constexpr, T: tl.constexpr, E: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
-            D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-            STORE_PRE: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, KS: tl.constexpr):
+            D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAXP: tl.constexpr,
+            HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+            KS: tl.constexpr):
     """A projection stage of NT tiles of BN output columns, each reduced over K in KC chunks of BK:
     the NT * KC units split evenly over the P programs (stream-K), program pid taking units
     [pid * U // P, (pid + 1) * U // P) in one software-pipelined loop, so its loads run ahead across
-    tile boundaries and every program moves the same bytes; _tile_sums joins tiles split between
-    programs."""
+    tile boundaries and every program moves the same bytes. The loop only stores each tile's float32
+    sums to the program's slots (MAXP of them: loads or atomics inside it would stop the pipelining);
+    then each tile it touched is joined (_tile_sums) and finished by one program (_tile_out)."""
     KC: tl.constexpr = (K + BK - 1) // BK
     U: tl.constexpr = NT * KC
     u0 = pid * U // P
@@ -248,35 +252,39 @@ def _stream(KIND: tl.constexpr, pid, P, a_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr,
     if INTERPRET:
         u = u0
         while u < u1:
-            acc_a, acc_b = _step(u, u0, u1, pid, P, acc_a, acc_b, KIND, a_ptr, nw_ptr, rstd, w_ptr, part_ptr, cnt_ptr,
-                                 x_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr, skg, skt, svg, svt,
-                                 spg, spt, out_ptr, offs_t, t_ok, U, KC, K, NCOL, OFFB, TWO, NORM, T, H, G, D, BT,
-                                 BN, BK, HAS_BIAS, STORE_PRE, IEEE)
+            acc_a, acc_b = _step(u, u0, u1, pid, acc_a, acc_b, KIND, a_ptr, nw_ptr, rstd, w_ptr, part_ptr, offs_t,
+                                 t_ok, KC, K, NCOL, OFFB, TWO, NORM, D, BT, BN, BK, MAXP, IEEE)
             u += 1
     else:
         for u in tl.range(u0, u1, num_stages=KS):  # KS units' weights in flight
-            acc_a, acc_b = _step(u, u0, u1, pid, P, acc_a, acc_b, KIND, a_ptr, nw_ptr, rstd, w_ptr, part_ptr, cnt_ptr,
-                                 x_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr, skg, skt, svg, svt,
-                                 spg, spt, out_ptr, offs_t, t_ok, U, KC, K, NCOL, OFFB, TWO, NORM, T, H, G, D, BT,
-                                 BN, BK, HAS_BIAS, STORE_PRE, IEEE)
+            acc_a, acc_b = _step(u, u0, u1, pid, acc_a, acc_b, KIND, a_ptr, nw_ptr, rstd, w_ptr, part_ptr, offs_t,
+                                 t_ok, KC, K, NCOL, OFFB, TWO, NORM, D, BT, BN, BK, MAXP, IEEE)
+    tl.debug_barrier()  # every thread's partials written (and released below by the counters' atomics)
+    t = u0 // KC
+    t_last = tl.where(u1 > u0, (u1 - 1) // KC, t - 1)  # none when the program has no units
+    while t <= t_last:
+        acc_a, acc_b, ready = _tile_sums(t, u0, u1, pid, P, part_ptr, cnt_ptr, U, KC, MAXP, BT, BN, TWO)
+        if ready:
+            _tile_out(KIND, t, acc_a, acc_b, x_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr,
+                      skg, skt, svg, svt, spg, spt, out_ptr, offs_t, t_ok, NCOL, T, H, G, D, BN, HAS_BIAS, STORE_PRE)
+        t += 1
 
 
 @triton.jit
-def _step(u, u0, u1, pid, P, acc_a, acc_b, KIND: tl.constexpr, a_ptr, nw_ptr, rstd, w_ptr, part_ptr, cnt_ptr,
-          x_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr, skg, skt, svg, svt, spg, spt, out_ptr,
-          offs_t, t_ok, U: tl.constexpr, KC: tl.constexpr, K: tl.constexpr, NCOL: tl.constexpr,
-          OFFB: tl.constexpr, TWO: tl.constexpr, NORM: tl.constexpr, T: tl.constexpr, H: tl.constexpr,
-          G: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-          HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr, IEEE: tl.constexpr):
-    """_stream's loop body: unit u, then, if it ends this program's part of its tile, the tile's
-    sums and (by the program that completes them) its epilogue; the accumulators start again."""
+def _step(u, u0, u1, pid, acc_a, acc_b, KIND: tl.constexpr, a_ptr, nw_ptr, rstd, w_ptr, part_ptr, offs_t, t_ok,
+          KC: tl.constexpr, K: tl.constexpr, NCOL: tl.constexpr, OFFB: tl.constexpr, TWO: tl.constexpr,
+          NORM: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          MAXP: tl.constexpr, IEEE: tl.constexpr):
+    """_stream's loop body: unit u; if it ends this program's part of its tile, the part's sums go to
+    the program's slot for that tile and the accumulators start again."""
     acc_a, acc_b = _unit(u, acc_a, acc_b, KIND, a_ptr, nw_ptr, rstd, w_ptr, offs_t, t_ok,
                          K, KC, NCOL, OFFB, D, BN, BK, TWO, NORM, IEEE)
     if (u % KC == KC - 1) | (u == u1 - 1):
-        acc_a, acc_b, ready = _tile_sums(u, u0, pid, P, acc_a, acc_b, part_ptr, cnt_ptr, U, KC, BT, BN, TWO)
-        if ready:
-            _tile_out(KIND, u // KC, acc_a, acc_b, x_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr,
-                      skg, skt, svg, svt, spg, spt, out_ptr, offs_t, t_ok, NCOL, T, H, G, D, BN, HAS_BIAS, STORE_PRE)
+        offs = tl.arange(0, BT)[:, None] * BN + tl.arange(0, BN)[None, :]  # [BT, BN]
+        sl = part_ptr + (pid * MAXP + u // KC - u0 // KC) * (2 * BT * BN)
+        tl.store(sl + offs, acc_a)
+        if TWO:
+            tl.store(sl + BT * BN + offs, acc_b)
         acc_a = tl.zeros([BT, BN], tl.float32)
         acc_b = tl.zeros([BT, BN], tl.float32)
     return acc_a, acc_b
@@ -290,7 +298,7 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
                  wo_ptr, nw2_ptr, wgu_ptr, act_ptr, wd_ptr, sync_ptr, part_ptr, cnt_ptr, eps, scale_log2,
                  T: tl.constexpr, E: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                  DP: tl.constexpr, I: tl.constexpr, N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAXP: tl.constexpr,
                  PBM: tl.constexpr, PBN: tl.constexpr, MIN_CHUNK: tl.constexpr,
                  CBM: tl.constexpr, CBN: tl.constexpr, DC: tl.constexpr, SB: tl.constexpr,
                  HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr, NEED_LSE: tl.constexpr,
@@ -311,7 +319,7 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
     if ALL or STAGE == 1:
         _stream(QKV, pid, P, x_ptr, nw1_ptr, wqkv_ptr, part_ptr, cnt_ptr, eps, x_ptr, bqkv_ptr, cos_ptr, sin_ptr,
                 q_ptr, k_ptr, v_ptr, kp_ptr, skg, skt, svg, svt, spg, spt, attn_ptr, N1, E, (H + 2 * G) * D,
-                D // 2, True, True, T, E, H, G, D, BT, BN, BK, HAS_BIAS, STORE_PRE, IEEE, INTERPRET, KS)
+                D // 2, True, True, T, E, H, G, D, BT, BN, BK, MAXP, HAS_BIAS, STORE_PRE, IEEE, INTERPRET, KS)
     if ALL:
         _grid_sync(sync_ptr, P)
     if ALL or STAGE == 2:
@@ -334,16 +342,16 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
     if ALL or STAGE == 4:
         _stream(LINRES, pid, P, attn_ptr, nw2_ptr, wo_ptr, part_ptr, cnt_ptr, eps, x_ptr, bqkv_ptr, cos_ptr,
                 sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr, skg, skt, svg, svt, spg, spt, x_ptr, N4, H * D, E, 0,
-                False, False, T, E, H, G, D, BT, BN, BK, HAS_BIAS, STORE_PRE, IEEE, INTERPRET, KS)
+                False, False, T, E, H, G, D, BT, BN, BK, MAXP, HAS_BIAS, STORE_PRE, IEEE, INTERPRET, KS)
     if ALL:
         _grid_sync(sync_ptr, 4 * P)
     if ALL or STAGE == 5:
         _stream(GLU, pid, P, x_ptr, nw2_ptr, wgu_ptr, part_ptr, cnt_ptr, eps, x_ptr, bqkv_ptr, cos_ptr, sin_ptr,
                 q_ptr, k_ptr, v_ptr, kp_ptr, skg, skt, svg, svt, spg, spt, act_ptr, N5, E, I, I,
-                True, True, T, E, H, G, D, BT, BN, BK, HAS_BIAS, STORE_PRE, IEEE, INTERPRET, KS)
+                True, True, T, E, H, G, D, BT, BN, BK, MAXP, HAS_BIAS, STORE_PRE, IEEE, INTERPRET, KS)
     if ALL:
         _grid_sync(sync_ptr, 5 * P)
     if ALL or STAGE == 6:
         _stream(LINRES, pid, P, act_ptr, nw2_ptr, wd_ptr, part_ptr, cnt_ptr, eps, x_ptr, bqkv_ptr, cos_ptr,
                 sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr, skg, skt, svg, svt, spg, spt, x_ptr, N4, I, E, 0,
-                False, False, T, E, H, G, D, BT, BN, BK, HAS_BIAS, STORE_PRE, IEEE, INTERPRET, KS)
+                False, False, T, E, H, G, D, BT, BN, BK, MAXP, HAS_BIAS, STORE_PRE, IEEE, INTERPRET, KS)

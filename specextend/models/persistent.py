@@ -62,7 +62,7 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
               act: torch.Tensor,  # [T, I] scratch
               lse: Optional[torch.Tensor],  # [H, T] float32: the merged LSE out (cross-model retrieval)
               sync: torch.Tensor,  # [1] int32, zero: the grid barrier's counter
-              part: torch.Tensor,  # [>= 2 * programs * 2 * BT * BLOCK_COLS] float32: stream-K partials
+              part: torch.Tensor,  # [>= programs * max_parts * 2 * BT * BLOCK_COLS] float32: stream-K partials
               cnt: torch.Tensor,  # [>= the most column tiles of a stage] int32, zero: stream-K counters
               persistent: bool = True, programs: int = 0, only: int = 0) -> None:
     """Layer `layer` of a decode-time forward. persistent: one cooperative launch of `programs`
@@ -89,14 +89,15 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
             bias, attn, lse if lse is not None else attn, lw.o, lw.post_norm, lw.gate_up, act, lw.down, sync,
             part, cnt, a.rms_norm_eps, scale * math.log2(math.e))
     bt = max(16, _pow2(t))
-    consts = dict(T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=i, N=n, S=s, SP=cc["sp"], BT=bt, BN=BLOCK_COLS, BK=BLOCK_K, PBM=pc["bm"], PBN=pc["block_n"],
+    progs = programs or PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count
+    maxp = max_parts(a, progs)
+    consts = dict(T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=i, N=n, S=s, SP=cc["sp"], BT=bt, BN=BLOCK_COLS, MAXP=maxp, BK=BLOCK_K, PBM=pc["bm"], PBN=pc["block_n"],
                   MIN_CHUNK=-(-MIN_CHUNK // pc["block_n"]) * pc["block_n"], CBM=cc["bm"], CBN=cc["bn"],
                   DC=cc["dc"], SB=cc["sb"], HAS_BIAS=lw.qkv_bias is not None, STORE_PRE=kpre_dst is not None,
                   NEED_LSE=lse is not None, IEEE=ieee, KS=K_STAGES, INTERPRET=INTERPRETED,
                   num_warps=NUM_WARPS or cc["warps"])
-    progs = programs or PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count
     items = stage_items(a, t, s, pc["bm"], cc["bm"], cc["dc"])
-    assert part.numel() >= 2 * progs * 2 * bt * BLOCK_COLS and cnt.numel() >= max(items[0], items[4], items[3])
+    assert part.numel() >= progs * maxp * 2 * bt * BLOCK_COLS and cnt.numel() >= max(items[0], items[4], items[3])
     if persistent:
         layer_kernel[(progs,)](*args, STAGE=-1, launch_cooperative_grid=True, **consts)
         return
@@ -114,6 +115,20 @@ def stage_items(a: ModelArgs, t: int, s: int, pbm: int, cbm: int, dc: int) -> li
             cols, -(-a.intermediate_size // BLOCK_COLS), cols]
 
 
+def max_parts(a: ModelArgs, programs: int) -> int:
+    """The most column tiles one program's run of units touches in a projection stage: its slots for
+    their partial sums (a run of l units spans at most (l + kc - 2) // kc + 1 tiles of kc units)."""
+    e, i, h, g, d = a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.head_dim
+    cols = -(-e // BLOCK_COLS)
+    stages = [((h + 2 * g) * -(-(d // 2) // BLOCK_COLS), e), (cols, h * d), (-(-i // BLOCK_COLS), e), (cols, i)]
+    most = 1
+    for tiles, k in stages:  # (column tiles, reduction length)
+        kc = -(-k // BLOCK_K)
+        run = -(-tiles * kc // programs)
+        most = max(most, (run + kc - 2) // kc + 1)
+    return most
+
+
 def new_buffers(p, model, programs: int) -> None:
     """The plan's static buffers of the persistent body (beside FullStepGraphs' own), for launches of
     up to 4 x `programs` programs."""
@@ -127,8 +142,8 @@ def new_buffers(p, model, programs: int) -> None:
     tiles = max(-(-a.intermediate_size // BLOCK_COLS), -(-a.hidden_size // BLOCK_COLS),
                 (a.num_heads + 2 * a.num_kv_heads) * -(-(a.head_dim // 2) // BLOCK_COLS))
     p.cnt = torch.zeros(tiles, dtype=torch.int32, device=dev)  # stream-K counters (each reset by its last user)
-    progs = 4 * programs
-    p.part = torch.zeros(2 * progs * 2 * max(16, _pow2(t)) * BLOCK_COLS, dtype=torch.float32, device=dev)
+    slots = max(k * programs * max_parts(a, k * programs) for k in range(1, 5))
+    p.part = torch.zeros(slots * 2 * max(16, _pow2(t)) * BLOCK_COLS, dtype=torch.float32, device=dev)
 
 
 def body(graphs, p, steps: range, persistent: bool) -> None:
