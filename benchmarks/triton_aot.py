@@ -119,17 +119,16 @@ def kernels_for(geo: str, call: str, dt: str):
             KS=ks, BK=st.bk, SPLIT=split, STAGES=st.stages, BKX=sc["BKX"], PDL=True), dict(
             num_warps=st.warps, launch_pdl=True)
     if t <= PERSIST_ROWS:  # the persistent layer kernel (models/persistent.py), all stages in one launch
+        bc = PER_MOD.BLOCK_COLS
         pointers = ("x nw1 wqkv bqkv cos sin q k v kp kv kt vt attn wo nw2 wgu act wd").split()
         strides = dict(skg=n * d, skt=d, svg=n * d, svt=d, spg=t * d, spt=d, stg=n * d, stn=d, svtg=n * d, svtn=d)
         args = {**{f"{x}_ptr": (p, 0) for x in pointers}, **{k: ("i32", v) for k, v in strides.items()},
                 "meta_ptr": ("*i64", 0), "layer": ("i32", 3), "outp_ptr": ("*fp32", 0), "lsep_ptr": ("*fp32", 0),
-                "bias_ptr": ("*fp32", 0), "lse_ptr": ("*fp32", 0), "sync_ptr": ("*i32", 0), "part_ptr": ("*fp32", 0),
-                "cnt_ptr": ("*i32", 0), "eps": ("fp32", 0),
+                "bias_ptr": ("*fp32", 0), "lse_ptr": ("*fp32", 0), "sync_ptr": ("*i32", 0), "eps": ("fp32", 0),
                 "scale_log2": ("fp32", 0)}
         yield "layer_kernel", PER.layer_kernel, args, dict(
-            T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=inter, N=n, S=splits, SP=cc["sp"], BT=max(16, _pow2(t)),
-            BN=PER_MOD.BLOCK_COLS, BK=PER_MOD.BLOCK_K, MAXP=3,  # MAXP: slots per program, an address stride
-            PBM=c["bm"], PBN=c["block_n"], MIN_CHUNK=MIN_CHUNK, CBM=cc["bm"], CBN=cc["bn"], DC=cc["dc"],
+            T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=inter, N=n, S=splits, SP=cc["sp"], BT=max(16, _pow2(t)), BC=bc,
+            BN=PER_MOD.BLOCK_COLS, BK=PER_MOD.BLOCK_K, PBM=c["bm"], PBN=c["block_n"], MIN_CHUNK=MIN_CHUNK, CBM=cc["bm"], CBN=cc["bn"], DC=cc["dc"],
             SB=cc["sb"], HAS_BIAS=True, STORE_PRE=call == "draft-level", NEED_LSE=call == "ar", IEEE=dt == "fp32",
             INTERPRET=False, STAGE=-1, KS=PER_MOD.K_STAGES), dict(num_warps=cc["warps"], launch_cooperative_grid=True)
     yield "rms_norm", LK.rms_norm, dict(x_ptr=(p, 0), w_ptr=(p, 0), out_ptr=(p, 0), eps=("fp32", 0)), dict(

@@ -17,21 +17,15 @@ from test_graphs import assert_same_run, decoder_on, run_calls
 CUDA = torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("name,block_k,programs", [("llama3", persistent.BLOCK_K, 0), ("qwen2", persistent.BLOCK_K, 0),
-                                                   ("qwen2", 16, 17)])
-def test_persistent_twin_equals_eager(name, block_k, programs, monkeypatch):
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_persistent_twin_equals_eager(name):
     """Every decode-time call kind (AR, verification with CMR capture, draft levels with staged
     keys and the retrieval store) through the layer kernel's stages equals the plain forward; the
-    tiny models' head dim of 16 leaves half of each QKV item's columns masked. Chunks of 16 over 17
-    programs split the projections' tiles between programs (stream-K partials joined by the last of
-    them) and leave a program of the o-projection (16 units) without any; the default chunk takes
-    each tiny tile whole."""
-    monkeypatch.setattr(persistent, "BLOCK_K", block_k)
+    tiny models' head dim of 16 leaves half of each QKV item's columns masked."""
     dec = decoder_on(name, DEVICE, torch.float32)
     ref = run_calls(dec, dec.forward_eager, DEVICE)
     graphs = FullStepGraphs(dec, capture=False, fused=True, persistent=True)
     graphs.persist_launch = False
-    graphs.num_sms = programs or graphs.num_sms
     got = run_calls(dec, graphs.forward, DEVICE)
     assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
     assert all(hasattr(p, "sync") for p in graphs.plans.values())  # every plan took the persistent body
@@ -65,18 +59,15 @@ def test_stage_items_cover_the_layer():
     a = ModelArgs(model_type="qwen2", vocab_size=10, hidden_size=896, intermediate_size=4864, num_layers=24,
                   num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=32768,
                   qkv_bias=True, qk_norm=False, tie_word_embeddings=True, eos_token_ids=(0,))
-    assert persistent.stage_items(a, 4, 8, 32, 16, 16) == [36, 16, 16, 56, 304, 56]
+    assert persistent.stage_items(a, 4, 8, 32, 16, 16, 16) == [36, 16, 16, 56, 304, 56]
 
 
 @pytest.mark.skipif(not CUDA, reason="the cooperative launch needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("capture", [False, True])
-@pytest.mark.parametrize("block_k", [persistent.BLOCK_K, 16])
-def test_persistent_launch_equals_its_twin_to_the_bit(dtype, capture, block_k, monkeypatch):
-    """Each work item computes the same thing in either launch, and split tiles sum their partials
-    in one order: any difference is a barrier that let a stage read what an earlier one had not yet
-    written, or a partial read before its program had written it."""
-    monkeypatch.setattr(persistent, "BLOCK_K", block_k)
+def test_persistent_launch_equals_its_twin_to_the_bit(dtype, capture):
+    """Each work item computes the same thing in either launch: any difference is a barrier that
+    let a stage read what an earlier one had not yet written."""
     dec = decoder_on("qwen2", "cuda", dtype)
     twin = FullStepGraphs(dec, capture=False, fused=True, persistent=True)
     twin.persist_launch = False

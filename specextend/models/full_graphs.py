@@ -108,7 +108,7 @@ class FullStepGraphs(StepGraphs):
         p.meta = torch.zeros(4, dtype=torch.int64, device=dev)  # cache offset, L, capacity, 0 (cache_meta)
         self._set_meta(p, cache, cache.length)
         if self._persists(p):
-            persistent_mod.new_buffers(p, m, self.num_sms or 132)
+            persistent_mod.new_buffers(p, m)
         return p
 
     def _build(self, key: ShapeKey, cache: KVCache) -> _Plan:

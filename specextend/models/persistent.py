@@ -62,8 +62,6 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
               act: torch.Tensor,  # [T, I] scratch
               lse: Optional[torch.Tensor],  # [H, T] float32: the merged LSE out (cross-model retrieval)
               sync: torch.Tensor,  # [1] int32, zero: the grid barrier's counter
-              part: torch.Tensor,  # [>= programs * max_parts * 2 * BT * BLOCK_COLS] float32: stream-K partials
-              cnt: torch.Tensor,  # [>= the most column tiles of a stage] int32, zero: stream-K counters
               persistent: bool = True, programs: int = 0, only: int = 0) -> None:
     """Layer `layer` of a decode-time forward. persistent: one cooperative launch of `programs`
     programs (0: one per multiprocessor); else the twin, one launch per stage (`only`: that stage
@@ -87,51 +85,34 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
             k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1), pre.stride(0), pre.stride(1),
             anchor, meta, layer, out_p, lse_p, kt, vt, kt.stride(0), kt.stride(1), vt.stride(0), vt.stride(1),
             bias, attn, lse if lse is not None else attn, lw.o, lw.post_norm, lw.gate_up, act, lw.down, sync,
-            part, cnt, a.rms_norm_eps, scale * math.log2(math.e))
-    bt = max(16, _pow2(t))
-    progs = programs or PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count
-    maxp = max_parts(a, progs)
-    consts = dict(T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=i, N=n, S=s, SP=cc["sp"], BT=bt, BN=BLOCK_COLS, MAXP=maxp, BK=BLOCK_K, PBM=pc["bm"], PBN=pc["block_n"],
+            a.rms_norm_eps, scale * math.log2(math.e))
+    bc = BLOCK_COLS  # rotation pairs per QKV item (a head dim of 16 leaves half of them masked)
+    consts = dict(T=t, E=e, H=h, G=g, D=d, DP=_pow2(d), I=i, N=n, S=s, SP=cc["sp"], BT=max(16, _pow2(t)),
+                  BC=bc, BN=BLOCK_COLS, BK=BLOCK_K, PBM=pc["bm"], PBN=pc["block_n"],
                   MIN_CHUNK=-(-MIN_CHUNK // pc["block_n"]) * pc["block_n"], CBM=cc["bm"], CBN=cc["bn"],
                   DC=cc["dc"], SB=cc["sb"], HAS_BIAS=lw.qkv_bias is not None, STORE_PRE=kpre_dst is not None,
                   NEED_LSE=lse is not None, IEEE=ieee, KS=K_STAGES, INTERPRET=INTERPRETED,
                   num_warps=NUM_WARPS or cc["warps"])
-    items = stage_items(a, t, s, pc["bm"], cc["bm"], cc["dc"])
-    assert part.numel() >= progs * maxp * 2 * bt * BLOCK_COLS and cnt.numel() >= max(items[0], items[4], items[3])
     if persistent:
+        progs = programs or PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count
         layer_kernel[(progs,)](*args, STAGE=-1, launch_cooperative_grid=True, **consts)
         return
-    for stage, n_items in enumerate(items, start=1):  # the projections: the same programs as one launch
+    for stage, items in enumerate(stage_items(a, t, s, pc["bm"], cc["bm"], cc["dc"], bc), start=1):
         if not only or stage == only:
-            layer_kernel[(n_items if stage in (2, 3) else progs,)](*args, STAGE=stage, **consts)
+            layer_kernel[(items,)](*args, STAGE=stage, **consts)
 
 
-def stage_items(a: ModelArgs, t: int, s: int, pbm: int, cbm: int, dc: int) -> list[int]:
-    """Work items of each stage (the kernel's N1..N6; the projections' column tiles)."""
+def stage_items(a: ModelArgs, t: int, s: int, pbm: int, cbm: int, dc: int, bc: int) -> list[int]:
+    """Work items of each stage (the kernel's N1..N6)."""
     h, g, d = a.num_heads, a.num_kv_heads, a.head_dim
     m = (h // g) * t
     cols = -(-a.hidden_size // BLOCK_COLS)
-    return [(h + 2 * g) * -(-(d // 2) // BLOCK_COLS), -(-m // pbm) * s * g, -(-m // cbm) * g * -(-d // dc),
+    return [(h + 2 * g) * -(-(d // 2) // bc), -(-m // pbm) * s * g, -(-m // cbm) * g * -(-d // dc),
             cols, -(-a.intermediate_size // BLOCK_COLS), cols]
 
 
-def max_parts(a: ModelArgs, programs: int) -> int:
-    """The most column tiles one program's run of units touches in a projection stage: its slots for
-    their partial sums (a run of l units spans at most (l + kc - 2) // kc + 1 tiles of kc units)."""
-    e, i, h, g, d = a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.head_dim
-    cols = -(-e // BLOCK_COLS)
-    stages = [((h + 2 * g) * -(-(d // 2) // BLOCK_COLS), e), (cols, h * d), (-(-i // BLOCK_COLS), e), (cols, i)]
-    most = 1
-    for tiles, k in stages:  # (column tiles, reduction length)
-        kc = -(-k // BLOCK_K)
-        run = -(-tiles * kc // programs)
-        most = max(most, (run + kc - 2) // kc + 1)
-    return most
-
-
-def new_buffers(p, model, programs: int) -> None:
-    """The plan's static buffers of the persistent body (beside FullStepGraphs' own), for launches of
-    up to 4 x `programs` programs."""
+def new_buffers(p, model) -> None:
+    """The plan's static buffers of the persistent body (beside FullStepGraphs' own)."""
     a, dev, dt = model.args, model.device, model.dtype
     t = p.key.t
     p.pq = torch.zeros(a.num_heads, t, a.head_dim, dtype=dt, device=dev)  # [H, T, D] each layer's queries
@@ -139,11 +120,6 @@ def new_buffers(p, model, programs: int) -> None:
     p.act = torch.zeros(t, a.intermediate_size, dtype=dt, device=dev)  # [T, I]
     p.plse = torch.zeros(a.num_heads, t, dtype=torch.float32, device=dev)  # [H, T] last layer's merged LSE
     p.sync = torch.zeros(a.num_layers, dtype=torch.int32, device=dev)  # a barrier counter per layer
-    tiles = max(-(-a.intermediate_size // BLOCK_COLS), -(-a.hidden_size // BLOCK_COLS),
-                (a.num_heads + 2 * a.num_kv_heads) * -(-(a.head_dim // 2) // BLOCK_COLS))
-    p.cnt = torch.zeros(tiles, dtype=torch.int32, device=dev)  # stream-K counters (each reset by its last user)
-    slots = max(k * programs * max_parts(a, k * programs) for k in range(1, 5))
-    p.part = torch.zeros(slots * 2 * max(16, _pow2(t)) * BLOCK_COLS, dtype=torch.float32, device=dev)
 
 
 def body(graphs, p, steps: range, persistent: bool) -> None:
@@ -170,5 +146,4 @@ def layer(graphs, p, i: int, persistent: bool, only: int = 0) -> None:
     run_layer(m.args, m.w.layers[i], i, m.scale, p.x, p.cos, p.sin, p.pq,
               p.scratch[i, 0, :, st:], p.scratch[i, 1, :, st:], None if p.store_k is None else p.store_k[i],
               graphs.anchor, p.meta, p.out_p, p.lse_p, p.scratch[i, 0], p.scratch[i, 1], p.bias,
-              p.attn, p.act, p.plse if need_lse else None, p.sync[i:i + 1], p.part, p.cnt, persistent,
-              graphs.num_sms, only)
+              p.attn, p.act, p.plse if need_lse else None, p.sync[i:i + 1], persistent, graphs.num_sms, only)
