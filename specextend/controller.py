@@ -2,8 +2,9 @@
 among a small ladder of sizes, plain decoding (no tree) included (docs/architecture.md,
 "Adaptive speculation").
 
-The ladder: plain, then trees of 4, 8, 16, ... nodes up to the session's tree (`ladder`). For
-each rung the controller predicts tokens per second and takes the best:
+The ladder: plain, then trees of 4, 8, 16, ... nodes up to the session's tree, each size also
+three levels deep where its own depth is more (`ladder`). For each rung the controller predicts
+tokens per second and takes the best:
 
     plain:          1 / forward(1)
     tree (n, d):    (1 + accepted(n, d)) / (draft(d) + forward(n + 1))
@@ -26,7 +27,7 @@ from what it measured at this session's actual context, online:
   it would have accepted the longest start of the accepted path inside it (`prefix_accepts`;
   exact for the same draws).
 A rung larger than any verified lately keeps its last estimate (or, never seen, the estimate of
-the largest rung below it: a lower bound). So that those estimates stay current, while the best
+the largest rung inside it: a lower bound). So that those estimates stay current, while the best
 rung is not the top one the controller probes the top rung now and then: after enough steps that
 probes cost about a tenth of the time, the interval doubling after each probe that does not move
 the choice up (as far as `max_probe`). Lossless by construction: a plain step is plain decoding,
@@ -67,14 +68,25 @@ PLAIN = Rung(0, 0)
 SLOW_DRAFT = 3.0
 
 
+SHALLOW = 3  # levels of each size's shallow rung
+
+
 def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
     """[plain, 4, 8, 16, ... nodes, the session's tree]: a tree of n nodes at most 1 + log2(n)
-    levels deep (a best-n tree rarely reaches deeper), the session's tree at its own depth."""
-    rungs, n = [PLAIN], smallest
+    levels deep (a best-n tree rarely reaches deeper), the session's tree at its own depth; where
+    that is deeper than SHALLOW, the same size SHALLOW levels deep just before it (half the
+    drafting: on an H100 the 8B geometry's 32 nodes x 3 levels beat 32 x 6 by 9% with acceptance
+    replayed at 3, 2026-11-24, and the ladder had no such rung). Ordered by nodes, then depth."""
+    sizes, n = [], smallest
     while n < tree.nodes:
-        rungs.append(Rung(n, min(tree.depth, n.bit_length())))  # bit_length = 1 + log2(n)
+        sizes.append(Rung(n, min(tree.depth, n.bit_length())))  # bit_length = 1 + log2(n)
         n *= 2
-    return rungs + [Rung(tree.nodes, tree.depth)]
+    rungs = [PLAIN]
+    for r in sizes + [Rung(tree.nodes, tree.depth)]:
+        if r.depth > SHALLOW:
+            rungs.append(Rung(r.nodes, SHALLOW))
+        rungs.append(r)
+    return rungs
 
 
 def prefix_accepts(accepted: Sequence[int], parents: Sequence[int], sent: Rung,
@@ -165,9 +177,10 @@ class TreeController:
         return self.rungs[-1]
 
     def expected_accepted(self, rung: Rung) -> float:
-        """The rung's average, else the largest smaller rung's (a lower bound), else 0."""
+        """The rung's average, else the largest rung's inside it (no more nodes, no deeper: a lower
+        bound), else 0."""
         for r in reversed(self.rungs[1:self.rungs.index(rung) + 1]):
-            if r in self.accepted:
+            if r in self.accepted and r.depth <= rung.depth:
                 return self.accepted[r]
         return 0.0
 
@@ -189,7 +202,7 @@ class TreeController:
 
     def best(self) -> Rung:
         """The rung of the highest predicted tokens per second (the smaller one on a tie)."""
-        return max(self.rungs, key=lambda r: (self.rate(r), -r.nodes))
+        return max(self.rungs, key=lambda r: (self.rate(r), -r.nodes, -r.depth))
 
     def seed_draft(self, ratio: float) -> None:
         """The prior before any tree: the draft's prefill took `ratio` times the target's on the same
@@ -285,7 +298,7 @@ class TreeController:
             self._probing = False
             self.probe_steps += 1
             self.since_probe = 0
-            moved_up = self.best().nodes > self._best.nodes
+            moved_up = self.rungs.index(self.best()) > self.rungs.index(self._best)
             # a prior-priced probe (the smallest tree) is followed by full-tree probes: their
             # interval is worked out anew from the costs just measured, not doubled from its own
             again = moved_up or rung != self.top

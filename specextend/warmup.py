@@ -37,8 +37,9 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int]) -> RequestStats:
     if draft_warm_up is not None:
         draft_warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, max_new_tokens=64))
     every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
-    fixed = Engine(replace(cfg, tree_policy="fixed"), engine.target, engine.draft)  # each rung as asked
-    for rung in ladder(cfg.tree)[1:]:
+    for rung in ladder(cfg.tree)[1:]:  # each rung at its own depth (the draft's tree graphs are per depth)
+        fixed = Engine(replace(cfg, tree_policy="fixed", tree=replace(cfg.tree, depth=rung.depth)),
+                       engine.target, engine.draft)
         lengths = list(range(rung.depth + 1))  # accepted draft tokens per step
         steps = len(lengths) * every // math.gcd(len(lengths), every)  # every (length, refresh) pair
         tokens = sum(lengths[i % len(lengths)] + 1 for i in range(steps)) + 2
