@@ -69,11 +69,6 @@ SLOW_DRAFT = 3.0
 
 
 SHALLOW = 3  # levels of each size's shallow rung
-# a larger tree predicted within this fraction of the best tree's rate is taken instead (best());
-# on an H100 (8B geometry, 68M draft, acceptance replayed at 1.2, 2026-11-26) adaptive kept the
-# 4-node tree at 0.89x the 16-node one: the larger trees' estimates came from rare probes, and a
-# probe that met a step accepting 1 priced them as no better, at a few rows' more verify cost
-NEAR = 0.03
 
 
 def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
@@ -206,15 +201,8 @@ class TreeController:
         return tokens / max(self.step_seconds(rung), 1e-9)
 
     def best(self) -> Rung:
-        """The rung of the highest predicted tokens per second; when that is a tree, the largest
-        tree predicted within NEAR of it (its verifications measure every rung inside it, so the
-        estimates the choice rests on stay current: chosen by a hair, the smallest tree measures
-        nothing larger and the larger ones keep what a rare probe saw)."""
-        rates = [self.rate(r) for r in self.rungs]
-        top = max(range(len(rates)), key=lambda i: (rates[i], -i))  # the smaller rung on a tie
-        if self.rungs[top].plain:
-            return PLAIN
-        return self.rungs[max(i for i in range(1, len(rates)) if rates[i] >= (1 - NEAR) * rates[top])]
+        """The rung of the highest predicted tokens per second (the smaller one on a tie)."""
+        return max(self.rungs, key=lambda r: (self.rate(r), -r.nodes, -r.depth))
 
     def seed_draft(self, ratio: float) -> None:
         """The prior before any tree: the draft's prefill took `ratio` times the target's on the same

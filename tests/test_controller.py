@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
-from specextend.controller import NEAR, PLAIN, LinearCost, Rung, TreeController, ladder, prefix_accepts
+from specextend.controller import PLAIN, LinearCost, Rung, TreeController, ladder, prefix_accepts
 from specextend.draft.worker import DraftWorker
 from specextend.scheduler import Load
 
@@ -25,20 +25,6 @@ def test_ladder():
     assert ladder(TreeConfig(12, 3, 2)) == [PLAIN, Rung(4, 3), Rung(8, 3), Rung(12, 3)]
     assert ladder(TreeConfig(2, 4, 2)) == [PLAIN, Rung(2, 3), Rung(2, 4)]
     assert ladder(TreeConfig(32, 6, 4))[-3:] == [Rung(16, 5), Rung(32, 3), Rung(32, 6)]
-
-
-def test_a_larger_tree_within_near_of_the_best_is_taken_and_plain_stays_plain():
-    """Near-ties go to the larger tree (its verifications measure the smaller ones); a plain best
-    stays plain."""
-    ctl = TreeController(list(RUNGS))
-    rates = {PLAIN: 1.0, Rung(4, 3): 2.0, Rung(8, 3): 2.0 * (1 - NEAR / 2), Rung(8, 4): 1.5, Rung(16, 3): 1.9,
-             Rung(16, 6): 1.0}
-    ctl.rate = rates.get
-    assert ctl.best() == Rung(8, 3)
-    rates[Rung(8, 3)] = 2.0 * (1 - 2 * NEAR)
-    assert ctl.best() == Rung(4, 3)
-    rates[PLAIN] = 2.01
-    assert ctl.best() == PLAIN
 
 
 def test_a_rung_never_measured_is_estimated_from_one_inside_it():
@@ -176,10 +162,8 @@ def test_backs_off_smoothly_as_the_batch_grows():
     for sessions in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64):
         ctl = TreeController(list(RUNGS))
         chosen = simulate(ctl, accepted, 40, sessions)
-        best, want = ctl.best(), max(RUNGS, key=lambda r: true_rate(r, accepted, sessions))
-        # the best rung, or a larger tree within NEAR of it (which measures it too)
-        assert best == want or (not want.plain and RUNGS.index(best) > RUNGS.index(want)
-                                and true_rate(best, accepted, sessions) >= (1 - NEAR) * true_rate(want, accepted, sessions))
+        best = ctl.best()
+        assert best == max(RUNGS, key=lambda r: true_rate(r, accepted, sessions))
         assert chosen[-1] in (best, RUNGS[-1])
         picks.append(best.nodes)
     assert picks == sorted(picks, reverse=True)  # never larger with more sessions
