@@ -35,6 +35,7 @@ from specextend.builder import load_pair
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
+from specextend.warmup import warm_up
 
 OUT = Path(__file__).parent / "results" / "regimes"
 TREES = [(n, d) for n in (4, 8, 16, 32) for d in (3, 6)]
@@ -82,8 +83,8 @@ def run_regime(name: str, reps: int, length: int, new_tokens: int, device: str =
     rates: dict[str, list[float]] = {k: [] for k in configs}
     infos: dict[str, dict] = {}
     ref = None
-    for engine in configs.values():  # warm-up
-        decode_rate(engine, prompt[:64], 4, replay)
+    for engine in configs.values():  # warm-up: every shape a request can meet, as the served app's start-up
+        warm_up(engine, prompt[:64])  # (a rung first met mid-run stalled one adaptive run at 41 tok/s)
     for _ in range(reps):
         for key, engine in configs.items():
             rate, tokens, info = decode_rate(engine, prompt, new_tokens, replay if key != "ar" else None)
