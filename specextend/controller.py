@@ -83,7 +83,7 @@ def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
         n *= 2
     rungs = [PLAIN]
     for r in sizes + [Rung(tree.nodes, tree.depth)]:
-        if r.depth > SHALLOW:
+        if r.depth > SHALLOW and r.nodes > SHALLOW:  # (n nodes reach n levels at most)
             rungs.append(Rung(r.nodes, SHALLOW))
         rungs.append(r)
     return rungs

