@@ -15,6 +15,7 @@ import torch
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftSessionParams
 from specextend.draft.session import DraftSession
+from specextend.models.graphed import replay_seconds
 from specextend.models.loader import load_model
 from specextend.target import TargetSession
 
@@ -42,27 +43,10 @@ def graph_us(fn, reps: int = 10, per_graph: int = 1, warmup: int = 1) -> float:
     """Median device time (us) of one call of fn(): `per_graph` calls captured in a CUDA graph,
     replayed between CUDA events (no host launch cost inside the timed region, as in the step
     graphs). `warmup` calls on a side stream first (Triton compiles, cuBLAS handles)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
+    def calls(n):
+        for _ in range(n):
             fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / per_graph)
-    return statistics.median(ts)
+    return replay_seconds(lambda: calls(per_graph), lambda: calls(warmup), reps) * 1e6 / per_graph
 
 
 def copy_bandwidth(dev: torch.device) -> float:

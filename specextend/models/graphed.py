@@ -16,6 +16,7 @@ them first: any later replay is queued after these copies on the same stream.
 
 from __future__ import annotations
 
+import statistics
 import threading
 from typing import Callable
 
@@ -61,3 +62,29 @@ class Graphed:
         with torch.cuda.graph(graph, pool=self._pool, stream=s, capture_error_mode="thread_local"):
             outputs = self.fn(*inputs)
         return graph, inputs, outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def replay_seconds(body: Callable[[], None], warm: Callable[[], None], reps: int) -> float:
+    """Median seconds of one replay of `body` captured as a CUDA graph, timed between CUDA events
+    (no host launch cost inside, launch gaps between its kernels as in the step graphs); `warm`
+    runs first on the capture's side stream (Triton compiles, cuBLAS handles). Shared by the
+    start-up tile choice (skinny.time_op) and the kernel benchmarks (bench.kernels.graph_us)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        warm()
+    s.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        body()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(ts)

@@ -26,13 +26,13 @@ through Triton's interpreter.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from specextend.models.graphed import replay_seconds
 from specextend.pdl import launch_args
 
 MAX_ROWS = 64  # more rows: the ordinary GEMMs (tiles of 16 rows stop paying)
@@ -239,22 +239,7 @@ def _weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
 def time_op(op: Op, copies: list[torch.Tensor], reps: int = 5) -> float:
     """Median seconds of one call of op, from CUDA-graph replays of one call per weight copy
     (launch gaps count as in the step graphs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # compile, cuBLAS handles
-        op(copies[0])
-    s.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
+    def body():
         for w in copies:
             op(w)
-    graph.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3 / len(copies))
-    return statistics.median(ts)
+    return replay_seconds(body, lambda: op(copies[0]), reps) / len(copies)
