@@ -19,7 +19,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from specextend.controller import ladder
+from specextend.controller import Rung, ladder
 from specextend.draft.base import DraftSessionParams
 from specextend.engine import Engine, RequestStats
 from specextend.config import SamplingParams
@@ -37,7 +37,7 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int]) -> RequestStats:
     if draft_warm_up is not None:
         draft_warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, max_new_tokens=64))
     every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
-    for rung in ladder(cfg.tree)[1:]:  # each rung at its own depth (the draft's tree graphs are per depth)
+    for rung in _covering(ladder(cfg.tree)[1:]):
         fixed = Engine(replace(cfg, tree_policy="fixed", tree=replace(cfg.tree, depth=rung.depth)),
                        engine.target, engine.draft)
         lengths = list(range(rung.depth + 1))  # accepted draft tokens per step
@@ -49,3 +49,17 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int]) -> RequestStats:
         if stats.fallback:
             break
     return stats
+
+
+def _covering(rungs: list[Rung]) -> list[Rung]:
+    """The rungs whose requests meet every shape of the ladder's: each size at its deepest rung (its
+    verify rows, every accepted length, the draft levels' staged keys), then any depth none of those
+    has (the draft's tree graphs are per depth, not per size), each run at its own depth. A size's
+    shallow rung usually adds nothing (the 4-node rung is 3 levels deep)."""
+    todo = list({r.nodes: r for r in rungs}.values())  # ordered by nodes, then depth: a size's last is its deepest
+    depths = {r.depth for r in todo}
+    for r in rungs:
+        if r.depth not in depths:
+            depths.add(r.depth)
+            todo.append(r)
+    return todo

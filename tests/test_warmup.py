@@ -49,6 +49,14 @@ def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mo
     assert later and later <= warm, sorted(later - warm)
 
 
+def test_the_warm_up_runs_each_size_at_its_deepest_and_every_depth_once():
+    from specextend.controller import Rung, ladder
+    from specextend.warmup import _covering
+
+    assert _covering(ladder(TreeConfig(16, 6, 4))[1:]) == [Rung(4, 3), Rung(8, 4), Rung(16, 6)]
+    assert _covering([Rung(8, 3), Rung(8, 4), Rung(16, 5)]) == [Rung(8, 4), Rung(16, 5), Rung(8, 3)]
+
+
 def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
     """The draft's catch-up on plain steps' tokens, in chunks padded to CATCH_UP rows (the pads'
     K/V staged, never committed), leaves the same caches and drafts the same tree as forwarding
