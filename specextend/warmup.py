@@ -7,8 +7,8 @@ tokens/s against 376 for `ar` on the same prompt in the same run.
 The shapes of a step are fixed by the tree's rung (nodes, depth: the verify's rows), whether the
 step refreshes retrieval (the verify captures the last layer) and how many tokens were accepted
 (the draft's forward of them). Acceptance replay forces every accepted length 0..depth, cycled
-against the refresh interval so that each length meets a refresh, once per rung of the adaptive
-ladder, plus one plain request, and the draft worker's own warm-up (its padded catch-up forward,
+against the refresh interval so that each length meets a refresh, for rungs covering the adaptive
+ladder's shapes (`_covering`), plus one plain request, and the draft worker's own warm-up (its padded catch-up forward,
 and overlapped drafting's shapes); the tests check that a normal request afterwards meets no shape
 the warm-up did not.
 """
