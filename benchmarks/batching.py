@@ -1,12 +1,19 @@
 """Batched steps across sessions (docs/architecture.md, "Batched steps"): aggregate decode tokens/s
 of N concurrent sessions driven by one scheduler.Batcher, in process: one session per forward
-(target and draft), the target's forwards batched (up to 8 sessions) with the draft's steps run one
-at a time, and both batched (the draft worker runs queued steps of different sessions together).
+(target and draft), the target's forwards batched eagerly (the rows of every call through eager
+matrix products), the same batched through the full-step graphs (CUDA: FullStepGraphs.forward_batch),
+and for speculative modes the draft's steps batched too (the draft worker runs queued steps of
+different sessions together).
 
   python benchmarks/batching.py --target random:llama-68m --sessions 1,4,8 --device cpu
+  python benchmarks/batching.py --target random:llama-3.1-8b --draft random:llama-68m --device cuda \
+      --dtype bfloat16 --modes ar,specextend --sessions 1,4,8,16 --prompt-len 4096,16384
 
-Speculative modes use a random draft and replay the acceptance (`--replay`, labelled replayed):
-random weights accept nothing. Prints a table and writes JSON next to this script's results.
+Decode tokens/s count the tokens emitted after every session has its first token, over the time
+from then to the last; prefill is not in them. Beside `ar` the bytes-moved ceiling: a step of B
+sessions reads the weights once and B caches, at the copy bandwidth measured here. Speculative
+modes use a random draft and replay the acceptance (`--replay`, labelled replayed): random weights
+accept nothing. Prints a table and writes JSON next to this script's results.
 """
 
 from __future__ import annotations
@@ -25,19 +32,25 @@ import torch
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
 from specextend.draft.worker import GATHER_S
+from specextend.models.full_graphs import FullStepGraphs
 from specextend.scheduler import Batcher
 
 OUT = Path(__file__).parent / "results" / "batching"
 
 
 def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
-        gather_s: float = 0.0) -> dict:
+        gather_s: float = 0.0, graph_batch: bool = False) -> dict:
     b = Batcher(engine.target.decoder, max_batch)
+    graphs = engine.target.decoder.graphs
+    if isinstance(graphs, FullStepGraphs):
+        graphs.batching = graph_batch
     if engine.draft is not None:
         engine.draft.max_batch, engine.draft.gather_s = draft_batch, gather_s
         before = engine.draft.stats()
     done = threading.Event()
     ends, tokens = [], [0]
+    started: set = set()
+    decode = dict(t0=None, tokens=0, t1=None)  # after every session's first token
 
     def sink(item):
         if item is None or isinstance(item, BaseException):
@@ -45,7 +58,14 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
             if len(ends) == n:
                 done.set()
         else:
+            now = time.perf_counter()
             tokens[0] += len(item.token_ids)
+            if decode["t0"] is not None:
+                decode["tokens"] += len(item.token_ids)
+                decode["t1"] = now
+            started.add(id(item.stats))
+            if decode["t0"] is None and len(started) == n:
+                decode["t0"] = now
         return True
 
     g = torch.Generator().manual_seed(n)
@@ -64,7 +84,9 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     bad = [e for e in ends if e is not None]
     if bad:
         raise bad[0]
-    row = dict(sessions=n, max_batch=max_batch, tokens=tokens[0], wall_s=wall, tokens_per_s=tokens[0] / wall,
+    dt = (decode["t1"] or 0) - (decode["t0"] or 0)
+    row = dict(sessions=n, max_batch=max_batch, graph_batch=graph_batch, tokens=tokens[0], wall_s=wall,
+               tokens_per_s=tokens[0] / wall, decode_tokens_per_s=decode["tokens"] / dt if dt > 0 else 0.0,
                forwards=b.forwards, mean_calls_per_forward=b.calls / max(b.forwards, 1))
     if engine.draft is not None:
         st = engine.draft.stats()
@@ -75,43 +97,92 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     return row
 
 
+def copy_bandwidth(device: str) -> float:
+    """Bytes a second a device-to-device copy of 1 GiB moves (read + write), best of five."""
+    if device == "cpu":
+        return 0.0
+    x = torch.empty(1 << 29, dtype=torch.float16, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del x, y
+    return 2 * (1 << 30) / best
+
+
+def ceiling(engine, n: int, prompt_len: int, new_tokens: int, bw: float) -> float:
+    """Plain decoding's tokens/s if a step of n sessions took the time to read the weights once and
+    n caches (at the mean context of the decode) at bandwidth bw."""
+    if not bw:
+        return 0.0
+    dec = engine.target.decoder
+    weights = sum(t.numel() * t.element_size() for t in _tensors(dec.w))
+    kv = dec.args.kv_bytes_per_token(dec.dtype) * (prompt_len + new_tokens / 2)
+    return n * bw / (weights + n * kv)
+
+
+def _tensors(w):
+    seen = {}
+    for t in [w.embed, w.norm, w.lm_head] + [getattr(lw, k) for lw in w.layers for k in lw.__dataclass_fields__]:
+        if t is not None:
+            seen[t.data_ptr()] = t
+    return seen.values()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="random:llama-68m")
     p.add_argument("--draft", default="random:llama-68m")
     p.add_argument("--modes", default="ar,sd")
     p.add_argument("--sessions", default="1,4,8")
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prompt-len", default="256", help="comma-separated prompt lengths")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--replay", type=int, default=3, help="accepted draft tokens per step in speculative modes")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     a = p.parse_args(argv)
     rows = []
+    bw = copy_bandwidth(a.device)
+    lengths = [int(x) for x in a.prompt_len.split(",")]
     for mode in a.modes.split(","):
         cfg = EngineConfig(target=a.target, draft=a.draft, mode=mode, device=a.device, dtype=a.dtype,
                            tree_policy="fixed")
         engine = build_engine(cfg)
         replay = None if mode == "ar" else [a.replay]
-        run(engine, 2, 8, 16, 4, replay, 8)  # warm-up
-        # (target batch, draft batch, the draft's gather wait)
-        plans = ([(1, 1, 0.0), (8, 8, 0.0)] if mode == "ar" else
-                 [(1, 1, 0.0), (8, 1, 0.0), (8, 8, 0.0), (8, 8, GATHER_S)])
-        for n in [int(x) for x in a.sessions.split(",")]:
-            got = [run(engine, n, mb, a.prompt_len, a.new_tokens, replay, db, gs) for mb, db, gs in plans]
-            for r in got:
-                rows.append(dict(mode=mode, replayed=replay is not None, **r))
-            cells = [f"{r['tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
-                     + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "") + ")"
-                     for r in got]
-            print(f"{mode:4s} sessions {n:2d}: " + "  ".join(f"{mb}/{db}{'w' if gs else ''}: {c}"
-                                                        for (mb, db, gs), c in zip(plans, cells))
-                  + f"  -> {got[-1]['tokens_per_s'] / got[0]['tokens_per_s']:.2f}x", flush=True)
+        graphed = isinstance(engine.target.decoder.graphs, FullStepGraphs)
+        for gb in ([False, True] if graphed else [False]):  # warm-up: every plan's shapes at batch 2
+            run(engine, 2, 8, 16, 4, replay, 8, graph_batch=gb)
+        for length in lengths:
+            for n in [int(x) for x in a.sessions.split(",")]:
+                # (target batch, draft batch, the draft's gather wait, the target's batch through graphs)
+                plans = [(1, 1, 0.0, False), (n, 1 if mode == "ar" else 8, 0.0, False)]
+                if graphed:
+                    plans.append((n, plans[-1][1], 0.0, True))
+                if mode != "ar":
+                    plans.append((n, 8, GATHER_S, graphed))
+                got = [run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb) for mb, db, gs, gb in plans]
+                top = ceiling(engine, n, length, a.new_tokens, bw) if mode == "ar" else 0.0
+                for r in got:
+                    rows.append(dict(mode=mode, prompt_len=length, replayed=replay is not None,
+                                     ceiling_tokens_per_s=top, **r))
+                cells = [f"{r['decode_tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
+                         + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "") + ")"
+                         for r in got]
+                best = max(r["decode_tokens_per_s"] for r in got)
+                print(f"{mode:10s} L {length:6d} sessions {n:2d}: "
+                      + "  ".join(f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}: {c}"
+                                  for (mb, db, gs, gb), c in zip(plans, cells))
+                      + f"  -> {best / max(got[0]['decode_tokens_per_s'], 1e-9):.2f}x"
+                      + (f", {best / top:.0%} of the {top:.0f} tok/s ceiling" if top else ""), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = a.device if a.device == "cpu" else torch.cuda.get_device_name()
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(),
                 command="python benchmarks/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                threads=torch.get_num_threads())
+                threads=torch.get_num_threads(), copy_bandwidth=bw)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"batching-{a.device}.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")

@@ -37,26 +37,29 @@ def key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
 
 
 @triton.jit
-def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
+def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M, T, NB,
                     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr,
                     INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # nothing to load before the wait: PDL hides the launch gap (specextend/pdl.py)
         gdc_launch_dependents()
         gdc_wait()
+    bg = tl.program_id(2)  # session * G + KV head
     prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
-                 tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                 tl.program_id(0), tl.program_id(1), bg % G, bg // G, T, NB,
                  G, D, DP, SPLITS, BLOCK_M, BLOCK_N, MIN_CHUNK, IEEE, INTERPRET)
 
 
 @triton.jit
-def prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M, mb, s, g,
+def prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M, mb, s, g, b, T, NB,
                  G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Row block mb of KV head g over split s of the committed keys (prefix_partials' one program;
-    also a work item of the persistent layer kernel, models/_triton_persist.py)."""
+    """Row block mb of KV head g over split s of session b's committed keys (prefix_partials' one
+    program; also a work item of the persistent layer kernel, models/_triton_persist.py). The M
+    folded rows are (query head of the group, session, token) for NB sessions of T tokens each:
+    session b owns M // NB of them, and its cache is described by meta[4b:4b + 4]."""
     idx = tl.arange(0, 4)
-    mv = tl.load(meta_ptr + idx)  # [4] (offset, L, capacity, unused): scalars by reduction
+    mv = tl.load(meta_ptr + b * 4 + idx)  # [4] (offset, L, capacity, unused): scalars by reduction
     # cache.data - kv_ptr in elements, a multiple of 16 (cache_meta): written as // 16 * 16 so that the
     # compiler knows it (tl.multiple_of is lost on a scalar) and loads keys 16 bytes at a time with
     # pipelined async copies; without it they were 2-byte loads, the kernel at ~45% of bandwidth
@@ -69,9 +72,10 @@ def prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M
     chunk = tl.maximum(tl.cdiv(tl.cdiv(L, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)  # split_chunk's
     start = s * chunk
     end = tl.minimum(L, start + chunk)
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    local = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] this session's folded rows
+    row_ok = local < M // NB
+    offs_m = (local // T) * (NB * T) + b * T + local % T  # [BM] rows of the batch (= local for one session)
     offs_d = tl.arange(0, DP)  # [DP]
-    row_ok = offs_m < M
     io = row_ok[:, None] & (offs_d < D)[None, :]  # [BM, DP]
     q = tl.load(q_ptr + (g * M + offs_m)[:, None] * D + offs_d[None, :], mask=io, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -80,36 +80,48 @@ def block_m(rows: int, ieee: bool = False) -> int:
     return config(rows, ieee)["bm"]
 
 
-def num_splits(rows: int, num_kv_heads: int, num_sms: int, ieee: bool = False) -> int:
-    """Splits per (row block, KV head) so that about one program runs per multiprocessor (the
-    sweep above: half as many splits as two per multiprocessor won at 4, 68 and 204 rows)."""
-    blocks = -(-rows // block_m(rows, ieee)) * num_kv_heads
+def num_splits(rows: int, num_kv_heads: int, num_sms: int, ieee: bool = False, sessions: int = 1) -> int:
+    """Splits per (row block, KV head, session) so that about one program runs per multiprocessor
+    (the sweep above: half as many splits as two per multiprocessor won at 4, 68 and 204 rows);
+    `rows`: one session's folded rows."""
+    blocks = -(-rows // block_m(rows, ieee)) * num_kv_heads * sessions
     return max(1, min(64, round(num_sms / blocks)))
 
 
-def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * T folded rows)
+def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * B * T folded rows)
                     anchor: torch.Tensor,  # the cache's dtype: meta[0] counts elements from here
-                    meta: torch.Tensor,  # [4] int64 on q's device, from cache_meta
+                    meta: torch.Tensor,  # [4 * B] int64 on q's device, from cache_meta per session
                     layer: int, scale: float,
                     out: torch.Tensor,  # [G, S, M, D] float32
                     lse: torch.Tensor,  # [G, S, M] float32
                     block_n: int = 0, num_warps: int = 0, num_stages: int = 0, bm: int = 0,
-                    min_chunk: int = MIN_CHUNK) -> None:
+                    min_chunk: int = MIN_CHUNK, sessions: int = 1, tokens: int = 0) -> None:
     """Writes each split's attention of q over keys [s*chunk, min(L, (s+1)*chunk)) of the cache's
     layer `layer` into out / lse (chunk = split_chunk(L, S, block_n, min_chunk); empty splits: out
-    0, lse -inf). Launch parameters left 0 come from config(M, float32)."""
+    0, lse -inf). Launch parameters left 0 come from config(M / B, float32).
+
+    With B `sessions`, q holds B sessions' T tokens each, folded as (query head of the group,
+    session, token): the rows of `q.view(G, H/G, B, T, D)` (T = `tokens`), which is q [H, B * T, D] of a batched
+    forward viewed as [G, (H/G) * B * T, D]. Session b's rows attend over the cache of meta[4b:4b + 4]
+    (docs/architecture.md, "Batched steps")."""
     g, m, d = q.shape
     splits = out.shape[1]
-    c = config(m, q.dtype == torch.float32)
+    if m % sessions or meta.numel() < 4 * sessions:
+        raise ValueError(f"{m} folded rows and {meta.numel()} meta entries do not make {sessions} sessions")
+    per = m // sessions  # folded rows of one session
+    tokens = tokens or per  # with one session any T maps its rows to themselves
+    if per % tokens:
+        raise ValueError(f"{per} folded rows a session is not a whole number of query heads of {tokens} tokens")
+    c = config(per, q.dtype == torch.float32)
     bm, block_n = bm or c["bm"], block_n or c["block_n"]
     num_warps, num_stages = num_warps or c["num_warps"], num_stages or c["num_stages"]
-    grid = (-(-m // bm), splits, g)
+    grid = (-(-per // bm), splits, g * sessions)
     from specextend.attention._triton_kernels import INTERPRETED
     from specextend.attention._triton_kernels import prefix_partials as kernel
 
     on = pdl.enabled(q.device)
 
-    kernel[grid](q, anchor, meta, out, lse, scale * math.log2(math.e), layer, m, G=g, D=d,
+    kernel[grid](q, anchor, meta, out, lse, scale * math.log2(math.e), layer, m, tokens, sessions, G=g, D=d,
                  DP=1 << (d - 1).bit_length(), SPLITS=splits, BLOCK_M=bm, BLOCK_N=block_n,
                  MIN_CHUNK=-(-min_chunk // block_n) * block_n,
                  IEEE=q.dtype == torch.float32, INTERPRET=INTERPRETED, PDL=on,

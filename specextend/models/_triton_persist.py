@@ -216,7 +216,7 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
         it = pid
         while it < N2:
             prefix_split(q_ptr, kv_ptr, meta_ptr, outp_ptr, lsep_ptr, scale_log2, layer, M,
-                         it // (S * G), (it // G) % S, it % G, G, D, DP, S, PBM, PBN, MIN_CHUNK, IEEE, INTERPRET)
+                         it // (S * G), (it // G) % S, it % G, 0, M, 1, G, D, DP, S, PBM, PBN, MIN_CHUNK, IEEE, INTERPRET)
             it += P
     if ALL:
         _grid_sync(sync_ptr, 2 * P)

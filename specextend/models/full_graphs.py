@@ -15,6 +15,13 @@ host launches the next two, and so on (8B verify at 16K: 9.15 -> 8.92 ms).
 Everything else is shared with graphs.py: the plans (static ids/positions/mask/scratch), the
 segments (compiled or not), the scratch-then-copy handling of new K/V. `capture=False` runs the
 identical sequence op by op (its slow twin; on the CPU the kernel runs in Triton's interpreter).
+
+Several sessions' forwards of the same shape run as one (`forward_batch`; docs/architecture.md,
+"Batched steps"): their tokens are the rows of one forward, so every projection reads the weights
+once for all of them; the tree part's mask is block-diagonal (no session sees another's new keys)
+and the prefix kernel finds each session's cache through its own meta entry. Batches are padded to
+a power of two with empty sessions (no committed keys, their outputs dropped), so a few graphs
+serve every batch size.
 """
 
 from __future__ import annotations
@@ -23,10 +30,22 @@ import torch
 
 from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
                                                  triton_available)
+from typing import Optional
+
+from specextend.attention.backends import CAUSAL
 from specextend.kv_cache import KVCache
 from specextend.models import persistent as persistent_mod
-from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan
+from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room
 from specextend.models.transfer import copy_from_host
+
+MAX_BATCH_SESSIONS = 32  # sessions in one batched forward (more: several forwards)
+MAX_BATCH_ROWS = 512  # tokens in one batched forward, all its sessions together
+EMPTY_META = [0, 0, 1, 0]  # a padding session's cache: no committed keys (triton_prefix.cache_meta)
+
+
+def padded_sessions(n: int) -> int:
+    """Sessions a batched forward of n is padded to: the next power of two (a graph per size)."""
+    return 1 << (n - 1).bit_length()
 
 
 def full_graphs_supported(model) -> bool:
@@ -64,6 +83,7 @@ class FullStepGraphs(StepGraphs):
         dev = model.device
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.anchor = torch.zeros(ALIGN, dtype=model.dtype, device=dev)  # caches are addressed from here
+        self.batching = True  # several sessions' forwards as one (forward_batch); False: each alone
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
         self._set_meta(p, cache, L)
@@ -74,10 +94,80 @@ class FullStepGraphs(StepGraphs):
             self._body(p)
 
     def _set_meta(self, p: _Plan, cache: KVCache, L: int) -> None:
-        copy_from_host(p.meta, cache_meta(cache.data, self.anchor, L))  # pinned: no wait for queued work
+        """Every session of the plan reads `cache` (a batched plan's build: any valid cache)."""
+        copy_from_host(p.meta, cache_meta(cache.data, self.anchor, L) * p.key.sessions)  # pinned: no wait
 
     def _persists(self, p: _Plan) -> bool:
-        return self.persistent and p.key.t <= persistent_mod.MAX_ROWS
+        return self.persistent and p.key.sessions == 1 and p.key.t <= persistent_mod.MAX_ROWS
+
+    # ------------------------------------------------------------ batched forwards
+    def batch_key(self, call) -> Optional[tuple]:
+        """(tokens, logits rows) of a call that a batched forward takes: a graphable forward with
+        no staged tree keys and no store (the target's decode and verification steps)."""
+        t, o = call.ids.shape[0], call.opts
+        if not self.batching or o.staged or o.store is not None or not self.accepts(t, call.cache, call.mask, o):
+            return None
+        return t, None if o.logits_rows is None else o.logits_rows.numel()
+
+    def max_batch(self, tokens: int) -> int:
+        """Sessions of `tokens` tokens each that one batched forward takes."""
+        return max(1, min(MAX_BATCH_SESSIONS, padded_sessions(MAX_BATCH_ROWS // tokens + 1) // 2))
+
+    def forward_batch(self, calls: list) -> list:
+        """The forwards of `calls` (ForwardCalls of one batch_key, at most max_batch of them) as
+        one forward; [(logits [T' , V], Captured or None)] in order, as Decoder.forward returns."""
+        from specextend.models.decoder import Captured
+
+        m = self.model
+        n, t = len(calls), calls[0].ids.shape[0]
+        nb = padded_sessions(n)
+        if nb > self.max_batch(t) or any(self.batch_key(c) != self.batch_key(calls[0]) for c in calls):
+            raise ValueError(f"{n} calls of {t} tokens do not make one batched forward")
+        for c in calls:
+            check_room(t, c.cache, c.opts)
+        r = calls[0].opts.logits_rows
+        per_rows = 0 if r is None else r.numel()
+        capture = any(c.opts.capture_last for c in calls)
+        key = ShapeKey(nb * t, 0, nb * per_rows, capture, False, sessions=nb)
+        dev = m.device
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        masks = [causal if isinstance(c.mask, str) and c.mask == CAUSAL else c.mask for c in calls]
+        masks += [causal] * (nb - n)  # padding sessions: their own tokens only
+        with self.lock:
+            self.forwards += 1
+            p = self.plans.get(key)
+            if p is None:
+                with torch.inference_mode(False), torch.no_grad():
+                    p = self.plans[key] = self._build(key, calls[0].cache)
+            p.ids[:n * t].copy_(torch.cat([c.ids for c in calls]), non_blocking=True)  # [n * t]
+            p.pos[:n * t].copy_(torch.cat([c.positions for c in calls]), non_blocking=True)
+            if nb > n:  # valid ids and positions (any) for the padding
+                p.ids[n * t:].zero_()
+                p.pos[n * t:].zero_()
+            p.mask.copy_(torch.block_diag(*masks), non_blocking=True)  # [nb * t, nb * t]
+            if per_rows:
+                rows = [c.opts.logits_rows.to(dev) + i * t for i, c in enumerate(calls)]
+                rows += [torch.full_like(rows[0], (n + i) * t) for i in range(nb - n)]  # any row of the pad
+                p.rows.copy_(torch.cat(rows), non_blocking=True)
+            meta = [x for c in calls for x in cache_meta(c.cache.data, self.anchor, c.cache.length)]
+            copy_from_host(p.meta, meta + EMPTY_META * (nb - n))
+            if self.capture:
+                for graph in p.graphs:
+                    graph.replay()
+            else:
+                self._body(p)
+            for i, c in enumerate(calls):
+                c.cache.stage_all(p.scratch[:, 0, :, i * t:(i + 1) * t], p.scratch[:, 1, :, i * t:(i + 1) * t])
+            logits = p.logits.clone()  # [nb * (per_rows or t), V]
+            per = per_rows or t
+            out = []
+            for i, c in enumerate(calls):
+                cap = None
+                if c.opts.capture_last:
+                    cap = Captured(q=p.cap_q[:, i * t:(i + 1) * t].clone(),
+                                   lse=p.cap_lse[:, i * t:(i + 1) * t].to(torch.float32, copy=True))
+                out.append((logits[i * per:(i + 1) * per], cap))
+            return out
 
     def _body(self, p: _Plan, steps: range | None = None) -> None:
         n = self.model.args.num_layers
@@ -94,7 +184,8 @@ class FullStepGraphs(StepGraphs):
         m = self.model
         g, d = m.args.num_kv_heads, m.args.head_dim
         rows = p.key.t * (m.args.num_heads // g)
-        prefix_partials(p.q[i].view(g, rows, d), self.anchor, p.meta, i, m.scale, p.out_p, p.lse_p)
+        prefix_partials(p.q[i].view(g, rows, d), self.anchor, p.meta, i, m.scale, p.out_p, p.lse_p,
+                        sessions=p.key.sessions, tokens=p.key.t // p.key.sessions)
 
     def _new_plan(self, key: ShapeKey, cache: KVCache) -> _Plan:
         m = self.model
@@ -102,10 +193,11 @@ class FullStepGraphs(StepGraphs):
         p = _Plan(m, key)
         g, d = a.num_kv_heads, a.head_dim
         rows = key.t * (a.num_heads // g)
-        s = num_splits(rows, g, self.num_sms, m.dtype == torch.float32)
+        s = num_splits(rows // key.sessions, g, self.num_sms, m.dtype == torch.float32, key.sessions)
         p.out_p = torch.zeros(g, s, rows, d, dtype=torch.float32, device=dev)  # [G, S, R*T, D] partials
         p.lse_p = torch.zeros(g, s, rows, dtype=torch.float32, device=dev)  # [G, S, R*T]
-        p.meta = torch.zeros(4, dtype=torch.int64, device=dev)  # cache offset, L, capacity, 0 (cache_meta)
+        # per session: cache offset, L, capacity, 0 (cache_meta)
+        p.meta = torch.zeros(4 * key.sessions, dtype=torch.int64, device=dev)
         self._set_meta(p, cache, cache.length)
         if self._persists(p):
             persistent_mod.new_buffers(p, m)

@@ -61,6 +61,7 @@ class ShapeKey:
     rows: int  # logits rows (0 = all T)
     capture: bool  # keep the last layer's query and merged LSE (cross-model retrieval)
     store: bool  # also return the pre-RoPE keys (draft's retrieval store)
+    sessions: int = 1  # sessions batched in the forward, t / sessions tokens each (full_graphs.py)
 
 
 class _Plan:
@@ -108,6 +109,11 @@ class StepGraphs:
     # ------------------------------------------------------------ eligibility
     def accepts(self, t: int, cache: KVCache, new_mask: Mask, opts) -> bool:
         return graphable(t, cache, new_mask, opts, self.max_tokens)
+
+    def batch_key(self, call) -> Optional[tuple]:
+        """What a ForwardCall must share with others to run in one batched forward with them
+        (FullStepGraphs.forward_batch); None: it runs alone. These piecewise graphs never batch."""
+        return None
 
     # ------------------------------------------------------------ forward
     def forward(self, input_ids, positions, cache: KVCache, new_mask: Mask, opts):

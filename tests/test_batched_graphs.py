@@ -1,0 +1,201 @@
+"""Batched full-step forwards (FullStepGraphs.forward_batch; docs/architecture.md, "Batched steps").
+
+Several sessions' decode tokens or trees run as one forward: each session's rows attend over its
+own cache (the prefix kernel's per-session meta) and over its own new keys only (a block-diagonal
+tree mask). Against the one-session forward of each call through the same graphs' twin (on the
+CPU the Triton kernels run in Triton's interpreter), and on CUDA the captured batch against it.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # a dev dependency: present in CI
+
+from specextend.attention.backends import CAUSAL
+from specextend.attention.triton_prefix import cache_meta, partials_reference, prefix_partials
+from specextend.models.batch import ForwardCall, forward_batch, forward_each
+from specextend.models.decoder import ForwardOptions
+from specextend.models.full_graphs import FullStepGraphs, padded_sessions
+from specextend.tree import ancestor_mask
+
+from test_graphs import decoder_on
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets Triton's interpreter on the CPU"
+
+
+@pytest.mark.parametrize("sessions,tokens", [(3, 1), (2, 5)])
+def test_prefix_partials_per_session_caches(sessions, tokens):
+    """B sessions' rows, folded (query head of the group, session, token), each over its own cache
+    of its own length (one of them empty: a padding session), equal the reference per session."""
+    gen = torch.Generator().manual_seed(sessions)
+    layers, g, r, d, splits = 2, 2, 3, 16, 4
+    lengths = [70, 0, 33][:sessions] if sessions == 3 else [70, 19]
+    caches = [torch.randn(layers, 2, g, cap, d, generator=gen).to(DEVICE) for cap in (96, 80, 64)[:sessions]]
+    q = torch.randn(g, r, sessions, tokens, d, generator=gen).to(DEVICE)  # [G, R, B, T, D]
+    anchor = torch.zeros(16, device=DEVICE)
+    meta = torch.tensor([x for c, n in zip(caches, lengths) for x in cache_meta(c, anchor, n)], device=DEVICE)
+    m = r * sessions * tokens
+    out = torch.full((g, splits, m, d), float("nan"), device=DEVICE)
+    lse = torch.full((g, splits, m), float("nan"), device=DEVICE)
+    prefix_partials(q.reshape(g, m, d), anchor, meta, 1, 0.3, out, lse, block_n=16, min_chunk=16,
+                    sessions=sessions, tokens=tokens)
+    out = out.view(g, splits, r, sessions, tokens, d)
+    lse = lse.view(g, splits, r, sessions, tokens)
+    for b, (c, n) in enumerate(zip(caches, lengths)):
+        ref_out, ref_lse = partials_reference(q[:, :, b].reshape(g, r * tokens, d), c[1, 0], c[1, 1], n, splits,
+                                              0.3, block_n=16, min_chunk=16)
+        torch.testing.assert_close(lse[:, :, :, b].reshape(g, splits, -1), ref_lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[:, :, :, b].reshape(g, splits, -1, d), ref_out, atol=1e-5, rtol=1e-5)
+
+
+def _sessions(dec, lengths, seed):
+    """A prefilled cache per session, and its twin for the one-by-one reference."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, dec.args.vocab_size, (n,), generator=gen).to(DEVICE)
+        pair = []
+        for _ in range(2):
+            c = dec.new_cache(n + 40)
+            dec.forward_eager(ids, torch.arange(n, device=DEVICE), c, CAUSAL, ForwardOptions())
+            c.advance(n)
+            pair.append(c)
+        out.append(pair)
+    return out
+
+
+def _trees(dec, caches, step):
+    """Each session's 4-node tree (its own shape) as a ForwardCall; the first captures its last layer."""
+    parents = [[-1, 0, 0], [-1, -1, 1], [-1, 0, 1]]
+    out = []
+    for i, c in enumerate(caches):
+        par = parents[i % 3]
+        depths = torch.tensor([0] + [1 + (p >= 0) + (p >= 0 and par[p] >= 0) for p in par], device=DEVICE)
+        ids = (torch.arange(4, device=DEVICE) * 7 + 3 * i + step) % dec.args.vocab_size
+        out.append(ForwardCall(ids, c.length + depths, c, ancestor_mask(par, DEVICE),
+                               ForwardOptions(capture_last=i == 0)))
+    return out
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
+def test_batched_forward_equals_each(capture):
+    """Three sessions (padded to four) of different lengths and capacities: decode tokens, then
+    trees of different shapes, with logits rows and a capture, twice (plans reused at longer
+    prefixes): each session's logits, capture and staged K/V equal its own forward."""
+    dec = decoder_on("llama3", DEVICE, torch.float32)
+    graphs = FullStepGraphs(dec, capture=capture)
+    ref_graphs = FullStepGraphs(dec, capture=False)
+    sessions = _sessions(dec, [20, 45, 9], seed=1)
+    for step in range(2):
+        calls = [ForwardCall(torch.tensor([5 + step + i], device=DEVICE), torch.tensor([cb.length], device=DEVICE),
+                             cb, CAUSAL) for i, (cb, _) in enumerate(sessions)]
+        twins = [ForwardCall(c.ids, c.positions, ce, CAUSAL) for c, (_, ce) in zip(calls, sessions)]
+        got, ref = graphs.forward_batch(calls), [ref_graphs.forward(c.ids, c.positions, c.cache, c.mask, c.opts)
+                                                  for c in twins]
+        for (lg, _), (lr, _) in zip(got, ref):
+            torch.testing.assert_close(lg, lr, atol=1e-4, rtol=1e-4)
+        for cb, ce in sessions:
+            torch.testing.assert_close(cb.staged(0, 1), ce.staged(0, 1), atol=1e-5, rtol=1e-5)
+            cb.advance(1)
+            ce.advance(1)
+        trees = _trees(dec, [cb for cb, _ in sessions], step)
+        for c in trees:
+            c.opts.logits_rows = torch.tensor([0, 2], device=DEVICE)
+        twins = _trees(dec, [ce for _, ce in sessions], step)
+        for c in twins:
+            c.opts.logits_rows = torch.tensor([0, 2], device=DEVICE)
+        got = graphs.forward_batch(trees)
+        ref = [ref_graphs.forward(c.ids, c.positions, c.cache, c.mask, c.opts) for c in twins]
+        for (lg, cg), (lr, cr) in zip(got, ref):
+            assert lg.shape == lr.shape == (2, dec.args.vocab_size)
+            torch.testing.assert_close(lg, lr, atol=1e-4, rtol=1e-4)
+            assert (cg is None) == (cr is None)
+            if cg is not None:
+                torch.testing.assert_close(cg.q, cr.q, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(cg.lse, cr.lse, atol=1e-5, rtol=1e-5)
+        for cb, ce in sessions:
+            torch.testing.assert_close(cb.staged(0, 4), ce.staged(0, 4), atol=1e-5, rtol=1e-5)
+            cb.commit(torch.tensor([0, 1], device=DEVICE))
+            ce.commit(torch.tensor([0, 1], device=DEVICE))
+    assert sorted(k.sessions for k in graphs.plans) == [4, 4]  # three sessions padded to four
+    assert graphs.forwards == 4
+
+
+def test_forward_batch_groups_by_shape():
+    """models/batch.forward_batch with full-step graphs: decode tokens batch with decode tokens,
+    trees of one size with each other, and a call of a shape no other has (a 6-token chunk) runs on
+    its own; every result equals the call run alone, eagerly."""
+    dec = decoder_on("qwen2", DEVICE, torch.float32)
+    dec.graphs = FullStepGraphs(dec, capture=torch.cuda.is_available())
+    sessions = _sessions(dec, [12, 30, 17, 25, 8], seed=2)
+    mine, twin = [cb for cb, _ in sessions], [ce for _, ce in sessions]
+
+    def calls(caches):
+        dec_calls = [ForwardCall(torch.tensor([3 + i], device=DEVICE), torch.tensor([c.length], device=DEVICE), c,
+                                 CAUSAL) for i, c in enumerate(caches[:2])]
+        trees = _trees(dec, caches[2:4], 0)
+        chunk = caches[4]
+        prefill = ForwardCall(torch.arange(6, device=DEVICE), torch.arange(chunk.length, chunk.length + 6,
+                                                                            device=DEVICE), chunk, CAUSAL)
+        return [trees[0], dec_calls[0], prefill, dec_calls[1], trees[1]]
+
+    before = dec.graphs.forwards
+    got = forward_batch(dec, calls(mine))
+    assert dec.graphs.forwards - before == 3  # the decode tokens as one, the trees as one, the chunk
+    assert sorted(k.sessions for k in dec.graphs.plans) == [1, 2, 2]
+    saved, dec.graphs = dec.graphs, None
+    ref = forward_each(dec, calls(twin))  # eager, one by one
+    dec.graphs = saved
+    for (lg, cg), (lr, cr) in zip(got, ref):
+        torch.testing.assert_close(lg, lr, atol=1e-4, rtol=1e-4)
+        assert (cg is None) == (cr is None)
+    for cb, ce in sessions:
+        n = cb.length + 6
+        torch.testing.assert_close(cb.data[..., :n, :], ce.data[..., :n, :], atol=1e-5, rtol=1e-5)
+
+
+def test_batch_sizes():
+    assert [padded_sessions(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    dec = decoder_on("llama3", "cpu", torch.float32)
+    g = FullStepGraphs(dec, capture=False)
+    assert g.max_batch(1) == 32 and g.max_batch(17) == 16 and g.max_batch(64) == 8
+    sessions = _sessions(dec, [10, 11, 12], seed=3) if DEVICE == "cpu" else None
+    if sessions:
+        calls = [ForwardCall(torch.tensor([1]), torch.tensor([c.length]), c, CAUSAL) for c, _ in sessions]
+        calls[1].opts.logits_rows = torch.tensor([0])
+        with pytest.raises(ValueError, match="do not make one batched forward"):
+            g.forward_batch(calls)  # one asks for logits rows, the others for all
+
+
+@pytest.mark.parametrize("mode", ["ar", "specextend"])
+def test_batched_engine_through_full_graphs(mode):
+    """The replica's batcher over a float32 target whose decode and verification forwards go
+    through full-step graphs (the twin on the CPU): sessions batched into one graphed forward emit
+    what each emits alone, and the forwards were really batched."""
+    from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
+    from specextend.models.loader import load_model
+
+    from helpers import make_engine
+    from test_batch import run_batched
+
+    t = load_model("random:llama-tiny", dtype="float32", attention_backend="torch")
+    d = load_model("random:llama-tiny-draft", role="draft", dtype="float32", attention_backend="torch",
+                   vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
+    t.decoder.graphs = FullStepGraphs(t.decoder, capture=torch.cuda.is_available())
+    kw = dict(retrieval=RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=2)) if mode != "ar" else {}
+    engine = make_engine((t, d), mode, tree=TreeConfig(6, 3, 2), prefill_chunk=64, **kw)
+    gen = torch.Generator().manual_seed(5)
+    reqs = [(torch.randint(0, 256, (n,), generator=gen).tolist(), SamplingParams(max_new_tokens=10, ignore_eos=True),
+             {}) for n in (20, 37, 9)]
+    alone = [engine.generate(p, params) for p, params, _ in reqs]
+    batched_plans = lambda: [k for k in t.decoder.graphs.plans if k.sessions > 1]  # noqa: E731
+    assert not batched_plans()
+    got, b = run_batched(engine, reqs, max_batch=4)
+    for (tokens, finish, _), (ref, ref_finish, _) in zip(got, alone):
+        assert tokens == ref and finish == ref_finish
+    assert batched_plans(), "no forward was batched through the graphs"
