@@ -144,13 +144,14 @@ def main(argv=None) -> int:
     p.add_argument("--replay", type=int, default=3, help="accepted draft tokens per step in speculative modes")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--tree-policy", default="fixed", choices=["fixed", "adaptive"])
     a = p.parse_args(argv)
     rows = []
     bw = copy_bandwidth(a.device)
     lengths = [int(x) for x in a.prompt_len.split(",")]
     for mode in a.modes.split(","):
         cfg = EngineConfig(target=a.target, draft=a.draft, mode=mode, device=a.device, dtype=a.dtype,
-                           tree_policy="fixed")
+                           tree_policy=a.tree_policy)
         engine = build_engine(cfg)
         replay = None if mode == "ar" else [a.replay]
         graphed = isinstance(engine.target.decoder.graphs, FullStepGraphs)
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
                     got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb))
                 top = ceiling(engine, n, length, a.new_tokens, bw) if mode == "ar" else 0.0
                 for r in got:
-                    rows.append(dict(mode=mode, prompt_len=length, replayed=replay is not None,
+                    rows.append(dict(mode=mode, prompt_len=length, replayed=replay is not None, tree_policy=a.tree_policy,
                                      ceiling_tokens_per_s=top, **r))
                 cells = [f"{r['decode_tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
                          + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "") + ")"
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
                 command="python benchmarks/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 threads=torch.get_num_threads(), copy_bandwidth=bw)
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"batching-{a.device}.json"
+    path = OUT / f"batching-{a.device}{'-adaptive' if a.tree_policy == 'adaptive' else ''}.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {path}")
     return 0
