@@ -25,12 +25,15 @@ from specextend.engine import Engine, RequestStats
 from specextend.config import SamplingParams
 
 
-def warm_up(engine: Engine, prompt_ids: Sequence[int]) -> RequestStats:
+def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) -> RequestStats:
     """Runs the warm-up requests on `engine`'s models (the speculative ones with every step at the
-    rung asked for, whatever the engine's tree policy); returns the stats of the last speculative
+    rung asked for, whatever the engine's tree policy), and captures the target's batched forwards
+    of up to `batch_sessions` sessions (`warm_batches`); returns the stats of the last speculative
     one (its `fallback` says whether the draft answered)."""
     cfg = engine.config
     _, _, stats = engine.generate(prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), speculate=False)
+    if batch_sessions > 1:
+        warm_batches(engine, batch_sessions)
     if not cfg.uses_draft:
         return stats
     draft_warm_up = getattr(engine.draft, "warm_up", None)  # an in-process worker (a remote one warms itself)
@@ -63,3 +66,17 @@ def _covering(rungs: list[Rung]) -> list[Rung]:
             depths.add(r.depth)
             todo.append(r)
     return todo
+
+
+def warm_batches(engine: Engine, batch_sessions: int) -> int:
+    """The target's batched forwards (several sessions' steps as one, docs/architecture.md, "Batched
+    steps") captured for a plain step and each size of the adaptive ladder's trees (a verify
+    forward is the root and the tree's nodes), for 2, 4, ... sessions up to `batch_sessions`;
+    returns the plans built (0 where the target's plan does not batch)."""
+    graphs = engine.target.decoder.graphs
+    if graphs is None:
+        return 0
+    tokens = {1}
+    if engine.config.uses_draft:
+        tokens |= {r.nodes + 1 for r in ladder(engine.config.tree)[1:]}
+    return graphs.warm_batches(sorted(tokens), batch_sessions)

@@ -199,3 +199,32 @@ def test_batched_engine_through_full_graphs(mode):
     for (tokens, finish, _), (ref, ref_finish, _) in zip(got, alone):
         assert tokens == ref and finish == ref_finish
     assert batched_plans(), "no forward was batched through the graphs"
+
+
+def test_warm_batches_capture_every_batched_shape_before_traffic():
+    """After warmup.warm_batches (the served warm-up's last part), batched sessions of the
+    adaptive ladder's trees and plain steps meet no batched plan it did not build; a token count it
+    did not warm (here: a 3-node tree) runs alone."""
+    from specextend.config import SamplingParams, TreeConfig
+    from specextend.controller import ladder
+    from specextend.models.loader import load_model
+    from specextend.warmup import warm_batches
+
+    from helpers import make_engine
+    from test_batch import run_batched
+
+    t = load_model("random:llama-tiny", dtype="float32", attention_backend="torch")
+    d = load_model("random:llama-tiny-draft", role="draft", dtype="float32", attention_backend="torch",
+                   vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
+    graphs = t.decoder.graphs = FullStepGraphs(t.decoder, capture=False)
+    tree = TreeConfig(8, 3, 2)
+    engine = make_engine((t, d), "sd", tree=tree, prefill_chunk=64, tree_policy="adaptive")
+    assert warm_batches(engine, 3) == 2 * (1 + len({r.nodes for r in ladder(tree)[1:]}))  # 2 and 4 sessions
+    warmed = set(graphs.plans)
+    assert graphs.batch_tokens == frozenset({1, 5, 9})
+    gen = torch.Generator().manual_seed(7)
+    reqs = [(torch.randint(0, 256, (n,), generator=gen).tolist(), SamplingParams(max_new_tokens=8, ignore_eos=True),
+             kw) for n, kw in ((20, {}), (33, {}), (9, {"speculate": False}), (14, {"max_tree_nodes": 3}))]
+    run_batched(engine, reqs, max_batch=4)
+    assert graphs.batched_forwards > 0
+    assert not [k for k in set(graphs.plans) - warmed if k.sessions > 1], "a batched shape was captured mid-request"

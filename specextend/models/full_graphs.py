@@ -30,7 +30,7 @@ import torch
 
 from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
                                                  triton_available)
-from typing import Optional
+from typing import Optional, Sequence
 
 from specextend.attention.backends import CAUSAL
 from specextend.kv_cache import KVCache
@@ -84,6 +84,9 @@ class FullStepGraphs(StepGraphs):
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.anchor = torch.zeros(ALIGN, dtype=model.dtype, device=dev)  # caches are addressed from here
         self.batching = True  # several sessions' forwards as one (forward_batch); False: each alone
+        # token counts that batch once warm_batches has captured their plans (None: any, captured when met)
+        self.batch_tokens: Optional[frozenset] = None
+        self.batched_forwards = 0  # forwards that carried several sessions
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
         self._set_meta(p, cache, L)
@@ -107,11 +110,40 @@ class FullStepGraphs(StepGraphs):
         t, o = call.ids.shape[0], call.opts
         if not self.batching or o.staged or o.store is not None or not self.accepts(t, call.cache, call.mask, o):
             return None
+        if self.batch_tokens is not None and (t not in self.batch_tokens or o.logits_rows is not None):
+            return None  # a shape the warm-up did not capture batched: alone, through its own plan
         return t, None if o.logits_rows is None else o.logits_rows.numel()
 
     def max_batch(self, tokens: int) -> int:
         """Sessions of `tokens` tokens each that one batched forward takes."""
         return max(1, min(MAX_BATCH_SESSIONS, padded_sessions(MAX_BATCH_ROWS // tokens + 1) // 2))
+
+    @staticmethod
+    def _batch_key(t: int, sessions: int, per_rows: int = 0) -> ShapeKey:
+        """A batched plan always keeps the last layer's queries and LSE (one plan whichever of its
+        sessions refresh retrieval this step; the capture costs a few small copies)."""
+        return ShapeKey(sessions * t, 0, sessions * per_rows, True, False, sessions=sessions)
+
+    def warm_batches(self, tokens: Sequence[int], max_sessions: int) -> int:
+        """Captures the batched plans of `tokens` tokens a session (every logits row) for 2, 4, ...
+        sessions up to `max_sessions` (padded) before traffic, and from then on batches only those
+        token counts (another runs alone, through its own plan): no session waits for a capture in
+        the middle of a request (docs/architecture.md, "Execution plans"). Returns the plans built."""
+        m = self.model
+        cache = m.new_cache(ALIGN)
+        cache.length = 1  # any committed key: the build runs the forward once over it
+        built = 0
+        for t in sorted(set(tokens)):
+            nb = 2
+            while nb <= min(padded_sessions(max_sessions), self.max_batch(t)):
+                key = self._batch_key(t, nb)
+                if key not in self.plans:
+                    with self.lock, torch.inference_mode(False), torch.no_grad():
+                        self.plans[key] = self._build(key, cache)
+                    built += 1
+                nb *= 2
+        self.batch_tokens = frozenset(tokens) | (self.batch_tokens or frozenset())
+        return built
 
     def forward_batch(self, calls: list) -> list:
         """The forwards of `calls` (ForwardCalls of one batch_key, at most max_batch of them) as
@@ -127,14 +159,14 @@ class FullStepGraphs(StepGraphs):
             check_room(t, c.cache, c.opts)
         r = calls[0].opts.logits_rows
         per_rows = 0 if r is None else r.numel()
-        capture = any(c.opts.capture_last for c in calls)
-        key = ShapeKey(nb * t, 0, nb * per_rows, capture, False, sessions=nb)
+        key = self._batch_key(t, nb, per_rows)
         dev = m.device
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         masks = [causal if isinstance(c.mask, str) and c.mask == CAUSAL else c.mask for c in calls]
         masks += [causal] * (nb - n)  # padding sessions: their own tokens only
         with self.lock:
             self.forwards += 1
+            self.batched_forwards += 1
             p = self.plans.get(key)
             if p is None:
                 with torch.inference_mode(False), torch.no_grad():

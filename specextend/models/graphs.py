@@ -115,6 +115,10 @@ class StepGraphs:
         (FullStepGraphs.forward_batch); None: it runs alone. These piecewise graphs never batch."""
         return None
 
+    def warm_batches(self, tokens, max_sessions: int) -> int:
+        """Captures batched plans before traffic (FullStepGraphs); these graphs have none."""
+        return 0
+
     # ------------------------------------------------------------ forward
     def forward(self, input_ids, positions, cache: KVCache, new_mask: Mask, opts):
         t = input_ids.shape[0]

@@ -150,7 +150,7 @@ class SpecExtendReplica:
         graphs, every forward shape a request can take (warmup.py)."""
         ids = self.tokenizer.encode("Hello, world.", add_special_tokens=False) or [0]
         if self.target.decoder.graphs is not None:
-            stats = warm_up(self.engine, ids * 8)
+            stats = warm_up(self.engine, ids * 8, self.settings.max_batch_sessions)
         else:
             _, _, stats = self.engine.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
         if stats.fallback:
