@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+from specextend.bench import record
 
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
                                   for (mb, db, gs, gb), c in zip(plans, cells))
                       + f"  -> {best / max(got[0]['decode_tokens_per_s'], 1e-9):.2f}x"
                       + (f", {best / top:.0%} of the {top:.0f} tok/s ceiling" if top else ""), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = record.commit()
     device = a.device if a.device == "cpu" else torch.cuda.get_device_name()
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(),
                 command="python benchmarks/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -18,12 +18,12 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specextend.bench import record
 from specextend.bench.serve import wait_ready
 
 OUT = Path(__file__).parent / "results" / "concurrency"
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = record.commit()
     device = "cpu" if not a.num_gpus else "gpu"
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(), cores=os.cpu_count(),
                 command="python benchmarks/concurrency.py " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -127,9 +126,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     names = a.regimes.split(",") if a.regimes else list(REGIMES if a.device == "cpu" else GPU_REGIMES)
     rows = [run_regime(name, a.reps, a.length, a.new_tokens, a.device) for name in names]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = record.commit()
     device = "cpu" if a.device == "cpu" else torch.cuda.get_device_name()
-    commit = os.environ.get("SPECEXTEND_COMMIT") or commit
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(), cores=os.cpu_count(),
                 threads=torch.get_num_threads(),
                 command="python benchmarks/regimes.py " + " ".join(argv if argv is not None else sys.argv[1:]))

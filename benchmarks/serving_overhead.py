@@ -25,10 +25,11 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from specextend.bench import record
 
 OUT = Path(__file__).parent / "results" / "serve"
 LAYERS = ("engine", "replica", "handle", "http")
@@ -195,7 +196,7 @@ def report(a, argv, runs: dict[str, list[dict]]) -> int:
         print(f"{layer:8s} | {r['decode_tokens_per_s']:12.1f} | {r['ms_per_token']:8.3f} | {extra:+9.3f} | "
               f"{ratio:8.3f} | {r['items_per_token']:11.2f} | {1e3 * r['ttft_s']:7.1f} | {same[layer]}")
         prev = r
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = record.commit()
     meta = dict(commit=commit, device="cpu", cpus=os.cpu_count(), date=datetime.date.today().isoformat(),
                 model=a.model, stream_interval_ms=a.stream_interval_ms, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, repeats=a.repeats,
                 command="python benchmarks/serving_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]))
