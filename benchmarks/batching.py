@@ -167,6 +167,8 @@ def main(argv=None) -> int:
                     plans.append((n, plans[-1][1], 0.0, True))
                 if mode != "ar":
                     plans.append((n, 8, GATHER_S, graphed))
+                    if graphed:  # the draft's steps one at a time, each through its tree graphs
+                        plans.append((n, 1, 0.0, True))
                 got = []
                 for mb, db, gs, gb in plans:  # each plan's shapes captured first (a short run), then timed
                     run(engine, n, mb, 16, 4, replay, db, gs, gb)
