@@ -18,7 +18,7 @@ from specextend.attention.triton_prefix import cache_meta, partials_reference, p
 from specextend.models.batch import ForwardCall, forward_batch, forward_each
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs, padded_sessions
-from specextend.tree import ancestor_mask
+from specextend.tree import ancestor_mask, node_depths
 
 from test_graphs import decoder_on
 
@@ -69,13 +69,14 @@ def _sessions(dec, lengths, seed):
 
 
 def _trees(dec, caches, step):
-    """Each session's 4-node tree (its own shape) as a ForwardCall; the first captures its last layer."""
-    parents = [[-1, 0, 0], [-1, -1, 1], [-1, 0, 1]]
+    """Each session's tree (its own shape and size: 4, 5, 3 tokens with the root) as a ForwardCall;
+    the first captures its last layer."""
+    parents = [[-1, 0, 0], [-1, -1, 1, 2], [-1, 0]]
     out = []
     for i, c in enumerate(caches):
         par = parents[i % 3]
-        depths = torch.tensor([0] + [1 + (p >= 0) + (p >= 0 and par[p] >= 0) for p in par], device=DEVICE)
-        ids = (torch.arange(4, device=DEVICE) * 7 + 3 * i + step) % dec.args.vocab_size
+        depths = torch.tensor([0] + node_depths(par), device=DEVICE)
+        ids = (torch.arange(len(par) + 1, device=DEVICE) * 7 + 3 * i + step) % dec.args.vocab_size
         out.append(ForwardCall(ids, c.length + depths, c, ancestor_mask(par, DEVICE),
                                ForwardOptions(capture_last=i == 0)))
     return out
@@ -85,73 +86,75 @@ def _trees(dec, caches, step):
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
 def test_batched_forward_equals_each(capture):
     """Three sessions (padded to four) of different lengths and capacities: decode tokens, then
-    trees of different shapes, with logits rows and a capture, twice (plans reused at longer
-    prefixes): each session's logits, capture and staged K/V equal its own forward."""
+    trees of different shapes and sizes (padded to the largest) with one capture, then a decode
+    token beside trees, each round twice (plans reused at longer prefixes): each session's logits,
+    capture and staged K/V equal its own forward."""
     dec = decoder_on("llama3", DEVICE, torch.float32)
     graphs = FullStepGraphs(dec, capture=capture)
     ref_graphs = FullStepGraphs(dec, capture=False)
     sessions = _sessions(dec, [20, 45, 9], seed=1)
-    for step in range(2):
-        calls = [ForwardCall(torch.tensor([5 + step + i], device=DEVICE), torch.tensor([cb.length], device=DEVICE),
-                             cb, CAUSAL) for i, (cb, _) in enumerate(sessions)]
-        twins = [ForwardCall(c.ids, c.positions, ce, CAUSAL) for c, (_, ce) in zip(calls, sessions)]
-        got, ref = graphs.forward_batch(calls), [ref_graphs.forward(c.ids, c.positions, c.cache, c.mask, c.opts)
-                                                  for c in twins]
-        for (lg, _), (lr, _) in zip(got, ref):
-            torch.testing.assert_close(lg, lr, atol=1e-4, rtol=1e-4)
-        for cb, ce in sessions:
-            torch.testing.assert_close(cb.staged(0, 1), ce.staged(0, 1), atol=1e-5, rtol=1e-5)
-            cb.advance(1)
-            ce.advance(1)
-        trees = _trees(dec, [cb for cb, _ in sessions], step)
-        for c in trees:
-            c.opts.logits_rows = torch.tensor([0, 2], device=DEVICE)
-        twins = _trees(dec, [ce for _, ce in sessions], step)
-        for c in twins:
-            c.opts.logits_rows = torch.tensor([0, 2], device=DEVICE)
-        got = graphs.forward_batch(trees)
+
+    def check(mine, twins, staged):
+        got = graphs.forward_batch(mine)
         ref = [ref_graphs.forward(c.ids, c.positions, c.cache, c.mask, c.opts) for c in twins]
-        for (lg, cg), (lr, cr) in zip(got, ref):
-            assert lg.shape == lr.shape == (2, dec.args.vocab_size)
+        for (lg, cg), (lr, cr), c in zip(got, ref, mine):
+            assert lg.shape == lr.shape == (c.ids.shape[0], dec.args.vocab_size)
             torch.testing.assert_close(lg, lr, atol=1e-4, rtol=1e-4)
             assert (cg is None) == (cr is None)
             if cg is not None:
                 torch.testing.assert_close(cg.q, cr.q, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(cg.lse, cr.lse, atol=1e-5, rtol=1e-5)
-        for cb, ce in sessions:
-            torch.testing.assert_close(cb.staged(0, 4), ce.staged(0, 4), atol=1e-5, rtol=1e-5)
-            cb.commit(torch.tensor([0, 1], device=DEVICE))
-            ce.commit(torch.tensor([0, 1], device=DEVICE))
-    assert sorted(k.sessions for k in graphs.plans) == [4, 4]  # three sessions padded to four
-    assert graphs.forwards == 4
+        for c, t in zip(mine, twins):
+            n = c.ids.shape[0]
+            torch.testing.assert_close(c.cache.staged(0, n), t.cache.staged(0, n), atol=1e-5, rtol=1e-5)
+            for cache in (c.cache, t.cache):
+                cache.commit(torch.tensor(staged[:n], device=DEVICE))
+
+    def decode(cache, i, step):
+        return ForwardCall(torch.tensor([5 + step + i], device=DEVICE), torch.tensor([cache.length], device=DEVICE),
+                           cache, CAUSAL)
+
+    for step in range(2):
+        check([decode(cb, i, step) for i, (cb, _) in enumerate(sessions)],
+              [decode(ce, i, step) for i, (_, ce) in enumerate(sessions)], [0])
+        check(_trees(dec, [cb for cb, _ in sessions], step), _trees(dec, [ce for _, ce in sessions], step), [0, 1])
+        mixed = lambda caches: _trees(dec, caches[:2], step) + [decode(caches[2], 2, step)]  # noqa: E731
+        check(mixed([cb for cb, _ in sessions]), mixed([ce for _, ce in sessions]), [0, 1])
+    assert sorted(k.t // k.sessions for k in graphs.plans if k.sessions == 4) == [1, 5]
+    assert graphs.forwards == graphs.batched_forwards == 6
 
 
-def test_forward_batch_groups_by_shape():
-    """models/batch.forward_batch with full-step graphs: decode tokens batch with decode tokens,
-    trees of one size with each other, and a call of a shape no other has (a 6-token chunk) runs on
-    its own; every result equals the call run alone, eagerly."""
+def test_forward_batch_merges_shapes():
+    """models/batch.forward_batch with full-step graphs: decode tokens, trees and a short causal
+    chunk of five sessions run as one forward (each padded to the largest), a forward with a store
+    runs on its own; every result equals the call run alone, eagerly."""
     dec = decoder_on("qwen2", DEVICE, torch.float32)
     dec.graphs = FullStepGraphs(dec, capture=torch.cuda.is_available())
-    sessions = _sessions(dec, [12, 30, 17, 25, 8], seed=2)
+    sessions = _sessions(dec, [12, 30, 17, 25, 8, 14], seed=2)
     mine, twin = [cb for cb, _ in sessions], [ce for _, ce in sessions]
+    stores = [dec.new_cache(64), dec.new_cache(64)]
 
-    def calls(caches):
+    def calls(caches, store):
         dec_calls = [ForwardCall(torch.tensor([3 + i], device=DEVICE), torch.tensor([c.length], device=DEVICE), c,
                                  CAUSAL) for i, c in enumerate(caches[:2])]
         trees = _trees(dec, caches[2:4], 0)
         chunk = caches[4]
         prefill = ForwardCall(torch.arange(6, device=DEVICE), torch.arange(chunk.length, chunk.length + 6,
                                                                             device=DEVICE), chunk, CAUSAL)
-        return [trees[0], dec_calls[0], prefill, dec_calls[1], trees[1]]
+        s = caches[5]
+        stored = ForwardCall(torch.arange(2, device=DEVICE), torch.arange(s.length, s.length + 2, device=DEVICE), s,
+                             CAUSAL, ForwardOptions(store=store))
+        return [trees[0], dec_calls[0], stored, prefill, dec_calls[1], trees[1]]
 
     before = dec.graphs.forwards
-    got = forward_batch(dec, calls(mine))
-    assert dec.graphs.forwards - before == 3  # the decode tokens as one, the trees as one, the chunk
-    assert sorted(k.sessions for k in dec.graphs.plans) == [1, 2, 2]
+    got = forward_batch(dec, calls(mine, stores[0]))
+    assert dec.graphs.batched_forwards == 1 and dec.graphs.forwards - before == 2  # the five; the stored one
+    assert [k.sessions for k in dec.graphs.plans if k.sessions > 1] == [8]
     saved, dec.graphs = dec.graphs, None
-    ref = forward_each(dec, calls(twin))  # eager, one by one
+    ref = forward_each(dec, calls(twin, stores[1]))  # eager, one by one
     dec.graphs = saved
     for (lg, cg), (lr, cr) in zip(got, ref):
+        assert lg.shape == lr.shape
         torch.testing.assert_close(lg, lr, atol=1e-4, rtol=1e-4)
         assert (cg is None) == (cr is None)
     for cb, ce in sessions:
@@ -164,12 +167,18 @@ def test_batch_sizes():
     dec = decoder_on("llama3", "cpu", torch.float32)
     g = FullStepGraphs(dec, capture=False)
     assert g.max_batch(1) == 32 and g.max_batch(17) == 16 and g.max_batch(64) == 8
-    sessions = _sessions(dec, [10, 11, 12], seed=3) if DEVICE == "cpu" else None
-    if sessions:
-        calls = [ForwardCall(torch.tensor([1]), torch.tensor([c.length]), c, CAUSAL) for c, _ in sessions]
-        calls[1].opts.logits_rows = torch.tensor([0])
-        with pytest.raises(ValueError, match="do not make one batched forward"):
-            g.forward_batch(calls)  # one asks for logits rows, the others for all
+    cache = dec.new_cache(32)
+    cache.length = 4
+    call = ForwardCall(torch.tensor([1]), torch.tensor([4]), cache, CAUSAL)
+    assert g.batch_key(call) == 1
+    g.batch_tokens = frozenset({1, 5, 9})
+    tree = ForwardCall(torch.arange(3), torch.tensor([4, 5, 5]), cache, ancestor_mask([-1, -1], "cpu"))
+    assert g.batch_key(tree) == 5  # pads to the smallest warmed count that holds it
+    assert g.batch_key(ForwardCall(torch.arange(10), torch.arange(4, 14), cache, CAUSAL)) is None
+    assert g.batch_key(ForwardCall(torch.tensor([1]), torch.tensor([4]), cache, CAUSAL,
+                                   ForwardOptions(logits_rows=torch.tensor([0])))) is None
+    with pytest.raises(ValueError, match="do not make one batched forward"):
+        g.forward_batch([call, tree], tokens=2)  # the tree does not fit 2 tokens a session
 
 
 @pytest.mark.parametrize("mode", ["ar", "specextend"])
@@ -203,8 +212,8 @@ def test_batched_engine_through_full_graphs(mode):
 
 def test_warm_batches_capture_every_batched_shape_before_traffic():
     """After warmup.warm_batches (the served warm-up's last part), batched sessions of the
-    adaptive ladder's trees and plain steps meet no batched plan it did not build; a token count it
-    did not warm (here: a 3-node tree) runs alone."""
+    adaptive ladder's trees and plain steps (and a request's 3-node trees, padded) meet no batched
+    plan it did not build."""
     from specextend.config import SamplingParams, TreeConfig
     from specextend.controller import ladder
     from specextend.models.loader import load_model

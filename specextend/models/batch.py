@@ -4,10 +4,10 @@ Each session's forward is a `ForwardCall` over its own KV cache (a prefill chunk
 token, a verification tree). `forward_batch` runs their rows together through every matrix
 product (embedding, QKV, output projection, MLP, LM head: the weights are read once for the
 whole batch) and each call's attention over its own cache, with its own mask. A single call goes
-through `Decoder.forward` (the step graphs when they take it). With full-step graphs, calls of one
-shape (the target's decode tokens, its trees of one size) run as one graphed forward
-(FullStepGraphs.forward_batch); the others batch eagerly, or go one by one when only a few are left
-(GRAPHS_BATCH_MIN). `forward_each` is the slow twin (one forward per call), and the tests compare
+through `Decoder.forward` (the step graphs when they take it). With full-step graphs, the target's
+decode tokens and trees run as one graphed forward, each session's tokens padded to the largest
+count (FullStepGraphs.forward_batch); the others batch eagerly, or go one by one when only a few
+are left (GRAPHS_BATCH_MIN). `forward_each` is the slow twin (one forward per call), and the tests compare
 them.
 """
 
@@ -67,27 +67,25 @@ def forward_each(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
 
 def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
     """The calls' forwards with their rows batched through the matrix products; results in order.
-    Where the step graphs batch (full-step graphs: FullStepGraphs.forward_batch), calls of one
-    shape run as one graphed forward; the rest as below (`forward_eager_batch`)."""
+    Where the step graphs batch (full-step graphs: FullStepGraphs.forward_batch), the calls they
+    take run as one graphed forward (as many as it holds, largest first, the others padded to the
+    largest); the rest as below (`forward_eager_batch`)."""
     graphs = model.graphs
     if graphs is None or len(calls) == 1:
         return forward_eager_batch(model, calls)
-    groups: dict[tuple, list[int]] = {}
-    rest: list[int] = []
-    for i, c in enumerate(calls):
-        key = graphs.batch_key(c)
-        (rest if key is None else groups.setdefault(key, [])).append(i)
+    keyed = sorted(((graphs.batch_key(c), i) for i, c in enumerate(calls)), key=lambda k: -(k[0] or 0))
+    rest = [i for k, i in keyed if k is None]
+    keyed = [(k, i) for k, i in keyed if k is not None]  # largest padded count first
     results: list[Optional[Result]] = [None] * len(calls)
-    for (t, _), idx in groups.items():
-        if len(idx) == 1:
-            rest += idx
+    while keyed:  # each forward: the largest count left, and as many of the rest as it takes
+        tokens = keyed[0][0]
+        part = [i for _, i in keyed[:graphs.max_batch(tokens)]]
+        keyed = keyed[len(part):]
+        if len(part) == 1:
+            rest += part
             continue
-        size = graphs.max_batch(t)
-        for lo in range(0, len(idx), size):
-            part = idx[lo:lo + size]
-            got = [calls[part[0]].run(model)] if len(part) == 1 else graphs.forward_batch([calls[i] for i in part])
-            for i, r in zip(part, got):
-                results[i] = r
+        for i, r in zip(part, graphs.forward_batch([calls[i] for i in part], tokens)):
+            results[i] = r
     rest.sort()
     for i, r in zip(rest, forward_eager_batch(model, [calls[i] for i in rest]) if rest else []):
         results[i] = r

@@ -16,12 +16,12 @@ Everything else is shared with graphs.py: the plans (static ids/positions/mask/s
 segments (compiled or not), the scratch-then-copy handling of new K/V. `capture=False` runs the
 identical sequence op by op (its slow twin; on the CPU the kernel runs in Triton's interpreter).
 
-Several sessions' forwards of the same shape run as one (`forward_batch`; docs/architecture.md,
-"Batched steps"): their tokens are the rows of one forward, so every projection reads the weights
-once for all of them; the tree part's mask is block-diagonal (no session sees another's new keys)
-and the prefix kernel finds each session's cache through its own meta entry. Batches are padded to
-a power of two with empty sessions (no committed keys, their outputs dropped), so a few graphs
-serve every batch size.
+Several sessions' forwards run as one (`forward_batch`; docs/architecture.md, "Batched steps"):
+their tokens are the rows of one forward, so every projection reads the weights once for all of
+them; the tree part's mask is block-diagonal (no session sees another's new keys) and the prefix
+kernel finds each session's cache through its own meta entry. Each session's tokens are padded to
+one count (a decode token beside trees), and batches to a power of two with empty sessions (no
+committed keys); padding is dropped from the outputs, so a few graphs serve every batch.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta
                                                  triton_available)
 from typing import Optional, Sequence
 
-from specextend.attention.backends import CAUSAL
 from specextend.kv_cache import KVCache
 from specextend.models import persistent as persistent_mod
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room
-from specextend.models.transfer import copy_from_host
+from specextend.models.transfer import copy_from_host, to_device
 
 MAX_BATCH_SESSIONS = 32  # sessions in one batched forward (more: several forwards)
 MAX_BATCH_ROWS = 512  # tokens in one batched forward, all its sessions together
@@ -104,31 +103,34 @@ class FullStepGraphs(StepGraphs):
         return self.persistent and p.key.sessions == 1 and p.key.t <= persistent_mod.MAX_ROWS
 
     # ------------------------------------------------------------ batched forwards
-    def batch_key(self, call) -> Optional[tuple]:
-        """(tokens, logits rows) of a call that a batched forward takes: a graphable forward with
-        no staged tree keys and no store (the target's decode and verification steps)."""
+    def batch_key(self, call) -> Optional[int]:
+        """The token count a call pads to in a batched forward (the target's decode and verification
+        steps: graphable, no staged tree keys, no store, every logits row); None: it runs alone.
+        Once warm_batches has run, the smallest warmed count at least the call's own."""
         t, o = call.ids.shape[0], call.opts
-        if not self.batching or o.staged or o.store is not None or not self.accepts(t, call.cache, call.mask, o):
+        if (not self.batching or o.staged or o.store is not None or o.logits_rows is not None
+                or not self.accepts(t, call.cache, call.mask, o)):
             return None
-        if self.batch_tokens is not None and (t not in self.batch_tokens or o.logits_rows is not None):
-            return None  # a shape the warm-up did not capture batched: alone, through its own plan
-        return t, None if o.logits_rows is None else o.logits_rows.numel()
+        if self.batch_tokens is None:
+            return t
+        return min((x for x in self.batch_tokens if x >= t), default=None)
 
     def max_batch(self, tokens: int) -> int:
         """Sessions of `tokens` tokens each that one batched forward takes."""
         return max(1, min(MAX_BATCH_SESSIONS, padded_sessions(MAX_BATCH_ROWS // tokens + 1) // 2))
 
     @staticmethod
-    def _batch_key(t: int, sessions: int, per_rows: int = 0) -> ShapeKey:
+    def _batch_key(t: int, sessions: int) -> ShapeKey:
         """A batched plan always keeps the last layer's queries and LSE (one plan whichever of its
         sessions refresh retrieval this step; the capture costs a few small copies)."""
-        return ShapeKey(sessions * t, 0, sessions * per_rows, True, False, sessions=sessions)
+        return ShapeKey(sessions * t, 0, 0, True, False, sessions=sessions)
 
     def warm_batches(self, tokens: Sequence[int], max_sessions: int) -> int:
-        """Captures the batched plans of `tokens` tokens a session (every logits row) for 2, 4, ...
-        sessions up to `max_sessions` (padded) before traffic, and from then on batches only those
-        token counts (another runs alone, through its own plan): no session waits for a capture in
-        the middle of a request (docs/architecture.md, "Execution plans"). Returns the plans built."""
+        """Captures the batched plans of `tokens` tokens a session for 2, 4, ... sessions up to
+        `max_sessions` (padded) before traffic; from then on a call pads to the smallest of these
+        counts that holds it, and one that none holds runs alone, through its own plan: no session
+        waits for a capture in the middle of a request (docs/architecture.md, "Execution plans").
+        Returns the plans built."""
         m = self.model
         cache = m.new_cache(ALIGN)
         cache.length = 1  # any committed key: the build runs the forward once over it
@@ -145,25 +147,34 @@ class FullStepGraphs(StepGraphs):
         self.batch_tokens = frozenset(tokens) | (self.batch_tokens or frozenset())
         return built
 
-    def forward_batch(self, calls: list) -> list:
-        """The forwards of `calls` (ForwardCalls of one batch_key, at most max_batch of them) as
-        one forward; [(logits [T' , V], Captured or None)] in order, as Decoder.forward returns."""
+    def forward_batch(self, calls: list, tokens: int = 0) -> list:
+        """The forwards of `calls` (batch_key not None, at most max_batch(tokens) of them) as one
+        forward, each session's tokens padded to `tokens` (0: the most any call has) with copies of
+        its last token that attend only to themselves and are dropped; [(logits [t, V], Captured or
+        None)] in order, as Decoder.forward returns."""
         from specextend.models.decoder import Captured
 
         m = self.model
-        n, t = len(calls), calls[0].ids.shape[0]
+        sizes = [c.ids.shape[0] for c in calls]  # t_i
+        n, t = len(calls), tokens or max(sizes)
         nb = padded_sessions(n)
-        if nb > self.max_batch(t) or any(self.batch_key(c) != self.batch_key(calls[0]) for c in calls):
-            raise ValueError(f"{n} calls of {t} tokens do not make one batched forward")
-        for c in calls:
-            check_room(t, c.cache, c.opts)
-        r = calls[0].opts.logits_rows
-        per_rows = 0 if r is None else r.numel()
-        key = self._batch_key(t, nb, per_rows)
+        if nb > self.max_batch(t) or max(sizes) > t or any(self.batch_key(c) is None for c in calls):
+            raise ValueError(f"{n} calls of {sizes} tokens do not make one batched forward of {t} tokens a session")
+        for c, ti in zip(calls, sizes):
+            check_room(ti, c.cache, c.opts)
+        key = self._batch_key(t, nb)
         dev = m.device
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        masks = [causal if isinstance(c.mask, str) and c.mask == CAUSAL else c.mask for c in calls]
-        masks += [causal] * (nb - n)  # padding sessions: their own tokens only
+        blocks = []
+        for c, ti in zip(calls, sizes):  # [t, t]: the call's mask, then the padding's own tokens
+            mask = torch.ones(ti, ti, dtype=torch.bool, device=dev).tril() if isinstance(c.mask, str) else c.mask
+            if ti < t:
+                blk = torch.eye(t, dtype=torch.bool, device=dev)
+                blk[:ti, :ti] = mask
+                mask = blk
+            blocks.append(mask)
+        blocks += [torch.eye(t, dtype=torch.bool, device=dev)] * (nb - n)  # padding sessions
+        starts = [sum(sizes[:i]) for i in range(n)]
+        src = to_device([s0 + min(r, ti - 1) for s0, ti in zip(starts, sizes) for r in range(t)], torch.long, dev)
         with self.lock:
             self.forwards += 1
             self.batched_forwards += 1
@@ -171,16 +182,12 @@ class FullStepGraphs(StepGraphs):
             if p is None:
                 with torch.inference_mode(False), torch.no_grad():
                     p = self.plans[key] = self._build(key, calls[0].cache)
-            p.ids[:n * t].copy_(torch.cat([c.ids for c in calls]), non_blocking=True)  # [n * t]
-            p.pos[:n * t].copy_(torch.cat([c.positions for c in calls]), non_blocking=True)
-            if nb > n:  # valid ids and positions (any) for the padding
+            p.ids[:n * t].copy_(torch.cat([c.ids for c in calls]).index_select(0, src), non_blocking=True)
+            p.pos[:n * t].copy_(torch.cat([c.positions for c in calls]).index_select(0, src), non_blocking=True)
+            if nb > n:  # valid ids and positions (any) for the padding sessions
                 p.ids[n * t:].zero_()
                 p.pos[n * t:].zero_()
-            p.mask.copy_(torch.block_diag(*masks), non_blocking=True)  # [nb * t, nb * t]
-            if per_rows:
-                rows = [c.opts.logits_rows.to(dev) + i * t for i, c in enumerate(calls)]
-                rows += [torch.full_like(rows[0], (n + i) * t) for i in range(nb - n)]  # any row of the pad
-                p.rows.copy_(torch.cat(rows), non_blocking=True)
+            p.mask.copy_(torch.block_diag(*blocks), non_blocking=True)  # [nb * t, nb * t]
             meta = [x for c in calls for x in cache_meta(c.cache.data, self.anchor, c.cache.length)]
             copy_from_host(p.meta, meta + EMPTY_META * (nb - n))
             if self.capture:
@@ -188,17 +195,17 @@ class FullStepGraphs(StepGraphs):
                     graph.replay()
             else:
                 self._body(p)
-            for i, c in enumerate(calls):
-                c.cache.stage_all(p.scratch[:, 0, :, i * t:(i + 1) * t], p.scratch[:, 1, :, i * t:(i + 1) * t])
-            logits = p.logits.clone()  # [nb * (per_rows or t), V]
-            per = per_rows or t
+            for i, (c, ti) in enumerate(zip(calls, sizes)):
+                lo = i * t
+                c.cache.stage_all(p.scratch[:, 0, :, lo:lo + ti], p.scratch[:, 1, :, lo:lo + ti])
+            logits = p.logits.clone()  # [nb * t, V]
             out = []
-            for i, c in enumerate(calls):
-                cap = None
+            for i, (c, ti) in enumerate(zip(calls, sizes)):
+                lo, cap = i * t, None
                 if c.opts.capture_last:
-                    cap = Captured(q=p.cap_q[:, i * t:(i + 1) * t].clone(),
-                                   lse=p.cap_lse[:, i * t:(i + 1) * t].to(torch.float32, copy=True))
-                out.append((logits[i * per:(i + 1) * per], cap))
+                    cap = Captured(q=p.cap_q[:, lo:lo + ti].clone(),
+                                   lse=p.cap_lse[:, lo:lo + ti].to(torch.float32, copy=True))
+                out.append((logits[lo:lo + ti], cap))
             return out
 
     def _body(self, p: _Plan, steps: range | None = None) -> None:
