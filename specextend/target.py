@@ -14,6 +14,7 @@ from specextend.attention.backends import CAUSAL
 from specextend.config import RetrievalConfig
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
+from specextend.models.transfer import to_device
 from specextend.retrieval import chunk_scores, initial_chunks, last_token_probs, select_chunks
 from specextend.tree import ancestor_mask, node_depths
 
@@ -75,9 +76,8 @@ class TargetSession:
         return self.run(self.decode_co(token))
 
     def decode_co(self, token: int) -> Generator[ForwardCall, Result, torch.Tensor]:
-        dev = self.model.device
-        pos = torch.tensor([self.cache.length], device=dev)
-        logits, _ = yield ForwardCall(torch.tensor([token], device=dev), pos, self.cache, CAUSAL)
+        both = to_device([token, self.cache.length], torch.long, self.model.device)  # one copy: id, position
+        logits, _ = yield ForwardCall(both[:1], both[1:], self.cache, CAUSAL)
         self.cache.advance(1)
         return logits[0]
 
@@ -88,10 +88,11 @@ class TargetSession:
     def verify_co(self, root: int, tokens: Sequence[int], parents: Sequence[int],
                   capture: bool) -> Generator[ForwardCall, Result, torch.Tensor]:
         dev = self.model.device
-        depths = torch.tensor([0] + node_depths(parents), device=dev)  # [N+1]
-        ids = torch.tensor([root] + list(tokens), device=dev)  # [N+1]
+        n = len(tokens) + 1
+        # one copy: ids [N+1], then positions [N+1] (the committed length + each node's depth)
+        both = to_device([root, *tokens] + [self.cache.length + d for d in [0] + node_depths(parents)], torch.long, dev)
         logits, self.captured = yield ForwardCall(
-            ids, self.cache.length + depths, self.cache, ancestor_mask(parents, dev),
+            both[:n], both[n:], self.cache, ancestor_mask(parents, dev),
             ForwardOptions(hybrid=self.hybrid, capture_last=capture))
         return logits
 

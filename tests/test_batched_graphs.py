@@ -237,3 +237,23 @@ def test_warm_batches_capture_every_batched_shape_before_traffic():
     run_batched(engine, reqs, max_batch=4)
     assert graphs.batched_forwards > 0
     assert not [k for k in set(graphs.plans) - warmed if k.sessions > 1], "a batched shape was captured mid-request"
+
+
+def test_a_full_cache_fails_alone():
+    """A session whose cache has no room left is not batched: its CacheFull comes back as its own
+    result (the batcher throws it into that session only) and the others' forwards run."""
+    from specextend.kv_cache import CacheFull
+
+    dec = decoder_on("llama3", DEVICE, torch.float32)
+    dec.graphs = FullStepGraphs(dec, capture=torch.cuda.is_available())
+    sessions = _sessions(dec, [10, 11, 12], seed=4)
+    full = sessions[1][0]
+    full.length = full.capacity
+    calls = [ForwardCall(torch.tensor([2], device=DEVICE), torch.tensor([min(c.length, 40)], device=DEVICE), c, CAUSAL)
+             for c, _ in sessions]
+    got = forward_batch(dec, calls)
+    assert isinstance(got[1], CacheFull)
+    assert dec.graphs.batched_forwards == 1
+    ref = sessions[0][1]
+    want = dec.forward_eager(calls[0].ids, calls[0].positions, ref, CAUSAL, ForwardOptions())[0]
+    torch.testing.assert_close(got[0][0], want, atol=1e-4, rtol=1e-4)

@@ -19,7 +19,7 @@ from typing import Generator, Optional, TypeVar
 import torch
 
 from specextend.attention.backends import Mask
-from specextend.kv_cache import KVCache
+from specextend.kv_cache import CacheFull, KVCache
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 
 
@@ -43,7 +43,8 @@ class ForwardCall:
 # GPU (benchmarks/batching.py measures it): a 1.5B target's eager step costs about 2x its replay.
 GRAPHS_BATCH_MIN = 4
 
-Result = tuple[torch.Tensor, Optional[Captured]]  # logits [T', V], captured last layer
+Result = tuple[torch.Tensor, Optional[Captured]]  # logits [T', V], captured last layer (or, from
+# forward_batch, the CacheFull of a call that failed alone)
 
 
 R = TypeVar("R")
@@ -87,8 +88,15 @@ def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
         for i, r in zip(part, graphs.forward_batch([calls[i] for i in part], tokens)):
             results[i] = r
     rest.sort()
-    for i, r in zip(rest, forward_eager_batch(model, [calls[i] for i in rest]) if rest else []):
-        results[i] = r
+    if len(rest) < GRAPHS_BATCH_MIN:  # one by one: a call that fails (a full cache) fails alone
+        for i in rest:
+            try:
+                results[i] = calls[i].run(model)
+            except CacheFull as exc:
+                results[i] = exc  # the driver throws it into that session only (scheduler.Batcher)
+    else:
+        for i, r in zip(rest, forward_eager_batch(model, [calls[i] for i in rest])):
+            results[i] = r
     return results
 
 

@@ -109,7 +109,8 @@ class FullStepGraphs(StepGraphs):
         Once warm_batches has run, the smallest warmed count at least the call's own."""
         t, o = call.ids.shape[0], call.opts
         if (not self.batching or o.staged or o.store is not None or o.logits_rows is not None
-                or not self.accepts(t, call.cache, call.mask, o)):
+                or not self.accepts(t, call.cache, call.mask, o)
+                or call.cache.length + t > call.cache.capacity):  # alone: its CacheFull is its own
             return None
         if self.batch_tokens is None:
             return t
