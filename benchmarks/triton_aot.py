@@ -79,7 +79,7 @@ def kernels_for(geo: str, call: str, dt: str):
     p = f"*{dt}"
     yield "prefix_partials", PK.prefix_partials, dict(
         q_ptr=(p, 0), kv_ptr=(p, 0), meta_ptr=("*i64", 0), out_ptr=("*fp32", 0), lse_ptr=("*fp32", 0),
-        scale_log2=("fp32", 0), layer=("i32", 3), M=("i32", m)), dict(
+        scale_log2=("fp32", 0), layer=("i32", 3), M=("i32", m), T=("i32", t), NB=("i32", 1)), dict(
         G=g, D=d, DP=_pow2(d), SPLITS=splits, BLOCK_M=c["bm"], BLOCK_N=c["block_n"], MIN_CHUNK=MIN_CHUNK, IEEE=dt == "fp32",
         INTERPRET=False, PDL=True), dict(num_warps=c["num_warps"], num_stages=c["num_stages"], launch_pdl=True)
     cc = combine_config(m, n, d, splits, dt == "fp32")
