@@ -11,7 +11,8 @@ tokens per second and takes the best:
 
 from what it measured at this session's actual context, online:
 - `forward(rows)`: seconds of a target forward, a line a + b * rows (`LinearCost`) fitted to
-  every forward of the session (prefill chunks, plain steps, verifications). When B sessions
+  every forward of the session (prefill chunks, plain steps, verifications); on a GPU the
+  device's time between CUDA events around the forward (timing.py), read a step later. When B sessions
   share a forward (scheduler.Batcher), its fixed part is shared: a session is charged
   a / B + b * rows, so as the batch grows the weight of the nodes' own cost grows smoothly and
   the chosen tree shrinks (no threshold, no cliff).
@@ -41,6 +42,7 @@ from typing import Optional, Sequence
 
 from specextend.config import TreeConfig
 from specextend.draft.base import TreeBound
+from specextend.timing import seconds_of
 from specextend.tree import node_depths
 
 
@@ -171,6 +173,7 @@ class TreeController:
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
+    _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span) not yet in the line
 
     @property
     def top(self) -> Rung:
@@ -230,6 +233,7 @@ class TreeController:
 
     def choose(self, sessions: int = 1) -> Rung:
         """The next step's rung; `sessions` share the target's forwards now."""
+        self._settle()  # the prefill's forwards, before the first step
         self.sessions = sessions
         if self.spec_steps == 0 and self.draft_ratio is None:
             return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
@@ -258,17 +262,26 @@ class TreeController:
         best_case = (1.0 + self.top.depth) / max(self.step_seconds(self.top), 1e-9)
         return best_case > self.rate(PLAIN)
 
-    def record_forward(self, rows: int, seconds: float) -> None:
+    def record_forward(self, rows: int, seconds) -> None:
         """A target forward that carried this session's call: all its `rows` (every session's, when
-        shared) and its duration."""
-        self.forward.add(rows, seconds)
-        self._forward_s += seconds
+        shared) and its duration, in seconds or as a timing.Span (on a GPU, the device's time,
+        read once the step has read the forward's output: `_settle`)."""
+        self._pending.append((rows, seconds))
+
+    def _settle(self) -> None:
+        """The recorded forwards' durations into the cost line (and the step's forward time)."""
+        for rows, span in self._pending:
+            seconds = seconds_of(span)
+            self.forward.add(rows, seconds)
+            self._forward_s += seconds
+        self._pending.clear()
 
     def _average(self, old: Optional[float], new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     def record_plain(self, step_s: Optional[float] = None) -> None:
         """A plain step; `step_s`: its wall time, when the driver measured it."""
+        self._settle()
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
         if self._forward_s and self.sessions <= 1:
@@ -282,6 +295,7 @@ class TreeController:
         on plain steps' tokens: a one-off of switching, not what a speculative step costs),
         prefix_accepts' counts, and the step's wall time when the driver measured it (the first
         speculative step's is not used: it carries one-off costs)."""
+        self._settle()
         if draft_s is not None:
             self.draft.add(rung.depth, draft_s)
             if step_s is not None and self.spec_steps:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 import torch
 
 from specextend.models.batch import ForwardCall, forward_batch
+from specextend.timing import Span, mark
 from specextend.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -61,26 +62,29 @@ class Load:
 
     sessions: int = 1  # calls that shared the forward
     rows: int = 0  # rows of the forward, every call's
-    seconds: float = 0.0  # its duration; 0 once taken, or when the driver does not time it
+    span: Optional[Span] = None  # its duration (timing.Span); None once taken, or when the driver does not time it
 
-    def forward(self, rows: int, seconds: float) -> tuple[int, float]:
-        """The forward just run for this session: (rows, seconds) of the whole shared forward when
-        the driver timed it, else the session's own `rows` and `seconds`."""
-        if not self.seconds:
-            return rows, seconds
-        out, self.seconds = (self.rows, self.seconds), 0.0
+    def forward(self, rows: int, span: Span) -> tuple[int, Span]:
+        """The forward just run for this session: (rows, span) of the whole shared forward when
+        the driver timed it, else the session's own `rows` and `span`."""
+        if self.span is None:
+            return rows, span
+        out, self.span = (self.rows, self.span), None
         return out
 
 
-def metered(co: Generator, load: Load, record: Callable[[int, float], None]) -> Generator:
+def metered(co: Generator, load: Load, record: Callable[[int, Span], None]) -> Generator:
     """Runs a forward coroutine (target.py's `*_co`), timing each of its forwards:
-    record(rows, seconds), those of the whole forward when the driver shared and timed it."""
+    record(rows, span), those of the whole forward when the driver shared and timed it. On CUDA
+    the span is the device's time between events around the forward (timing.py)."""
     try:
         call = next(co)
         while True:
-            t = time.perf_counter()
+            start, t = mark(call.ids.device), time.perf_counter()
             result = yield call
-            record(*load.forward(call.ids.shape[0], time.perf_counter() - t))
+            host = time.perf_counter() - t
+            span = Span(host, None if start is None else (start, mark(call.ids.device)))
+            record(*load.forward(call.ids.shape[0], span))
             call = co.send(result)
     except StopIteration as stop:
         return stop.value
@@ -231,12 +235,13 @@ class Batcher:
         calls = [e for e in self._sessions if e.call is not None]
         for lo in range(0, len(calls), self.max_batch):
             group = calls[lo:lo + self.max_batch]
-            t = time.perf_counter()
+            dev = group[0].call.ids.device
+            start, t = mark(dev), time.perf_counter()
             try:
                 results = self._forward(self.model, [e.call for e in group])
             except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
                 results = [exc] * len(group)
-            self._tell_loads(group, time.perf_counter() - t)
+            self._tell_loads(group, Span(time.perf_counter() - t, None if start is None else (start, mark(dev))))
             self.forwards += 1
             self.calls += len(group)
             self.max_calls = max(self.max_calls, len(group))
@@ -248,13 +253,13 @@ class Batcher:
                     e.send = r
 
     @staticmethod
-    def _tell_loads(group: list[_Entry], seconds: float) -> None:
+    def _tell_loads(group: list[_Entry], span: Span) -> None:
         """The sessions that listen (a Load) hear how many shared the forward, its rows and time."""
         loads = [e.load for e in group if e.load is not None]
         if loads:
             rows = sum(e.call.ids.shape[0] for e in group)
             for load in loads:
-                load.sessions, load.rows, load.seconds = len(group), rows, seconds
+                load.sessions, load.rows, load.span = len(group), rows, span
 
     def _advance(self, e: _Entry) -> None:
         """Moves a session until it waits on a forward or a draft call, pauses, or ends."""
