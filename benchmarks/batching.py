@@ -10,7 +10,9 @@ different sessions together).
       --dtype bfloat16 --modes ar,specextend --sessions 1,4,8,16 --prompt-len 4096,16384
 
 Decode tokens/s count the tokens emitted after every session has its first token, over the time
-from then to the last; prefill is not in them. Beside `ar` the bytes-moved ceiling: a step of B
+from then to the last; prefill is not in them. `fwd a/b ms`: a target forward's time (the device's,
+on CUDA) against the time per forward of the decode: the rest is the device idling while the host
+advances the sessions (and, in speculative modes, drafts). Beside `ar` the bytes-moved ceiling: a step of B
 sessions reads the weights once and B caches, at the copy bandwidth measured here. Speculative
 modes use a random draft and replay the acceptance (`--replay`, labelled replayed): random weights
 accept nothing. Prints a table and writes JSON next to this script's results.
@@ -68,12 +70,14 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
             started.add(id(item.stats))
             if decode["t0"] is None and len(started) == n:
                 decode["t0"] = now
+                marks.append(len(b.spans))
         return True
 
     g = torch.Generator().manual_seed(n)
     vocab = engine.target.args.vocab_size
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
+    marks: list = []  # (time, forwards) when decoding starts (every session has its first token)
     for i in range(n):
         ids = torch.randint(vocab, (prompt_len,), generator=g).tolist()
         b.add(engine.session(ids, params, replay=replay), sink)
@@ -87,9 +91,13 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     if bad:
         raise bad[0]
     dt = (decode["t1"] or 0) - (decode["t0"] or 0)
+    spans = list(b.spans)[marks[0] if marks else 0:]
+    busy = sum(s.seconds() for s in spans)  # the decode's target forwards, device time on CUDA
     row = dict(sessions=n, max_batch=max_batch, graph_batch=graph_batch, tokens=tokens[0], wall_s=wall,
                tokens_per_s=tokens[0] / wall, decode_tokens_per_s=decode["tokens"] / dt if dt > 0 else 0.0,
-               forwards=b.forwards, mean_calls_per_forward=b.calls / max(b.forwards, 1))
+               forwards=b.forwards, mean_calls_per_forward=b.calls / max(b.forwards, 1),
+               decode_forwards=len(spans), forward_ms=1e3 * busy / max(len(spans), 1),
+               round_ms=1e3 * dt / max(len(spans), 1))
     if engine.draft is not None:
         st = engine.draft.stats()
         fwd, calls = st.step_forwards - before.step_forwards, st.step_calls - before.step_calls
@@ -178,8 +186,8 @@ def main(argv=None) -> int:
                     rows.append(dict(mode=mode, prompt_len=length, replayed=replay is not None, tree_policy=a.tree_policy,
                                      ceiling_tokens_per_s=top, **r))
                 cells = [f"{r['decode_tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
-                         + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "") + ")"
-                         for r in got]
+                         + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "")
+                         + f", fwd {r['forward_ms']:.1f}/{r['round_ms']:.1f} ms)" for r in got]
                 best = max(r["decode_tokens_per_s"] for r in got)
                 print(f"{mode:10s} L {length:6d} sessions {n:2d}: "
                       + "  ".join(f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}: {c}"

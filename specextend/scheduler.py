@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator, Optional
@@ -136,6 +137,9 @@ class _Entry:
         self.stopped = False
 
 
+SPANS_KEPT = 1024  # forwards whose durations a Batcher keeps (benchmarks: the device's busy time)
+
+
 class Batcher:
     """Runs sessions in rounds on one thread (`run`, or `run_round` from a test), every round one
     batched target forward. `add`, `resume` and `stop` may be called from any thread."""
@@ -152,6 +156,7 @@ class Batcher:
         self.forwards = 0  # batched forwards run
         self.calls = 0  # forward calls they carried
         self.max_calls = 0  # the most calls one forward carried
+        self.spans: deque = deque(maxlen=SPANS_KEPT)  # the latest forwards' durations (timing.Span)
 
     # ------------------------------------------------------------------ any thread
     def add(self, co: Generator, sink: Sink, load: Optional[Load] = None) -> _Entry:
@@ -241,7 +246,9 @@ class Batcher:
                 results = self._forward(self.model, [e.call for e in group])
             except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
                 results = [exc] * len(group)
-            self._tell_loads(group, Span(time.perf_counter() - t, None if start is None else (start, mark(dev))))
+            span = Span(time.perf_counter() - t, None if start is None else (start, mark(dev)))
+            self._tell_loads(group, span)
+            self.spans.append(span)
             self.forwards += 1
             self.calls += len(group)
             self.max_calls = max(self.max_calls, len(group))
