@@ -38,9 +38,12 @@ class ForwardCall:
         return model.forward(self.ids, self.positions, self.cache, self.mask, self.opts)
 
 
-# With step graphs (CUDA), one call replays a captured graph while a batch runs eagerly, launch by
-# launch: a few calls are cheaper replayed one after the other. An estimate, not yet measured on a
-# GPU (benchmarks/batching.py measures it): a 1.5B target's eager step costs about 2x its replay.
+# With step graphs (CUDA), one call replays a captured graph while an eager batch runs launch by
+# launch: a few calls are cheaper replayed one after the other. The target's decode and verify
+# steps no longer come here (they batch through the graphs); what does is the draft's levels and
+# prefill chunks. For the 8B target's decode steps, eager batches of 4 and 8 were slower than one
+# call per forward and 16 faster (H100, 2026-11-26, benchmarks/batching.py: 101 / 136 / 271 against
+# ~150 tokens/s); the draft's levels have not been measured apart.
 GRAPHS_BATCH_MIN = 4
 
 Result = tuple[torch.Tensor, Optional[Captured]]  # logits [T', V], captured last layer (or, from
