@@ -144,9 +144,11 @@ class Batcher:
     """Runs sessions in rounds on one thread (`run`, or `run_round` from a test), every round one
     batched target forward. `add`, `resume` and `stop` may be called from any thread."""
 
-    def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8, forward=forward_batch) -> None:
+    def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8, forward=forward_batch,
+                 on_forward: Optional[Callable[[int], None]] = None) -> None:
         self.model = model
         self._forward = forward  # forward_batch (its signature; tests pass a fake)
+        self._on_forward = on_forward  # told each forward's number of calls (the replica's metrics)
         self.max_batch = max_batch
         self._pool = ThreadPoolExecutor(draft_threads, thread_name_prefix="draft-call")
         self._sessions: list[_Entry] = []
@@ -249,6 +251,8 @@ class Batcher:
             span = Span(time.perf_counter() - t, None if start is None else (start, mark(dev)))
             self._tell_loads(group, span)
             self.spans.append(span)
+            if self._on_forward is not None:
+                self._on_forward(len(group))
             self.forwards += 1
             self.calls += len(group)
             self.max_calls = max(self.max_calls, len(group))

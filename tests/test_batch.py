@@ -246,3 +246,34 @@ def test_a_lone_draft_step_runs_on_the_batchers_thread_and_concurrent_ones_on_th
         assert backend.threads and not on_pool  # every step on the batcher's thread
     else:
         assert on_pool  # rounds with several sessions' steps
+
+
+def test_batcher_reports_each_forwards_sessions(tiny_models):
+    """The batcher tells its `on_forward` (the replica's metrics) how many sessions each target
+    forward carried, and the replica's metrics expose them as a histogram."""
+    from specextend.serving.metrics import ReplicaMetrics
+
+    engine = make_engine(tiny_models("float64"), "ar")
+    seen = []
+    b = Batcher(engine.target.decoder, 4, on_forward=seen.append)
+    done = threading.Event()
+    ends = []
+
+    def sink(item):
+        if item is None or isinstance(item, BaseException):
+            ends.append(item)
+            if len(ends) == 3:
+                done.set()
+        return True
+
+    for i in range(3):
+        b.add(engine.session(_prompt(12, i), SamplingParams(max_new_tokens=5, ignore_eos=True)), sink)
+    while not done.is_set():
+        b.run_round()
+    assert len(seen) == b.forwards and max(seen) == 3 and sum(seen) == b.calls
+    m = ReplicaMetrics(use_ray=False)
+    for n in seen:
+        m.record_forward(n)
+    text = m.exposition()
+    assert f"specextend_forward_sessions_count {float(len(seen))}" in text
+    assert 'specextend_forward_sessions_bucket{le="2.0"}' in text

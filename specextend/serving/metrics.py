@@ -32,6 +32,7 @@ STALE_AFTER_S = 10.0  # an entry not refreshed for this long belongs to a replic
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # seconds
 TREE_NODES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # nodes (tree_nodes <= 1024)
+SESSIONS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # sessions a forward carried (max_batch_sessions <= 256)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                0.75, 1.0, 2.5, 5.0, 10.0)  # seconds
 
@@ -75,12 +76,15 @@ FAMILIES = {
         "counter", "Seconds of the draft actor's starts, by phase: spawn (from its creation to its constructor: a "
         "new process and its imports), load (the draft's weights), warm_up (captures), serve (its servers).",
         ("phase",)),
+    "specextend_forward_sessions": (
+        "histogram", "Sessions whose steps one target forward carried (at most max_batch_sessions).", ()),
     "specextend_num_requests_running": ("gauge", "Active sessions.", ()),
     "specextend_num_requests_waiting": ("gauge", "Requests queued for admission.", ()),
 }
 _BUCKETS = {"specextend_time_to_first_token_seconds": TTFT_BUCKETS,
             "specextend_inter_token_latency_seconds": ITL_BUCKETS,
-            "specextend_spec_decode_tree_nodes": TREE_NODES_BUCKETS}
+            "specextend_spec_decode_tree_nodes": TREE_NODES_BUCKETS,
+            "specextend_forward_sessions": SESSIONS_BUCKETS}
 
 
 class ReplicaMetrics:
@@ -131,6 +135,10 @@ class ReplicaMetrics:
                       warm_up=startup["warm_up_s"], serve=startup["serve_s"])
         for phase, seconds in phases.items():
             self.inc("specextend_draft_actor_startup_seconds", seconds, phase=phase)
+
+    def record_forward(self, sessions: int) -> None:
+        """A target forward of the replica's batcher, carrying `sessions` sessions' steps (its thread)."""
+        self.observe("specextend_forward_sessions", sessions)
 
     def record_request(self, stats, finish_reason: str | None) -> None:
         """Per-request counters from a RequestStats (finished, stopped or cancelled)."""
