@@ -236,15 +236,20 @@ class DraftWorker(JobWorker):
         return tree
 
     def warm_up(self, params: DraftSessionParams, prompt_len: int = 64) -> int:
-        """Before traffic: a throwaway session catches up on plain steps' tokens (the padded
-        catch-up forward's shape) and, with overlap, runs the background forwards at every shape
-        they take, so their CUDA graphs are captured now, not on a request's path. Returns the
-        background forwards run (0 without overlap)."""
+        """Before traffic: the tree levels of several sessions batched as one forward (each level's
+        shape, 2..max_batch sessions), then a throwaway session catches up on plain steps' tokens
+        (the padded catch-up forward's shape) and, with overlap, runs the background forwards at
+        every shape they take, so their CUDA graphs are captured now, not on a request's path.
+        Returns the background forwards run (0 without overlap)."""
         if not self.overlap and not DraftSession.pads_catch_up(self.model):
             return 0  # nothing to capture
         return self.submit(_WarmUp(params, prompt_len)).result()
 
     def _warm_up(self, job: "_WarmUp") -> int:
+        tree = job.params.tree
+        if self.max_batch > 1 and self.model.graphs is not None:  # levels of several sessions' trees as one
+            self.model.graphs.warm_batches([tree.topk], self.max_batch,  # forward (models/batch.py)
+                                           staged=[d * tree.topk for d in range(max(tree.depth - 1, 1))])
         vocab = self.model.args.vocab_size
         prompt = [(17 * i + 3) % vocab for i in range(job.prompt_len)]
         session = self._new_session(prompt, job.params)

@@ -5,9 +5,9 @@ token, a verification tree). `forward_batch` runs their rows together through ev
 product (embedding, QKV, output projection, MLP, LM head: the weights are read once for the
 whole batch) and each call's attention over its own cache, with its own mask. A single call goes
 through `Decoder.forward` (the step graphs when they take it). With full-step graphs, the target's
-decode tokens and trees run as one graphed forward, each session's tokens padded to the largest
-count (FullStepGraphs.forward_batch); the others batch eagerly, or go one by one when only a few
-are left (GRAPHS_BATCH_MIN). `forward_each` is the slow twin (one forward per call), and the tests compare
+decode tokens and trees (and the draft's tree levels of one depth) run as one graphed forward,
+each session's tokens padded to the largest count (FullStepGraphs.forward_batch); the others batch
+eagerly, or go one by one when only a few are left (GRAPHS_BATCH_MIN). `forward_each` is the slow twin (one forward per call), and the tests compare
 them.
 """
 
@@ -77,13 +77,14 @@ def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
     graphs = model.graphs
     if graphs is None or len(calls) == 1:
         return forward_eager_batch(model, calls)
-    keyed = sorted(((graphs.batch_key(c), i) for i, c in enumerate(calls)), key=lambda k: -(k[0] or 0))
-    rest = [i for k, i in keyed if k is None]
-    keyed = [(k, i) for k, i in keyed if k is not None]  # largest padded count first
+    keys = [graphs.batch_key(c) for c in calls]  # (staged keys, padded tokens) or None
+    rest = [i for i, k in enumerate(keys) if k is None]
+    # by staged count, then the largest padded count first
+    keyed = sorted(((k, i) for i, k in enumerate(keys) if k is not None), key=lambda ki: (ki[0][0], -ki[0][1]))
     results: list[Optional[Result]] = [None] * len(calls)
-    while keyed:  # each forward: the largest count left, and as many of the rest as it takes
-        tokens = keyed[0][0]
-        part = [i for _, i in keyed[:graphs.max_batch(tokens)]]
+    while keyed:  # each forward: the largest count left of a staged count, and as many as it takes
+        (staged, tokens), _ = keyed[0]
+        part = [i for k, i in keyed[:graphs.max_batch(tokens)] if k[0] == staged]
         keyed = keyed[len(part):]
         if len(part) == 1:
             rest += part

@@ -83,8 +83,9 @@ class FullStepGraphs(StepGraphs):
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.anchor = torch.zeros(ALIGN, dtype=model.dtype, device=dev)  # caches are addressed from here
         self.batching = True  # several sessions' forwards as one (forward_batch); False: each alone
-        # token counts that batch once warm_batches has captured their plans (None: any, captured when met)
-        self.batch_tokens: Optional[frozenset] = None
+        # (staged keys, tokens) shapes that batch once warm_batches has captured their plans (None: any,
+        # captured when met)
+        self.batch_shapes: Optional[frozenset] = None
         self.batched_forwards = 0  # forwards that carried several sessions
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
@@ -103,77 +104,81 @@ class FullStepGraphs(StepGraphs):
         return self.persistent and p.key.sessions == 1 and p.key.t <= persistent_mod.MAX_ROWS
 
     # ------------------------------------------------------------ batched forwards
-    def batch_key(self, call) -> Optional[int]:
-        """The token count a call pads to in a batched forward (the target's decode and verification
-        steps: graphable, no staged tree keys, no store, every logits row); None: it runs alone.
-        Once warm_batches has run, the smallest warmed count at least the call's own."""
+    def batch_key(self, call) -> Optional[tuple[int, int]]:
+        """(staged tree keys, the token count it pads to) of a call that a batched forward takes:
+        graphable, no store, every logits row (the target's decode and verification steps, the
+        draft's tree levels); None: it runs alone. Calls batch with others of the same staged count;
+        once warm_batches has run, a call pads to the smallest warmed count at least its own."""
         t, o = call.ids.shape[0], call.opts
-        if (not self.batching or o.staged or o.store is not None or o.logits_rows is not None
+        if (not self.batching or o.store is not None or o.logits_rows is not None
                 or not self.accepts(t, call.cache, call.mask, o)
-                or call.cache.length + t > call.cache.capacity):  # alone: its CacheFull is its own
+                or call.cache.length + o.staged + t > call.cache.capacity):  # alone: its CacheFull is its own
             return None
-        if self.batch_tokens is None:
-            return t
-        return min((x for x in self.batch_tokens if x >= t), default=None)
+        if self.batch_shapes is None:
+            return o.staged, t
+        fits = [x for s_, x in self.batch_shapes if s_ == o.staged and x >= t]
+        return (o.staged, min(fits)) if fits else None
 
     def max_batch(self, tokens: int) -> int:
         """Sessions of `tokens` tokens each that one batched forward takes."""
         return max(1, min(MAX_BATCH_SESSIONS, padded_sessions(MAX_BATCH_ROWS // tokens + 1) // 2))
 
     @staticmethod
-    def _batch_key(t: int, sessions: int) -> ShapeKey:
+    def _batch_key(t: int, sessions: int, staged: int = 0) -> ShapeKey:
         """A batched plan always keeps the last layer's queries and LSE (one plan whichever of its
         sessions refresh retrieval this step; the capture costs a few small copies)."""
-        return ShapeKey(sessions * t, 0, 0, True, False, sessions=sessions)
+        return ShapeKey(sessions * t, sessions * staged, 0, True, False, sessions=sessions)
 
-    def warm_batches(self, tokens: Sequence[int], max_sessions: int) -> int:
-        """Captures the batched plans of `tokens` tokens a session for 2, 4, ... sessions up to
-        `max_sessions` (padded) before traffic; from then on a call pads to the smallest of these
-        counts that holds it, and one that none holds runs alone, through its own plan: no session
-        waits for a capture in the middle of a request (docs/architecture.md, "Execution plans").
-        Returns the plans built."""
+    def warm_batches(self, tokens: Sequence[int], max_sessions: int, staged: Sequence[int] = (0,)) -> int:
+        """Captures the batched plans of `tokens` tokens a session after each count of `staged`
+        tree keys, for 2, 4, ... sessions up to `max_sessions` (padded), before traffic; from then
+        on a call pads to the smallest of these counts that holds it, and one that none holds runs
+        alone, through its own plan: no session waits for a capture in the middle of a request
+        (docs/architecture.md, "Execution plans"). Returns the plans built."""
         m = self.model
-        cache = m.new_cache(ALIGN)
+        cache = m.new_cache(ALIGN + max(staged))
         cache.length = 1  # any committed key: the build runs the forward once over it
         built = 0
-        for t in sorted(set(tokens)):
+        shapes = {(s_, t) for s_ in staged for t in tokens}
+        for s_, t in sorted(shapes):
             nb = 2
             while nb <= min(padded_sessions(max_sessions), self.max_batch(t)):
-                key = self._batch_key(t, nb)
+                key = self._batch_key(t, nb, s_)
                 if key not in self.plans:
                     with self.lock, torch.inference_mode(False), torch.no_grad():
                         self.plans[key] = self._build(key, cache)
                     built += 1
                 nb *= 2
-        self.batch_tokens = frozenset(tokens) | (self.batch_tokens or frozenset())
+        self.batch_shapes = frozenset(shapes) | (self.batch_shapes or frozenset())
         return built
 
     def forward_batch(self, calls: list, tokens: int = 0) -> list:
-        """The forwards of `calls` (batch_key not None, at most max_batch(tokens) of them) as one
-        forward, each session's tokens padded to `tokens` (0: the most any call has) with copies of
-        its last token that attend only to themselves and are dropped; [(logits [t, V], Captured or
-        None)] in order, as Decoder.forward returns."""
+        """The forwards of `calls` (batch_key not None, one staged count, at most max_batch(tokens)
+        of them) as one forward, each session's tokens padded to `tokens` (0: the most any call has)
+        with copies of its last token that attend only to themselves and are dropped; [(logits
+        [t, V], Captured or None)] in order, as Decoder.forward returns. Rows: the sessions' new
+        tokens, session after session; keys: every session's staged tree keys, then the new ones."""
         from specextend.models.decoder import Captured
 
         m = self.model
         sizes = [c.ids.shape[0] for c in calls]  # t_i
         n, t = len(calls), tokens or max(sizes)
+        st = calls[0].opts.staged  # S: staged tree keys of every session
         nb = padded_sessions(n)
-        if nb > self.max_batch(t) or max(sizes) > t or any(self.batch_key(c) is None for c in calls):
+        if (nb > self.max_batch(t) or max(sizes) > t or any(self.batch_key(c) is None for c in calls)
+                or any(c.opts.staged != st for c in calls)):
             raise ValueError(f"{n} calls of {sizes} tokens do not make one batched forward of {t} tokens a session")
         for c, ti in zip(calls, sizes):
             check_room(ti, c.cache, c.opts)
-        key = self._batch_key(t, nb)
+        key = self._batch_key(t, nb, st)
         dev = m.device
-        blocks = []
-        for c, ti in zip(calls, sizes):  # [t, t]: the call's mask, then the padding's own tokens
-            mask = torch.ones(ti, ti, dtype=torch.bool, device=dev).tril() if isinstance(c.mask, str) else c.mask
-            if ti < t:
-                blk = torch.eye(t, dtype=torch.bool, device=dev)
-                blk[:ti, :ti] = mask
-                mask = blk
-            blocks.append(mask)
-        blocks += [torch.eye(t, dtype=torch.bool, device=dev)] * (nb - n)  # padding sessions
+        mask = torch.zeros(nb * t, nb * (st + t), dtype=torch.bool, device=dev)  # [rows, staged keys + new keys]
+        mask[:, nb * st:] = torch.eye(nb * t, dtype=torch.bool, device=dev)  # padding rows: only themselves
+        for i, (c, ti) in enumerate(zip(calls, sizes)):
+            own = torch.ones(ti, ti, dtype=torch.bool, device=dev).tril() if isinstance(c.mask, str) else c.mask
+            lo = i * t
+            mask[lo:lo + ti, i * st:(i + 1) * st] = own[:, :st]  # [ti, S] its staged keys
+            mask[lo:lo + ti, nb * st + lo:nb * st + lo + ti] = own[:, st:]  # [ti, ti] its new keys
         starts = [sum(sizes[:i]) for i in range(n)]
         src = to_device([s0 + min(r, ti - 1) for s0, ti in zip(starts, sizes) for r in range(t)], torch.long, dev)
         with self.lock:
@@ -188,7 +193,10 @@ class FullStepGraphs(StepGraphs):
             if nb > n:  # valid ids and positions (any) for the padding sessions
                 p.ids[n * t:].zero_()
                 p.pos[n * t:].zero_()
-            p.mask.copy_(torch.block_diag(*blocks), non_blocking=True)  # [nb * t, nb * t]
+            p.mask.copy_(mask, non_blocking=True)
+            if st:
+                for i, c in enumerate(calls):  # the staged tree keys of earlier levels
+                    p.scratch[:, :, :, i * st:(i + 1) * st].copy_(c.cache.staged(0, st))
             meta = [x for c in calls for x in cache_meta(c.cache.data, self.anchor, c.cache.length)]
             copy_from_host(p.meta, meta + EMPTY_META * (nb - n))
             if self.capture:
@@ -197,8 +205,8 @@ class FullStepGraphs(StepGraphs):
             else:
                 self._body(p)
             for i, (c, ti) in enumerate(zip(calls, sizes)):
-                lo = i * t
-                c.cache.stage_all(p.scratch[:, 0, :, lo:lo + ti], p.scratch[:, 1, :, lo:lo + ti])
+                lo = nb * st + i * t
+                c.cache.stage_all(p.scratch[:, 0, :, lo:lo + ti], p.scratch[:, 1, :, lo:lo + ti], offset=st)
             logits = p.logits.clone()  # [nb * t, V]
             out = []
             for i, (c, ti) in enumerate(zip(calls, sizes)):
