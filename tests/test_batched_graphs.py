@@ -272,7 +272,7 @@ def test_draft_levels_batch_through_the_graphs(overlap):
     from specextend.draft.batch import BatchCounts, drive_batch, drive_each
     from specextend.models.loader import load_model
 
-    from test_draft_batch import caches, next_accepted, sessions, step_args
+    from test_draft_batch import assert_same_caches, next_accepted, sessions, step_args
     from test_draft_expand import RETRIEVAL
 
     t = load_model("random:llama-tiny", dtype="float32", attention_backend="torch")
@@ -287,12 +287,7 @@ def test_draft_levels_batch_through_the_graphs(overlap):
         got = drive_batch(draft, [s.step_co(*a) for s, a in zip(batched, args)], counts)
         want = drive_each(draft, [s.step_co(*a) for s, a in zip(alone, args)])
         assert got == want
-        for b, a in zip(batched, alone):
-            for x, y in zip(caches(b), caches(a)):
-                if isinstance(x, torch.Tensor):
-                    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
-                else:
-                    assert x == y
+        assert_same_caches(batched, alone, 1e-4)
         accepted = [next_accepted(tr, step, i) for i, tr in enumerate(got)]
     batched_plans = [k for k in draft.graphs.plans if k.sessions > 1]
     assert batched_plans, "no level batched"

@@ -59,6 +59,16 @@ def caches(s):
     return out
 
 
+def assert_same_caches(batched, alone, tol=1e-10):
+    """Each batched session's caches (lengths exactly, contents within tol) equal its twin's."""
+    for b, a in zip(batched, alone):
+        for x, y in zip(caches(b), caches(a)):
+            if isinstance(x, torch.Tensor):
+                torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+            else:
+                assert x == y
+
+
 @pytest.mark.parametrize("retrieval", [RetrievalConfig(), RETRIEVAL], ids=["plain", "retrieval"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_batched_steps_equal_each_alone(tiny_models, retrieval, overlap):
@@ -75,12 +85,7 @@ def test_batched_steps_equal_each_alone(tiny_models, retrieval, overlap):
         ready += sum(t.ready for t in got)
         if not all(t.ready for t in got):  # someone drafted: their forwards went in batches
             assert counts.calls > counts.forwards and max(counts.per_forward) > 1
-        for b, a in zip(batched, alone):
-            for x, y in zip(caches(b), caches(a)):
-                if isinstance(x, torch.Tensor):
-                    torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
-                else:
-                    assert x == y
+        assert_same_caches(batched, alone)
         accepted = [next_accepted(t, step, i) for i, t in enumerate(got)]
     if overlap:
         assert ready > 0  # some steps were answered from the pool, inside the batch
