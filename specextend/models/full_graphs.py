@@ -18,20 +18,20 @@ identical sequence op by op (its slow twin; on the CPU the kernel runs in Triton
 
 Several sessions' forwards run as one (`forward_batch`; docs/architecture.md, "Batched steps"):
 their tokens are the rows of one forward, so every projection reads the weights once for all of
-them; the tree part's mask is block-diagonal (no session sees another's new keys) and the prefix
-kernel finds each session's cache through its own meta entry. Each session's tokens are padded to
+them; the tree part's mask is block-structured (a session sees only its own staged and new keys)
+and the prefix kernel finds each session's cache through its own meta entry. Each session's tokens are padded to
 one count (a decode token beside trees), and batches to a power of two with empty sessions (no
 committed keys); padding is dropped from the outputs, so a few graphs serve every batch.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
 from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
                                                  triton_available)
-from typing import Optional, Sequence
-
 from specextend.kv_cache import KVCache
 from specextend.models import persistent as persistent_mod
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room
