@@ -27,7 +27,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 import torch
 
 from specextend.models.batch import ForwardCall, forward_batch
-from specextend.timing import Span, mark
+from specextend.timing import Span, device_of, mark
 from specextend.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,11 @@ def metered(co: Generator, load: Load, record: Callable[[int, Span], None]) -> G
     try:
         call = next(co)
         while True:
-            start, t = mark(call.ids.device), time.perf_counter()
+            dev = device_of(call.ids)
+            start, t = mark(dev), time.perf_counter()
             result = yield call
             host = time.perf_counter() - t
-            span = Span(host, None if start is None else (start, mark(call.ids.device)))
+            span = Span(host, None if start is None else (start, mark(dev)))
             record(*load.forward(call.ids.shape[0], span))
             call = co.send(result)
     except StopIteration as stop:
@@ -242,7 +243,7 @@ class Batcher:
         calls = [e for e in self._sessions if e.call is not None]
         for lo in range(0, len(calls), self.max_batch):
             group = calls[lo:lo + self.max_batch]
-            dev = group[0].call.ids.device
+            dev = device_of(group[0].call.ids)
             start, t = mark(dev), time.perf_counter()
             try:
                 results = self._forward(self.model, [e.call for e in group])

@@ -33,9 +33,9 @@ class Span:
         return start.elapsed_time(end) / 1e3
 
 
-def mark(device: torch.device) -> Optional[torch.cuda.Event]:
-    """A timing event recorded now on `device`'s current stream (None off CUDA)."""
-    if torch.device(device).type != "cuda":
+def mark(device: Optional[torch.device]) -> Optional[torch.cuda.Event]:
+    """A timing event recorded now on `device`'s current stream (None off CUDA, or with no device)."""
+    if device is None or torch.device(device).type != "cuda":
         return None
     event = torch.cuda.Event(enable_timing=True)
     event.record()
@@ -45,3 +45,8 @@ def mark(device: torch.device) -> Optional[torch.cuda.Event]:
 def seconds_of(x) -> float:
     """A Span's seconds, or a plain number's."""
     return x.seconds() if isinstance(x, Span) else float(x)
+
+
+def device_of(x) -> Optional[torch.device]:
+    """A tensor's device; None for anything else (a test's fake forward inputs)."""
+    return x.device if isinstance(x, torch.Tensor) else None
