@@ -198,8 +198,20 @@ class Batcher:
                     self._lock.wait(timeout=self._poll_s())
                 if self._closing:
                     break
-            self.run_round()
+            try:
+                self.run_round()
+            except Exception as exc:  # noqa: BLE001 - a round's own failure: its sessions end, the thread goes on
+                log.exception("a batcher round failed; its sessions end with the error")
+                self._fail_all(exc)
         for e in self._sessions + self._incoming:
+            e.co.close()
+
+    def _fail_all(self, exc: Exception) -> None:
+        """Every admitted session ends with `exc` (its client gets the error) and is closed (its
+        `finally` frees its draft session); sessions added since the round wait for the next."""
+        for e in list(self._sessions):
+            self._sessions.remove(e)
+            self._deliver(e, exc)
             e.co.close()
 
     def _poll_s(self) -> Optional[float]:

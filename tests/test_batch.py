@@ -277,3 +277,41 @@ def test_batcher_reports_each_forwards_sessions(tiny_models):
     text = m.exposition()
     assert f"specextend_forward_sessions_count {float(len(seen))}" in text
     assert 'specextend_forward_sessions_bucket{le="2.0"}' in text
+
+
+def test_a_failed_round_ends_its_sessions_and_the_batcher_goes_on(tiny_models, monkeypatch):
+    """An error in the batcher's own round (not a session's, not a forward's) ends that round's
+    sessions with the error and leaves the thread serving: a later session completes."""
+    engine = make_engine(tiny_models("float64"), "ar")
+    b = Batcher(engine.target.decoder, 4)
+    ends, done = {}, threading.Event()
+
+    def sink_for(name):
+        def sink(item):
+            if item is None or isinstance(item, BaseException):
+                ends[name] = item
+                done.set()
+            return True
+        return sink
+
+    calls = {"n": 0}
+    real = Batcher._tell_loads
+
+    def broken_once(group, span):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected round failure")
+        real(group, span)
+
+    monkeypatch.setattr(Batcher, "_tell_loads", staticmethod(broken_once))
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    b.add(engine.session(_prompt(12, 1), params), sink_for("first"))
+    thread = threading.Thread(target=b.run, daemon=True)
+    thread.start()
+    assert done.wait(30)
+    assert isinstance(ends["first"], RuntimeError) and "injected" in str(ends["first"])
+    done.clear()
+    b.add(engine.session(_prompt(12, 2), params), sink_for("second"))
+    assert done.wait(30) and ends["second"] is None  # the thread still serves
+    b.shutdown()
+    thread.join(10)
