@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from specextend.bench import record
+from specextend.bench.kernels import copy_bandwidth
 
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
@@ -107,40 +108,15 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     return row
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes a second a device-to-device copy of 1 GiB moves (read + write), best of five."""
-    if device == "cpu":
-        return 0.0
-    x = torch.empty(1 << 29, dtype=torch.float16, device=device)
-    y = torch.empty_like(x)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        y.copy_(x)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    del x, y
-    return 2 * (1 << 30) / best
-
-
 def ceiling(engine, n: int, prompt_len: int, new_tokens: int, bw: float) -> float:
     """Plain decoding's tokens/s if a step of n sessions took the time to read the weights once and
-    n caches (at the mean context of the decode) at bandwidth bw."""
+    n caches (at the mean context of the decode) at bandwidth bw (the floor of bench/kernels.py)."""
     if not bw:
         return 0.0
     dec = engine.target.decoder
-    weights = sum(t.numel() * t.element_size() for t in _tensors(dec.w))
+    weights = dec.args.num_params() * dec.w.embed.element_size()
     kv = dec.args.kv_bytes_per_token(dec.dtype) * (prompt_len + new_tokens / 2)
     return n * bw / (weights + n * kv)
-
-
-def _tensors(w):
-    seen = {}
-    for t in [w.embed, w.norm, w.lm_head] + [getattr(lw, k) for lw in w.layers for k in lw.__dataclass_fields__]:
-        if t is not None:
-            seen[t.data_ptr()] = t
-    return seen.values()
 
 
 def main(argv=None) -> int:
@@ -157,7 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--tree-policy", default="fixed", choices=["fixed", "adaptive"])
     a = p.parse_args(argv)
     rows = []
-    bw = copy_bandwidth(a.device)
+    bw = copy_bandwidth(torch.device(a.device)) if a.device != "cpu" else 0.0  # no ceiling on the CPU
     lengths = [int(x) for x in a.prompt_len.split(",")]
     for mode in a.modes.split(","):
         cfg = EngineConfig(target=a.target, draft=a.draft, mode=mode, device=a.device, dtype=a.dtype,
