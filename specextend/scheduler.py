@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 import torch
 
 from specextend.models.batch import ForwardCall, forward_batch
-from specextend.timing import Span, device_of, mark
+from specextend.timing import Span, Stopwatch
 from specextend.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -81,12 +80,9 @@ def metered(co: Generator, load: Load, record: Callable[[int, Span], None]) -> G
     try:
         call = next(co)
         while True:
-            dev = device_of(call.ids)
-            start, t = mark(dev), time.perf_counter()
+            watch = Stopwatch(call.ids)
             result = yield call
-            host = time.perf_counter() - t
-            span = Span(host, None if start is None else (start, mark(dev)))
-            record(*load.forward(call.ids.shape[0], span))
+            record(*load.forward(call.ids.shape[0], watch.stop()))
             call = co.send(result)
     except StopIteration as stop:
         return stop.value
@@ -255,13 +251,12 @@ class Batcher:
         calls = [e for e in self._sessions if e.call is not None]
         for lo in range(0, len(calls), self.max_batch):
             group = calls[lo:lo + self.max_batch]
-            dev = device_of(group[0].call.ids)
-            start, t = mark(dev), time.perf_counter()
+            watch = Stopwatch(group[0].call.ids)
             try:
                 results = self._forward(self.model, [e.call for e in group])
             except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
                 results = [exc] * len(group)
-            span = Span(time.perf_counter() - t, None if start is None else (start, mark(dev)))
+            span = watch.stop()
             self._tell_loads(group, span)
             self.spans.append(span)
             if self._on_forward is not None:

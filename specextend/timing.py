@@ -11,6 +11,7 @@ a later point of the same stream) reading it waits for nothing.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -31,6 +32,21 @@ class Span:
         start, end = self.events
         end.synchronize()  # complete already where the policy reads it (see above)
         return start.elapsed_time(end) / 1e3
+
+
+class Stopwatch:
+    """Started on a forward's inputs (`device_of` them), `stop()` gives its Span: the host's time,
+    and on CUDA the events around it."""
+
+    __slots__ = ("device", "start", "t")
+
+    def __init__(self, inputs) -> None:
+        self.device = device_of(inputs)
+        self.start, self.t = mark(self.device), time.perf_counter()
+
+    def stop(self) -> Span:
+        host = time.perf_counter() - self.t
+        return Span(host, None if self.start is None else (self.start, mark(self.device)))
 
 
 def mark(device: Optional[torch.device]) -> Optional[torch.cuda.Event]:
