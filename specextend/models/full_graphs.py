@@ -90,6 +90,10 @@ class FullStepGraphs(StepGraphs):
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
         self._set_meta(p, cache, L)
+        self._replay(p)
+
+    def _replay(self, p: _Plan) -> None:
+        """The plan's forward over what its buffers and meta hold: its graphs, or its twin op by op."""
         if self.capture:
             for graph in p.graphs:
                 graph.replay()
@@ -145,8 +149,8 @@ class FullStepGraphs(StepGraphs):
             while nb <= min(padded_sessions(max_sessions), self.max_batch(t)):
                 key = self._batch_key(t, nb, s_)
                 if key not in self.plans:
-                    with self.lock, torch.inference_mode(False), torch.no_grad():
-                        self.plans[key] = self._build(key, cache)
+                    with self.lock:
+                        self._plan(key, cache)
                     built += 1
                 nb *= 2
         self.batch_shapes = frozenset(shapes) | (self.batch_shapes or frozenset())
@@ -184,10 +188,7 @@ class FullStepGraphs(StepGraphs):
         with self.lock:
             self.forwards += 1
             self.batched_forwards += 1
-            p = self.plans.get(key)
-            if p is None:
-                with torch.inference_mode(False), torch.no_grad():
-                    p = self.plans[key] = self._build(key, calls[0].cache)
+            p = self._plan(key, calls[0].cache)
             p.ids[:n * t].copy_(torch.cat([c.ids for c in calls]).index_select(0, src), non_blocking=True)
             p.pos[:n * t].copy_(torch.cat([c.positions for c in calls]).index_select(0, src), non_blocking=True)
             if nb > n:  # valid ids and positions (any) for the padding sessions
@@ -199,11 +200,7 @@ class FullStepGraphs(StepGraphs):
                     p.scratch[:, :, :, i * st:(i + 1) * st].copy_(c.cache.staged(0, st))
             meta = [x for c in calls for x in cache_meta(c.cache.data, self.anchor, c.cache.length)]
             copy_from_host(p.meta, meta + EMPTY_META * (nb - n))
-            if self.capture:
-                for graph in p.graphs:
-                    graph.replay()
-            else:
-                self._body(p)
+            self._replay(p)
             for i, (c, ti) in enumerate(zip(calls, sizes)):
                 lo = nb * st + i * t
                 c.cache.stage_all(p.scratch[:, 0, :, lo:lo + ti], p.scratch[:, 1, :, lo:lo + ti], offset=st)

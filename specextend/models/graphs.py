@@ -119,6 +119,16 @@ class StepGraphs:
         """Captures batched plans before traffic (FullStepGraphs); these graphs have none."""
         return 0
 
+    def _plan(self, key: ShapeKey, cache: KVCache) -> "_Plan":
+        """The plan of `key`, built the first time (compiled and captured over `cache`, any valid
+        one); the caller holds the lock. Static buffers as normal tensors: updated in place from
+        inference mode or not."""
+        p = self.plans.get(key)
+        if p is None:
+            with torch.inference_mode(False), torch.no_grad():
+                p = self.plans[key] = self._build(key, cache)
+        return p
+
     # ------------------------------------------------------------ forward
     def forward(self, input_ids, positions, cache: KVCache, new_mask: Mask, opts):
         t = input_ids.shape[0]
@@ -131,11 +141,7 @@ class StepGraphs:
             new_mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
         with self.lock:
             self.forwards += 1
-            plan = self.plans.get(key)
-            if plan is None:  # static buffers as normal tensors: updated in place from inference mode or not
-                with torch.inference_mode(False), torch.no_grad():
-                    plan = self.plans[key] = self._build(key, cache)
-            p = plan
+            p = self._plan(key, cache)
             p.ids.copy_(input_ids, non_blocking=True)
             p.pos.copy_(positions, non_blocking=True)
             p.mask.copy_(new_mask, non_blocking=True)
