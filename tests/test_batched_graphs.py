@@ -82,6 +82,17 @@ def _trees(dec, caches, step):
     return out
 
 
+def float32_pair():
+    """A fresh tiny (target, draft) pair in float32 (the Triton kernels' dtypes; tests attach graphs
+    to it, so not the shared fixture's)."""
+    from specextend.models.loader import load_model
+
+    t = load_model("random:llama-tiny", dtype="float32", attention_backend="torch")
+    d = load_model("random:llama-tiny-draft", role="draft", dtype="float32", attention_backend="torch",
+                   vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
+    return t, d
+
+
 @pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
 def test_batched_forward_equals_each(capture):
@@ -192,14 +203,11 @@ def test_batched_engine_through_full_graphs(mode):
     through full-step graphs (the twin on the CPU): sessions batched into one graphed forward emit
     what each emits alone, and the forwards were really batched."""
     from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
-    from specextend.models.loader import load_model
 
     from helpers import make_engine
     from test_batch import run_batched
 
-    t = load_model("random:llama-tiny", dtype="float32", attention_backend="torch")
-    d = load_model("random:llama-tiny-draft", role="draft", dtype="float32", attention_backend="torch",
-                   vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
+    t, d = float32_pair()
     t.decoder.graphs = FullStepGraphs(t.decoder, capture=torch.cuda.is_available())
     kw = dict(retrieval=RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=2)) if mode != "ar" else {}
     engine = make_engine((t, d), mode, tree=TreeConfig(6, 3, 2), prefill_chunk=64, **kw)
@@ -221,15 +229,12 @@ def test_warm_batches_capture_every_batched_shape_before_traffic():
     plan it did not build."""
     from specextend.config import SamplingParams, TreeConfig
     from specextend.controller import ladder
-    from specextend.models.loader import load_model
     from specextend.warmup import warm_batches
 
     from helpers import make_engine
     from test_batch import run_batched
 
-    t = load_model("random:llama-tiny", dtype="float32", attention_backend="torch")
-    d = load_model("random:llama-tiny-draft", role="draft", dtype="float32", attention_backend="torch",
-                   vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
+    t, d = float32_pair()
     graphs = t.decoder.graphs = FullStepGraphs(t.decoder, capture=False)
     tree = TreeConfig(8, 3, 2)
     engine = make_engine((t, d), "sd", tree=tree, prefill_chunk=64, tree_policy="adaptive")
@@ -269,26 +274,13 @@ def test_draft_levels_batch_through_the_graphs(overlap):
     """Four draft sessions' steps driven together (draft/batch.drive_batch) with the draft's
     forwards on full-step graphs (the twin on the CPU): their tree levels, which attend to the
     levels staged before them, run as batched forwards, and every tree equals the step alone."""
-    from specextend.draft.batch import BatchCounts, drive_batch, drive_each
-    from specextend.models.loader import load_model
 
-    from test_draft_batch import assert_same_caches, next_accepted, sessions, step_args
+    from test_draft_batch import lockstep
     from test_draft_expand import RETRIEVAL
 
-    t = load_model("random:llama-tiny", dtype="float32", attention_backend="torch")
-    draft = load_model("random:llama-tiny-draft", role="draft", dtype="float32", attention_backend="torch",
-                       vocab_size=t.args.vocab_size, target_weights=t.decoder.w).decoder
+    draft = float32_pair()[1].decoder
     draft.graphs = FullStepGraphs(draft, capture=torch.cuda.is_available())
-    batched, alone = sessions(draft, RETRIEVAL, overlap), sessions(draft, RETRIEVAL, overlap)
-    accepted = [[7 + i] for i in range(4)]
-    for step in range(4):
-        args = [step_args(step, i, accepted[i], RETRIEVAL) for i in range(4)]
-        counts = BatchCounts()
-        got = drive_batch(draft, [s.step_co(*a) for s, a in zip(batched, args)], counts)
-        want = drive_each(draft, [s.step_co(*a) for s, a in zip(alone, args)])
-        assert got == want
-        assert_same_caches(batched, alone, 1e-4)
-        accepted = [next_accepted(tr, step, i) for i, tr in enumerate(got)]
+    assert len(list(lockstep(draft, RETRIEVAL, overlap, 4, tol=1e-4))) == 4
     batched_plans = [k for k in draft.graphs.plans if k.sessions > 1]
     assert batched_plans, "no level batched"
     if not overlap:  # (with overlap a miss drafts two levels here: the second has nothing staged before it)

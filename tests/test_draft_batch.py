@@ -69,24 +69,31 @@ def assert_same_caches(batched, alone, tol=1e-10):
                 assert x == y
 
 
-@pytest.mark.parametrize("retrieval", [RetrievalConfig(), RETRIEVAL], ids=["plain", "retrieval"])
-@pytest.mark.parametrize("overlap", [False, True])
-def test_batched_steps_equal_each_alone(tiny_models, retrieval, overlap):
-    draft = tiny_models("float64")[1].decoder
+def lockstep(draft, retrieval, overlap, steps, tol=1e-10):
+    """Four sessions' steps driven batched and, on twin sessions, each alone, step after step:
+    yields each step's trees and batch counts once they and the caches are found equal."""
     batched, alone = sessions(draft, retrieval, overlap), sessions(draft, retrieval, overlap)
     accepted = [[7 + i] for i in range(4)]
-    ready = 0
-    for step in range(6):
+    for step in range(steps):
         args = [step_args(step, i, accepted[i], retrieval) for i in range(4)]
         counts = BatchCounts()
         got = drive_batch(draft, [s.step_co(*a) for s, a in zip(batched, args)], counts)
         want = drive_each(draft, [s.step_co(*a) for s, a in zip(alone, args)])
         assert got == want
+        assert_same_caches(batched, alone, tol)
+        yield got, counts
+        accepted = [next_accepted(t, step, i) for i, t in enumerate(got)]
+
+
+@pytest.mark.parametrize("retrieval", [RetrievalConfig(), RETRIEVAL], ids=["plain", "retrieval"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batched_steps_equal_each_alone(tiny_models, retrieval, overlap):
+    draft = tiny_models("float64")[1].decoder
+    ready = 0
+    for got, counts in lockstep(draft, retrieval, overlap, 6):
         ready += sum(t.ready for t in got)
         if not all(t.ready for t in got):  # someone drafted: their forwards went in batches
             assert counts.calls > counts.forwards and max(counts.per_forward) > 1
-        assert_same_caches(batched, alone)
-        accepted = [next_accepted(t, step, i) for i, t in enumerate(got)]
     if overlap:
         assert ready > 0  # some steps were answered from the pool, inside the batch
 
