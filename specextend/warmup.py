@@ -21,7 +21,8 @@ from typing import Sequence
 
 from specextend.controller import Rung, ladder
 from specextend.draft.base import DraftSessionParams
-from specextend.engine import Engine, RequestStats
+from specextend.engine import Engine
+from specextend.stats import RequestStats
 from specextend.config import SamplingParams
 
 

@@ -293,7 +293,7 @@ def test_per_request_control_in_the_engine(tiny_models):
 def test_policy_metrics_and_response_fields():
     """/metrics: the chosen tree sizes (a histogram), plain and probe steps; the response's
     speculative_decoding object: mean_tree_nodes, plain_steps, probe_steps."""
-    from specextend.engine import RequestStats
+    from specextend.stats import RequestStats
     from specextend.serving.metrics import ReplicaMetrics
     from specextend.serving.protocol import SpeculativeDecoding
     from specextend.serving.protocol import spec_decoding

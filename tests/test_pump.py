@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from specextend.engine import RequestStats, StepEvent
+from specextend.engine import StepEvent
+from specextend.stats import RequestStats
 from specextend.models.batch import ForwardCall
 from specextend.scheduler import Batcher
 from specextend.serving.pump import EngineThread, SessionPump

@@ -45,7 +45,7 @@ def test_admission_queue_limit():
 
 def test_metrics_merge_sums_replicas():
     a, b = ReplicaMetrics(use_ray=False), ReplicaMetrics(use_ray=False)
-    from specextend.engine import RequestStats
+    from specextend.stats import RequestStats
 
     stats = RequestStats(num_steps=2, accepted_per_step=[2, 1], draft_tokens=16, num_generated=5)
     a.record_request(stats, "length")

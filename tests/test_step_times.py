@@ -11,7 +11,7 @@ import pytest
 
 from specextend.draft.base import DraftTree
 from specextend.draft.jobs import SerialDraft
-from specextend.engine import RequestStats
+from specextend.stats import RequestStats
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
 from specextend.rpc.convert import tree_from_proto, tree_to_proto
 from test_rpc import PARAMS, TRANSPORTS, FakeDraft, expected_tree

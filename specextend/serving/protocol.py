@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from specextend.serving.errors import BadRequestError
 
 if TYPE_CHECKING:  # the ingress imports this module and never torch
-    from specextend.engine import RequestStats
+    from specextend.stats import RequestStats
 
 
 def _omit_none(value: Any) -> bool:
@@ -187,7 +187,7 @@ class SpeculativeDecoding(BaseModel):
 
 
 def spec_decoding(stats: RequestStats) -> dict:
-    """A SpeculativeDecoding object's fields from a request's engine.RequestStats."""
+    """A SpeculativeDecoding object's fields from a request's stats.RequestStats."""
     steps = max(stats.num_steps, 1)
     out = {"mean_acceptance_length": stats.mean_acceptance_length, "num_steps": stats.num_steps,
            "retrieval_refreshes": stats.retrieval_refreshes,

@@ -45,7 +45,8 @@ Engine = RequestError = RequestStats = Batcher = Load = EngineThread = SessionPu
 
 def import_engine_side() -> None:
     global Engine, RequestError, RequestStats, Batcher, Load, EngineThread, SessionPump, warm_up
-    from specextend.engine import Engine, RequestError, RequestStats
+    from specextend.engine import Engine, RequestError
+    from specextend.stats import RequestStats
     from specextend.scheduler import Batcher, Load
     from specextend.serving.pump import EngineThread, SessionPump
     from specextend.warmup import warm_up

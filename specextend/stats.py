@@ -1,0 +1,113 @@
+"""One request's measurements (engine.py fills them; responses, /metrics and benchmarks read them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    num_steps: int = 0  # verification steps
+    accepted_per_step: list[int] = field(default_factory=list)  # accepted draft tokens per step
+    nodes_per_step: list[int] = field(default_factory=list)  # draft nodes verified per step
+    wait_per_step: list[float] = field(default_factory=list)  # seconds the target waited for each tree
+    server_per_step: list[float] = field(default_factory=list)  # of which on the draft side (DraftTree.server_s; 0: not measured)
+    queued_per_step: list[float] = field(default_factory=list)  # of which waiting for the draft's thread
+    ready_per_step: list[bool] = field(default_factory=list)  # each tree came from the overlap pool
+    refresh_per_step: list[bool] = field(default_factory=list)  # each draft step received a retrieval
+    context_per_step: list[int] = field(default_factory=list)  # committed context at each step
+    draft_tokens: int = 0  # draft tokens proposed in total
+    retrieval_refreshes: int = 0
+    draft_cache_tokens: int = 0
+    plain_steps: int = 0  # plain decoding steps the adaptive policy chose while a draft was available
+    probe_steps: int = 0  # steps with the largest tree the adaptive policy took to re-measure it
+    ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
+    prepared_per_step: list[bool] = field(default_factory=list)  # each tree came with a prepare (no step call)
+    fallback: bool = False
+    replayed: bool = False
+    prompt_tokens: int = 0
+    num_generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0  # time in DraftBackend.step (includes RPC when remote)
+    verify_s: float = 0.0
+    retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Accepted draft tokens + 1 bonus per step (vLLM's convention); 1.0 for plain decoding."""
+        if not self.num_steps:
+            return 1.0
+        return (sum(self.accepted_per_step) + self.num_steps) / self.num_steps
+
+    @property
+    def mean_tree_nodes(self) -> float:
+        """Draft nodes verified per speculative step (the trees the policy chose)."""
+        return self.draft_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def target_wait_ms_per_step(self) -> float:
+        """Time the target waited for a tree, per step (the draft call, transport included)."""
+        return 1e3 * self.draft_s / self.num_steps if self.num_steps else 0.0
+
+    def _measured(self) -> list[tuple[float, float, float]]:
+        """(wait, draft side, queued) of the steps whose draft reported its own time."""
+        return [t for t in zip(self.wait_per_step, self.server_per_step, self.queued_per_step) if t[1] > 0]
+
+    @property
+    def transport_s(self) -> float:
+        """The target's wait beyond the draft side's own time (DraftTree.server_s), summed over the
+        steps that reported it: the round trip between target and draft (serialisation, sockets,
+        waking the threads at both ends); about 0 in process (docs/architecture.md, "Wire protocol")."""
+        return sum(max(0.0, w - d) for w, d, _ in self._measured())
+
+    @property
+    def draft_queue_s(self) -> float:
+        """Time the steps waited for the draft's thread (behind a background launch or another job)."""
+        return sum(q for _, _, q in self._measured())
+
+    @property
+    def transport_ms_per_step(self) -> float:
+        n = len(self._measured())
+        return 1e3 * self.transport_s / n if n else 0.0
+
+    @property
+    def draft_queue_ms_per_step(self) -> float:
+        n = len(self._measured())
+        return 1e3 * self.draft_queue_s / n if n else 0.0
+
+    @property
+    def prepared_steps(self) -> int:
+        """Trees taken from a prepare's outcomes (docs/architecture.md, "Prepared outcomes")."""
+        return sum(self.prepared_per_step)
+
+    @property
+    def ready_steps(self) -> int:
+        """Trees the draft had ready when asked (overlapped drafting)."""
+        return sum(self.ready_per_step)
+
+    @property
+    def tree_ready_fraction(self) -> float:
+        return self.ready_steps / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def draft_ahead_depth(self) -> float:
+        return self.ahead_depth_sum / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.num_generated / total if total > 0 else 0.0
+
+    def summary(self) -> dict:
+        return dict(num_generated=self.num_generated, mean_acceptance_length=self.mean_acceptance_length,
+                    num_steps=self.num_steps, prefill_s=self.prefill_s, decode_s=self.decode_s,
+                    tokens_per_s=self.tokens_per_s, retrieval_refreshes=self.retrieval_refreshes,
+                    draft_cache_tokens=self.draft_cache_tokens,
+                    target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
+                    probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
+                    tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,
+                    transport_ms_per_step=self.transport_ms_per_step,
+                    draft_queue_ms_per_step=self.draft_queue_ms_per_step, prepared_steps=self.prepared_steps,
+                    fallback=self.fallback, retrieval_s=self.retrieval_s,
+                    replayed=self.replayed, draft_s=self.draft_s, verify_s=self.verify_s)
