@@ -10,7 +10,8 @@ draft's retrieval every N steps instead of the configured interval (`e0`: retrie
 sends trees of N nodes, `dN` lets a retrieval selection that arrives with a ready tree wait up to
 N ready steps for a miss (`refresh_defer`; e.g. `1x8l2e16n8d0`), and a final `s` settles a ready
 step's K/V moves before answering it (the twin of answering first, DraftWorker's `answer_first`), and
-`p` turns prepared outcomes on (DraftWorker's `prepare`, the app's `draft_prepare`). Per row, the draft worker's thread time split
+`p` turns prepared outcomes on (DraftWorker's `prepare`, the app's `draft_prepare`), and `w` makes a
+step whose tree is not ready wait for a drafted one (`overlap_miss=draft`; default: a plain step). Per row, the draft worker's thread time split
 (foreground jobs, the host side of background slices, polling with a slice in flight, idle). Every variant runs the same
 prompts after `ar` (the baseline of the ratios, same round), `--rounds` times interleaved; per variant
 (medians over documents and rounds): decode tokens/s, its ratio
@@ -63,10 +64,10 @@ def main():
     engines = {"ar": Engine(replace(base, **MODES["ar"]), target, None)}
     workers = []
     for v in a.variants.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?(?:d(\d+))?(s)?(p)?", v)
-        assert m, f"variant {v!r}: DxR[lL][eN][nN][dN][s][p]"
+        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?(?:d(\d+))?(s)?(p)?(w)?", v)
+        assert m, f"variant {v!r}: DxR[lL][eN][nN][dN][s][p][w]"
         depth, rows = int(m[1]), int(m[2])
-        cfg = replace(base, **MODES["specextend"], draft_overlap=True)
+        cfg = replace(base, **MODES["specextend"], draft_overlap=True, overlap_miss="draft" if m[9] else "plain")
         if m[4] is not None:
             n = int(m[4])
             cfg = replace(cfg, retrieval=replace(cfg.retrieval, enabled=n > 0, every=max(n, 1)))
@@ -99,7 +100,7 @@ def main():
                 r.update(variant=name, doc=doc, round=rnd, identical=ids == ref, near_tie=check.get("near_tie", True))
                 rows_out.append(r)
                 print(f"{doc} {name}: {r['decode_tokens_per_s']:.1f} tok/s, acc {r['mean_acceptance_length']:.2f}, "
-                      f"ready {r['tree_ready_fraction']:.2f} (prepared {r.get('prepared_steps', 0)} of "
+                      f"ready {r['tree_ready_fraction']:.2f}, unready {r.get('unready_steps', 0)} (prepared {r.get('prepared_steps', 0)} of "
                       f"{r['num_steps']}, median wait {r.get('wait_prepared_ms', 0.0):.2f} ms), "
                       f"wait {r['draft_wait_ms']:.2f} ms, "
                       f"verify {r['verify_ms']:.2f} ms; median wait ready {r['wait_ready_ms']:.2f}, "
@@ -112,17 +113,19 @@ def main():
         for w in workers:
             w.stop()
     ar = {(r["doc"], r["round"]): r["decode_tokens_per_s"] for r in rows_out if r["variant"] == "ar"}
-    print("\n| variant | decode tok/s | x ar (median) | acceptance | tree ready | wait ms | median wait ready ms | "
-          "queued for the draft's thread ms | ready: draft side / queued ms | verify ms |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| variant | decode tok/s | x ar (median) | acceptance | tree ready | unready steps | wait ms | "
+          "median wait ready ms | queued for the draft's thread ms | ready: draft side / queued ms | verify ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for name in engines:
         rs = [r for r in rows_out if r["variant"] == name]
         m = {k: statistics.median(r[k] for r in rs) for k in ("decode_tokens_per_s", "mean_acceptance_length",
                                                                "tree_ready_fraction", "draft_wait_ms", "verify_ms",
+                                                               "unready_steps",
                                                                "wait_ready_ms", "draft_queue_ms",
                                                                "ready_server_ms", "ready_queued_ms")}
         x = statistics.median(r["decode_tokens_per_s"] / ar[r["doc"], r["round"]] for r in rs)
         print(f"| {name} | {m['decode_tokens_per_s']:.1f} | {x:.2f} | {m['mean_acceptance_length']:.2f} | "
-              f"{m['tree_ready_fraction']:.2f} | {m['draft_wait_ms']:.2f} | {m['wait_ready_ms']:.2f} | "
+              f"{m['tree_ready_fraction']:.2f} | {m['unready_steps']:g} | {m['draft_wait_ms']:.2f} | {m['wait_ready_ms']:.2f} | "
               f"{m['draft_queue_ms']:.2f} | {m['ready_server_ms']:.2f} / {m['ready_queued_ms']:.2f} | "
               f"{m['verify_ms']:.2f} |")
     if a.out:

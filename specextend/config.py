@@ -114,6 +114,9 @@ class EngineConfig:
     draft_overlap: Optional[bool] = Field(
         None, description="the draft keeps drafting while the target verifies (default: on when the draft "
                           "has its own GPU)")
+    overlap_miss: Literal["plain", "draft"] = Field(
+        "plain", description="with draft_overlap, a step whose tree the draft has not ready: plain decodes one "
+                             "token on the target while the draft catches up; draft waits for the draft to draft one")
     draft_prepare: bool = Field(
         False, description="with draft_overlap: the draft prepares the next trees for the likeliest verdicts "
                            "while the target verifies, so that a verdict among them takes no step call (off: "

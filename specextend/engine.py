@@ -192,6 +192,8 @@ class Engine:
             step, committed = 0, [token]
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
             prepare = use_draft and self.draft.supports_prepare
+            ready_only = cfg.overlap_miss == "plain"  # an overlapping draft's unready step: a plain one instead
+            refresh_due = cfg.retrieval.every  # step + 1 of the next retrieval selection
             prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
@@ -208,18 +210,31 @@ class Engine:
                             tree = outs.get(pending) if outs.step == step else None
                             applied = tree is None
                         if tree is None:
-                            tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, rung.bound))
+                            bound = replace(rung.bound, ready_only=ready_only)
+                            tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, bound))
                         draft_s = time.perf_counter() - ts
-                        stats.draft_s += draft_s
                         refreshed = retrieval is not None
                         caught_up = len(pending) > len(committed)  # it forwarded plain steps' tokens too
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)
                         continue
+                    if not tree.tokens:  # nothing ready (the draft applied the step and catches up): one
+                        # plain token now; to the policy a step of this rung that accepted nothing
+                        stats.unready_steps, stats.unready_wait_s = stats.unready_steps + 1, stats.unready_wait_s + draft_s
+                        stats.unready_refreshes += retrieval is not None
+                        committed = pending = yield from self._plain_co(target, committed[-1], params, gen, timed)
+                        step, retrieval = step + 1, None
+                        ctl.record_spec(rung, draft_s, prefix_accepts([], (), rung, ctl.rungs),
+                                        step_s=time.perf_counter() - t_step)
+                        stats.decode_s = time.perf_counter() - t1
+                        yield out.emit(committed)
+                        continue
+                    stats.draft_s += draft_s
                     # best first: a prefix is the best smaller tree (a draft that ignores the bound may send more)
                     tokens, parents = tree.tokens[:rung.nodes], tree.parents[:rung.nodes]  # [N], [N]
                     ts = time.perf_counter()
-                    refresh = cfg.retrieval.enabled and (step + 1) % cfg.retrieval.every == 0
+                    refresh = cfg.retrieval.enabled and step + 1 >= refresh_due  # (an unready step defers it)
+                    refresh_due = step + 1 + cfg.retrieval.every if refresh else refresh_due
                     scored = refresh and cfg.retrieval.select == "attention"
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
                     if prepare and use_draft:  # queued: the draft prepares the next trees while it runs
@@ -261,8 +276,7 @@ class Engine:
                                     step_s=time.perf_counter() - t_step)
                     stats.probe_steps = ctl.probe_steps
                 else:
-                    logits = yield from timed(target.decode_co(committed[-1]))
-                    committed = [next_token(logits, params, gen)]
+                    committed = yield from self._plain_co(target, committed[-1], params, gen, timed)
                     if use_draft:
                         pending = pending + committed
                         ctl.record_plain(step_s=time.perf_counter() - t_step)
@@ -273,6 +287,12 @@ class Engine:
         finally:
             if opening is not None:  # once the open has finished (now, or later if still running)
                 opening.add_done_callback(lambda f: f.exception() is None and self._close_draft(sid))
+
+    @staticmethod
+    def _plain_co(target: TargetSession, root: int, params: SamplingParams, gen, timed) -> Session:
+        """A plain decoding step from `root`: [the next token]."""
+        logits = yield from timed(target.decode_co(root))
+        return [next_token(logits, params, gen)]
 
     def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:
         t0 = time.perf_counter()

@@ -21,6 +21,9 @@ class RequestStats:
     draft_cache_tokens: int = 0
     plain_steps: int = 0  # plain decoding steps the adaptive policy chose while a draft was available
     probe_steps: int = 0  # steps with the largest tree the adaptive policy took to re-measure it
+    unready_steps: int = 0  # plain steps because the overlapping draft had no tree ready (overlap_miss=plain)
+    unready_wait_s: float = 0.0  # the target's wait for those empty answers
+    unready_refreshes: int = 0  # retrieval selections those steps delivered to the draft
     ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
     prepared_per_step: list[bool] = field(default_factory=list)  # each tree came with a prepare (no step call)
     fallback: bool = False
@@ -29,7 +32,7 @@ class RequestStats:
     num_generated: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    draft_s: float = 0.0  # time in DraftBackend.step (includes RPC when remote)
+    draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
 
@@ -47,8 +50,10 @@ class RequestStats:
 
     @property
     def target_wait_ms_per_step(self) -> float:
-        """Time the target waited for a tree, per step (the draft call, transport included)."""
-        return 1e3 * self.draft_s / self.num_steps if self.num_steps else 0.0
+        """Time the target waited for a tree, per step that asked for one (the draft call, transport
+        included; an unready step's wait for its empty answer too)."""
+        asked = self.num_steps + self.unready_steps
+        return 1e3 * (self.draft_s + self.unready_wait_s) / asked if asked else 0.0
 
     def _measured(self) -> list[tuple[float, float, float]]:
         """(wait, draft side, queued) of the steps whose draft reported its own time."""
@@ -88,7 +93,9 @@ class RequestStats:
 
     @property
     def tree_ready_fraction(self) -> float:
-        return self.ready_steps / self.num_steps if self.num_steps else 0.0
+        """Of the steps that asked the draft for a tree, those it had ready."""
+        asked = self.num_steps + self.unready_steps
+        return self.ready_steps / asked if asked else 0.0
 
     @property
     def draft_ahead_depth(self) -> float:
@@ -105,6 +112,7 @@ class RequestStats:
                     tokens_per_s=self.tokens_per_s, retrieval_refreshes=self.retrieval_refreshes,
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
+                    unready_steps=self.unready_steps,
                     probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,
                     transport_ms_per_step=self.transport_ms_per_step,

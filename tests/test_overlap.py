@@ -168,6 +168,62 @@ def test_a_missed_verdict_drafts_as_without_overlap(draft):
     assert torch.equal(over.work.data[:, :, :, :over.work.length], plain.work.data[:, :, :, :plain.work.length])
 
 
+@pytest.mark.parametrize("retrieval", [False, True])
+def test_an_unready_step_answers_empty_and_catches_up_after(draft, retrieval):
+    """A miss with ready_only answers an empty tree with nothing forwarded; its catch-up and first
+    level then run in `settle`, leaving the caches and the pool a drafting miss leaves."""
+    from specextend.draft.base import TreeBound
+    from specextend.draft.batch import run_alone
+
+    r = RetrievalConfig(enabled=retrieval, chunk_size=8, top_k=4, draft_prefill_window=0)
+    params = DraftSessionParams(TREE, r, 64)
+    lazy, eager = DraftSession(draft, prompt(), params, overlap=True), DraftSession(draft, prompt(), params, overlap=True)
+    miss, sel = [255, 254], None
+    if retrieval:
+        from specextend.draft.base import Retrieval
+        sel = Retrieval((0, 2, 5, 7), 8)
+    for s in (lazy, eager):
+        s.step(0, [7], None)
+        grow(s)
+    length = lazy.work.length
+    got = run_alone(lazy.step_co(1, miss, sel, TreeBound(ready_only=True)), draft)
+    assert got.tokens == () and not got.ready and lazy.pool is None and lazy.work.length == length
+    ref = eager.step(1, miss, sel, TreeBound(ready_only=False))
+    assert ref.tokens and not ref.ready
+    lazy.settle()
+    assert lazy.work.length == eager.work.length and lazy.refreshes == eager.refreshes
+    n = eager.work.length
+    assert torch.equal(lazy.work.data[:, :, :, :n], eager.work.data[:, :, :, :n])
+    assert lazy.pool.tokens == eager.pool.tokens and lazy.pool.scores == eager.pool.scores
+    # the background goes on from there, and a later verdict in the pool is answered from it
+    grow(lazy)
+    first = next(i for i in range(len(lazy.pool)) if lazy.pool.depths[i] == 1 and lazy.pool.slots[i] >= 0)
+    assert lazy.step(2, [lazy.pool.tokens[first]], None, TreeBound(ready_only=True)).ready
+    # without overlap there is no pool to answer from: ready_only is ignored
+    plain = DraftSession(draft, prompt(), params)
+    plain.step(0, [7], None)
+    assert len(plain.step(1, miss, sel, TreeBound(ready_only=True)).tokens) == TREE.nodes
+
+
+def test_a_failed_catch_up_fails_the_next_step(draft, monkeypatch):
+    from specextend.draft.base import TreeBound
+
+    params = DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64)
+    s = DraftSession(draft, prompt(), params, overlap=True)
+    s.step(0, [7], None, TreeBound(ready_only=True))  # no pool yet: empty, then caught up
+    assert s.pool is not None
+
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+        yield
+
+    monkeypatch.setattr(DraftSession, "_forward_committed_co", broken)
+    with pytest.raises(RuntimeError):
+        s.step(1, [255, 254], None, TreeBound(ready_only=True))
+    with pytest.raises(DraftError, match="could not catch up"):
+        s.step(2, [3], None)
+
+
 # ------------------------------------------------------------------ end to end, float64
 
 def run(pair, backend, mode="sd", n=40, seed=3, **kw):
@@ -194,26 +250,32 @@ class SlowBackground:
         monkeypatch.setattr(DraftSession, "launch", slow)
 
 
+@pytest.mark.parametrize("miss", ["plain", "draft"])
 @pytest.mark.parametrize("mode", ["sd", "specextend"])
 @pytest.mark.parametrize("interleaving", ["slow target", "fast target", "slow draft", "settle first"])
-def test_overlapped_output_equals_plain_decoding(tiny_models, monkeypatch, mode, interleaving):
+def test_overlapped_output_equals_plain_decoding(tiny_models, monkeypatch, mode, interleaving, miss):
     """"settle first": the twin of answering a ready step before its K/V moves (answer_first=False),
-    with a slow target so that ready steps happen."""
+    with a slow target so that ready steps happen. `miss`: an unready step decodes plainly while the
+    draft catches up (overlap_miss=plain), or waits for a drafted tree."""
     pair = tiny_models("float64")
     worker = DraftWorker(pair[1].decoder, overlap=True, answer_first=interleaving != "settle first")
     if interleaving == "slow draft":
         SlowBackground(monkeypatch, 0.02)
     latency = {"slow target": 0.05, "fast target": 0.0, "slow draft": 0.0, "settle first": 0.05}[interleaving]
-    ref, out, stats = run(pair, ChaosDraft(worker, Chaos(latency_s=latency)), mode)
+    ref, out, stats = run(pair, ChaosDraft(worker, Chaos(latency_s=latency)), mode, overlap_miss=miss)
     assert out == ref
     if latency > 0:  # the draft had time: ready trees were really used
         assert stats.ready_steps > 0 and stats.draft_ahead_depth > 0
+    # the first step finds no pool: unready with overlap_miss=plain, drafted otherwise
+    assert (stats.unready_steps > 0) == (miss == "plain") and stats.num_steps > 0
+    assert stats.num_steps + stats.unready_steps + 1 >= len(out) // (1 + max(stats.accepted_per_step))
     if mode == "specextend":
         assert stats.retrieval_refreshes > 1  # refreshes were due on ready steps too
     # the per-step records (the benchmarks' wait split) line up with the counters
     assert len(stats.wait_per_step) == len(stats.ready_per_step) == len(stats.refresh_per_step) == stats.num_steps
     assert sum(stats.ready_per_step) == stats.ready_steps and 1e3 * sum(stats.wait_per_step) > 0
-    delivered = sum(stats.refresh_per_step)  # every selection but maybe the last verify's reached the draft
+    # every selection but maybe the last verify's reached the draft (with a tree, or an unready step)
+    delivered = sum(stats.refresh_per_step) + stats.unready_refreshes
     assert stats.retrieval_refreshes - 1 <= delivered <= stats.retrieval_refreshes
     worker.shutdown()
 
@@ -276,7 +338,7 @@ def test_draft_failure_mid_speculation_falls_back_losslessly(tiny_models):
             return super().prepare(session_id, step, accepted_tokens, retrieval, due_s)
 
     ref, out, stats = run(pair, DiesAtStep3(worker, Chaos(latency_s=0.02)))
-    assert out == ref and stats.fallback and stats.num_steps == 3
+    assert out == ref and stats.fallback and stats.num_steps + stats.unready_steps == 3  # steps 0-2 answered
     time.sleep(0.05)
     assert worker.num_sessions == 0  # the engine closed the draft's session
     worker.shutdown()

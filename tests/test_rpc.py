@@ -332,4 +332,6 @@ def test_step_bound_crosses_the_wire(fake, server, client):
     client.step("s", 0, [3], None, TreeBound(nodes=4, depth=3))
     client.step("s", 1, [4], None, TreeBound(nodes=6))
     client.step("s", 2, [5])
-    assert fake.bounds == [TreeBound(4, 3), TreeBound(6, 0), None]
+    client.step("s", 3, [6], None, TreeBound(ready_only=True))
+    client.step("s", 4, [7], None, TreeBound(nodes=5, ready_only=True))
+    assert fake.bounds == [TreeBound(4, 3), TreeBound(6, 0), None, TreeBound(0, 0, True), TreeBound(5, 0, True)]

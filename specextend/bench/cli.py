@@ -66,6 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--app-args", type=json.loads, default={},
                    help="serve: more Serve application arguments for every app, as a JSON object "
                         "(e.g. '{\"stream_interval_ms\": 0}'); recorded with the run")
+    p.add_argument("--placements", help="serve: the placements of the speculative modes to run, comma-separated "
+                                        "(1gpu, 2gpu, 2gpu-wait, 2gpu-serial; default: all the machine has)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results folder (JSON and plots)")
     p.add_argument("--report", action="store_true", help="rebuild the results page from the JSON under --out")
     p.add_argument("--page", type=Path, default=Path("benchmarks/README.md"), help="--report: the results page")
@@ -150,7 +152,7 @@ def run_suite(a, argv: list[str]) -> int:
         modes = _modes(a, a.suite, gpus)
         if a.suite == "serve":
             result = served.run(pairs, modes, new_tokens, docs, a.port, progress=progress, tree_policy=a.tree_policy,
-                                app_args=a.app_args)
+                                app_args=a.app_args, only=a.placements.split(",") if a.placements else None)
         else:
             result = e2e.run(pairs, modes, new_tokens, docs, a.dtype, a.tree_policy, device, progress=progress)
         table = e2e.table(result)

@@ -137,14 +137,14 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
     warm_up(engine, prompt, warm, replay)
     ids, _, st = engine.generate(prompt, params, replay=replay)
     steps = st.num_steps
-    per_step = max(steps + st.plain_steps if engine.config.uses_draft else st.num_generated - 1, 1)
+    per_step = max(steps + st.plain_steps + st.unready_steps if engine.config.uses_draft else st.num_generated - 1, 1)
     step_ms = 1e3 * st.decode_s / per_step
-    wait_ms = 1e3 * st.draft_s / steps if steps else 0.0
+    wait_ms = st.target_wait_ms_per_step  # per step that asked for a tree (unready ones too)
     verify_ms = 1e3 * st.verify_s / steps if steps else 0.0
     return ids, dict(
         tokens_per_s=st.tokens_per_s, decode_tokens_per_s=(st.num_generated - 1) / max(st.decode_s, 1e-9),
         ttft_s=st.prefill_s, mean_acceptance_length=st.mean_acceptance_length, num_steps=steps,
-        plain_steps=st.plain_steps, step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
+        plain_steps=st.plain_steps, unready_steps=st.unready_steps, step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
         other_ms=max(step_ms - wait_ms - verify_ms, 0.0) if steps else step_ms,
         draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction,
         retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s,

@@ -3,8 +3,9 @@ its draft actor, gRPC between them) started locally once per mode and placement,
 requests over HTTP at each input length (docs/architecture.md, "Deployment").
 
 Placements: on one GPU (`num_gpus=0.5`: the target and the draft share it) and on two
-(`num_gpus=1`: the draft on its own GPU, with overlapped drafting, `2gpu`, and without,
-`2gpu-serial`), as the machine allows; on the CPU, `num_gpus=0`. Tokens/s, time to first token and the per-step split come from
+(`num_gpus=1`: the draft on its own GPU, with overlapped drafting, `2gpu`, the same with unready
+steps waiting for a drafted tree, `2gpu-wait`, and without overlap, `2gpu-serial`), as the machine
+allows (`--placements` picks some); on the CPU, `num_gpus=0`. Tokens/s, time to first token and the per-step split come from
 the client's clock and each response's `speculative_decoding` object. Random-weight pairs accept
 a constant replayed length (`replay_accept_length`), labelled "replayed". Other pairs' outputs
 are compared with served `ar`'s token for token; where they differ, the target is loaded in this
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Optional, Sequence
 
 import requests
 import torch
@@ -27,13 +29,16 @@ from specextend.bench.texts import documents, prompt_ids
 REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (real pairs' traces: 2-6)
 
 
-def placements() -> list[tuple[str, float, bool]]:
-    """(name, num_gpus, draft_overlap): on two GPUs the draft runs with and without overlap."""
+def placements() -> list[tuple[str, float, bool, dict]]:
+    """(name, num_gpus, draft_overlap, more app arguments): on two GPUs the draft runs with overlap
+    (an unready step decoding plainly, the default, or waiting for a drafted tree: `2gpu-wait`) and
+    without. `ar` is served on the first."""
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        return [("cpu", 0.0, False)]
-    two = [("2gpu", 1.0, True), ("2gpu-serial", 1.0, False)] if gpus >= 2 else []
-    return [("1gpu", 0.5, False)] + two
+        return [("cpu", 0.0, False, {})]
+    two = [("2gpu", 1.0, True, {}), ("2gpu-wait", 1.0, True, {"overlap_miss": "draft"}),
+           ("2gpu-serial", 1.0, False, {})] if gpus >= 2 else []
+    return [("1gpu", 0.5, False, {})] + two
 
 
 def wait_ready(url: str, timeout_s: float) -> None:
@@ -95,17 +100,19 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
     steps = spec.get("num_steps") or 0
     if steps:
         wait, verify = spec.get("target_wait_ms_per_step", 0.0), spec.get("verify_ms_per_step", 0.0)
-        step_ms = 1e3 * (wall - ttft) / (steps + (spec.get("plain_steps") or 0))
+        step_ms = 1e3 * (wall - ttft) / (steps + (spec.get("plain_steps") or 0) + (spec.get("unready_steps") or 0))
         out.update(mean_acceptance_length=spec.get("mean_acceptance_length", 1.0), num_steps=steps,
                    step_ms=step_ms, draft_wait_ms=wait, verify_ms=verify, other_ms=max(step_ms - wait - verify, 0.0),
-                   tree_ready_fraction=spec.get("tree_ready_fraction", 0.0),
+                   tree_ready_fraction=spec.get("tree_ready_fraction", 0.0), unready_steps=spec.get("unready_steps", 0),
                    transport_ms=spec.get("transport_ms_per_step", 0.0), draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0),
                    prepared_fraction=spec.get("prepared_fraction", 0.0))
     return out
 
 
 def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: dict[str, list[str]], port: int = 8000,
-        progress=print, tree_policy: str = "fixed", app_args: dict | None = None) -> dict:
+        progress=print, tree_policy: str = "fixed", app_args: dict | None = None,
+        only: Optional[Sequence[str]] = None) -> dict:
+    """Every mode served on each placement (`only`: those named; `ar` on the first always)."""
     from specextend.serving.settings import AppSettings
 
     AppSettings.model_validate(app_args or {})  # a bad argument fails here, not inside Serve
@@ -126,9 +133,10 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
             pair = PAIRS[pair_name]
             tokenizer = read_meta(pair.target, "target").tokenizer
             for mode in modes:
-                for where, gpus, overlap in placements() if mode != "ar" else placements()[:1]:
+                spread = [p for p in placements() if not only or p[0] in only] if mode != "ar" else placements()[:1]
+                for where, gpus, overlap, extra in spread:
                     args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy=tree_policy,
-                                draft_overlap=overlap) | (app_args or {})
+                                draft_overlap=overlap) | extra | (app_args or {})
                     if pair.replayed and mode != "ar":
                         args["replay_accept_length"] = REPLAY_ACCEPT
                     t0 = time.perf_counter()

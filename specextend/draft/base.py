@@ -9,6 +9,10 @@ Protocol of a session (the target drives):
       dropped or repeated: it only changes which chunks the draft keeps, never the output.
       `bound` (the target's adaptive policy, controller.py) caps this step's tree below the
       session's tree config; the tree is sent best first, so any prefix of it is a smaller tree.
+      With `bound.ready_only` a draft that overlaps answers from its pool or, when nothing is
+      ready, at once with an empty tree, and catches up after answering; the target then decodes
+      one token plainly (docs/architecture.md, "Overlapped drafting"). A draft without overlap
+      ignores it.
       A step with the same number as the last applied one is a retry: it returns the same tree
       and applies nothing twice.
   close(session_id)                             frees everything of the session (idempotent)
@@ -71,6 +75,7 @@ class TreeBound:
 
     nodes: int = 0
     depth: int = 0
+    ready_only: bool = False  # with overlap: a tree from the pool, or none at once (never drafted on the step's path)
 
     def apply(self, tree: TreeConfig) -> TreeConfig:
         return TreeConfig(nodes=min(tree.nodes, self.nodes or tree.nodes),

@@ -28,7 +28,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
-from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval, TreeBound
+from specextend.draft.base import DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.expand import Level, expand_tree_co, level_post
 from specextend.draft.overlap import (OVERLAP_LEVELS, OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS,  # noqa: F401
                                       REFRESH_DEFER, Overlap)
@@ -110,6 +110,8 @@ class DraftSession(Overlap):
         self.store = model.new_cache(len(prompt_ids) + extra) if self.cfg.enabled else None
         self.refreshes = 0
         self.rebuild_timer = SectionTimer(model.device)  # the working cache's rebuilds (bench: signal cost)
+        self._behind: Optional[tuple] = None  # an unready answer's catch-up, run by settle (_miss_co's arguments)
+        self._broken: Optional[BaseException] = None  # that catch-up failed: the session cannot draft on
         self._init_overlap()  # pool, flight, pending refresh (overlap.py)
         self._prefill(list(prompt_ids), prefill_chunk)
 
@@ -195,6 +197,8 @@ class DraftSession(Overlap):
         if not accepted_tokens:
             raise ValueError("a step needs at least the bonus token")
         self.settle()
+        if self._broken is not None:
+            raise DraftError(f"the draft session could not catch up: {self._broken!r}")
         refresh = retrieval is not None and self.store is not None and bool(retrieval.chunk_ids)
         if self.flight is not None:  # a background forward: finished (cheap), or still in flight
             if self.flight.done():
@@ -216,14 +220,39 @@ class DraftSession(Overlap):
         # a miss: the pool goes, with the result of a forward still in flight (its staged slots are
         # overwritten by this step's forwards, queued after it on the device)
         self.drop_pool()
-        if refresh:
-            self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
-        accepted = list(accepted_tokens)
-        root_logits = yield from (self._forward_committed_co(accepted) if len(accepted) <= self.params.tree.depth + 1
-                                  else self._catch_up_co(accepted))
-        tokens, parents = yield from self._draft_tree_co(root_logits, shape)
+        behind = (list(accepted_tokens), retrieval if refresh else None, shape)
+        if self.overlap and bound is not None and bound.ready_only:
+            # nothing ready: an empty tree at once (the target decodes one token plainly); the
+            # catch-up and the first level run right after the answer (settle), then the background
+            self._behind = behind
+            return DraftTree(step=step, tokens=(), parents=(), draft_cache_tokens=self.work.length)
+        tokens, parents = yield from self._miss_co(*behind)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length)
+
+    def _miss_co(self, accepted: list[int], retrieval: Optional[Retrieval],
+                 shape: TreeConfig) -> Generator[ForwardCall, Result, tuple[list[int], list[int]]]:
+        """A step that found nothing ready: apply the selection, forward the accepted tokens (the
+        last is the root), draft the tree (with overlap its pool is what the background grows)."""
+        if retrieval is not None:
+            self._rebuild(retrieval.chunk_ids, retrieval.chunk_size)
+        root_logits = yield from (self._forward_committed_co(accepted) if len(accepted) <= self.params.tree.depth + 1
+                                  else self._catch_up_co(accepted))
+        return (yield from self._draft_tree_co(root_logits, shape))
+
+    def settle(self) -> None:
+        """The device work a step's answer left for after it: a ready answer's K/V moves
+        (Overlap.settle), or an unready answer's catch-up and first level (`_miss_co`). The worker
+        runs it right after handing the answer over; every entry point that touches the caches runs
+        it first. A catch-up that fails leaves the session unusable: its next step raises."""
+        super().settle()
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            try:
+                run_alone(self._miss_co(*behind), self.model)
+            except BaseException as exc:
+                self._broken = exc
+                raise
 
     def _post(self):
         """The expansion's per-level bookkeeping: CUDA graphs where the model's forwards are graphed

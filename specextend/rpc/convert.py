@@ -69,7 +69,7 @@ def step_to_proto(session_id: str, step: int, accepted_tokens, retrieval: Option
                   bound: Optional[TreeBound] = None) -> pb.StepRequest:
     bound = bound or TreeBound()  # 0 on the wire: the session's own setting (what older clients send)
     request = pb.StepRequest(session_id=session_id, step=step, accepted_tokens=accepted_tokens,
-                             max_nodes=bound.nodes, max_depth=bound.depth)
+                             max_nodes=bound.nodes, max_depth=bound.depth, ready_only=bound.ready_only)
     if retrieval is not None:  # present even with no chunk ids: "keep none but sink/recent"
         request.retrieval.SetInParent()
         request.retrieval.chunk_ids.extend(retrieval.chunk_ids)  # [K]
@@ -78,9 +78,9 @@ def step_to_proto(session_id: str, step: int, accepted_tokens, retrieval: Option
 
 
 def bound_from_proto(request: pb.StepRequest) -> Optional[TreeBound]:
-    if not (request.max_nodes or request.max_depth):
+    if not (request.max_nodes or request.max_depth or request.ready_only):
         return None
-    return TreeBound(request.max_nodes, request.max_depth)
+    return TreeBound(request.max_nodes, request.max_depth, request.ready_only)
 
 
 def retrieval_from_proto(request: pb.StepRequest) -> Optional[Retrieval]:

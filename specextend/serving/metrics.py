@@ -56,6 +56,9 @@ FAMILIES = {
         "counter", "Sum over steps of the depth drafted ahead of the new root (divide by num_drafts).", ()),
     "specextend_spec_decode_num_plain_steps": (
         "counter", "Plain decoding steps taken because speculation did not pay (tree_policy=adaptive).", ()),
+    "specextend_spec_decode_num_unready_steps": (
+        "counter", "Plain decoding steps taken because the overlapping draft had no tree ready "
+        "(overlap_miss=plain); the draft caught up meanwhile.", ()),
     "specextend_spec_decode_num_probe_steps": (
         "counter", "Steps with the largest tree taken to re-measure it (tree_policy=adaptive).", ()),
     "specextend_spec_decode_tree_nodes": (
@@ -150,11 +153,12 @@ class ReplicaMetrics:
         for pos, n in enumerate(accepted_per_position(stats.accepted_per_step)):
             self.inc("specextend_spec_decode_num_accepted_tokens_per_pos", n, position=str(pos))
         self.inc("specextend_spec_decode_num_ready_drafts", stats.ready_steps)
-        self.inc("specextend_spec_decode_target_wait_seconds", stats.draft_s)
+        self.inc("specextend_spec_decode_target_wait_seconds", stats.draft_s + stats.unready_wait_s)
         self.inc("specextend_spec_decode_transport_seconds", stats.transport_s)
         self.inc("specextend_spec_decode_draft_queue_seconds", stats.draft_queue_s)
         self.inc("specextend_spec_decode_ahead_depth", stats.ahead_depth_sum)
         self.inc("specextend_spec_decode_num_plain_steps", stats.plain_steps)
+        self.inc("specextend_spec_decode_num_unready_steps", stats.unready_steps)
         self.inc("specextend_spec_decode_num_probe_steps", stats.probe_steps)
         for nodes in stats.nodes_per_step:
             self.observe("specextend_spec_decode_tree_nodes", nodes)

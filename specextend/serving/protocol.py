@@ -181,6 +181,7 @@ class SpeculativeDecoding(BaseModel):
     prepared_fraction: float = 0.0  # of all steps, those whose tree came with a prepare (no step call)
     draft_ahead_depth: float = 0.0  # mean depth drafted ahead of the new root when asked
     plain_steps: int = 0  # plain decoding steps chosen because speculation did not pay (tree_policy=adaptive)
+    unready_steps: int = 0  # plain decoding steps because the overlapping draft had no tree ready
     probe_steps: int = 0  # steps with the largest tree taken to re-measure it (tree_policy=adaptive)
     mean_tree_nodes: float = 0.0  # draft nodes verified per speculative step (the trees chosen)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
@@ -200,6 +201,7 @@ def spec_decoding(stats: RequestStats) -> dict:
            "tree_ready_fraction": stats.tree_ready_fraction, "draft_ahead_depth": stats.draft_ahead_depth,
            "prepared_fraction": stats.prepared_steps / steps if stats.num_steps else 0.0,
            "plain_steps": stats.plain_steps, "probe_steps": stats.probe_steps,
+           "unready_steps": stats.unready_steps,
            "mean_tree_nodes": stats.mean_tree_nodes}
     if stats.replayed:
         out["replayed"] = True
