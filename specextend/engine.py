@@ -209,12 +209,13 @@ class Engine:
                             late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)
                             tree = outs.get(pending) if outs.step == step else None
                             applied = tree is None
-                        if tree is None:
-                            bound = replace(rung.bound, ready_only=ready_only)
+                        caught_up = len(pending) > len(committed)  # it forwards plain steps' tokens too
+                        if tree is None:  # ready_only only where the draft's pool can hold this verdict: not
+                            # the first step, nor after plain steps (the draft was not told about them)
+                            bound = replace(rung.bound, ready_only=ready_only and step > 0 and not caught_up)
                             tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, bound))
                         draft_s = time.perf_counter() - ts
                         refreshed = retrieval is not None
-                        caught_up = len(pending) > len(committed)  # it forwarded plain steps' tokens too
                     except DraftError as e:
                         use_draft = self._fall_back(stats, sid, e)
                         continue

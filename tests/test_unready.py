@@ -4,6 +4,8 @@ the adaptive policy stops asking a draft that is never ready."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
@@ -16,8 +18,8 @@ TREE = TreeConfig(8, 4, 3)
 class NeverReady(DraftBackend):
     """Answers every step with an empty tree (an overlapping draft that is always behind)."""
 
-    def __init__(self):
-        self.bounds, self.steps = [], []
+    def __init__(self, delay_s: float = 0.0):
+        self.bounds, self.steps, self.delay_s = [], [], delay_s
 
     def open(self, session_id, prompt_ids, params):
         pass
@@ -25,6 +27,7 @@ class NeverReady(DraftBackend):
     def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
         self.bounds.append(bound)
         self.steps.append((step, tuple(accepted_tokens)))
+        time.sleep(self.delay_s)  # the round trip of an answer
         return DraftTree(step=step, tokens=(), parents=())
 
     def close(self, session_id):
@@ -49,7 +52,8 @@ def test_empty_trees_decode_plainly_and_each_step_is_applied_once(tiny_models, m
     # step k carries the token of step k - 1's plain decode: the draft is never sent a token twice
     assert [s for s, _ in draft.steps] == list(range(len(out) - 1))
     assert [list(t) for _, t in draft.steps] == [[tok] for tok in out[:-1]]
-    assert all(b.ready_only == (miss == "plain") for b in draft.bounds)
+    # ready_only from the second step on (the first finds no pool: it waits for a drafted tree)
+    assert [b.ready_only for b in draft.bounds] == [miss == "plain" and s > 0 for s, _ in draft.steps]
 
 
 def test_the_adaptive_policy_stops_asking_a_draft_that_is_never_ready(tiny_models):
@@ -57,6 +61,29 @@ def test_the_adaptive_policy_stops_asking_a_draft_that_is_never_ready(tiny_model
     params = SamplingParams(60, ignore_eos=True)
     ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(prompt(), params)
     cfg = EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive")
-    out, _, stats = Engine(cfg, target, NeverReady()).generate(prompt(), params)
+    draft = NeverReady(delay_s=0.005)  # asking costs a round trip and never pays
+    out, _, stats = Engine(cfg, target, draft).generate(prompt(), params)
     assert out == ref and stats.num_steps == 0
     assert stats.unready_steps > 0 and stats.plain_steps > 2 * stats.unready_steps
+    # a step after plain ones (its call carries their tokens too) waits for a drafted tree: the
+    # draft's pool cannot hold that verdict (it was not told about them)
+    assert any(len(t) > 1 for _, t in draft.steps)
+    assert [b.ready_only for b in draft.bounds] == [s > 0 and len(t) == 1 for s, t in draft.steps]
+
+
+def test_adaptive_trees_with_an_overlapping_draft_stay_lossless(tiny_models):
+    """The app's default on two GPUs: adaptive trees, overlap, unready steps plain. The first step
+    and every step after plain ones wait for a drafted tree, so verifications happen."""
+    from specextend.config import RetrievalConfig
+    from specextend.draft.chaos import Chaos, ChaosDraft
+    from specextend.draft.worker import DraftWorker
+
+    target, draft = tiny_models("float64")
+    params = SamplingParams(40, ignore_eos=True)
+    ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(prompt(70), params)
+    worker = DraftWorker(draft.decoder, overlap=True)
+    cfg = EngineConfig(mode="specextend", tree=TREE, retrieval=RetrievalConfig(chunk_size=8, top_k=10, every=2),
+                       tree_policy="adaptive", draft_overlap=True)
+    out, _, stats = Engine(cfg, target, ChaosDraft(worker, Chaos(latency_s=0.01))).generate(prompt(70), params)
+    assert out == ref and stats.num_steps >= 1
+    worker.shutdown()
