@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specextend.draft.expand import top_logprobs
-from specextend.draft.overlap import chain_pick
+from specextend.draft.chain import chain_pick
 from specextend.models.graphed import Graphed
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -1,4 +1,4 @@
-"""Chained levels of a background flight (draft/overlap.py, `Chained`): after the first level, the
+"""Chained levels of a background flight (draft/chain.py, `Chained`): after the first level, the
 device picks the best children of each level by path score and forwards them without the host.
 Twin: the host forwarding the same nodes level by level must leave the same pool and the same
 staged K/V (float64: exactly). Output equals plain decoding with chaining on, and chained nodes

@@ -80,7 +80,7 @@ class WorkerStats:
     batched_steps: int = 0  # Step jobs in them
     step_forwards: int = 0  # forwards the steps ran (each carrying one or more sessions' calls)
     step_calls: int = 0  # calls those forwards carried
-    chained_nodes: int = 0  # pool nodes forwarded in chained levels (overlap.py, Chained; sessions closed so far)
+    chained_nodes: int = 0  # pool nodes forwarded in chained levels (chain.py, Chained; sessions closed so far)
     dropped_levels: int = 0  # chained levels dropped by a re-root before they were attached (same)
     # where the worker thread's time went (seconds): foreground jobs, the host side of background
     # slices (launch and finish), polling the job queue with a slice in flight, idle with nothing to do

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from specextend.draft.base import DraftTree
+from specextend.draft.chain import Chained, chain_pick
 from specextend.draft.expand import top_logprobs
 from specextend.draft.pool import Pool
 from specextend.kv_cache import CacheFull
@@ -52,19 +53,6 @@ REFRESH_DEFER = 8  # ready steps a retrieval selection may wait for a miss befor
 OVERLAP_LEVELS = 1  # forwards chained on the device per background launch (Chained)
 OVERLAP_WIDTH = 2  # children kept per pool node, in multiples of tree_topk: the extra ones are the
 #                    likely bonus tokens where the target rejects every child that was sent
-
-
-@dataclass
-class Chained:
-    """A level of a flight after its first, forwarded without the host: its rows are the best
-    children (by path score) of the level before, picked on the device."""
-
-    start: int  # its staged slots: start .. start + R
-    pick: torch.Tensor  # [R] int64 on the host: row * w + child, in the level before, of each row
-    score: torch.Tensor  # [R] on the host: each row's path score (-inf: no candidate, a padding row)
-    tokens: torch.Tensor  # [R, w] int64 on the host: each row's children
-    logp: torch.Tensor  # [R, w] their log-probabilities
-    event: Optional[torch.cuda.Event]  # recorded after its host copies (None on the CPU: done)
 
 
 @dataclass
@@ -125,23 +113,6 @@ def pool_rows_mask(pool: Pool, nodes: list[int], start: int, rows: int) -> np.nd
     pad = np.arange(f, rows)
     mask[pad, start + pad] = True
     return mask
-
-
-def chain_pick(score: torch.Tensor,  # [R] the level before's rows' path scores (-inf: padding)
-               top_lp: torch.Tensor, top_ids: torch.Tensor,  # [R, w] its rows' children
-               pos: torch.Tensor,  # [R] its positions
-               mask: torch.Tensor,  # [R, start] bool, its mask rows (over the staged keys before this level)
-               start: int) -> tuple[torch.Tensor, ...]:
-    """A chained level's rows, on the device: the best R children of the level before by path
-    score -> their scores [R] (best first), picks [R] (row * w + child in the level before), tokens
-    [R], positions [R] and mask [R, start + R] (the parent's row, and the row's own slot)."""
-    r, w = top_lp.shape
-    cand = (score[:, None] + top_lp).reshape(-1)  # [R * w]
-    score, pick = torch.topk(cand, r)  # [R] each
-    prow = torch.div(pick, w, rounding_mode="floor")  # [R] the level before's row
-    own = torch.eye(r, dtype=torch.bool, device=score.device)  # [R, R] each row's own slot
-    nxt = torch.cat([mask[prow], own], dim=1)  # [R, start + R]
-    return score, pick, top_ids.reshape(-1)[pick], pos[prow] + 1, nxt
 
 
 class Overlap:

@@ -94,7 +94,7 @@ class DraftSession(Overlap):
                  refresh_defer: int = REFRESH_DEFER):
         self.model = model
         self.rows = overlap_rows
-        self.levels = overlap_levels  # forwards per background launch (overlap.py, Chained)
+        self.levels = overlap_levels  # forwards per background launch (chain.py, Chained)
         self.refresh_defer = refresh_defer  # ready steps a selection waits for a miss (0: apply in the background)
         # with overlap, a step that finds nothing ready drafts only this deep before answering (0: the
         # tree's depth); the background deepens the pool while the target verifies
