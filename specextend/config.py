@@ -200,6 +200,10 @@ class ServingConfig:
                                          "short bodies)")
     replay_accept_length: Optional[int] = Field(
         None, ge=0, le=64, description="benchmarks only: force every step to accept this many draft tokens (replayed)")
+    replay_bonus: Literal["target", "draft"] = Field(
+        "target", description="benchmarks only, with replay_accept_length: each replayed step's bonus token is the "
+                              "target's own, or the draft's second choice where the path stops (a verdict an "
+                              "overlapping draft can have ready; random weights' own never are)")
     api_key: Annotated[Optional[SecretStr], BeforeValidator(_secret_input)] = Field(
         None, description="clients must send `Authorization: Bearer <key>` (default: $SPECEXTEND_API_KEY, read "
                           "where the ingress runs; neither: no authentication). Prefer the environment "

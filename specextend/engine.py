@@ -135,23 +135,25 @@ class Engine:
 
     def session(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
                 replay: Optional[Sequence[int]] = None, speculate: bool = True, max_tree_nodes: Optional[int] = None,
-                load: Optional[Load] = None) -> Session:
+                load: Optional[Load] = None, replay_bonus: str = "target") -> Session:
         """One request as a coroutine (docs/architecture.md, "Batched steps"): it yields the target
         forwards it needs (ForwardCall, answered with the forward's result), the draft calls
         (DraftCall, answered with the call's value or its exception thrown in) and its StepEvents.
         A driver runs it alone (`stream`) or batched with other sessions (scheduler.Batcher).
 
-        `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled.
+        `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled;
+        `replay_bonus="draft"`: its bonus token is the draft's second choice (verify.verify_tree).
         Each prefill chunk is its own forward, so a batched driver runs other sessions' steps
         between chunks instead of stalling them for a long prompt.
         `speculate=False` decodes plainly (no draft session); `max_tree_nodes` bounds this request's
         trees (per-request control). `load` is where a batching driver tells the session's policy
         about the forwards it shares (scheduler.Load)."""
         self.check_request(prompt_ids, params)
-        return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load or Load())
+        return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load or Load(),
+                             replay_bonus == "draft")
 
     @torch.inference_mode()
-    def _session(self, prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load) -> Session:
+    def _session(self, prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load, draft_bonus) -> Session:
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
@@ -248,7 +250,7 @@ class Engine:
                             prepared = Future()
                             prepared.set_exception(e)
                     forced = replay[step % len(replay)] if replay else None
-                    verdict = verify_tree(logits, tokens, parents, params, gen, forced)
+                    verdict = verify_tree(logits, tokens, parents, params, gen, forced, draft_bonus)
                     if prepared is not None:
                         dt = time.perf_counter() - t_prep
                         verify_ema = dt if not verify_ema else 0.7 * verify_ema + 0.3 * dt

@@ -30,9 +30,12 @@ class Verdict:
 
 def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int],
                 params: SamplingParams, generator: Optional[torch.Generator],
-                forced_length: Optional[int] = None) -> Verdict:
+                forced_length: Optional[int] = None, draft_bonus: bool = False) -> Verdict:
     """logits [N+1, V] of [root] + nodes. `forced_length` (acceptance replay, not lossless)
-    accepts that many nodes along the draft's best branch (first child) instead."""
+    accepts that many nodes along the draft's best branch (first child) instead; its bonus token is
+    the target's, or with `draft_bonus` the draft's second choice where the path stops (its second
+    child, if it has one there): a verdict that an overlapping draft can have in its pool, as real
+    verdicts mostly are (random weights' own bonus tokens never are)."""
     children = children_of(parents)
     greedy_rows = torch.argmax(logits, dim=-1).tolist() if params.greedy else None
     accepted: list[int] = []
@@ -43,6 +46,8 @@ def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[i
             nxt = kids[0]  # replay: the draft's best branch, no token drawn
         else:
             tok = greedy_rows[row] if greedy_rows is not None else next_token(logits[row], params, generator)
+            if forced_length is not None and draft_bonus and len(kids) > 1:
+                tok = tokens[kids[1]]
             nxt = None if forced_length is not None else next((c for c in kids if tokens[c] == tok), None)
             if nxt is None:
                 break

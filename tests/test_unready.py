@@ -87,3 +87,20 @@ def test_adaptive_trees_with_an_overlapping_draft_stay_lossless(tiny_models):
     out, _, stats = Engine(cfg, target, ChaosDraft(worker, Chaos(latency_s=0.01))).generate(prompt(70), params)
     assert out == ref and stats.num_steps >= 1
     worker.shutdown()
+
+
+def test_replayed_verdicts_with_the_drafts_bonus_are_found_ready(tiny_models):
+    """Acceptance replay (benchmarks, not lossless) with replay_bonus="draft": each verdict is the
+    draft's best branch then its second choice, which an overlapping draft can have forwarded, so
+    ready trees are used; the output is what the verdicts said."""
+    from specextend.draft.chaos import Chaos, ChaosDraft
+    from specextend.draft.worker import DraftWorker
+
+    target, draft = tiny_models("float64")
+    worker = DraftWorker(draft.decoder, overlap=True)
+    cfg = EngineConfig(mode="sd", tree=TREE, tree_policy="fixed", draft_overlap=True)
+    engine = Engine(cfg, target, ChaosDraft(worker, Chaos(latency_s=0.03)))
+    out, _, stats = engine.generate(prompt(70), SamplingParams(30, ignore_eos=True), replay=[2], replay_bonus="draft")
+    assert len(out) == 30 and stats.replayed and stats.ready_steps > 0
+    assert all(a <= 2 for a in stats.accepted_per_step) and max(stats.accepted_per_step) == 2
+    worker.shutdown()

@@ -42,6 +42,23 @@ def test_greedy_walk():
     assert forced.accepted == [0, 2, 5]  # first-child branch, as deep as the tree goes
 
 
+def test_replayed_bonus_from_the_draft():
+    """Replay with draft_bonus: where the forced path stops the bonus is the stopping node's second
+    child (the draft's second choice); where it has none, the target's own token."""
+    v = 8
+    tokens = [3, 4, 5, 6, 7, 1]  # root's children 0 (3), 1 (4); node 0's children 2 (5), 3 (6)
+    logits = torch.zeros(len(tokens) + 1, v)
+    logits[:, 2] = 1  # the target's own choice everywhere: token 2, no node's
+    one = verify_tree(logits, tokens, PARENTS, SamplingParams(), None, forced_length=1, draft_bonus=True)
+    assert one.accepted == [0] and one.tokens == [3, 6]  # node 0 stops; its second child, node 3
+    zero = verify_tree(logits, tokens, PARENTS, SamplingParams(), None, forced_length=0, draft_bonus=True)
+    assert zero.accepted == [] and zero.tokens == [4]  # the root's second child, node 1
+    leaf = verify_tree(logits, tokens, PARENTS, SamplingParams(), None, forced_length=5, draft_bonus=True)
+    assert leaf.accepted == [0, 2, 5] and leaf.bonus_token == 2  # node 5 has no children: the target's
+    own = verify_tree(logits, tokens, PARENTS, SamplingParams(), None, forced_length=1)
+    assert own.tokens == [3, 2]
+
+
 def chi2_critical(dof, z=3.719):  # Wilson-Hilferty, upper tail p ~ 1e-4
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 

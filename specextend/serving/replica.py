@@ -255,7 +255,8 @@ class SpecExtendReplica:
         replay = [self.settings.replay_accept_length] if self.settings.replay_accept_length is not None else None
         load = Load()  # the batcher tells the session's policy how many share its forwards
         session = engine.session(prompt_ids, params, session_id=req.get("request_id"), replay=replay,
-                                 speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"], load=load)
+                                 speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"], load=load,
+                                 replay_bonus=self.settings.replay_bonus)
         stats, finish, last = None, None, None
         pump = SessionPump(self.engine_thread.batcher, session, loop, load=load)  # steps ahead of the streaming
         interval, sent = self.settings.stream_interval_ms / 1e3, None  # docs/architecture.md, "Serving surface"
