@@ -37,6 +37,7 @@ and any tree is verified; the controller only changes what is proposed.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -147,6 +148,19 @@ class LinearCost:
         return a + b * x
 
 
+@dataclass(frozen=True)
+class Prior:
+    """What a finished session of the same engine measured of the costs (the machine's and the
+    models', not the text's), for the next session to start from instead of the warm-up steps that
+    measure them (TreeController.prior / start_from; docs/architecture.md, "Adaptive speculation")."""
+
+    forward: LinearCost
+    draft: LinearCost
+    plain_forward: float
+    extra_spec: Optional[float]
+    extra_plain: Optional[float]
+
+
 @dataclass
 class TreeController:
     rungs: list[Rung]  # ladder(): plain first, the session's tree last
@@ -170,6 +184,7 @@ class TreeController:
     extra_plain: Optional[float] = None  # a plain step's seconds beyond its forward (average)
     plain_forward: Optional[float] = None  # a plain step's forward seconds, alone (average)
     draft_ratio: Optional[float] = None  # the draft's prefill over the target's, when it says drafting cannot pay
+    primed: bool = False  # started from a Prior: no warm-up steps
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
@@ -235,12 +250,16 @@ class TreeController:
         """The next step's rung; `sessions` share the target's forwards now."""
         self._settle()  # the prefill's forwards, before the first step
         self.sessions = sessions
-        if self.spec_steps == 0 and self.draft_ratio is None:
-            return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
-        if not self.plain_steps:
-            return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)
-        if self.spec_steps < self.warmup and self._top_may_pay():
-            return self.top
+        if self.primed:  # the costs are known: one full tree measures this text's acceptance, every rung's
+            if self.spec_steps == 0 and self._top_may_pay():
+                return self.top
+        else:
+            if self.spec_steps == 0 and self.draft_ratio is None:
+                return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
+            if not self.plain_steps:
+                return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)
+            if self.spec_steps < self.warmup and self._top_may_pay():
+                return self.top
         best = self.best()
         if best == self.top:  # nothing larger to probe
             self.probe_every = self.since_probe = 0
@@ -255,6 +274,22 @@ class TreeController:
             self._probing, self._best = True, best
             return probe
         return best
+
+    def prior(self) -> Optional[Prior]:
+        """This session's costs for the engine's next session: None unless it measured those the
+        warm-up measures (a draft level's wait, a plain forward)."""
+        if not (self.draft.known and self.plain_forward is not None):
+            return None
+        return Prior(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
+                     self.extra_plain)
+
+    def start_from(self, prior: Prior) -> None:
+        """Start from an earlier session's costs: no smallest tree and plain step to measure them,
+        the first step the full tree (it measures this text's acceptance for every rung at once)
+        where it may pay. This session's own forwards and waits join the lines at their rates."""
+        self.forward, self.draft = copy.deepcopy(prior.forward), copy.deepcopy(prior.draft)
+        self.plain_forward, self.extra_spec, self.extra_plain = prior.plain_forward, prior.extra_spec, prior.extra_plain
+        self.primed = True
 
     def _top_may_pay(self) -> bool:
         """Whether the largest tree could beat a plain step if every level were accepted: when not

@@ -17,7 +17,7 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.controller import PLAIN, AlwaysSpeculate, TreeController, ladder, prefix_accepts
+from specextend.controller import PLAIN, AlwaysSpeculate, Prior, TreeController, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
@@ -79,10 +79,13 @@ class _Emitter:
 
 
 class Engine:
+    carry_costs = True  # a session starts from the last finished session's measurements (controller.Prior)
+
     def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None):
         self.config = config
         self.target = target
         self.draft = draft
+        self._prior: Optional[Prior] = None  # what the last session that measured every rung's price left
         if self.config.mode != "ar" and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
@@ -165,6 +168,8 @@ class Engine:
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
         ctl = self.new_controller(tree_cfg)
+        if use_draft and self.carry_costs and self._prior is not None:  # no warm-up steps: they were
+            ctl.start_from(self._prior)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
         timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
         try:
             t0 = time.perf_counter()
@@ -288,6 +293,8 @@ class Engine:
                 stats.decode_s = time.perf_counter() - t1
                 yield ev
         finally:
+            prior = ctl.prior() if use_draft and self.carry_costs else None
+            self._prior = prior or self._prior
             if opening is not None:  # once the open has finished (now, or later if still running)
                 opening.add_done_callback(lambda f: f.exception() is None and self._close_draft(sid))
 

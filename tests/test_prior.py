@@ -1,0 +1,87 @@
+"""A session starts from the costs the engine's last finished session measured (controller.Prior,
+docs/architecture.md, "Adaptive speculation"): no smallest tree and plain step to measure them,
+the full tree first to measure this text's acceptance, then the choice a warmed-up controller
+makes."""
+
+import pytest
+
+from specextend.config import EngineConfig, SamplingParams, TreeConfig
+from specextend.controller import TreeController, ladder
+from specextend.draft.worker import DraftWorker
+from specextend.engine import Engine
+
+from test_controller import PROFILES, RUNGS, simulate
+
+TREE = TreeConfig(16, 6, 4)
+
+
+def warmed(profile="easy", steps=20):
+    ctl = TreeController(list(RUNGS))
+    simulate(ctl, dict(zip(RUNGS[1:], PROFILES[profile])), steps)
+    return ctl
+
+
+def test_a_prior_needs_the_costs_the_warm_up_measures():
+    ctl = TreeController(list(RUNGS))
+    assert ctl.prior() is None
+    simulate(ctl, dict(zip(RUNGS[1:], PROFILES["easy"])), 1)  # the smallest tree: no plain step yet
+    assert ctl.prior() is None
+    assert warmed().prior() is not None
+
+
+@pytest.mark.parametrize("profile", ["easy", "wide", "medium", "hard", "useless"])
+def test_a_primed_controller_measures_acceptance_first_then_chooses_as_a_warmed_one(profile):
+    """Costs from an earlier session on an easy text; this text's acceptance from its own first
+    (full) tree: then the warmed controller's choice, in fewer warm-up steps than a cold start."""
+    accepted = dict(zip(RUNGS[1:], PROFILES[profile]))
+    new = TreeController(list(RUNGS))
+    new.start_from(warmed("easy").prior())
+    chosen = simulate(new, accepted, 12)
+    assert chosen[0] == RUNGS[-1]  # no smallest tree, no plain step
+    ref = warmed(profile, 12)
+    assert new.best() == ref.best() and chosen[1:].count(ref.best()) >= len(chosen) // 2
+    assert TreeController(list(RUNGS)).choose() == RUNGS[1]  # cold: the smallest tree first
+
+
+def test_a_prior_is_a_copy():
+    old = warmed("easy")
+    line = old.forward.line()
+    new = TreeController(list(RUNGS))
+    new.start_from(old.prior())
+    simulate(new, dict(zip(RUNGS[1:], PROFILES["hard"])), 5, level=0.01)
+    assert old.forward.line() == line and not new.accepted.keys() - set(RUNGS)
+
+
+def test_a_bounded_request_takes_the_prior_too():
+    small = TreeController(ladder(TreeConfig(8, 4, 4)))
+    small.start_from(warmed("easy").prior())
+    assert small.choose() == small.top
+
+
+def test_an_engines_later_sessions_start_from_the_earlier_ones(tiny_models, monkeypatch):
+    target, draft = tiny_models("float64")
+    prompt = [(7 * i + 3) % 200 for i in range(40)]
+    params = SamplingParams(40, ignore_eos=True)
+    ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(prompt, params)
+    worker = DraftWorker(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    made = []
+    original = Engine.new_controller
+
+    def spy(self, tree):
+        made.append(original(self, tree))
+        return made[-1]
+
+    monkeypatch.setattr(Engine, "new_controller", spy)
+    had = []
+    for _ in range(3):
+        had.append(engine._prior is not None)
+        assert engine.generate(prompt, params)[0] == ref
+    assert not had[0] and any(had) and [c.primed for c in made] == had
+    kept = engine._prior
+    assert engine.generate(prompt, params, speculate=False)[0] == ref
+    assert engine._prior is kept  # a plain request measures no draft: it leaves the prior
+    engine.carry_costs = False
+    engine.generate(prompt, params)
+    assert not made[-1].primed and engine._prior is kept
+    worker.shutdown()
