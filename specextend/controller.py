@@ -248,7 +248,8 @@ class TreeController:
 
     def choose(self, sessions: int = 1) -> Rung:
         """The next step's rung; `sessions` share the target's forwards now."""
-        self._settle()  # the prefill's forwards, before the first step
+        self._settle()  # the prefill's forwards, before the first step: in the line, not in this step's time
+        self._forward_s = 0.0
         self.sessions = sessions
         if self.primed:  # the costs are known: one full tree measures this text's acceptance, every rung's
             if self.spec_steps == 0 and self._top_may_pay():

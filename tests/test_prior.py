@@ -6,7 +6,7 @@ makes."""
 import pytest
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.controller import TreeController, ladder
+from specextend.controller import PLAIN, TreeController, ladder
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 
@@ -85,3 +85,16 @@ def test_an_engines_later_sessions_start_from_the_earlier_ones(tiny_models, monk
     engine.generate(prompt, params)
     assert not made[-1].primed and engine._prior is kept
     worker.shutdown()
+
+
+def test_the_prefills_forwards_are_not_the_first_steps():
+    """A session whose first step is plain (a prior saying trees cannot pay, or a slow draft) prices
+    a plain forward from that step's forward alone: the prefill's forwards go into the line only
+    (they once inflated it sixfold on a CPU, and the session then speculated where plain paid)."""
+    ctl = TreeController(list(RUNGS))
+    ctl.seed_draft(10.0)  # the draft's prefill took 10x the target's: start plain
+    ctl.record_forward(512, 0.030)  # the prefill
+    assert ctl.choose() == PLAIN
+    ctl.record_forward(1, 0.002)
+    ctl.record_plain(step_s=0.0021)
+    assert ctl.plain_forward == pytest.approx(0.002) and ctl.extra_plain == pytest.approx(0.0001)
