@@ -10,7 +10,9 @@ step refreshes retrieval (the verify captures the last layer) and how many token
 against the refresh interval so that each length meets a refresh, for rungs covering the adaptive
 ladder's shapes (`_covering`), plus one plain request, and the draft worker's own warm-up (its padded catch-up forward,
 and overlapped drafting's shapes); the tests check that a normal request afterwards meets no shape
-the warm-up did not.
+the warm-up did not. With overlapped drafting a ready tree has any size up to the step's bound (the
+pool's best nodes, however few), and a missed step's tree only one level: those requests cannot
+meet every size, so the target verifies synthetic trees of every size once (`warm_verify_sizes`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Sequence
 from specextend.controller import Rung, ladder
 from specextend.draft.base import DraftSessionParams
 from specextend.engine import Engine
+from specextend.target import TargetSession
 from specextend.stats import RequestStats
 from specextend.config import SamplingParams
 
@@ -42,7 +45,9 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
         draft_warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, max_new_tokens=64))
     every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
     for rung in _covering(ladder(cfg.tree)[1:]):
-        fixed = Engine(replace(cfg, tree_policy="fixed", tree=replace(cfg.tree, depth=rung.depth)),
+        # every step a drafted tree (overlap_miss=draft): an unready step would decode plainly and
+        # leave its verify shape to be captured in a request
+        fixed = Engine(replace(cfg, tree_policy="fixed", overlap_miss="draft", tree=replace(cfg.tree, depth=rung.depth)),
                        engine.target, engine.draft)
         lengths = list(range(rung.depth + 1))  # accepted draft tokens per step
         steps = len(lengths) * every // math.gcd(len(lengths), every)  # every (length, refresh) pair
@@ -52,7 +57,27 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
         _, _, stats = fixed.generate(prompt_ids, params, replay=lengths, max_tree_nodes=rung.nodes)
         if stats.fallback:
             break
+    warm_verify_sizes(engine, prompt_ids)
     return stats
+
+
+def warm_verify_sizes(engine: Engine, prompt_ids: Sequence[int]) -> int:
+    """With overlapped drafting, the target's verify of every tree size 1..tree_nodes (and with the
+    last layer captured, where retrieval scores it) on a throwaway session: each size is its own
+    CUDA graph. Returns the verifies run (0 without overlap: trees come at the ladder's sizes)."""
+    cfg = engine.config
+    if not cfg.overlap:
+        return 0
+    prompt = list(prompt_ids)
+    session = TargetSession(engine.target.decoder, len(prompt) + cfg.tree.nodes + 2, hybrid=cfg.hybrid_attention)
+    session.prefill(prompt, cfg.prefill_chunk)
+    captures = (False, True) if cfg.retrieval.enabled and cfg.retrieval.select == "attention" else (False,)
+    n = 0
+    for nodes in range(1, cfg.tree.nodes + 1):
+        for capture in captures:  # nodes under the root: the shape is the rows, not the tree
+            session.verify(prompt[-1], prompt[:nodes], [-1] * nodes, capture)
+            n += 1
+    return n
 
 
 def _covering(rungs: list[Rung]) -> list[Rung]:

@@ -56,7 +56,7 @@ def test_device_expansion_equals_host_twin(tiny_models, dtype, tree, retrieval, 
 def test_expansions_agree_on_pool_and_stop(tiny_models):
     draft = tiny_models("float64")[1].decoder
     s = DraftSession(draft, prompt(40, 3), DraftSessionParams(TreeConfig(10, 5, 3), RetrievalConfig(), 64))
-    root = s._forward_committed([9])
+    root = s.forward_committed([9])
     cfg = TreeConfig(10, 5, 3)
 
     def forward(ids, positions, mask, staged):
@@ -94,7 +94,7 @@ def test_graphed_level_bookkeeping_equals_eager(tiny_models, dtype):
     draft = tiny_models(dtype)[1].decoder
     cfg = TreeConfig(10, 5, 3)
     s = DraftSession(draft, prompt(40, 3), DraftSessionParams(cfg, RetrievalConfig(), 64))
-    root = s._forward_committed([9])
+    root = s.forward_committed([9])
 
     def forward(ids, positions, mask, staged):
         from specextend.models.decoder import ForwardOptions

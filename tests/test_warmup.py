@@ -25,19 +25,24 @@ def _record(decoder, seen: set):
     return lambda: setattr(decoder, "forward", inner)
 
 
-@pytest.mark.parametrize("mode,policy", [("specextend", "adaptive"), ("sd", "fixed")])
-def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mode, policy):
+@pytest.mark.parametrize("mode,policy,overlap", [("specextend", "adaptive", False), ("sd", "fixed", False),
+                                                 ("specextend", "adaptive", True)])
+def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mode, policy, overlap):
+    """With overlap too: the warm-up's requests wait for a drafted tree at every step (an unready
+    step would decode plainly and leave that step's verify shape for a request to capture)."""
     from specextend.draft.session import DraftSession
+    from specextend.draft.worker import DraftWorker
 
     monkeypatch.setattr(DraftSession, "pads_catch_up", staticmethod(lambda model: True))  # as with CUDA graphs
     target, draft = tiny_models("float32")
     retrieval = RetrievalConfig(enabled=mode == "specextend", chunk_size=8, top_k=4, every=3,
                                 draft_prefill_window=32)
-    engine = make_engine((target, draft), mode, tree=TreeConfig(16, 5, 4), retrieval=retrieval, tree_policy=policy)
+    engine = make_engine((target, draft), mode, DraftWorker(draft.decoder, overlap=overlap), tree=TreeConfig(16, 5, 4),
+                         retrieval=retrieval, tree_policy=policy, draft_overlap=overlap)
     warm, later = set(), set()
     undo = [_record(m.decoder, warm) for m in (target, draft)]
     stats = warm_up(engine, list(range(3, 150)))
-    assert not stats.fallback and stats.replayed
+    assert not stats.fallback and stats.replayed and stats.unready_steps == 0
     for u in undo:
         u()
     assert {k[0] for k in warm} >= {5, 9, 17}  # the verify of every rung of the ladder (4, 8, 16 nodes + root)

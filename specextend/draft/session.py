@@ -116,7 +116,8 @@ class DraftSession(Overlap):
         self._prefill(list(prompt_ids), prefill_chunk)
 
     # ----------------------------------------------------------------- caches
-    def _forward_committed(self, ids: list[int], window: int = 0, rows: int = 0) -> torch.Tensor:
+    def forward_committed(self, ids: list[int], window: int = 0, rows: int = 0) -> torch.Tensor:
+        """Forward committed tokens in place (`_forward_committed_co`): the last one's logits [V]."""
         return run_alone(self._forward_committed_co(ids, window, rows), self.model)
 
     def _forward_committed_co(self, ids: list[int], window: int = 0,
@@ -151,7 +152,7 @@ class DraftSession(Overlap):
 
     def _prefill(self, prompt: list[int], chunk: int) -> None:
         for lo in range(0, len(prompt), chunk):
-            self._forward_committed(prompt[lo:lo + chunk], window=self.cfg.draft_prefill_window or 0)
+            self.forward_committed(prompt[lo:lo + chunk], window=self.cfg.draft_prefill_window or 0)
         if self.store is not None and len(prompt) > self.cfg.budget_tokens:
             self._rebuild(initial_chunks(len(prompt), self.cfg), self.cfg.chunk_size)
 

@@ -253,6 +253,11 @@ class DraftWorker(JobWorker):
         vocab = self.model.args.vocab_size
         prompt = [(17 * i + 3) % vocab for i in range(job.prompt_len)]
         session = self._new_session(prompt, job.params)
+        if self.overlap:  # every count of accepted tokens a step forwards (ready steps skip that forward,
+            # so a target's warm-up requests need not meet each count); a throwaway session of its own
+            spare = self._new_session(prompt, job.params)
+            for t in range(1, job.params.tree.depth + 2):
+                spare.forward_committed(prompt[:t])
         session.step(0, [prompt[-1]], None)
         if session.pads_catch_up(self.model):
             session.step(1, prompt[:job.params.tree.depth + 2], None)  # more than a step accepts: a catch-up
