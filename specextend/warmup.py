@@ -75,7 +75,7 @@ def warm_verify_sizes(engine: Engine, prompt_ids: Sequence[int]) -> int:
     n = 0
     for nodes in range(1, cfg.tree.nodes + 1):
         for capture in captures:  # nodes under the root: the shape is the rows, not the tree
-            session.verify(prompt[-1], prompt[:nodes], [-1] * nodes, capture)
+            session.verify(prompt[-1], [prompt[i % len(prompt)] for i in range(nodes)], [-1] * nodes, capture)
             n += 1
     return n
 

@@ -99,3 +99,18 @@ def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
     assert l0 == l1 and n0 == n1
     torch.testing.assert_close(w0, w1, atol=1e-12, rtol=0)
     torch.testing.assert_close(s0, s1, atol=1e-12, rtol=0)
+
+
+def test_verify_sizes_are_warmed_only_with_overlap_and_for_any_prompt(tiny_models):
+    from specextend.warmup import warm_verify_sizes
+
+    target, draft = tiny_models("float32")
+    tree = TreeConfig(16, 5, 4)
+    assert warm_verify_sizes(make_engine((target, draft), "sd", tree=tree), [5, 6, 7]) == 0
+    over = make_engine((target, draft), "specextend", tree=tree, draft_overlap=True,
+                       retrieval=RetrievalConfig(chunk_size=8, top_k=4, draft_prefill_window=32))
+    seen: set = set()
+    undo = _record(target.decoder, seen)
+    assert warm_verify_sizes(over, [5, 6, 7]) == 2 * 16  # a prompt shorter than the tree: still every size
+    undo()
+    assert {k[0] for k in seen if k[3]} == set(range(2, 18)) and {k[0] for k in seen if not k[3]} >= set(range(2, 18))
