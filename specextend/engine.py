@@ -85,7 +85,7 @@ class Engine:
         self.config = config
         self.target = target
         self.draft = draft
-        self._prior: Optional[Prior] = None  # what the last session that measured every rung's price left
+        self._prior: Optional[Prior] = None  # the costs the last session that measured them left
         if self.config.mode != "ar" and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
@@ -234,6 +234,7 @@ class Engine:
                         step, retrieval = step + 1, None
                         ctl.record_spec(rung, draft_s, prefix_accepts([], (), rung, ctl.rungs),
                                         step_s=time.perf_counter() - t_step)
+                        stats.probe_steps = ctl.probe_steps
                         stats.decode_s = time.perf_counter() - t1
                         yield out.emit(committed)
                         continue
