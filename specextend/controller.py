@@ -149,10 +149,10 @@ class LinearCost:
 
 
 @dataclass(frozen=True)
-class Prior:
+class Costs:
     """What a finished session of the same engine measured of the costs (the machine's and the
     models', not the text's), for the next session to start from instead of the warm-up steps that
-    measure them (TreeController.prior / start_from; docs/architecture.md, "Adaptive speculation")."""
+    measure them (TreeController.costs / start_from; docs/architecture.md, "Adaptive speculation")."""
 
     forward: LinearCost
     draft: LinearCost
@@ -184,7 +184,7 @@ class TreeController:
     extra_plain: Optional[float] = None  # a plain step's seconds beyond its forward (average)
     plain_forward: Optional[float] = None  # a plain step's forward seconds, alone (average)
     draft_ratio: Optional[float] = None  # the draft's prefill over the target's, when it says drafting cannot pay
-    primed: bool = False  # started from a Prior: no warm-up steps
+    primed: bool = False  # started from carried Costs: no warm-up steps
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
@@ -276,15 +276,15 @@ class TreeController:
             return probe
         return best
 
-    def prior(self) -> Optional[Prior]:
+    def costs(self) -> Optional[Costs]:
         """This session's costs for the engine's next session: None unless it measured those the
         warm-up measures (a draft level's wait, a plain forward)."""
         if not (self.draft.known and self.plain_forward is not None):
             return None
-        return Prior(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
+        return Costs(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
                      self.extra_plain)
 
-    def start_from(self, prior: Prior) -> None:
+    def start_from(self, prior: Costs) -> None:
         """Start from an earlier session's costs: no smallest tree and plain step to measure them,
         the first step the full tree (it measures this text's acceptance for every rung at once)
         where it may pay. This session's own forwards and waits join the lines at their rates."""

@@ -17,7 +17,7 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.controller import PLAIN, AlwaysSpeculate, Prior, TreeController, ladder, prefix_accepts
+from specextend.controller import PLAIN, AlwaysSpeculate, Costs, TreeController, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
@@ -79,13 +79,13 @@ class _Emitter:
 
 
 class Engine:
-    carry_costs = True  # a session starts from the last finished session's measurements (controller.Prior)
+    carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
 
     def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None):
         self.config = config
         self.target = target
         self.draft = draft
-        self._prior: Optional[Prior] = None  # the costs the last session that measured them left
+        self._prior: Optional[Costs] = None  # the costs the last session that measured them left
         if self.config.mode != "ar" and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
@@ -294,7 +294,7 @@ class Engine:
                 stats.decode_s = time.perf_counter() - t1
                 yield ev
         finally:
-            prior = ctl.prior() if use_draft and self.carry_costs else None
+            prior = ctl.costs() if use_draft and self.carry_costs else None
             self._prior = prior or self._prior
             if opening is not None:  # once the open has finished (now, or later if still running)
                 opening.add_done_callback(lambda f: f.exception() is None and self._close_draft(sid))

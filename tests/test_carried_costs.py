@@ -1,4 +1,4 @@
-"""A session starts from the costs the engine's last finished session measured (controller.Prior,
+"""A session starts from the costs the engine's last finished session measured (controller.Costs,
 docs/architecture.md, "Adaptive speculation"): no smallest tree and plain step to measure them,
 the full tree first to measure this text's acceptance, then the choice a warmed-up controller
 makes."""
@@ -23,10 +23,10 @@ def warmed(profile="easy", steps=20):
 
 def test_a_prior_needs_the_costs_the_warm_up_measures():
     ctl = TreeController(list(RUNGS))
-    assert ctl.prior() is None
+    assert ctl.costs() is None
     simulate(ctl, dict(zip(RUNGS[1:], PROFILES["easy"])), 1)  # the smallest tree: no plain step yet
-    assert ctl.prior() is None
-    assert warmed().prior() is not None
+    assert ctl.costs() is None
+    assert warmed().costs() is not None
 
 
 @pytest.mark.parametrize("profile", ["easy", "wide", "medium", "hard", "useless"])
@@ -35,7 +35,7 @@ def test_a_primed_controller_measures_acceptance_first_then_chooses_as_a_warmed_
     (full) tree: then the warmed controller's choice, in fewer warm-up steps than a cold start."""
     accepted = dict(zip(RUNGS[1:], PROFILES[profile]))
     new = TreeController(list(RUNGS))
-    new.start_from(warmed("easy").prior())
+    new.start_from(warmed("easy").costs())
     chosen = simulate(new, accepted, 12)
     assert chosen[0] == RUNGS[-1]  # no smallest tree, no plain step
     ref = warmed(profile, 12)
@@ -47,14 +47,14 @@ def test_a_prior_is_a_copy():
     old = warmed("easy")
     line = old.forward.line()
     new = TreeController(list(RUNGS))
-    new.start_from(old.prior())
+    new.start_from(old.costs())
     simulate(new, dict(zip(RUNGS[1:], PROFILES["hard"])), 5, level=0.01)
     assert old.forward.line() == line and not new.accepted.keys() - set(RUNGS)
 
 
 def test_a_bounded_request_takes_the_prior_too():
     small = TreeController(ladder(TreeConfig(8, 4, 4)))
-    small.start_from(warmed("easy").prior())
+    small.start_from(warmed("easy").costs())
     assert small.choose() == small.top
 
 
