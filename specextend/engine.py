@@ -181,7 +181,10 @@ class Engine:
             logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture))
             target_prefill_s = time.perf_counter() - t0
             token = next_token(logits, params, gen)
-            if opening is not None:
+            stats.prefill_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            yield out.emit([token])  # the first token needs nothing from the draft: not its open either
+            if opening is not None and out.finish is None:
                 try:
                     open_s = yield DraftCall(future=opening)
                     # the draft's prefill against the target's, same prompt: the controller's prior
@@ -192,10 +195,6 @@ class Engine:
             retrieving = use_draft and cfg.retrieval.enabled
             retrieval = self._retrieval(target, -1, stats) if retrieving else None  # first tree: scored chunks
             stats.retrieval_refreshes += retrieval is not None
-            stats.prefill_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            ev = out.emit([token])
-            yield ev
             step, committed = 0, [token]
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
             prepare = use_draft and self.draft.supports_prepare
