@@ -184,7 +184,8 @@ class TreeController:
     extra_plain: Optional[float] = None  # a plain step's seconds beyond its forward (average)
     plain_forward: Optional[float] = None  # a plain step's forward seconds, alone (average)
     draft_ratio: Optional[float] = None  # the draft's prefill over the target's, when it says drafting cannot pay
-    primed: bool = False  # started from carried Costs: no warm-up steps
+    primed: bool = False  # started from carried Costs
+    _warm: bool = False  # ... and skips the warm-up steps that measure them
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
@@ -251,10 +252,13 @@ class TreeController:
         self._settle()  # the prefill's forwards, before the first step: in the line, not in this step's time
         self._forward_s = 0.0
         self.sessions = sessions
-        if self.primed:  # the costs are known: one full tree measures this text's acceptance, every rung's
-            if self.spec_steps == 0 and self._top_may_pay():
+        if self._warm and self.spec_steps == 0:  # the costs are known: one full tree measures this
+            if self._top_may_pay():  # text's acceptance, every rung's at once
                 return self.top
-        else:
+            # carried costs say no tree can pay: warm up as a cold session does, whose smallest tree
+            # re-measures the draft cheaply (the way back, were the costs to have changed)
+            self._warm = False
+        if not self._warm:
             if self.spec_steps == 0 and self.draft_ratio is None:
                 return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
             if not self.plain_steps:
@@ -287,10 +291,12 @@ class TreeController:
     def start_from(self, prior: Costs) -> None:
         """Start from an earlier session's costs: no smallest tree and plain step to measure them,
         the first step the full tree (it measures this text's acceptance for every rung at once)
-        where it may pay. This session's own forwards and waits join the lines at their rates."""
+        where it may pay; where the costs say no tree can, the cold warm-up (its smallest tree is
+        how a draft whose costs changed gets tried again). This session's own forwards and waits
+        join the lines at their rates."""
         self.forward, self.draft = copy.deepcopy(prior.forward), copy.deepcopy(prior.draft)
         self.plain_forward, self.extra_spec, self.extra_plain = prior.plain_forward, prior.extra_spec, prior.extra_plain
-        self.primed = True
+        self.primed = self._warm = True
 
     def _top_may_pay(self) -> bool:
         """Whether the largest tree could beat a plain step if every level were accepted: when not

@@ -98,3 +98,17 @@ def test_the_prefills_forwards_are_not_the_first_steps():
     ctl.record_forward(1, 0.002)
     ctl.record_plain(step_s=0.0021)
     assert ctl.plain_forward == pytest.approx(0.002) and ctl.extra_plain == pytest.approx(0.0001)
+
+
+def test_carried_costs_that_say_no_tree_pays_warm_up_as_a_cold_session():
+    """Costs from a session whose draft cost as much as several target forwards: the next session
+    still starts with the smallest tree (the cheap probe that would find a draft grown faster), not
+    plain for good; the first decision uses the carried costs."""
+    from test_controller import FIXED
+
+    slow = TreeController(list(RUNGS))
+    simulate(slow, dict(zip(RUNGS[1:], PROFILES["easy"])), 12, level=50 * FIXED)
+    new = TreeController(list(RUNGS))
+    new.start_from(slow.costs())
+    chosen = simulate(new, dict(zip(RUNGS[1:], PROFILES["easy"])), 6, level=50 * FIXED)
+    assert new.primed and chosen[0] == RUNGS[1] and all(r.plain for r in chosen[1:])
