@@ -168,62 +168,6 @@ def test_a_missed_verdict_drafts_as_without_overlap(draft):
     assert torch.equal(over.work.data[:, :, :, :over.work.length], plain.work.data[:, :, :, :plain.work.length])
 
 
-@pytest.mark.parametrize("retrieval", [False, True])
-def test_an_unready_step_answers_empty_and_catches_up_after(draft, retrieval):
-    """A miss with ready_only answers an empty tree with nothing forwarded; its catch-up and first
-    level then run in `settle`, leaving the caches and the pool a drafting miss leaves."""
-    from specextend.draft.base import TreeBound
-    from specextend.draft.batch import run_alone
-
-    r = RetrievalConfig(enabled=retrieval, chunk_size=8, top_k=4, draft_prefill_window=0)
-    params = DraftSessionParams(TREE, r, 64)
-    lazy, eager = DraftSession(draft, prompt(), params, overlap=True), DraftSession(draft, prompt(), params, overlap=True)
-    miss, sel = [255, 254], None
-    if retrieval:
-        from specextend.draft.base import Retrieval
-        sel = Retrieval((0, 2, 5, 7), 8)
-    for s in (lazy, eager):
-        s.step(0, [7], None)
-        grow(s)
-    length = lazy.work.length
-    got = run_alone(lazy.step_co(1, miss, sel, TreeBound(ready_only=True)), draft)
-    assert got.tokens == () and not got.ready and lazy.pool is None and lazy.work.length == length
-    ref = eager.step(1, miss, sel, TreeBound(ready_only=False))
-    assert ref.tokens and not ref.ready
-    lazy.settle()
-    assert lazy.work.length == eager.work.length and lazy.refreshes == eager.refreshes
-    n = eager.work.length
-    assert torch.equal(lazy.work.data[:, :, :, :n], eager.work.data[:, :, :, :n])
-    assert lazy.pool.tokens == eager.pool.tokens and lazy.pool.scores == eager.pool.scores
-    # the background goes on from there, and a later verdict in the pool is answered from it
-    grow(lazy)
-    first = next(i for i in range(len(lazy.pool)) if lazy.pool.depths[i] == 1 and lazy.pool.slots[i] >= 0)
-    assert lazy.step(2, [lazy.pool.tokens[first]], None, TreeBound(ready_only=True)).ready
-    # without overlap there is no pool to answer from: ready_only is ignored
-    plain = DraftSession(draft, prompt(), params)
-    plain.step(0, [7], None)
-    assert len(plain.step(1, miss, sel, TreeBound(ready_only=True)).tokens) == TREE.nodes
-
-
-def test_a_failed_catch_up_fails_the_next_step(draft, monkeypatch):
-    from specextend.draft.base import TreeBound
-
-    params = DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64)
-    s = DraftSession(draft, prompt(), params, overlap=True)
-    s.step(0, [7], None, TreeBound(ready_only=True))  # no pool yet: empty, then caught up
-    assert s.pool is not None
-
-    def broken(*a, **k):
-        raise RuntimeError("injected")
-        yield
-
-    monkeypatch.setattr(DraftSession, "_forward_committed_co", broken)
-    with pytest.raises(RuntimeError):
-        s.step(1, [255, 254], None, TreeBound(ready_only=True))
-    with pytest.raises(DraftError, match="could not catch up"):
-        s.step(2, [3], None)
-
-
 # ------------------------------------------------------------------ end to end, float64
 
 def run(pair, backend, mode="sd", n=40, seed=3, **kw):
