@@ -288,14 +288,14 @@ class TreeController:
         return Costs(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
                      self.extra_plain)
 
-    def start_from(self, prior: Costs) -> None:
+    def start_from(self, costs: Costs) -> None:
         """Start from an earlier session's costs: no smallest tree and plain step to measure them,
         the first step the full tree (it measures this text's acceptance for every rung at once)
         where it may pay; where the costs say no tree can, the cold warm-up (its smallest tree is
         how a draft whose costs changed gets tried again). This session's own forwards and waits
         join the lines at their rates."""
-        self.forward, self.draft = copy.deepcopy(prior.forward), copy.deepcopy(prior.draft)
-        self.plain_forward, self.extra_spec, self.extra_plain = prior.plain_forward, prior.extra_spec, prior.extra_plain
+        self.forward, self.draft = copy.deepcopy(costs.forward), copy.deepcopy(costs.draft)
+        self.plain_forward, self.extra_spec, self.extra_plain = costs.plain_forward, costs.extra_spec, costs.extra_plain
         self.primed = self._warm = True
 
     def _top_may_pay(self) -> bool:

@@ -85,7 +85,7 @@ class Engine:
         self.config = config
         self.target = target
         self.draft = draft
-        self._prior: Optional[Costs] = None  # the costs the last session that measured them left
+        self._costs: Optional[Costs] = None  # the costs the last session that measured them left
         if self.config.mode != "ar" and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
@@ -168,8 +168,8 @@ class Engine:
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
         ctl = self.new_controller(tree_cfg)
-        if use_draft and self.carry_costs and self._prior is not None:  # no warm-up steps: they were
-            ctl.start_from(self._prior)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
+        if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
+            ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
         timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
         try:
             t0 = time.perf_counter()
@@ -227,7 +227,8 @@ class Engine:
                         continue
                     if not tree.tokens:  # nothing ready (the draft applied the step and catches up): one
                         # plain token now; to the policy a step of this rung that accepted nothing
-                        stats.unready_steps, stats.unready_wait_s = stats.unready_steps + 1, stats.unready_wait_s + draft_s
+                        stats.unready_steps += 1
+                        stats.unready_wait_s += draft_s
                         stats.unready_refreshes += retrieval is not None
                         committed = pending = yield from self._plain_co(target, committed[-1], params, gen, timed)
                         step, retrieval = step + 1, None
@@ -293,8 +294,8 @@ class Engine:
                 stats.decode_s = time.perf_counter() - t1
                 yield ev
         finally:
-            prior = ctl.costs() if use_draft and self.carry_costs else None
-            self._prior = prior or self._prior
+            costs = ctl.costs() if use_draft and self.carry_costs else None
+            self._costs = costs or self._costs
             if opening is not None:  # once the open has finished (now, or later if still running)
                 opening.add_done_callback(lambda f: f.exception() is None and self._close_draft(sid))
 

@@ -75,15 +75,15 @@ def test_an_engines_later_sessions_start_from_the_earlier_ones(tiny_models, monk
     monkeypatch.setattr(Engine, "new_controller", spy)
     had = []
     for _ in range(3):
-        had.append(engine._prior is not None)
+        had.append(engine._costs is not None)
         assert engine.generate(prompt, params)[0] == ref
     assert not had[0] and any(had) and [c.primed for c in made] == had
-    kept = engine._prior
+    kept = engine._costs
     assert engine.generate(prompt, params, speculate=False)[0] == ref
-    assert engine._prior is kept  # a plain request measures no draft: it leaves the prior
+    assert engine._costs is kept  # a plain request measures no draft: it leaves the prior
     engine.carry_costs = False
     engine.generate(prompt, params)
-    assert not made[-1].primed and engine._prior is kept
+    assert not made[-1].primed and engine._costs is kept
     worker.shutdown()
 
 
