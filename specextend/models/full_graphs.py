@@ -87,18 +87,6 @@ class FullStepGraphs(StepGraphs):
         # captured when met)
         self.batch_shapes: Optional[frozenset] = None
         self.batched_forwards = 0  # forwards that carried several sessions
-        self.prefetch = None  # l2_prefetch.L2Prefetch: the weights of the steps ahead asked of the L2
-
-    def set_prefetch(self, lead: Optional[int], **kw) -> None:
-        """L2 prefetch of the weights up to `lead` bytes ahead of each body step (None: off); plans
-        built before are dropped (their graphs were captured without it or with another lead)."""
-        from specextend.models.l2_prefetch import L2Prefetch
-
-        with self.lock:
-            self.prefetch = None if lead is None else L2Prefetch(self.model, lead, **kw)
-            self.plans.clear()
-            if getattr(self.model, "tree_graphs", None) is not None:
-                self.model.tree_graphs.plans.clear()
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
         self._set_meta(p, cache, L)
@@ -231,18 +219,10 @@ class FullStepGraphs(StepGraphs):
         if self._persists(p):
             persistent_mod.body(self, p, steps or range(n + 1), self.persist_launch)
             return
-        pf, pending = self.prefetch, False
         for i in steps or range(n + 1):
-            forked = pf is not None and pf.fork(i)  # a parallel branch: the L2 asked for what comes next
-            pending = pending or forked
             self._segment(p, i)
             if i < n:
                 self._prefix(p, i, None)
-            if forked and pf.join_each:
-                pf.join()
-                pending = False
-        if pending:
-            pf.join()
 
     def _prefix(self, p: _Plan, i: int, kv) -> None:
         """Layer i's queries over cache[:L] (found through p.meta) -> S partials in p.out_p / p.lse_p."""
