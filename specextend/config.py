@@ -121,6 +121,10 @@ class EngineConfig:
         False, description="with draft_overlap: the draft prepares the next trees for the likeliest verdicts "
                            "while the target verifies, so that a verdict among them takes no step call (off: "
                            "not yet measured to pay)")
+    lookup_tokens: int = Field(
+        0, ge=0, le=32, description="context lookup: up to this many tokens that followed the context's last "
+                                    "3 (or 2) tokens where they occurred before, grafted onto each tree and "
+                                    "verified on steps without one (0: off; speculative modes only)")
     attention_backend: Literal["auto", "flash", "torch", "eager"] = Field("auto", description="attention kernels")
     execution: Literal["auto", "eager", "graphs"] = Field(
         "auto", description="decode-time forwards: graphs (CUDA graphs + Triton kernels), eager, or auto "

@@ -184,6 +184,8 @@ class TreeController:
     extra_plain: Optional[float] = None  # a plain step's seconds beyond its forward (average)
     plain_forward: Optional[float] = None  # a plain step's forward seconds, alone (average)
     draft_ratio: Optional[float] = None  # the draft's prefill over the target's, when it says drafting cannot pay
+    lookup_plain: float = 0.0  # tokens a plain step's context-lookup chain added (average; engine.py)
+    lookup_spec: float = 0.0  # tokens a speculative step's lookup chain added beyond the draft's path
     primed: bool = False  # started from carried Costs
     _warm: bool = False  # ... and skips the warm-up steps that measure them
     _probing: bool = False
@@ -216,7 +218,7 @@ class TreeController:
 
     def rate(self, rung: Rung) -> float:
         """Predicted tokens per second of a step of `rung`."""
-        tokens = 1.0 if rung.plain else 1.0 + self.expected_accepted(rung)
+        tokens = 1.0 + (self.lookup_plain if rung.plain else self.expected_accepted(rung) + self.lookup_spec)
         return tokens / max(self.step_seconds(rung), 1e-9)
 
     def best(self) -> Rung:
@@ -321,9 +323,11 @@ class TreeController:
     def _average(self, old: Optional[float], new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
-    def record_plain(self, step_s: Optional[float] = None) -> None:
-        """A plain step; `step_s`: its wall time, when the driver measured it."""
+    def record_plain(self, step_s: Optional[float] = None, lookup: int = 0) -> None:
+        """A plain step; `step_s`: its wall time, when the driver measured it; `lookup`: the tokens a
+        context-lookup chain added to it."""
         self._settle()
+        self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
         if self._forward_s and self.sessions <= 1:
@@ -332,12 +336,15 @@ class TreeController:
         self.plain_steps += 1
         self.since_probe += 1
 
-    def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None) -> None:
+    def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None,
+                    lookup: int = 0) -> None:
         """A speculative step of `rung`: the wait for its tree (None when the draft first caught up
         on plain steps' tokens: a one-off of switching, not what a speculative step costs),
         prefix_accepts' counts, and the step's wall time when the driver measured it (the first
-        speculative step's is not used: it carries one-off costs)."""
+        speculative step's is not used: it carries one-off costs); `lookup`: the accepted tokens
+        that only a context-lookup chain proposed."""
         self._settle()
+        self.lookup_spec = (1 - self.alpha) * self.lookup_spec + self.alpha * lookup
         if draft_s is not None:
             self.draft.add(rung.depth, draft_s)
             if step_s is not None and self.spec_steps:

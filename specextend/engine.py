@@ -19,6 +19,7 @@ import torch
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import PLAIN, AlwaysSpeculate, Costs, TreeController, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
+from specextend.lookup import ContextIndex, graft
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
@@ -78,6 +79,14 @@ class _Emitter:
         return StepEvent(out, self.finish, self.stats)
 
 
+def _drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
+    """The accepted path's nodes up to the first that a lookup chain added (index >= drafted)."""
+    n = 0
+    while n < len(accepted) and accepted[n] < drafted:
+        n += 1
+    return list(accepted[:n])
+
+
 class Engine:
     carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
 
@@ -102,7 +111,7 @@ class Engine:
         return limit
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        return prompt_len + max_new_tokens + self.config.tree.nodes + 2
+        return prompt_len + max_new_tokens + self.config.tree.nodes + self.config.lookup_tokens + 2
 
     def kv_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
         """Target KV bytes one request needs (admission control)."""
@@ -192,6 +201,10 @@ class Engine:
                     ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
                 except DraftError as e:
                     use_draft = self._fall_back(stats, sid, e)
+            lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
+            if use_draft and cfg.lookup_tokens and replay is None:
+                lookup = ContextIndex(list(prompt_ids) + [token], self.target.args.vocab_size,
+                                      capacity=len(prompt_ids) + params.max_new_tokens + 1)
             retrieving = use_draft and cfg.retrieval.enabled
             retrieval = self._retrieval(target, -1, stats) if retrieving else None  # first tree: scored chunks
             stats.retrieval_refreshes += retrieval is not None
@@ -230,10 +243,11 @@ class Engine:
                         stats.unready_steps += 1
                         stats.unready_wait_s += draft_s
                         stats.unready_refreshes += retrieval is not None
-                        committed = pending = yield from self._plain_co(target, committed[-1], params, gen, timed)
+                        committed = pending = yield from self._plain_co(target, committed[-1], params, gen, timed,
+                                                                        lookup, cfg.lookup_tokens, stats)
                         step, retrieval = step + 1, None
                         ctl.record_spec(rung, draft_s, prefix_accepts([], (), rung, ctl.rungs),
-                                        step_s=time.perf_counter() - t_step)
+                                        step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                         stats.probe_steps = ctl.probe_steps
                         stats.decode_s = time.perf_counter() - t1
                         yield out.emit(committed)
@@ -241,6 +255,10 @@ class Engine:
                     stats.draft_s += draft_s
                     # best first: a prefix is the best smaller tree (a draft that ignores the bound may send more)
                     tokens, parents = tree.tokens[:rung.nodes], tree.parents[:rung.nodes]  # [N], [N]
+                    drafted = len(tokens)  # the draft's nodes; a lookup chain's new ones follow them
+                    if lookup is not None:
+                        tokens, parents, grafted = graft(tokens, parents, lookup.continuation(cfg.lookup_tokens))
+                        stats.lookup_nodes += grafted
                     ts = time.perf_counter()
                     refresh = cfg.retrieval.enabled and step + 1 >= refresh_due  # (an unready step defers it)
                     refresh_due = step + 1 + cfg.retrieval.every if refresh else refresh_due
@@ -265,10 +283,12 @@ class Engine:
                     retrieval = self._retrieval(target, row, stats) if refresh else None
                     stats.retrieval_refreshes += retrieval is not None
                     stats.verify_s += time.perf_counter() - ts
+                    own = _drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes
+                    stats.lookup_accepted += verdict.accept_length - len(own)
                     stats.num_steps += 1
                     stats.accepted_per_step.append(verdict.accept_length)
                     stats.context_per_step.append(target.cache.length)
-                    stats.draft_tokens += len(tokens)
+                    stats.draft_tokens += drafted
                     stats.nodes_per_step.append(len(tokens))
                     stats.draft_cache_tokens = tree.draft_cache_tokens
                     stats.wait_per_step.append(draft_s)
@@ -279,16 +299,19 @@ class Engine:
                     stats.refresh_per_step.append(refreshed)
                     stats.ahead_depth_sum += tree.ahead_depth
                     committed = pending = verdict.tokens
+                    if lookup is not None:
+                        lookup.extend(committed)
                     step += 1
                     ctl.record_spec(rung, None if caught_up else draft_s,
-                                    prefix_accepts(verdict.accepted, parents, rung, ctl.rungs),
-                                    step_s=time.perf_counter() - t_step)
+                                    prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
+                                    step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps
                 else:
-                    committed = yield from self._plain_co(target, committed[-1], params, gen, timed)
+                    committed = yield from self._plain_co(target, committed[-1], params, gen, timed, lookup,
+                                                          cfg.lookup_tokens, stats)
                     if use_draft:
                         pending = pending + committed
-                        ctl.record_plain(step_s=time.perf_counter() - t_step)
+                        ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                         stats.plain_steps += 1
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1
@@ -300,10 +323,28 @@ class Engine:
                 opening.add_done_callback(lambda f: f.exception() is None and self._close_draft(sid))
 
     @staticmethod
-    def _plain_co(target: TargetSession, root: int, params: SamplingParams, gen, timed) -> Session:
-        """A plain decoding step from `root`: [the next token]."""
-        logits = yield from timed(target.decode_co(root))
-        return [next_token(logits, params, gen)]
+    def _plain_co(target: TargetSession, root: int, params: SamplingParams, gen, timed,
+                  lookup: Optional[ContextIndex] = None, lookup_tokens: int = 0,
+                  stats: Optional[RequestStats] = None) -> Session:
+        """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
+        continuation, that chain verified instead (its accepted tokens, then the target's next one),
+        and the emitted tokens appended to the lookup."""
+        chain = lookup.continuation(lookup_tokens) if lookup is not None else []
+        if not chain:
+            logits = yield from timed(target.decode_co(root))
+            out = [next_token(logits, params, gen)]
+        else:
+            tokens, parents, _ = graft((), (), chain)  # a path: [k], [k]
+            logits = yield from timed(target.verify_co(root, tokens, parents, capture=False))
+            verdict = verify_tree(logits, tokens, parents, params, gen)
+            target.commit(verdict.accepted)
+            stats.lookup_steps += 1
+            stats.lookup_nodes += len(tokens)
+            stats.lookup_accepted += verdict.accept_length
+            out = verdict.tokens
+        if lookup is not None:
+            lookup.extend(out)
+        return out
 
     def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:
         t0 = time.perf_counter()

@@ -62,18 +62,20 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
 
 
 def warm_verify_sizes(engine: Engine, prompt_ids: Sequence[int]) -> int:
-    """With overlapped drafting, the target's verify of every tree size 1..tree_nodes (and with the
-    last layer captured, where retrieval scores it) on a throwaway session: each size is its own
-    CUDA graph. Returns the verifies run (0 without overlap: trees come at the ladder's sizes)."""
+    """With overlapped drafting or context lookup, the target's verify of every tree size
+    1..tree_nodes + lookup_tokens (and with the last layer captured, where retrieval scores it) on a
+    throwaway session: each size is its own CUDA graph. Returns the verifies run (0 with neither:
+    trees come at the ladder's sizes)."""
     cfg = engine.config
-    if not cfg.overlap:
+    if not cfg.overlap and not cfg.lookup_tokens:
         return 0
     prompt = list(prompt_ids)
-    session = TargetSession(engine.target.decoder, len(prompt) + cfg.tree.nodes + 2, hybrid=cfg.hybrid_attention)
+    largest = cfg.tree.nodes + cfg.lookup_tokens  # a tree and the lookup chain grafted onto it
+    session = TargetSession(engine.target.decoder, len(prompt) + largest + 2, hybrid=cfg.hybrid_attention)
     session.prefill(prompt, cfg.prefill_chunk)
     captures = (False, True) if cfg.retrieval.enabled and cfg.retrieval.select == "attention" else (False,)
     n = 0
-    for nodes in range(1, cfg.tree.nodes + 1):
+    for nodes in range(1, largest + 1):
         for capture in captures:  # nodes under the root: the shape is the rows, not the tree
             session.verify(prompt[-1], [prompt[i % len(prompt)] for i in range(nodes)], [-1] * nodes, capture)
             n += 1
@@ -103,6 +105,9 @@ def warm_batches(engine: Engine, batch_sessions: int) -> int:
     if graphs is None:
         return 0
     tokens = {1}
-    if engine.config.uses_draft:
-        tokens |= {r.nodes + 1 for r in ladder(engine.config.tree)[1:]}
+    cfg = engine.config
+    if cfg.uses_draft:
+        tokens |= {r.nodes + 1 for r in ladder(cfg.tree)[1:]}
+        if cfg.lookup_tokens:  # a lookup chain alone, and grafted onto the largest tree
+            tokens |= {cfg.lookup_tokens + 1, cfg.tree.nodes + cfg.lookup_tokens + 1}
     return graphs.warm_batches(sorted(tokens), batch_sessions)

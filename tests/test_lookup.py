@@ -1,0 +1,89 @@
+"""Context lookup (specextend/lookup.py): the index against its scan twin, and grafting chains onto trees."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specextend.lookup import ContextIndex, continuation_scan, graft
+from specextend.tree import children_of
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_index_equals_scan_as_tokens_arrive(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([5, 50, 151936])
+    ids = [rng.randrange(min(vocab, 6)) for _ in range(rng.randrange(0, 40))]
+    idx = ContextIndex(ids, vocab, capacity=8)  # grows past its capacity below
+    for _ in range(30):
+        k = rng.randrange(0, 10)
+        assert idx.continuation(k) == continuation_scan(ids, k)
+        new = [rng.randrange(min(vocab, 6)) for _ in range(rng.randrange(1, 5))]
+        ids += new
+        idx.extend(new)
+        assert idx.ids[:idx.length].tolist() == ids
+
+
+def test_continuation_copies_what_followed_the_latest_longest_match():
+    # "1 2 3 4 5" then later "9 2 3 7" then the context ends with "... 1 2 3": the 3-gram 1 2 3 wins
+    ids = [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8, 1, 2, 3]
+    assert ContextIndex(ids, 16).continuation(3) == [4, 5, 6]
+    # only a 2-gram matches: the latest occurrence of "2 3"
+    ids = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 0, 2, 3]
+    assert ContextIndex(ids, 16).continuation(4) == [7, 8, 0, 2]
+    assert ContextIndex([1, 2, 3, 4], 16).continuation(4) == []  # nothing repeats
+    assert ContextIndex(ids, 16).continuation(0) == []
+
+
+def test_vocabulary_too_wide_for_a_key_drops_that_n():
+    idx = ContextIndex([1, 2, 3, 1, 2, 3], 1 << 40, ns=(3, 2))  # 40-bit ids: one per key at most
+    assert idx.ns == ()
+    assert idx.continuation(2) == []
+
+
+def _paths(tokens, parents):
+    """Every root-to-node token path of a tree."""
+    out = []
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j != -1:
+            path.append(tokens[j])
+            j = parents[j]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_graft_keeps_the_tree_and_adds_the_chain_as_a_path(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(0, 12)
+    tokens, parents = [], []
+    for _ in range(n):  # siblings carry distinct tokens, as a draft's do
+        parent = rng.randrange(-1, len(tokens))
+        free = sorted(set(range(4)) - {t for t, q in zip(tokens, parents) if q == parent})
+        if free:
+            parents.append(parent)
+            tokens.append(rng.choice(free))
+    n = len(tokens)
+    chain = [rng.randrange(4) for _ in range(rng.randrange(0, 7))]
+    t2, p2, new = graft(tokens, parents, chain)
+    assert t2[:n] == tokens and p2[:n] == parents  # the draft's nodes keep their indices
+    assert len(t2) == n + new
+    assert all(p < i for i, p in enumerate(p2))  # parents first: a topological order
+    assert tuple(chain) in _paths(t2, p2) or not chain  # the whole chain is a path from the root
+    old = set(_paths(tokens, parents))
+    assert new == sum(1 for path in _paths(t2, p2)[n:] if path not in old)  # new nodes: new paths only
+    kids = children_of(p2)
+    for row, ks in enumerate(kids):  # where the chain met the tree it did not add a second child
+        seen = [t2[c] for c in ks]
+        if row > n:
+            assert len(set(seen)) == len(seen)
+
+
+def test_graft_follows_the_tree_where_it_agrees():
+    tokens, parents = [5, 6, 7, 8], [-1, -1, 0, 2]  # 5 -> 7 -> 8, and 6
+    t, p, new = graft(tokens, parents, [5, 7, 9, 10])
+    assert (t, p, new) == ([5, 6, 7, 8, 9, 10], [-1, -1, 0, 2, 2, 4], 2)
+    assert graft(tokens, parents, [5, 7, 8]) == (tokens, parents, 0)
+    assert graft([], [], [3, 4]) == ([3, 4], [-1, 0], 2)
