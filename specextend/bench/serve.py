@@ -106,7 +106,8 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
                    step_ms=step_ms, draft_wait_ms=wait, verify_ms=verify, other_ms=max(step_ms - wait - verify, 0.0),
                    tree_ready_fraction=spec.get("tree_ready_fraction", 0.0), unready_steps=spec.get("unready_steps", 0),
                    transport_ms=spec.get("transport_ms_per_step", 0.0), draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0),
-                   prepared_fraction=spec.get("prepared_fraction", 0.0))
+                   prepared_fraction=spec.get("prepared_fraction", 0.0), plain_steps=spec.get("plain_steps", 0),
+                   lookup_steps=spec.get("lookup_steps", 0), lookup_accepted=spec.get("lookup_accepted", 0))
     return out
 
 
@@ -153,8 +154,10 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                     for length in lengths:
                         for doc in documents(docs[pair_name]):
                             prompt = prompt_ids(tokenizer, doc, length)
-                            if not warm:
-                                one_request(url, model, prompt[:64], 8)
+                            if not warm:  # the app's first long request pays one-off costs: not timed
+                                first = one_request(url, model, prompt, 16)
+                                progress(f"served {name}: first request (untimed) {first['decode_tokens_per_s']:.1f} "
+                                         f"decode tok/s, TTFT {first['ttft_s']:.3f} s")
                                 warm = True
                             r = one_request(url, model, prompt, new_tokens)
                             ids = r.pop("token_ids")

@@ -184,6 +184,8 @@ class SpeculativeDecoding(BaseModel):
     unready_steps: int = 0  # plain decoding steps because the overlapping draft had no tree ready
     probe_steps: int = 0  # steps with the largest tree taken to re-measure it (tree_policy=adaptive)
     mean_tree_nodes: float = 0.0  # draft nodes verified per speculative step (the trees chosen)
+    lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain
+    lookup_accepted: int = 0  # accepted tokens that only a context-lookup chain proposed
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
@@ -202,7 +204,8 @@ def spec_decoding(stats: RequestStats) -> dict:
            "prepared_fraction": stats.prepared_steps / steps if stats.num_steps else 0.0,
            "plain_steps": stats.plain_steps, "probe_steps": stats.probe_steps,
            "unready_steps": stats.unready_steps,
-           "mean_tree_nodes": stats.mean_tree_nodes}
+           "mean_tree_nodes": stats.mean_tree_nodes,
+           "lookup_steps": stats.lookup_steps, "lookup_accepted": stats.lookup_accepted}
     if stats.replayed:
         out["replayed"] = True
     return out
