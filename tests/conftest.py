@@ -28,3 +28,17 @@ def tiny_models():
 
     return get
 
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models):
+    """The float64 tiny (target, draft) pair (a module may define its own `pair`)."""
+    return tiny_models("float64")
+
+
+@pytest.fixture(scope="module")
+def ar_engine(pair):
+    """Plain decoding on `pair`'s target: the reference of the lossless tests."""
+    from helpers import make_engine
+
+    return make_engine(pair, "ar")

@@ -64,16 +64,6 @@ def oracle(monkeypatch, ar_engine):
     return use
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_models):
-    return tiny_models("float64")
-
-
-@pytest.fixture(scope="module")
-def ar_engine(pair):
-    return make_engine(pair, "ar")
-
-
 @pytest.mark.parametrize("lookup", [3, 8])
 @pytest.mark.parametrize("kw", [dict(mode="sd"), dict(mode="specextend", retrieval=RETRIEVAL),
                                 dict(mode="sd", tree_policy="adaptive")], ids=["sd", "specextend", "adaptive"])

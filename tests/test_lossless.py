@@ -24,16 +24,6 @@ def prompt(n, seed):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_models):
-    return tiny_models("float64")
-
-
-@pytest.fixture(scope="module")
-def ar_engine(pair):
-    return make_engine(pair, "ar")
-
-
 @pytest.mark.parametrize("tree", TREES, ids=lambda t: f"n{t.nodes}d{t.depth}k{t.topk}")
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("n", PROMPT_LENS)
