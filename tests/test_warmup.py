@@ -25,11 +25,14 @@ def _record(decoder, seen: set):
     return lambda: setattr(decoder, "forward", inner)
 
 
-@pytest.mark.parametrize("mode,policy,overlap", [("specextend", "adaptive", False), ("sd", "fixed", False),
-                                                 ("specextend", "adaptive", True)])
-def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mode, policy, overlap):
+@pytest.mark.parametrize("mode,policy,overlap,lookup", [("specextend", "adaptive", False, 0), ("sd", "fixed", False, 0),
+                                                        ("specextend", "adaptive", True, 0),
+                                                        ("specextend", "adaptive", False, 8),
+                                                        ("specextend", "fixed", True, 8)])
+def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mode, policy, overlap, lookup):
     """With overlap too: the warm-up's requests wait for a drafted tree at every step (an unready
-    step would decode plainly and leave that step's verify shape for a request to capture)."""
+    step would decode plainly and leave that step's verify shape for a request to capture). With
+    context lookup, trees grow by a chain (the second prompt repeats itself: chains from the start)."""
     from specextend.draft.session import DraftSession
     from specextend.draft.worker import DraftWorker
 
@@ -38,7 +41,7 @@ def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mo
     retrieval = RetrievalConfig(enabled=mode == "specextend", chunk_size=8, top_k=4, every=3,
                                 draft_prefill_window=32)
     engine = make_engine((target, draft), mode, DraftWorker(draft.decoder, overlap=overlap), tree=TreeConfig(16, 5, 4),
-                         retrieval=retrieval, tree_policy=policy, draft_overlap=overlap)
+                         retrieval=retrieval, tree_policy=policy, draft_overlap=overlap, lookup_tokens=lookup)
     warm, later = set(), set()
     undo = [_record(m.decoder, warm) for m in (target, draft)]
     stats = warm_up(engine, list(range(3, 150)))
@@ -47,11 +50,13 @@ def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mo
         u()
     assert {k[0] for k in warm} >= {5, 9, 17}  # the verify of every rung of the ladder (4, 8, 16 nodes + root)
     undo = [_record(m.decoder, later) for m in (target, draft)]
+    looked_up = 0
     for prompt in (list(range(7, 200)), [5, 9, 11] * 40):
-        engine.generate(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
+        looked_up += engine.generate(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))[2].lookup_nodes
     for u in undo:
         u()
     assert later and later <= warm, sorted(later - warm)
+    assert (looked_up > 0) == (lookup > 0)
 
 
 def test_the_warm_up_runs_each_size_at_its_deepest_and_every_depth_once():
@@ -101,12 +106,14 @@ def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
     torch.testing.assert_close(s0, s1, atol=1e-12, rtol=0)
 
 
-def test_verify_sizes_are_warmed_only_with_overlap_and_for_any_prompt(tiny_models):
+def test_verify_sizes_are_warmed_only_with_overlap_or_lookup_and_for_any_prompt(tiny_models):
     from specextend.warmup import warm_verify_sizes
 
     target, draft = tiny_models("float32")
     tree = TreeConfig(16, 5, 4)
     assert warm_verify_sizes(make_engine((target, draft), "sd", tree=tree), [5, 6, 7]) == 0
+    # context lookup: a tree and a chain of up to 8 grafted onto it
+    assert warm_verify_sizes(make_engine((target, draft), "sd", tree=tree, lookup_tokens=8), [5, 6, 7]) == 16 + 8
     over = make_engine((target, draft), "specextend", tree=tree, draft_overlap=True,
                        retrieval=RetrievalConfig(chunk_size=8, top_k=4, draft_prefill_window=32))
     seen: set = set()
