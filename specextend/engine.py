@@ -184,7 +184,8 @@ class Engine:
             t0 = time.perf_counter()
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 opening = self._openers.submit(_seconds_of, self.draft.open, sid, list(prompt_ids),
-                                               DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens))
+                                               DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens,
+                                                                  cfg.lookup_tokens if replay is None else 0))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
             # retrieval is scored from the prefill
             logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture))

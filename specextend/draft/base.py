@@ -60,6 +60,7 @@ class DraftSessionParams:
     tree: TreeConfig = field(default_factory=TreeConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     max_new_tokens: int = 64  # bounds the draft's cache allocation
+    lookup_tokens: int = 0  # context-lookup chains of this length put into the overlap pool (0: none)
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,7 @@ class Overlap:
         self.dropped_levels = 0  # chained levels dropped by a re-root before they were attached
         self.chained_nodes = 0  # pool nodes forwarded in chained levels
         self._settle: Optional[tuple[list[int], list[int], int]] = None  # a ready answer's K/V moves, not yet queued
+        self.chains = None  # context-lookup chains for the pool (lookup_chains.LookupChains; the session sets it)
 
     # ------------------------------------------------------------------ background
     def launch(self) -> bool:
@@ -312,6 +313,8 @@ class Overlap:
         # answer with what is ready, however little: growing it now would put draft forwards back on
         # the critical path (the pool keeps growing while the target verifies this tree)
         tokens, parents = new.best_tree(nodes)
+        if self.chains is not None:  # after the answer: the background extends it
+            self.chains.seed(new)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
                          draft_cache_tokens=self.work.length + len(commit), ready=True, ahead_depth=new.ready_depth())
 

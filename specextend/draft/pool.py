@@ -74,14 +74,15 @@ class Pool:
         return list(self._kids.get(node, ()))
 
     def frontier(self, rows: int, max_depth: int) -> list[int]:
-        """Up to `rows` not yet forwarded nodes with the best scores (their parents all are), best
-        first; ties by depth, then id. Forwarded nodes leave the heap as they reach its top."""
+        """Up to `rows` not yet forwarded nodes with the best scores, best first (a node after its
+        parent: a child scores below it); ties by depth, then id. Forwarded nodes leave the heap as
+        they reach its top, as do entries of a node whose score was raised since (`add_children`)."""
         heap, out, deep = self._todo, [], []
         while heap and len(out) < rows:
             item = heapq.heappop(heap)
             i = item[2]
-            if self.slots[i] >= 0:
-                continue  # forwarded since it was pushed: gone for good
+            if self.slots[i] >= 0 or -item[0] != self.scores[i]:
+                continue  # forwarded since it was pushed (gone for good), or a stale score
             (out if item[1] < max_depth else deep).append(item)
         for item in out + deep:  # a query: they stay candidates until forwarded
             heapq.heappush(heap, item)
@@ -116,19 +117,53 @@ class Pool:
 
     def add_children(self, nodes: Sequence[int], child_tokens: torch.Tensor,  # [F, k]
                      child_logp: torch.Tensor) -> None:  # [F, k] log-probabilities
+        """Each forwarded node's top-k children join the pool; a child that a lookup chain put there
+        already (`add_chain`) keeps its node, its score raised to the draft's where that is higher."""
         toks, logp = child_tokens.tolist(), child_logp.tolist()
         for r, node in enumerate(nodes):
             kids = self._kids.setdefault(node, [])
             base, depth = self.scores[node], self.depths[node] + 1
+            known = {self.tokens[i]: i for i in kids}
             for tok, lp in zip(toks[r], logp[r]):
-                i, score = len(self.tokens), base + float(lp)
-                self.tokens.append(int(tok))
-                self.scores.append(score)
-                self.parents.append(node)
-                self.depths.append(depth)
-                self.slots.append(-1)
+                score = base + float(lp)
+                if int(tok) in known:
+                    i = known[int(tok)]
+                    if score > self.scores[i]:
+                        self.scores[i] = score
+                        if self.slots[i] < 0:
+                            heapq.heappush(self._todo, (-score, depth, i))
+                    continue
+                i = self._append(int(tok), score, node, depth)
                 kids.append(i)
-                heapq.heappush(self._todo, (-score, depth, i))
+
+    def _append(self, tok: int, score: float, parent: int, depth: int) -> int:
+        i = len(self.tokens)
+        self.tokens.append(tok)
+        self.scores.append(score)
+        self.parents.append(parent)
+        self.depths.append(depth)
+        self.slots.append(-1)
+        heapq.heappush(self._todo, (-score, depth, i))
+        return i
+
+    def add_chain(self, tokens: Sequence[int], logp: float) -> int:
+        """A context-lookup chain (docs/architecture.md, "Context lookup") below the root: it follows
+        the pool's nodes while they carry its tokens, and its other tokens join as a path of new
+        candidates, each scoring `logp` (< 0) below its parent, so that the background forwards
+        reach them in their turn (parents first) and a verdict that runs through the chain finds
+        its nodes forwarded. Returns the nodes added."""
+        if not logp < 0:
+            raise ValueError(f"a chain token's log-probability must be negative, got {logp}")
+        node, new = -1, 0
+        for tok in tokens:
+            nxt = next((i for i in self._kids.get(node, ()) if self.tokens[i] == tok), None)
+            if nxt is None:
+                base, depth = (self.scores[node], self.depths[node] + 1) if node >= 0 else (0.0, 1)
+                nxt = self._append(int(tok), base + logp, node, depth)
+                self._kids.setdefault(node, []).append(nxt)
+                new += 1
+            node = nxt
+        return new
 
     def best_tree(self, n: int) -> tuple[list[int], list[int]]:
         """The best n nodes by path score, as a tree (tokens, parents) in topological order."""

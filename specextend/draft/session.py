@@ -32,6 +32,7 @@ from specextend.draft.base import DraftError, DraftSessionParams, DraftTree, Ret
 from specextend.draft.expand import Level, expand_tree_co, level_post
 from specextend.draft.overlap import (OVERLAP_LEVELS, OVERLAP_ROWS, OVERLAP_WIDTH, POOL_SLOTS,  # noqa: F401
                                       REFRESH_DEFER, Overlap)
+from specextend.draft.lookup_chains import LookupChains
 from specextend.draft.pool import Pool
 from specextend.draft.tree_graph import TreeCall, TreeGraphs
 from specextend.models.batch import ForwardCall, Result, run_alone
@@ -113,6 +114,9 @@ class DraftSession(Overlap):
         self._behind: Optional[tuple] = None  # an unready answer's catch-up, run by settle (_miss_co's arguments)
         self._broken: Optional[BaseException] = None  # that catch-up failed: the session cannot draft on
         self._init_overlap()  # pool, flight, pending refresh (overlap.py)
+        if overlap and params.lookup_tokens:  # context-lookup chains put into the pool (lookup_chains.py)
+            self.chains = LookupChains(prompt_ids, model.args.vocab_size, params.lookup_tokens,
+                                       capacity=len(prompt_ids) + params.max_new_tokens + 1)
         self._prefill(list(prompt_ids), prefill_chunk)
 
     # ----------------------------------------------------------------- caches
@@ -200,6 +204,8 @@ class DraftSession(Overlap):
         self.settle()
         if self._broken is not None:
             raise DraftError(f"the draft session could not catch up: {self._broken!r}")
+        if self.chains is not None:
+            self.chains.accepted(accepted_tokens)
         refresh = retrieval is not None and self.store is not None and bool(retrieval.chunk_ids)
         if self.flight is not None:  # a background forward: finished (cheap), or still in flight
             if self.flight.done():
@@ -306,6 +312,8 @@ class DraftSession(Overlap):
             toks, scores, parents, depths, forwarded = yield from levels()
         if self.overlap:
             self.pool = Pool.from_expansion(toks, scores, parents, depths, forwarded)
+            if self.chains is not None:  # below the answer's nodes: the background extends it
+                self.chains.seed(self.pool)
         chosen = select_best_nodes(scores, depths, parents, shape.nodes)
         return reindex_tree(chosen, toks, parents)
 

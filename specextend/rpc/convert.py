@@ -19,7 +19,8 @@ def params_to_proto(params: DraftSessionParams) -> pb.DraftConfig:
         tree_nodes=tree.nodes, tree_depth=tree.depth, tree_topk=tree.topk,
         retrieval_enabled=bool(r.enabled), retrieval_chunk_size=r.chunk_size, retrieval_top_k=r.top_k,
         retrieval_every=r.every, retrieval_sink_chunks=r.sink_chunks, retrieval_recent_chunks=r.recent_chunks,
-        draft_prefill_window=r.draft_prefill_window or 0, max_new_tokens=params.max_new_tokens)
+        draft_prefill_window=r.draft_prefill_window or 0, max_new_tokens=params.max_new_tokens,
+        lookup_tokens=params.lookup_tokens)
 
 
 def params_from_proto(c: pb.DraftConfig) -> DraftSessionParams:
@@ -29,7 +30,7 @@ def params_from_proto(c: pb.DraftConfig) -> DraftSessionParams:
             enabled=c.retrieval_enabled, chunk_size=c.retrieval_chunk_size, top_k=c.retrieval_top_k,
             every=c.retrieval_every, sink_chunks=c.retrieval_sink_chunks,
             recent_chunks=c.retrieval_recent_chunks, draft_prefill_window=c.draft_prefill_window),
-        max_new_tokens=c.max_new_tokens)
+        max_new_tokens=c.max_new_tokens, lookup_tokens=c.lookup_tokens)
 
 
 def _us(seconds: float) -> int:
