@@ -10,8 +10,9 @@ draft's retrieval every N steps instead of the configured interval (`e0`: retrie
 sends trees of N nodes, `dN` lets a retrieval selection that arrives with a ready tree wait up to
 N ready steps for a miss (`refresh_defer`; e.g. `1x8l2e16n8d0`), and a final `s` settles a ready
 step's K/V moves before answering it (the twin of answering first, DraftWorker's `answer_first`), and
-`p` turns prepared outcomes on (DraftWorker's `prepare`, the app's `draft_prepare`), and `w` makes a
-step whose tree is not ready wait for a drafted one (`overlap_miss=draft`; default: a plain step). Per row, the draft worker's thread time split
+`p` turns prepared outcomes on (DraftWorker's `prepare`, the app's `draft_prepare`), `w` makes a
+step whose tree is not ready wait for a drafted one (`overlap_miss=draft`; default: a plain step),
+and `kN` turns context lookup on with chains of N tokens (`lookup_tokens`, both sides: e.g. `1x8k8`). Per row, the draft worker's thread time split
 (foreground jobs, the host side of background slices, polling with a slice in flight, idle). Every variant runs the same
 prompts after `ar` (the baseline of the ratios, same round), `--rounds` times interleaved; per variant
 (medians over documents and rounds): decode tokens/s, its ratio
@@ -64,10 +65,11 @@ def main():
     engines = {"ar": Engine(replace(base, **MODES["ar"]), target, None)}
     workers = []
     for v in a.variants.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?(?:d(\d+))?(s)?(p)?(w)?", v)
-        assert m, f"variant {v!r}: DxR[lL][eN][nN][dN][s][p][w]"
+        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:e(\d+))?(?:n(\d+))?(?:d(\d+))?(s)?(p)?(w)?(?:k(\d+))?", v)
+        assert m, f"variant {v!r}: DxR[lL][eN][nN][dN][s][p][w][kN]"
         depth, rows = int(m[1]), int(m[2])
-        cfg = replace(base, **MODES["specextend"], draft_overlap=True, overlap_miss="draft" if m[9] else "plain")
+        cfg = replace(base, **MODES["specextend"], draft_overlap=True, overlap_miss="draft" if m[9] else "plain",
+                      lookup_tokens=int(m[10] or 0))
         if m[4] is not None:
             n = int(m[4])
             cfg = replace(cfg, retrieval=replace(cfg.retrieval, enabled=n > 0, every=max(n, 1)))
