@@ -80,16 +80,18 @@ def draft(tiny_models):
     return tiny_models("float64")[1].decoder
 
 
-@pytest.mark.parametrize("retrieval", [False, True])
-def test_a_verdict_through_the_chain_is_ready_with_the_caches_of_a_plain_step(draft, retrieval):
+@pytest.mark.parametrize("retrieval,levels", [(False, 1), (True, 1), (False, 2)])
+def test_a_verdict_through_the_chain_is_ready_with_the_caches_of_a_plain_step(draft, retrieval, levels):
     """A prompt that repeats itself: after the first answer the pool holds the chain the context
     suggests; once the background has forwarded it, a verdict that accepts the chain and takes one
     of the draft's children below it as the bonus is answered from the pool, and the committed K/V
-    equal those of a session without chains that was sent the same tokens."""
+    equal those of a session without chains that was sent the same tokens. With chained levels
+    (`levels` 2) a level's pick that is a chain's node takes that node's id (Flight.bases by column)."""
     head = [(13 * i + 7) % 200 for i in range(20)]
     p = head * 3 + head[:5]  # the context's end occurred before: its continuation is head[5:]
     r = RetrievalConfig(enabled=retrieval, chunk_size=8, top_k=4, draft_prefill_window=0)
-    with_chains = DraftSession(draft, p, DraftSessionParams(TREE, r, 64, lookup_tokens=6), overlap=True)
+    with_chains = DraftSession(draft, p, DraftSessionParams(TREE, r, 64, lookup_tokens=6), overlap=True,
+                               overlap_levels=levels)
     plain = DraftSession(draft, p, DraftSessionParams(TREE, r, 64), overlap=True)
     root = head[5]  # the step's bonus token continues the repetition
     with_chains.step(0, [root], None)
@@ -105,6 +107,8 @@ def test_a_verdict_through_the_chain_is_ready_with_the_caches_of_a_plain_step(dr
     plain.pool = None  # it drafts anew
     ref = plain.step(1, verdict, None)
     assert hit.ready and not ref.ready
+    pool = with_chains.pool  # every (parent, token) once: no duplicate siblings
+    assert len({(pool.parents[i], pool.tokens[i]) for i in range(len(pool))}) == len(pool)
     n = plain.work.length
     assert with_chains.work.length == n
     assert torch.allclose(with_chains.work.data[:, :, :, :n], plain.work.data[:, :, :, :n], atol=1e-9)

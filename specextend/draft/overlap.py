@@ -67,7 +67,7 @@ class Flight:
     moved: bool = False  # a re-root moved its nodes (stats: children attached late)
     held: bool = False  # tests: report not done until waited on (forces "a step arrives in flight")
     deeper: list[Chained] = field(default_factory=list)  # levels 2.. not attached yet, in order
-    bases: dict[int, int] = field(default_factory=dict)  # row of the last attached level -> its first child's id
+    bases: dict[int, list[int]] = field(default_factory=dict)  # row of the last attached level -> its children's ids
 
     def passed(self, event: Optional[torch.cuda.Event]) -> bool:
         """The device has passed `event` (one of this flight's levels)."""
@@ -90,8 +90,7 @@ class Flight:
         a row of the last level attached."""
         if self.rows or not self.deeper:
             return False
-        w = self.deeper[0].tokens.shape[1]
-        return any(b <= node < b + w for b in self.bases.values())
+        return any(node in ids for ids in self.bases.values())
 
     def pending(self, node: int) -> bool:
         return any(n == node for _, n in self.rows)
@@ -201,7 +200,7 @@ class Overlap:
                 parent_row, c = divmod(p, w)
                 if score == float("-inf") or parent_row not in flight.bases:
                     continue  # no candidate there (fewer children than rows), or a padding row's
-                node = flight.bases[parent_row] + c
+                node = flight.bases[parent_row][c]
                 self.pool.slots[node] = lvl.start + j
                 nodes.append(node)
                 rows.append(j)
@@ -211,10 +210,9 @@ class Overlap:
     def _add_level(self, flight: Flight, nodes: list[int], rows: list[int],
                    tokens: torch.Tensor, logp: torch.Tensor) -> None:  # [R, w] each: a level's top-k
         """The children of a level's `nodes` (its top-k `rows`) join the pool; `flight.bases` maps
-        each row to its first child's id, where the next chained level finds its parents."""
-        base, w = len(self.pool), tokens.shape[1]
-        self.pool.add_children(nodes, tokens[rows], logp[rows])
-        flight.bases = {r: base + k * w for k, r in enumerate(rows)}
+        each row to its children's ids (by column), where the next chained level finds its parents."""
+        ids = self.pool.add_children(nodes, tokens[rows], logp[rows])
+        flight.bases = dict(zip(rows, ids))
 
     def background(self) -> bool:
         """One slice launched and finished (synchronous: tests, warm-up)."""

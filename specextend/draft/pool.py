@@ -116,25 +116,29 @@ class Pool:
         self.staged = start + width
 
     def add_children(self, nodes: Sequence[int], child_tokens: torch.Tensor,  # [F, k]
-                     child_logp: torch.Tensor) -> None:  # [F, k] log-probabilities
+                     child_logp: torch.Tensor) -> list[list[int]]:  # [F, k] log-probabilities
         """Each forwarded node's top-k children join the pool; a child that a lookup chain put there
-        already (`add_chain`) keeps its node, its score raised to the draft's where that is higher."""
+        already (`add_chain`) keeps its node, its score raised to the draft's where that is higher.
+        Returns the children's ids, [F][k], in the columns' order."""
         toks, logp = child_tokens.tolist(), child_logp.tolist()
+        out = []
         for r, node in enumerate(nodes):
             kids = self._kids.setdefault(node, [])
             base, depth = self.scores[node], self.depths[node] + 1
             known = {self.tokens[i]: i for i in kids}
+            ids = []
             for tok, lp in zip(toks[r], logp[r]):
-                score = base + float(lp)
-                if int(tok) in known:
-                    i = known[int(tok)]
-                    if score > self.scores[i]:
-                        self.scores[i] = score
-                        if self.slots[i] < 0:
-                            heapq.heappush(self._todo, (-score, depth, i))
-                    continue
-                i = self._append(int(tok), score, node, depth)
-                kids.append(i)
+                score, i = base + float(lp), known.get(int(tok))
+                if i is None:
+                    i = known[int(tok)] = self._append(int(tok), score, node, depth)
+                    kids.append(i)
+                elif score > self.scores[i]:
+                    self.scores[i] = score
+                    if self.slots[i] < 0:
+                        heapq.heappush(self._todo, (-score, depth, i))
+                ids.append(i)
+            out.append(ids)
+        return out
 
     def _append(self, tok: int, score: float, parent: int, depth: int) -> int:
         i = len(self.tokens)
