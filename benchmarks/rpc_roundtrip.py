@@ -11,7 +11,12 @@ back. The paths are interleaved in rounds (a loaded machine slows them alike): `
 call per step), `stream` (StepStream, step_transport=grpc), `zmq` (the ZeroMQ step channel, the
 client's default), `direct` (the null draft called in place). `grpc-echo` and `tcp-echo` are
 floors, bare echoes of bytes of the same sizes in this process; `zmq-echo` a bare DEALER/ROUTER
-echo of the same bytes, answered in the draft server's process (a thread beside the server). Prints a table (median, p90, p99, mean per step in us, and the payload sizes) and writes
+echo of the same bytes, answered in the draft server's process (a thread beside the server).
+With `--after-ms X`, two more servers over null drafts whose thread works X ms of Python after
+each answer, as a real draft's does (the K/V moves of a ready step, the next background launch):
+`zmq-busy` hands each answer over to the channel's thread first (the product), `zmq-busy-late`
+does not (its answer competes with that work for the GIL); their steps come 2X apart (untimed).
+Prints a table (median, p90, p99, mean per step in us, and the payload sizes) and writes
 JSON under results/rpc/.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import multiprocessing
@@ -40,6 +46,7 @@ import zmq
 
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval, TreeBound
+from specextend.draft.jobs import SerialDraft, Step
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
 from specextend.rpc.auth import new_token
 from specextend.rpc.convert import step_to_proto, tree_to_proto
@@ -76,10 +83,13 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def time_steps(step: Callable[[int], DraftTree], first: int, n: int) -> list[float]:
-    """Per-step wall time in us of steps first .. first+n-1."""
+def time_steps(step: Callable[[int], DraftTree], first: int, n: int, gap_s: float = 0.0) -> list[float]:
+    """Per-step wall time in us of steps first .. first+n-1 (`gap_s` untimed before each, as the
+    target's verification between two steps)."""
     out = []
     for k in range(first, first + n):
+        if gap_s:
+            time.sleep(gap_s)
         t = time.perf_counter_ns()
         tree = step(k)
         out.append((time.perf_counter_ns() - t) / 1e3)
@@ -122,28 +132,60 @@ def zmq_echo() -> Iterator[str]:
         ctx.term()
 
 
-def serve(token: str, conn, switch_interval: Optional[float]) -> None:
-    """The draft process: a null draft behind the product's server (and the bare ZeroMQ echo) until
-    told to stop."""
+class BusyAfter(SerialDraft):
+    """The null draft whose thread then works `after_s` of Python after each step's answer, as a
+    real draft's thread does (a ready step's K/V moves, the next background launch): the answer
+    competes with it for the GIL unless the worker hands it over first (`handover`)."""
+
+    def __init__(self, after_s: float, handover: bool) -> None:
+        self.after_s = after_s
+        if not handover:
+            self.handover_wait_s = 0.0
+        super().__init__(NullDraft())
+
+    def _run_job(self, job, fut) -> None:
+        super()._run_job(job, fut)
+        if isinstance(job, Step):
+            end = time.perf_counter() + self.after_s
+            while time.perf_counter() < end:  # Python, holding the GIL but for switch intervals
+                sum(range(50))
+
+
+@contextmanager
+def servers(token: str, after_s: float) -> Iterator[tuple[str, ...]]:
+    """The null draft behind the product's server, the bare ZeroMQ echo, and with `after_s` two more
+    servers over BusyAfter workers (answers handed over, and not): their addresses."""
+    with contextlib.ExitStack() as stack:
+        out = [stack.enter_context(DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token)).address,
+               stack.enter_context(zmq_echo())]
+        if after_s:
+            for handover in (True, False):
+                out.append(stack.enter_context(DraftServerThread(BusyAfter(after_s, handover), "127.0.0.1", 0,
+                                                                 model="null", token=token)).address)
+        yield tuple(out)
+
+
+def serve(token: str, conn, switch_interval: Optional[float], after_s: float) -> None:
+    """The draft process: `servers` until told to stop."""
     if switch_interval:
         sys.setswitchinterval(switch_interval)
-    with DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token) as server, zmq_echo() as echo:
-        conn.send((server.address, echo))
+    with servers(token, after_s) as addresses:
+        conn.send(addresses)
         conn.recv()
 
 
 @contextmanager
-def draft_server(token: str, in_process: bool, switch_interval: Optional[float]) -> Iterator[tuple[str, str]]:
-    """The server's address and the ZeroMQ echo's endpoint: in a process of their own (as the
-    deployment runs the draft), or in this one."""
+def draft_server(token: str, in_process: bool, switch_interval: Optional[float],
+                 after_s: float = 0.0) -> Iterator[tuple[str, ...]]:
+    """`servers`' addresses: in a process of their own (as the deployment runs the draft), or in
+    this one."""
     if in_process:
-        with DraftServerThread(NullDraft(), "127.0.0.1", 0, model="null", token=token) as server, \
-                zmq_echo() as echo:
-            yield server.address, echo
+        with servers(token, after_s) as addresses:
+            yield addresses
         return
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=serve, args=(token, there, switch_interval), daemon=True)
+    proc = ctx.Process(target=serve, args=(token, there, switch_interval, after_s), daemon=True)
     proc.start()
     try:
         yield here.recv()
@@ -153,14 +195,16 @@ def draft_server(token: str, in_process: bool, switch_interval: Optional[float])
 
 
 def measure(steps: int, rounds: int, warmup: int, in_process: bool = False,
-            switch_interval: Optional[float] = None) -> dict[str, list[float]]:
+            switch_interval: Optional[float] = None, after_s: float = 0.0) -> dict[str, list[float]]:
     token = new_token()
     retrieval = Retrieval(CHUNK_IDS, PARAMS.retrieval.chunk_size)
     null = NullDraft()
     samples: dict[str, list[float]] = {"direct": []}  # the null backend called in place
-    with draft_server(token, in_process, switch_interval) as (address, echo):
+    with draft_server(token, in_process, switch_interval, after_s) as (address, echo, *busy):
         clients = {name: GrpcDraftBackend(address, timeout_s=5.0, token=token, **kw)
                    for name, kw in PATHS.items()}
+        for name, where in zip(("zmq-busy", "zmq-busy-late"), busy):  # handed over, and not
+            clients[name] = GrpcDraftBackend(where, timeout_s=5.0, token=token, transport="zmq")
         next_step = {}
         for name, client in clients.items():
             client.open(name, list(range(1024)), PARAMS)
@@ -170,8 +214,9 @@ def measure(steps: int, rounds: int, warmup: int, in_process: bool = False,
         per_round = steps // rounds
         for _ in range(rounds):
             for name, client in clients.items():
+                gap = 2 * after_s if name.startswith("zmq-busy") else 0.0  # the worker's own work done
                 samples[name] += time_steps(lambda k: client.step(name, k, ACCEPTED, retrieval, BOUND),
-                                            next_step[name], per_round)
+                                            next_step[name], per_round, gap)
                 next_step[name] += per_round
             samples["direct"] += time_steps(lambda k: null.step("d", k, ACCEPTED, retrieval, BOUND), 0, per_round)
         assert clients["zmq"].step_endpoint and not clients["stream"].step_endpoint  # each took its path
@@ -286,17 +331,22 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--in-process", action="store_true", help="the server in this process (one GIL for both)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in both processes (the draft worker sets 0.0002 with overlap)")
+    ap.add_argument("--after-ms", type=float, default=0.0,
+                    help="also serve null drafts whose thread works this long after each answer (paths "
+                         "zmq-busy: the answer handed over first, zmq-busy-late: not; their steps come "
+                         "twice that apart, untimed)")
     ap.add_argument("--out", type=Path, default=OUT / "rpc_roundtrip-cpu.json")
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
-    samples = measure(args.steps, args.rounds, args.warmup, args.in_process, args.switch_interval)
+    samples = measure(args.steps, args.rounds, args.warmup, args.in_process, args.switch_interval,
+                      args.after_ms / 1e3)
     samples.update(floors(args.steps // args.rounds))
     results = {name: summary(xs) for name, xs in samples.items()}
     sizes = payload_bytes()
-    print(f"{'path':<10} {'n':>6} {'median us':>10} {'p90 us':>8} {'p99 us':>8} {'mean us':>8}")
+    print(f"{'path':<14} {'n':>6} {'median us':>10} {'p90 us':>8} {'p99 us':>8} {'mean us':>8}")
     for name, r in results.items():
-        print(f"{name:<10} {r['n']:>6} {r['median_us']:>10.1f} {r['p90_us']:>8.1f} {r['p99_us']:>8.1f} "
+        print(f"{name:<14} {r['n']:>6} {r['median_us']:>10.1f} {r['p90_us']:>8.1f} {r['p99_us']:>8.1f} "
               f"{r['mean_us']:>8.1f}")
     print(f"payload: StepRequest {sizes['step_request']} B ({len(ACCEPTED)} accepted tokens, "
           f"{len(CHUNK_IDS)} chunk ids), DraftTree {sizes['draft_tree']} B ({len(PARENTS)} nodes)")

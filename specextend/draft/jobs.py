@@ -16,78 +16,24 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Union
+from dataclasses import replace
+from typing import Optional, Sequence
 
 import torch
 
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.batch import BatchCounts
+from specextend.draft.job_types import Close, Job, Open, Prepare, Step, WorkerStats  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 # How often the worker looks whether a background forward in flight has finished, while it waits
 # for a job (a job wakes it at once): a draft forward takes ~1 ms on an H200.
 POLL_S = 0.0001
+# How long the worker lets a transport that asked (a step channel) send an answer before the thread's
+# next work (a ready step's K/V moves, a background launch) competes with it for the GIL
+HANDOVER_WAIT_S = 0.002
 RECENT_S = 0.25  # a session that stepped this recently is expected to step again soon
-
-
-@dataclass(frozen=True)
-class Open:
-    session_id: str
-    prompt_ids: tuple[int, ...]  # [L]
-    params: DraftSessionParams
-
-
-@dataclass(frozen=True)
-class Step:
-    session_id: str
-    step: int
-    accepted_tokens: tuple[int, ...]
-    retrieval: Optional[Retrieval] = None
-    bound: Optional[TreeBound] = None  # this step's cap on the tree (base.py)
-
-
-@dataclass(frozen=True)
-class Close:
-    session_id: str
-
-
-@dataclass(frozen=True)
-class Prepare:
-    """base.py's `prepare`: apply the verdict (if any) as step `step`, answer `due_s` later."""
-
-    session_id: str
-    step: int
-    accepted_tokens: tuple[int, ...]  # (): nothing to apply
-    retrieval: Optional[Retrieval] = None
-    due_s: float = 0.0
-
-
-Job = Union[Open, Step, Close, Prepare]
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    sessions: int
-    background_forwards: int
-    ready_trees: int  # steps answered from the overlap pool
-    rebuilds: int = 0  # working-cache rebuilds of the sessions closed so far
-    rebuild_s: float = 0.0  # their time, on the draft's device clock
-    flight_steps: int = 0  # steps that arrived with a background forward in flight (sessions closed so far)
-    flight_waits: int = 0  # ... of them ready steps that waited for it (their new root was in it)
-    step_batches: int = 0  # batches of Step jobs run (a lone step is a batch of one)
-    batched_steps: int = 0  # Step jobs in them
-    step_forwards: int = 0  # forwards the steps ran (each carrying one or more sessions' calls)
-    step_calls: int = 0  # calls those forwards carried
-    chained_nodes: int = 0  # pool nodes forwarded in chained levels (chain.py, Chained; sessions closed so far)
-    dropped_levels: int = 0  # chained levels dropped by a re-root before they were attached (same)
-    # where the worker thread's time went (seconds): foreground jobs, the host side of background
-    # slices (launch and finish), polling the job queue with a slice in flight, idle with nothing to do
-    foreground_s: float = 0.0
-    background_host_s: float = 0.0
-    poll_s: float = 0.0
-    idle_s: float = 0.0
 
 
 def with_times(tree, fut: Future, arrival: Optional[float] = None):
@@ -110,6 +56,7 @@ class JobWorker(DraftBackend):
     max_batch = 1
     gather_s = 0.0  # how long a batch may wait for the steps of sessions that stepped recently
     answer_first = True  # a batch's answers are handed over before its _after_steps work (False: the twin)
+    handover_wait_s = HANDOVER_WAIT_S  # 0: the thread goes on at once after completing a job
 
     def __init__(self, name: str = "draft") -> None:
         self.name = name
@@ -131,11 +78,14 @@ class JobWorker(DraftBackend):
         self._thread = threading.Thread(target=self._run, name=f"draft-worker-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> Future:
+    def submit(self, job: Job, handover: Optional[threading.Event] = None) -> Future:
         """Queues a job; its future holds the job's result (None, or a DraftTree) or its error. A
-        future cancelled before the job starts drops the job. A stopped worker fails it at once."""
+        future cancelled before the job starts drops the job. A stopped worker fails it at once.
+        `handover`: set by the caller once it has sent the answer on (the thread waits for it, up to
+        `handover_wait_s`, before its next work)."""
         fut: Future = Future()
         fut.submitted = time.perf_counter()  # with_times: the step's queueing and draft time
+        fut.handover = handover
         with self._lock:
             if not self._stopped:
                 self._jobs.put((job, fut))
@@ -252,7 +202,8 @@ class JobWorker(DraftBackend):
             if not self.answer_first:
                 self._after_steps(jobs)
             for (j, f), outcome in zip(batch, outcomes):
-                self._complete(j, f, outcome)
+                self._complete(j, f, outcome, handover=False)
+            self._handed_over([f for _, f in batch])
             if self.answer_first:
                 self._after_steps(jobs)
             return
@@ -312,7 +263,24 @@ class JobWorker(DraftBackend):
     def _after_steps(self, jobs: list[Step]) -> None:
         """Work a batch of steps left for after their answers were handed over (none here)."""
 
-    def _complete(self, job: Job, fut: Future, result) -> None:
+    def _handed_over(self, futs: Sequence[Future]) -> None:
+        """Waits (up to handover_wait_s in all) until the transports that asked have sent these jobs'
+        answers: the wait releases the GIL to the thread that sends, which the thread's next Python
+        would otherwise hold for up to a switch interval at a time."""
+        deadline = None
+        for f in futs:
+            ev = getattr(f, "handover", None)
+            if ev is not None and self.handover_wait_s > 0:
+                deadline = deadline or time.monotonic() + self.handover_wait_s
+                ev.wait(max(0.0, deadline - time.monotonic()))
+
+    def _complete(self, job: Job, fut: Future, result, handover: bool = True) -> None:
+        """The job's answer to its future (and, with `handover`, the wait for it to be sent on)."""
+        self._answer(job, fut, result)
+        if handover:
+            self._handed_over([fut])
+
+    def _answer(self, job: Job, fut: Future, result) -> None:
         if isinstance(result, BaseException):
             fut.set_exception(result)
             return

@@ -58,6 +58,7 @@ class _Pending:
     future: Optional[concurrent.futures.Future]  # the job's (set right after the entry)
     deadline: Optional[float]  # monotonic seconds; None: no timeout_ms
     received: float  # perf_counter when the request was read (with_times: the draft side's time)
+    handover: threading.Event  # set once the answer is sent: the worker waits for it before going on
 
 
 class StepChannel:
@@ -205,8 +206,8 @@ class StepChannel:
         job = step_from_proto(request)
         deadline = time.monotonic() + request.timeout_ms / 1e3 if request.timeout_ms else None
         key = next(self._keys)
-        pending = self._pending[key] = _Pending(identity, request_id, None, deadline, received)
-        pending.future = self.worker.submit(job)
+        pending = self._pending[key] = _Pending(identity, request_id, None, deadline, received, threading.Event())
+        pending.future = self.worker.submit(job, handover=pending.handover)
         pending.future.add_done_callback(partial(self._done, key))
         return deadline
 
@@ -245,6 +246,7 @@ class StepChannel:
 
     def _send(self, sock: zmq.Socket, p: _Pending, code: grpc.StatusCode, body: bytes) -> None:
         self._reply(sock, p.identity, p.request_id, code, body)
+        p.handover.set()
 
     @staticmethod
     def _reply(sock: zmq.Socket, identity: bytes, request_id: int, code: grpc.StatusCode, body: bytes) -> None:
