@@ -73,6 +73,6 @@ def build_engine(config: EngineConfig) -> Engine:
     backend = None
     if draft is not None:
         backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap,
-                              prepare=config.draft_prepare)
+                              prepare=config.draft_prepare, handover=config.draft_handover)
         backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
     return Engine(config, target, backend)

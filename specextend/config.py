@@ -125,6 +125,9 @@ class EngineConfig:
         0, ge=0, le=32, description="context lookup: up to this many tokens that followed the context's last "
                                     "3 (or 2) tokens where they occurred before, grafted onto each tree and "
                                     "verified on steps without one (0: off; speculative modes only)")
+    draft_handover: bool = Field(
+        True, description="the draft's thread waits (up to 2 ms) until a step's answer has been sent before its "
+                          "next work, which would hold the GIL the sender needs (false: benchmarks' A/B)")
     attention_backend: Literal["auto", "flash", "torch", "eager"] = Field("auto", description="attention kernels")
     execution: Literal["auto", "eager", "graphs"] = Field(
         "auto", description="decode-time forwards: graphs (CUDA graphs + Triton kernels), eager, or auto "

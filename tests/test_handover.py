@@ -83,3 +83,16 @@ def test_a_worker_told_not_to_wait_does_not(worker):
     fut.result(timeout=5)
     t = time.perf_counter()
     assert _after(worker, 2) - t < WAIT_S / 2
+
+
+def test_the_setting_reaches_the_draft_worker(tiny_models):
+    from specextend.config import EngineConfig
+    from specextend.draft.jobs import HANDOVER_WAIT_S
+    from specextend.draft.worker import DraftWorker
+
+    draft = tiny_models("float32")[1].decoder
+    assert EngineConfig().draft_handover is True
+    for handover, wait in ((True, HANDOVER_WAIT_S), (False, 0.0)):
+        w = DraftWorker(draft, handover=handover)
+        assert w.handover_wait_s == wait
+        w.shutdown()

@@ -32,13 +32,15 @@ REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (rea
 def placements() -> list[tuple[str, float, bool, dict]]:
     """(name, num_gpus, draft_overlap, more app arguments): on two GPUs the draft runs with overlap
     (an unready step decoding plainly, the default, or waiting for a drafted tree: `2gpu-wait`) and
-    without; `-lookup`: with context lookup (8 tokens). `ar` is served on the first."""
+    without; `-lookup`: with context lookup (8 tokens); `-nohandover`: the draft's thread not waiting
+    for an answer to be sent before its next work. `ar` is served on the first."""
     gpus = torch.cuda.device_count()
     lookup = {"lookup_tokens": 8}
     if gpus == 0:
         return [("cpu", 0.0, False, {})]
     two = [("2gpu", 1.0, True, {}), ("2gpu-wait", 1.0, True, {"overlap_miss": "draft"}),
-           ("2gpu-serial", 1.0, False, {}), ("2gpu-lookup", 1.0, True, lookup)] if gpus >= 2 else []
+           ("2gpu-serial", 1.0, False, {}), ("2gpu-lookup", 1.0, True, lookup),
+           ("2gpu-nohandover", 1.0, True, {"draft_handover": False})] if gpus >= 2 else []
     return [("1gpu", 0.5, False, {}), ("1gpu-lookup", 0.5, False, lookup)] + two
 
 

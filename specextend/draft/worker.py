@@ -67,7 +67,8 @@ class DraftWorker(JobWorker):
     def __init__(self, model: Decoder, name: str = "draft", prefill_chunk: int = 2048, overlap: bool = False,
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
                  gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
-                 refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = False):
+                 refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = False,
+                 handover: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
@@ -80,6 +81,8 @@ class DraftWorker(JobWorker):
         self.refresh_defer = refresh_defer
         self.answer_first = answer_first  # a ready step's K/V moves after its answer (False: before it)
         self.prepares = prepare  # prepared outcomes (with overlap)
+        if not handover:  # go on at once after answering (jobs.py, `_handed_over`)
+            self.handover_wait_s = 0.0
         self._prepared: dict[str, tuple[float, Future]] = {}  # session -> (when due, perf_counter; its future)
         if overlap and sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)

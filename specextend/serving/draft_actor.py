@@ -37,7 +37,8 @@ class DraftActor:
         _, self.model = load_pair(config, roles=("draft",))
         t1 = time.time()
         self.backend = DraftWorker(self.model.decoder, name=self.model.name, prefill_chunk=config.prefill_chunk,
-                                   overlap=config.overlap, prepare=config.draft_prepare)
+                                   overlap=config.overlap, prepare=config.draft_prepare,
+                                   handover=config.draft_handover)
         # with overlap, the background forwards' graphs are captured now, not on a request's path
         self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
         t2 = time.time()
