@@ -111,3 +111,29 @@ def warm_batches(engine: Engine, batch_sessions: int) -> int:
         if cfg.lookup_tokens:  # a lookup chain alone, and grafted onto the largest tree
             tokens |= {cfg.lookup_tokens + 1, cfg.tree.nodes + cfg.lookup_tokens + 1}
     return graphs.warm_batches(sorted(tokens), batch_sessions)
+
+
+def long_prompt_len(engine: Engine) -> int:
+    """Tokens of a prompt that meets what a long request meets and the short warm-up prompt does not:
+    two prefill chunks, a draft prefill past its window, a retrieval selection of its whole budget
+    (sink, top-k and recent chunks) with more chunks to choose from; within the prompt limit."""
+    cfg, r = engine.config, engine.config.retrieval
+    n = max(2 * cfg.prefill_chunk, (r.draft_prefill_window or 0) + r.chunk_size,
+            (r.sink_chunks + r.top_k + r.recent_chunks + 2) * r.chunk_size)
+    return max(1, min(n, engine.max_prompt_tokens - 64))
+
+
+def warm_long(engine: Engine, prompt_ids: Sequence[int]) -> RequestStats:
+    """One speculative request on a long prompt (`prompt_ids` repeated to long_prompt_len tokens),
+    every step a drafted one-token tree, through several retrieval refreshes, so that the one-off
+    costs that only a long request meets (allocations at its lengths, kernels and host buffers of
+    its sizes) fall before traffic. Why: on two H200s (2026-11-27, benchmarks/README.md) an app's
+    first 16K request decoded at 20-47 tokens/s against 340-420 for its next, after the short
+    warm-up alone; whether this request absorbs all of it is not yet measured on a GPU."""
+    cfg = engine.config
+    n = long_prompt_len(engine)
+    prompt = [prompt_ids[i % len(prompt_ids)] for i in range(n)]
+    every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
+    fixed = Engine(replace(cfg, tree_policy="fixed", overlap_miss="draft"), engine.target, engine.draft)
+    params = SamplingParams(max_new_tokens=4 * (2 * every + 1), ignore_eos=True)
+    return fixed.generate(prompt, params, replay=[1])[2]

@@ -121,3 +121,18 @@ def test_verify_sizes_are_warmed_only_with_overlap_or_lookup_and_for_any_prompt(
     assert warm_verify_sizes(over, [5, 6, 7]) == 2 * 16  # a prompt shorter than the tree: still every size
     undo()
     assert {k[0] for k in seen if k[3]} == set(range(2, 18)) and {k[0] for k in seen if not k[3]} >= set(range(2, 18))
+
+
+def test_the_long_warm_up_request_meets_a_full_retrieval_budget_and_refreshes(tiny_models):
+    from specextend.warmup import long_prompt_len, warm_long
+
+    target, draft = tiny_models("float32")
+    retrieval = RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=2, draft_prefill_window=32)
+    engine = make_engine((target, draft), "specextend", tree=TreeConfig(8, 3, 3), retrieval=retrieval,
+                         tree_policy="adaptive", prefill_chunk=64)
+    n = long_prompt_len(engine)
+    assert n == max(2 * 64, 32 + 8, (1 + 4 + 1 + 2) * 8) == 128  # two prefill chunks here
+    stats = warm_long(engine, [5, 6, 7])
+    assert stats.prompt_tokens == n and not stats.fallback
+    assert stats.num_steps > 0 and stats.retrieval_refreshes >= 3
+    assert stats.draft_cache_tokens >= 4 * 8  # the draft kept its whole budget (top_k chunks)

@@ -40,16 +40,16 @@ log = logging.getLogger(__name__)
 # The engine side (torch, transformers: seconds of imports) is imported by the replica's constructor
 # after it has started its draft actor, so that the two processes' imports overlap
 # (docs/architecture.md, "Deployment"); this module itself imports none of it.
-Engine = RequestError = RequestStats = Batcher = Load = EngineThread = SessionPump = warm_up = None
+Engine = RequestError = RequestStats = Batcher = Load = EngineThread = SessionPump = warm_up = warm_long = None
 
 
 def import_engine_side() -> None:
-    global Engine, RequestError, RequestStats, Batcher, Load, EngineThread, SessionPump, warm_up
+    global Engine, RequestError, RequestStats, Batcher, Load, EngineThread, SessionPump, warm_up, warm_long
     from specextend.engine import Engine, RequestError
     from specextend.stats import RequestStats
     from specextend.scheduler import Batcher, Load
     from specextend.serving.pump import EngineThread, SessionPump
-    from specextend.warmup import warm_up
+    from specextend.warmup import warm_long, warm_up
 
 DRAFT_MAX_RESTARTS = 3  # Ray restarts of one draft actor; after that a new actor is started
 DRAFT_START_TIMEOUT_S = 600.0  # loading a draft model (real models on a slow disk take minutes)
@@ -153,6 +153,8 @@ class SpecExtendReplica:
         ids = self.tokenizer.encode("Hello, world.", add_special_tokens=False) or [0]
         if self.target.decoder.graphs is not None:
             stats = warm_up(self.engine, ids * 8, self.settings.max_batch_sessions)
+            if self.cfg.uses_draft and not stats.fallback:
+                warm_long(self.engine, ids)  # what only a long prompt meets (warmup.py)
         else:
             _, _, stats = self.engine.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
         if stats.fallback:
