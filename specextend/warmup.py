@@ -45,10 +45,7 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
         draft_warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, max_new_tokens=64))
     every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
     for rung in _covering(ladder(cfg.tree)[1:]):
-        # every step a drafted tree (overlap_miss=draft): an unready step would decode plainly and
-        # leave its verify shape to be captured in a request
-        fixed = Engine(replace(cfg, tree_policy="fixed", overlap_miss="draft", tree=replace(cfg.tree, depth=rung.depth)),
-                       engine.target, engine.draft)
+        fixed = _fixed(engine, tree=replace(cfg.tree, depth=rung.depth))
         lengths = list(range(rung.depth + 1))  # accepted draft tokens per step
         steps = len(lengths) * every // math.gcd(len(lengths), every)  # every (length, refresh) pair
         tokens = sum(lengths[i % len(lengths)] + 1 for i in range(steps)) + 2
@@ -59,6 +56,13 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
             break
     warm_verify_sizes(engine, prompt_ids)
     return stats
+
+
+def _fixed(engine: Engine, **changes) -> Engine:
+    """`engine`'s models with every step a drafted tree (fixed policy, and overlap_miss=draft: an
+    unready step would decode plainly and leave that step's verify shape to a request)."""
+    return Engine(replace(engine.config, tree_policy="fixed", overlap_miss="draft", **changes),
+                  engine.target, engine.draft)
 
 
 def warm_verify_sizes(engine: Engine, prompt_ids: Sequence[int]) -> int:
@@ -134,6 +138,6 @@ def warm_long(engine: Engine, prompt_ids: Sequence[int]) -> RequestStats:
     n = long_prompt_len(engine)
     prompt = [prompt_ids[i % len(prompt_ids)] for i in range(n)]
     every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
-    fixed = Engine(replace(cfg, tree_policy="fixed", overlap_miss="draft"), engine.target, engine.draft)
+    fixed = _fixed(engine)
     params = SamplingParams(max_new_tokens=4 * (2 * every + 1), ignore_eos=True)
     return fixed.generate(prompt, params, replay=[1])[2]

@@ -29,7 +29,6 @@ class LookupChains:
         self.last: list[int] = []  # the chain seeded below the current root
         self.hit = HIT_PRIOR
         self.seeded = 0  # nodes the chains added to the pool
-        self.chains = 0  # chains seeded
 
     @property
     def logp(self) -> float:
@@ -52,5 +51,4 @@ class LookupChains:
             return 0
         added = pool.add_chain(chain, self.logp)
         self.seeded += added
-        self.chains += 1
         return added

@@ -158,16 +158,15 @@ class Pool:
         its nodes forwarded. Returns the nodes added."""
         if not logp < 0:
             raise ValueError(f"a chain token's log-probability must be negative, got {logp}")
-        node, new = -1, 0
-        for tok in tokens:
-            nxt = next((i for i in self._kids.get(node, ()) if self.tokens[i] == tok), None)
-            if nxt is None:
-                base, depth = (self.scores[node], self.depths[node] + 1) if node >= 0 else (0.0, 1)
-                nxt = self._append(int(tok), base + logp, node, depth)
-                self._kids.setdefault(node, []).append(nxt)
-                new += 1
+        path = self.walk(tokens)
+        k = next((j for j, n in enumerate(path) if n is None), len(path))  # the first token not in the pool
+        node = path[k - 1] if k else -1
+        for tok in tokens[k:]:  # below a new node nothing is in the pool: the rest is new
+            base, depth = (self.scores[node], self.depths[node] + 1) if node >= 0 else (0.0, 1)
+            nxt = self._append(int(tok), base + logp, node, depth)
+            self._kids.setdefault(node, []).append(nxt)
             node = nxt
-        return new
+        return len(tokens) - k
 
     def best_tree(self, n: int) -> tuple[list[int], list[int]]:
         """The best n nodes by path score, as a tree (tokens, parents) in topological order."""
