@@ -174,6 +174,9 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
     assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
                                      near_tie=True)]
     assert (tmp_path / "serve" / "cpu-step_split.png").is_file()
+    # each app's late work (graph plans, Triton kernels after its warm-up), from its /metrics: none on the CPU
+    assert [(w["mode"], w["first"], w["timed"]) for w in record["late_work"]] == [
+        (m, {"capture": 0.0, "kernel": 0.0}, {"capture": 0.0, "kernel": 0.0}) for m in ("ar", "specextend-cpu")]
 
 
 def test_e2e_modes_state_their_retrieval():

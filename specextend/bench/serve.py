@@ -79,6 +79,18 @@ def startup_phases(url: str, timeout_s: float = 15.0) -> dict:
     return {}
 
 
+def late_work(url: str) -> dict:
+    """The replica's late work so far (specextend_late_work by kind: graph plans and Triton kernels
+    met after its warm-up, models/late_work.py), read once its next publication has passed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specextend.serving.metrics import PUBLISH_EVERY_S
+
+    time.sleep(PUBLISH_EVERY_S + 0.5)
+    return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=30).text)
+            if fam.name == "specextend_late_work" for s in fam.samples}
+
+
 def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion: client-side tokens/s and TTFT, the server's per-step split."""
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
@@ -129,7 +141,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
     from specextend.models.loader import read_meta
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    checks, refs, differing = [], {}, []
+    checks, refs, differing, late_log = [], {}, [], []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -152,14 +164,15 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                              + ", ".join(f"{k[8:-2]} {v:.1f} s" for k, v in phases.items()))
                     model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
                     name = f"{mode}-{where}" if mode != "ar" else "ar"
-                    warm = False
+                    warm, late_first = False, {}
                     for length in lengths:
                         for doc in documents(docs[pair_name]):
                             prompt = prompt_ids(tokenizer, doc, length)
                             if not warm:  # the app's first long request pays one-off costs: not timed
                                 first = one_request(url, model, prompt, 16)
+                                late_first = late_work(url)
                                 progress(f"served {name}: first request (untimed) {first['decode_tokens_per_s']:.1f} "
-                                         f"decode tok/s, TTFT {first['ttft_s']:.3f} s")
+                                         f"decode tok/s, TTFT {first['ttft_s']:.3f} s, late work {late_first}")
                                 warm = True
                             r = one_request(url, model, prompt, new_tokens)
                             ids = r.pop("token_ids")
@@ -177,12 +190,16 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                              startup_s=startup, **phases, **r))
                             progress(f"served {pair_name} L={length} {doc.name} {name}: "
                                      f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s")
+                    late = late_work(url)
+                    late_log.append(dict(mode=name, first=late_first, timed={k: v - late_first.get(k, 0.0)
+                                                                             for k, v in late.items()}))
+                    progress(f"served {name}: late work in the timed requests {late_log[-1]['timed']}")
                     serve.delete("bench")
     finally:
         serve.shutdown()
         ray.shutdown()
     _settle(differing, progress)
-    return dict(rows=rows, checks=checks, summary=summarize(rows))
+    return dict(rows=rows, checks=checks, summary=summarize(rows), late_work=late_log)
 
 
 def _in_process_ar(pairs, modes, new_tokens, docs, tree_policy, progress) -> list[dict]:

@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from specextend.models import late_work
+
 
 def _key(args: tuple) -> tuple:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
@@ -41,6 +43,7 @@ class Graphed:
         with self.lock:
             plan = self.plans.get(key)
             if plan is None:  # normal tensors (see graphs.StepGraphs.forward)
+                late_work.record("capture", f"{getattr(self.fn, '__qualname__', self.fn)} {key}")
                 with torch.inference_mode(False), torch.no_grad():
                     plan = self.plans[key] = self._build(args)
             graph, inputs, outputs = plan

@@ -33,6 +33,7 @@ import torch
 from specextend.attention.backends import CAUSAL, Mask, sdpa_lse
 from specextend.attention.triton_prefix import TRITON_DTYPES
 from specextend.kv_cache import CacheFull, KVCache
+from specextend.models import late_work
 from specextend.models.segments import Segments
 
 MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
@@ -105,6 +106,7 @@ class StepGraphs:
         self.forwards = 0  # forwards served (graphed, or through the twin)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._stream = torch.cuda.Stream(model.device) if self.capture else None
+        late_work.install_triton_hook()  # counts the kernels its plans compile (models/late_work.py)
 
     # ------------------------------------------------------------ eligibility
     def accepts(self, t: int, cache: KVCache, new_mask: Mask, opts) -> bool:
@@ -125,6 +127,7 @@ class StepGraphs:
         inference mode or not."""
         p = self.plans.get(key)
         if p is None:
+            late_work.record("capture", f"{type(self).__name__} of a {self.model.args.num_layers}-layer model: {key}")
             with torch.inference_mode(False), torch.no_grad():
                 p = self.plans[key] = self._build(key, cache)
         return p

@@ -19,6 +19,7 @@ import os
 import time
 
 from specextend.config import EngineConfig
+from specextend.models import late_work
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"  # the target is on this node (STRICT_PACK): the narrowest address that works
@@ -49,6 +50,11 @@ class DraftActor:
         log.info("draft %s serving on %s, steps on %s (pid %d, CUDA_VISIBLE_DEVICES=%s, overlap %s)",
                  self.model.name, self.server.address, self.server.step_endpoint or "gRPC only", os.getpid(),
                  os.environ.get("CUDA_VISIBLE_DEVICES"), config.overlap)
+
+    def warmed(self) -> None:
+        """The replica's warm-up (whose requests reach this draft too) is over: captures and kernel
+        compiles from now on are logged as late (models/late_work.py)."""
+        late_work.mark_ready()
 
     def address(self) -> str:
         """"host:port" of this instance's DraftService."""

@@ -79,6 +79,10 @@ FAMILIES = {
         "counter", "Seconds of the draft actor's starts, by phase: spawn (from its creation to its constructor: a "
         "new process and its imports), load (the draft's weights), warm_up (captures), serve (its servers).",
         ("phase",)),
+    "specextend_late_work": (
+        "counter", "Work the warm-up should have done, met on a request's path by the target's process: CUDA-graph "
+        "plans captured (capture) and Triton kernels compiled or loaded (kernel); each stalls every request of the "
+        "replica. Expected 0 (the replica's log names each).", ("kind",)),
     "specextend_forward_sessions": (
         "histogram", "Sessions whose steps one target forward carried (at most max_batch_sessions).", ()),
     "specextend_num_requests_running": ("gauge", "Active sessions.", ()),
@@ -101,6 +105,8 @@ class ReplicaMetrics:
         for name, (kind, doc, labels) in FAMILIES.items():
             kw = {"buckets": _BUCKETS[name]} if kind == "histogram" else {}
             self._prom[name] = prom_cls[kind](name, doc, labels, registry=self.registry, **kw)
+        for kind in ("capture", "kernel"):  # exported at 0 from the start: a rate of 0 is the expected reading
+            self._prom["specextend_late_work"].labels(kind=kind)
         if use_ray:
             from ray.util import metrics as rm
 

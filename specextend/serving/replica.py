@@ -25,6 +25,7 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from specextend.config import SamplingParams
+from specextend.models import late_work
 from specextend.models.chat import encode_chat
 from specextend.rpc.auth import new_token
 from specextend.serving import metrics as m
@@ -100,6 +101,9 @@ class SpecExtendReplica:
         self.metrics = m.ReplicaMetrics()
         self.publisher = m.Publisher(self._replica_key(), self.metrics)
         warm = self._warm_up()
+        late_work.mark_ready(lambda kind: self.metrics.inc("specextend_late_work", kind=kind))
+        if self.draft_actor is not None:
+            self.draft_actor.warmed.remote()  # its own late work is logged from now on
         self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget())
         self.draft_ok = self.draft is not None and not warm.fallback
         # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
@@ -336,6 +340,7 @@ class SpecExtendReplica:
                     self.draft.reconnect(address)
                 if await asyncio.to_thread(self.draft.health):
                     log.info("draft restored at %s", address)
+                    self.draft_actor.warmed.remote()  # a restored draft met only its own warm-up
                     self.draft_epoch += 1
                     self.draft_ok = True
                     return

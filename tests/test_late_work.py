@@ -1,0 +1,75 @@
+"""models/late_work.py: graph plans and Triton kernels met after a process's warm-up are counted,
+logged with what they were, and reported; before it they are not logged."""
+
+import logging
+
+import pytest
+
+from specextend.config import SamplingParams, TreeConfig
+from specextend.models import late_work
+from specextend.models.graphs import StepGraphs
+from specextend.warmup import warm_up
+
+from helpers import make_engine
+from test_batched_graphs import float32_pair
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    late_work.reset()
+    yield
+    late_work.reset()
+
+
+def test_work_is_late_only_after_the_warm_up_and_each_is_logged_and_reported(caplog):
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="specextend.models.late_work"):
+        late_work.record("capture", "during warm-up")
+        assert not caplog.records
+        late_work.mark_ready(seen.append)
+        late_work.record("kernel", "prefix_partials[num_warps=4](M: i32)")
+        late_work.record("capture", "ShapeKey(t=9)")
+    assert late_work.counts(late=False) == {"capture": 1, "kernel": 0}
+    assert late_work.counts() == {"capture": 1, "kernel": 1}
+    assert seen == ["kernel", "capture"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "kernel after warm-up, on a request's path: prefix_partials[num_warps=4](M: i32)",
+        "capture after warm-up, on a request's path: ShapeKey(t=9)"]
+
+
+def test_a_request_after_the_warm_up_builds_no_plan_and_a_new_shape_is_caught(caplog):
+    """The step graphs' plans of a warmed engine (built, not captured, on the CPU: the same keys;
+    verifies are graphed with HTA): a request builds none; a tree larger than the warm-up's ladder
+    builds its verify's plan late."""
+    t, d = float32_pair()
+    t.decoder.graphs = StepGraphs(t.decoder, capture=False)
+    engine = make_engine((t, d), "sd", tree=TreeConfig(8, 3, 2), prefill_chunk=64, lookup_tokens=0,
+                         hybrid_attention=True)
+    prompt = list(range(3, 60))
+    warm_up(engine, prompt)
+    assert late_work.counts(late=False)["capture"] == len(t.decoder.graphs.plans) > 0
+    late_work.mark_ready()
+    engine.generate(list(range(9, 70)), SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert late_work.counts()["capture"] == 0
+    bigger = make_engine((t, d), "sd", tree=TreeConfig(12, 3, 4), prefill_chunk=64, lookup_tokens=0,
+                         hybrid_attention=True)
+    with caplog.at_level(logging.WARNING, logger="specextend.models.late_work"):
+        bigger.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert late_work.counts()["capture"] > 0
+    assert any("StepGraphs" in r.getMessage() and "t=13" in r.getMessage() for r in caplog.records)
+
+
+def test_the_triton_hook_counts_compiles_and_leaves_another_hook_alone():
+    knobs = pytest.importorskip("triton").knobs
+    saved = knobs.runtime.jit_post_compile_hook
+    try:
+        knobs.runtime.jit_post_compile_hook = None
+        assert late_work.install_triton_hook() and late_work.install_triton_hook()  # idempotent
+        late_work.mark_ready()
+        knobs.runtime.jit_post_compile_hook(key=(), repr="rope_scatter[num_warps=1](T: constexpr)", fn=None,
+                                            compile={}, is_manual_warmup=False, already_compiled=False)
+        assert late_work.counts()["kernel"] == 1
+        knobs.runtime.jit_post_compile_hook = other = lambda **kw: None
+        assert not late_work.install_triton_hook() and knobs.runtime.jit_post_compile_hook is other
+    finally:
+        knobs.runtime.jit_post_compile_hook = saved
