@@ -88,7 +88,7 @@ def main(argv=None) -> int:
               f"{r['late']['kernel']} |")
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / f"{slug(device_name(a.device))}.json"
-    info = meta("first_request", a.device, sys.argv[1:]) | {k: v for k, v in vars(a).items() if k != "out"}
+    info = meta("first_request", a.device, sys.argv[1:]) | {k: v for k, v in vars(a).items() if k not in ("out", "device")}
     info["command"] = "python benchmarks/first_request.py " + " ".join(sys.argv[1:])
     path.write_text(json.dumps(dict(rows=rows, meta=info), indent=1))
     print("wrote", path)

@@ -12,7 +12,8 @@ N ready steps for a miss (`refresh_defer`; e.g. `1x8l2e16n8d0`), and a final `s`
 step's K/V moves before answering it (the twin of answering first, DraftWorker's `answer_first`), and
 `p` turns prepared outcomes on (DraftWorker's `prepare`, the app's `draft_prepare`), `w` makes a
 step whose tree is not ready wait for a drafted one (`overlap_miss=draft`; default: a plain step),
-and `kN` turns context lookup on with chains of N tokens (`lookup_tokens`, both sides: e.g. `1x8k8`). Per row, the draft worker's thread time split
+and `kN` turns context lookup on with chains of N tokens (`lookup_tokens`, both sides: e.g. `1x8k8`;
+without it lookup is off here, whereas the app's default is 8). Per row, the draft worker's thread time split
 (foreground jobs, the host side of background slices, polling with a slice in flight, idle). Every variant runs the same
 prompts after `ar` (the baseline of the ratios, same round), `--rounds` times interleaved; per variant
 (medians over documents and rounds): decode tokens/s, its ratio

@@ -122,7 +122,7 @@ class EngineConfig:
                            "while the target verifies, so that a verdict among them takes no step call (off: "
                            "not yet measured to pay)")
     lookup_tokens: int = Field(
-        0, ge=0, le=32, description="context lookup: up to this many tokens that followed the context's last "
+        8, ge=0, le=32, description="context lookup: up to this many tokens that followed the context's last "
                                     "3 (or 2) tokens where they occurred before, grafted onto each tree and "
                                     "verified on steps without one (0: off; speculative modes only)")
     draft_handover: bool = Field(

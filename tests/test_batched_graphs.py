@@ -237,7 +237,7 @@ def test_warm_batches_capture_every_batched_shape_before_traffic():
     t, d = float32_pair()
     graphs = t.decoder.graphs = FullStepGraphs(t.decoder, capture=False)
     tree = TreeConfig(8, 3, 2)
-    engine = make_engine((t, d), "sd", tree=tree, prefill_chunk=64, tree_policy="adaptive")
+    engine = make_engine((t, d), "sd", tree=tree, prefill_chunk=64, tree_policy="adaptive", lookup_tokens=0)
     assert warm_batches(engine, 3) == 2 * (1 + len({r.nodes for r in ladder(tree)[1:]}))  # 2 and 4 sessions
     warmed = set(graphs.plans)
     assert graphs.batch_shapes == frozenset({(0, 1), (0, 5), (0, 9)})

@@ -177,6 +177,7 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
     # each app's late work (graph plans, Triton kernels after its warm-up), from its /metrics: none on the CPU
     assert [(w["mode"], w["first"], w["timed"]) for w in record["late_work"]] == [
         (m, {"capture": 0.0, "kernel": 0.0}, {"capture": 0.0, "kernel": 0.0}) for m in ("ar", "specextend-cpu")]
+    assert record["late_work_lines"] == []  # nor any line in the Ray session's logs
 
 
 def test_e2e_modes_state_their_retrieval():

@@ -73,3 +73,25 @@ def test_the_triton_hook_counts_compiles_and_leaves_another_hook_alone():
         assert not late_work.install_triton_hook() and knobs.runtime.jit_post_compile_hook is other
     finally:
         knobs.runtime.jit_post_compile_hook = saved
+
+
+def test_the_serve_suite_finds_every_process_s_late_lines_in_the_ray_session_logs(tmp_path, monkeypatch):
+    import types
+
+    import ray._private.worker as rw
+
+    from specextend.bench.serve import late_work_lines
+
+    logs = tmp_path / "logs" / "serve"
+    logs.mkdir(parents=True)
+    line = "capture after warm-up, on a request's path: StepGraphs of a 24-layer model: ShapeKey(t=9)"
+    (logs / "replica_bench.log").write_text(f"WARNING 2026-11-27 07:00:01 pid=7 late_work.py:41 -- {line}\nok\n")
+    (tmp_path / "logs" / "worker-1.err").write_text(
+        f"WARNING 07:00:02 {line}\n:actor_name:DraftActor\n"
+        "W 07:00:03 kernel after warm-up, on a request's path: tree_combine[num_warps=4](T: constexpr = 9)\n"
+        f"{line}\n")
+    (tmp_path / "logs" / "raylet.bin").write_bytes(line.encode())  # not a log file
+    monkeypatch.setattr(rw, "_global_node", types.SimpleNamespace(get_session_dir_path=lambda: str(tmp_path)),
+                        raising=False)
+    assert late_work_lines() == [f"3 x {line}", "1 x kernel after warm-up, on a request's path: "
+                                                  "tree_combine[num_warps=4](T: constexpr = 9)"]

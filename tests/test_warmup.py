@@ -111,10 +111,10 @@ def test_verify_sizes_are_warmed_only_with_overlap_or_lookup_and_for_any_prompt(
 
     target, draft = tiny_models("float32")
     tree = TreeConfig(16, 5, 4)
-    assert warm_verify_sizes(make_engine((target, draft), "sd", tree=tree), [5, 6, 7]) == 0
+    assert warm_verify_sizes(make_engine((target, draft), "sd", tree=tree, lookup_tokens=0), [5, 6, 7]) == 0
     # context lookup: a tree and a chain of up to 8 grafted onto it
     assert warm_verify_sizes(make_engine((target, draft), "sd", tree=tree, lookup_tokens=8), [5, 6, 7]) == 16 + 8
-    over = make_engine((target, draft), "specextend", tree=tree, draft_overlap=True,
+    over = make_engine((target, draft), "specextend", tree=tree, draft_overlap=True, lookup_tokens=0,
                        retrieval=RetrievalConfig(chunk_size=8, top_k=4, draft_prefill_window=32))
     seen: set = set()
     undo = _record(target.decoder, seen)

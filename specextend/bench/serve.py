@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Optional, Sequence
 
@@ -32,16 +33,17 @@ REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (rea
 def placements() -> list[tuple[str, float, bool, dict]]:
     """(name, num_gpus, draft_overlap, more app arguments): on two GPUs the draft runs with overlap
     (an unready step decoding plainly, the default, or waiting for a drafted tree: `2gpu-wait`) and
-    without; `-lookup`: with context lookup (8 tokens); `-nohandover`: the draft's thread not waiting
-    for an answer to be sent before its next work. `ar` is served on the first."""
+    without; `-nolookup`: context lookup off (the app's default: chains of 8 tokens); `-nohandover`:
+    the draft's thread not waiting for an answer to be sent before its next work. `ar` is served on
+    the first."""
     gpus = torch.cuda.device_count()
-    lookup = {"lookup_tokens": 8}
+    nolookup = {"lookup_tokens": 0}
     if gpus == 0:
         return [("cpu", 0.0, False, {})]
     two = [("2gpu", 1.0, True, {}), ("2gpu-wait", 1.0, True, {"overlap_miss": "draft"}),
-           ("2gpu-serial", 1.0, False, {}), ("2gpu-lookup", 1.0, True, lookup),
+           ("2gpu-serial", 1.0, False, {}), ("2gpu-nolookup", 1.0, True, nolookup),
            ("2gpu-nohandover", 1.0, True, {"draft_handover": False})] if gpus >= 2 else []
-    return [("1gpu", 0.5, False, {}), ("1gpu-lookup", 0.5, False, lookup)] + two
+    return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup)] + two
 
 
 def wait_ready(url: str, timeout_s: float) -> None:
@@ -91,6 +93,29 @@ def late_work(url: str) -> dict:
             if fam.name == "specextend_late_work" for s in fam.samples}
 
 
+def late_work_lines(limit: int = 40) -> list[str]:
+    """The late-work lines (models/late_work.py) every process of this Ray session logged (the
+    replicas and the draft actors), each once with its count, most frequent first."""
+    from collections import Counter
+    from pathlib import Path
+
+    from specextend.models.late_work import MARK
+
+    try:
+        import ray._private.worker as rw
+
+        logs = Path(rw._global_node.get_session_dir_path()) / "logs"
+    except Exception:  # noqa: BLE001 - a private API: the default session folder instead
+        logs = Path("/tmp/ray/session_latest/logs")
+    pattern = re.compile(r"(?:capture|kernel) " + re.escape(MARK) + r": .{0,300}")
+    seen: Counter = Counter()
+    for path in logs.rglob("*"):
+        if path.is_file() and path.suffix in (".err", ".out", ".log"):
+            with open(path, errors="replace") as f:
+                seen.update(m.group(0) for line in f if MARK in line and (m := pattern.search(line)))
+    return [f"{n} x {line}" for line, n in seen.most_common(limit)]
+
+
 def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion: client-side tokens/s and TTFT, the server's per-step split."""
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
@@ -114,12 +139,19 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
     out = dict(token_ids=ids, tokens=n, tokens_per_s=n / wall, decode_tokens_per_s=(n - 1) / max(wall - ttft, 1e-9), ttft_s=ttft)
     steps = spec.get("num_steps") or 0
     if steps:
-        wait, verify = spec.get("target_wait_ms_per_step", 0.0), spec.get("verify_ms_per_step", 0.0)
-        step_ms = 1e3 * (wall - ttft) / (steps + (spec.get("plain_steps") or 0) + (spec.get("unready_steps") or 0))
+        # the split of an average step (plain ones included): the server's figures are per step that
+        # verified a tree (verify) or asked for one (wait, transport), so they are scaled to all steps
+        unready = spec.get("unready_steps") or 0
+        total = steps + (spec.get("plain_steps") or 0) + unready
+        asked = (steps + unready) / total
+        wait = spec.get("target_wait_ms_per_step", 0.0) * asked
+        verify = spec.get("verify_ms_per_step", 0.0) * steps / total
+        step_ms = 1e3 * (wall - ttft) / total
         out.update(mean_acceptance_length=spec.get("mean_acceptance_length", 1.0), num_steps=steps,
                    step_ms=step_ms, draft_wait_ms=wait, verify_ms=verify, other_ms=max(step_ms - wait - verify, 0.0),
                    tree_ready_fraction=spec.get("tree_ready_fraction", 0.0), unready_steps=spec.get("unready_steps", 0),
-                   transport_ms=spec.get("transport_ms_per_step", 0.0), draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0),
+                   transport_ms=spec.get("transport_ms_per_step", 0.0) * asked,
+                   draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0) * asked,
                    prepared_fraction=spec.get("prepared_fraction", 0.0), plain_steps=spec.get("plain_steps", 0),
                    lookup_steps=spec.get("lookup_steps", 0), lookup_accepted=spec.get("lookup_accepted", 0))
     return out
@@ -141,7 +173,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
     from specextend.models.loader import read_meta
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    checks, refs, differing, late_log = [], {}, [], []
+    checks, refs, differing, late_log, late_lines = [], {}, [], [], []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -195,11 +227,15 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                                                              for k, v in late.items()}))
                     progress(f"served {name}: late work in the timed requests {late_log[-1]['timed']}")
                     serve.delete("bench")
+        late_lines = late_work_lines()  # what the processes logged, named
+        for line in late_lines:
+            progress(f"late work: {line}")
     finally:
         serve.shutdown()
         ray.shutdown()
     _settle(differing, progress)
-    return dict(rows=rows, checks=checks, summary=summarize(rows), late_work=late_log)
+    return dict(rows=rows, checks=checks, summary=summarize(rows), late_work=late_log,
+                late_work_lines=late_lines)
 
 
 def _in_process_ar(pairs, modes, new_tokens, docs, tree_policy, progress) -> list[dict]:
