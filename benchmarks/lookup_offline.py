@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from specextend.lookup import ContextIndex, graft
+from specextend.lookup import NGRAMS, ContextIndex, LookupGate, graft
 
 Policy = Callable[[Sequence[int]], list[list[int]]]  # context -> chains
 
@@ -65,9 +65,40 @@ def index_policy(k: int, ns: Sequence[int] = (3, 2)) -> Policy:
     return propose
 
 
-def simulate(prompt: Sequence[int], out: Sequence[int], propose: Policy) -> dict:
-    """Steps to emit `out` when each step verifies propose(context)'s tree."""
+def simulate_gated(prompt: Sequence[int], out: Sequence[int], k: int, cost, ns: Sequence[int] = NGRAMS) -> dict:
+    """Production's plain steps: the index's chain, verified only where lookup.LookupGate says it
+    pays at `cost` (seconds of a forward of so many rows), else one plain token."""
+    index, gate = ContextIndex(list(prompt), max(list(prompt) + list(out)) + 1, ns), LookupGate()
     i = steps = lookup_steps = nodes = from_chains = 0
+    seconds = 0.0
+    while i < len(out):
+        n, chain = index.match(k)
+        skipped = None
+        if chain and not gate.use(n, len(chain), cost):
+            skipped, chain = (n, chain), []
+        accepted = 0
+        while accepted < len(chain) and i + accepted < len(out) and chain[accepted] == out[i + accepted]:
+            accepted += 1
+        if chain:
+            gate.observe(n, accepted)
+        elif skipped is not None:
+            gate.observe_skipped(skipped[0], skipped[1][0] == out[i])
+        steps += 1
+        lookup_steps += bool(chain)
+        nodes += len(chain)
+        from_chains += accepted
+        seconds += cost(len(chain) + 1)
+        index.extend(out[i:i + accepted + 1])
+        i += accepted + 1
+    return dict(steps=steps, lookup_steps=lookup_steps, nodes=nodes, from_chains=from_chains,
+                tokens_per_step=len(out) / steps, modeled_speedup=len(out) * cost(1) / seconds)
+
+
+def simulate(prompt: Sequence[int], out: Sequence[int], propose: Policy, cost=None) -> dict:
+    """Steps to emit `out` when each step verifies propose(context)'s tree (and, with `cost`, the
+    modeled speed over plain decoding: a step costs cost(its rows))."""
+    i = steps = lookup_steps = nodes = from_chains = 0
+    seconds = 0.0
     while i < len(out):
         ctx = list(prompt) + list(out[:i])
         tokens, parents = [], []
@@ -84,13 +115,15 @@ def simulate(prompt: Sequence[int], out: Sequence[int], propose: Policy) -> dict
         lookup_steps += bool(tokens)
         nodes += len(tokens)
         from_chains += accepted
+        seconds += cost(len(tokens) + 1) if cost is not None else 0.0
         i += accepted + 1
     return dict(steps=steps, lookup_steps=lookup_steps, nodes=nodes, from_chains=from_chains,
-                tokens_per_step=len(out) / steps)
+                tokens_per_step=len(out) / steps, modeled_speedup=len(out) * cost(1) / seconds if cost else None)
 
 
 POLICIES: dict[str, Policy] = {
-    "index n3,2 k8 (default)": index_policy(8),
+    "index n3,2 k8 (until 2026-11-27)": index_policy(8),
+    "index n3,2,1 k8": index_policy(8, (3, 2, 1)),
     "n3,2 k8": scan_policy((3, 2), 8),
     "n3,2 k16": scan_policy((3, 2), 16),
     "n3,2 k32": scan_policy((3, 2), 32),
@@ -129,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--outputs", type=Path, help="greedy outputs: read if it exists, else written")
     p.add_argument("--out", type=Path, help="results JSON")
+    p.add_argument("--cost-ms", default="2.34,0.036", help="a,b: a target forward of r rows costs a + b r ms (the "
+                   "1.5B at 16K on an H200: 2.38 ms for one row, ~3.1 for 21)")
     a = p.parse_args(argv)
     if a.outputs is not None and a.outputs.exists():
         data = json.loads(a.outputs.read_text())
@@ -136,23 +171,35 @@ def main(argv=None) -> int:
         data = greedy_outputs(a.target, a.docs.split(","), a.length, a.new_tokens)
         if a.outputs is not None:
             a.outputs.write_text(json.dumps(data))
+    ca, cb = (float(x) for x in a.cost_ms.split(","))
+
+    def cost(rows: int) -> float:
+        return 1e-3 * (ca + cb * rows)
+
     rows = []
     for name, propose in POLICIES.items():
         for doc, d in data.items():
-            rows.append(dict(policy=name, doc=doc, **simulate(d["prompt"], d["out"], propose)))
-    print("| policy | " + " | ".join(f"{doc}: steps (lookup steps, nodes a lookup step)" for doc in data) + " |")
+            rows.append(dict(policy=name, doc=doc, **simulate(d["prompt"], d["out"], propose, cost)))
+    gated = "index n3,2,1 k8 gated (default)"
+    for doc, d in data.items():
+        rows.append(dict(policy=gated, doc=doc, **simulate_gated(d["prompt"], d["out"], 8, cost)))
+    print(f"cost of a forward of r rows: {ca} + {cb} r ms; cells: steps (lookup steps, nodes a lookup step), "
+          "tokens a step, modeled speed over plain decoding")
+    print("| policy | " + " | ".join(data) + " |")
     print("|---|" + "---|" * len(data))
-    for name in POLICIES:
+    for name in list(POLICIES) + [gated]:
         cells = []
         for r in (r for r in rows if r["policy"] == name):
             per = r["nodes"] / max(r["lookup_steps"], 1)
-            cells.append(f"{r['steps']} ({r['lookup_steps']}, {per:.1f}): {r['tokens_per_step']:.2f} tok/step")
+            cells.append(f"{r['steps']} ({r['lookup_steps']}, {per:.1f}): {r['tokens_per_step']:.2f}, "
+                         f"{r['modeled_speedup']:.2f}x")
         print(f"| {name} | " + " | ".join(cells) + " |")
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(dict(rows=rows, meta=dict(command="python benchmarks/lookup_offline.py "
                                                               + " ".join(sys.argv[1:]), length=a.length,
-                                                              new_tokens=a.new_tokens, target=a.target)), indent=1))
+                                                              new_tokens=a.new_tokens, target=a.target,
+                                                              cost_ms=[ca, cb])), indent=1))
     return 0
 
 

@@ -19,7 +19,7 @@ import torch
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import PLAIN, AlwaysSpeculate, Costs, TreeController, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
-from specextend.lookup import ContextIndex, graft
+from specextend.lookup import ContextIndex, RequestLookup, graft
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
@@ -204,8 +204,9 @@ class Engine:
                     use_draft = self._fall_back(stats, sid, e)
             lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
             if use_draft and cfg.lookup_tokens and replay is None:
-                lookup = ContextIndex(list(prompt_ids) + [token], self.target.args.vocab_size,
-                                      capacity=len(prompt_ids) + params.max_new_tokens + 1)
+                index = ContextIndex(list(prompt_ids) + [token], self.target.args.vocab_size,
+                                     capacity=len(prompt_ids) + params.max_new_tokens + 1)
+                lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward)  # chains where they pay
             retrieving = use_draft and cfg.retrieval.enabled
             retrieval = self._retrieval(target, -1, stats) if retrieving else None  # first tree: scored chunks
             stats.retrieval_refreshes += retrieval is not None
@@ -245,7 +246,7 @@ class Engine:
                         stats.unready_wait_s += draft_s
                         stats.unready_refreshes += retrieval is not None
                         committed = pending = yield from self._plain_co(target, committed[-1], params, gen, timed,
-                                                                        lookup, cfg.lookup_tokens, stats)
+                                                                        lookup, stats)
                         step, retrieval = step + 1, None
                         ctl.record_spec(rung, draft_s, prefix_accepts([], (), rung, ctl.rungs),
                                         step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
@@ -258,7 +259,7 @@ class Engine:
                     tokens, parents = tree.tokens[:rung.nodes], tree.parents[:rung.nodes]  # [N], [N]
                     drafted = len(tokens)  # the draft's nodes; a lookup chain's new ones follow them
                     if lookup is not None:
-                        tokens, parents, grafted = graft(tokens, parents, lookup.continuation(cfg.lookup_tokens))
+                        tokens, parents, grafted = lookup.graft(tokens, parents)
                         stats.lookup_nodes += grafted
                     ts = time.perf_counter()
                     refresh = cfg.retrieval.enabled and step + 1 >= refresh_due  # (an unready step defers it)
@@ -301,15 +302,14 @@ class Engine:
                     stats.ahead_depth_sum += tree.ahead_depth
                     committed = pending = verdict.tokens
                     if lookup is not None:
-                        lookup.extend(committed)
+                        lookup.commit(committed, verdict.accept_length - len(own))
                     step += 1
                     ctl.record_spec(rung, None if caught_up else draft_s,
                                     prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
                                     step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps
                 else:
-                    committed = yield from self._plain_co(target, committed[-1], params, gen, timed, lookup,
-                                                          cfg.lookup_tokens, stats)
+                    committed = yield from self._plain_co(target, committed[-1], params, gen, timed, lookup, stats)
                     if use_draft:
                         pending = pending + committed
                         ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
@@ -325,12 +325,12 @@ class Engine:
 
     @staticmethod
     def _plain_co(target: TargetSession, root: int, params: SamplingParams, gen, timed,
-                  lookup: Optional[ContextIndex] = None, lookup_tokens: int = 0,
-                  stats: Optional[RequestStats] = None) -> Session:
+                  lookup: Optional[RequestLookup] = None, stats: Optional[RequestStats] = None) -> Session:
         """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
-        continuation, that chain verified instead (its accepted tokens, then the target's next one),
-        and the emitted tokens appended to the lookup."""
-        chain = lookup.continuation(lookup_tokens) if lookup is not None else []
+        chain worth its rows, that chain verified instead (its accepted tokens, then the target's
+        next one); the emitted tokens committed to the lookup."""
+        chain = lookup.chain() if lookup is not None else []
+        from_chain = 0
         if not chain:
             logits = yield from timed(target.decode_co(root))
             out = [next_token(logits, params, gen)]
@@ -342,9 +342,9 @@ class Engine:
             stats.lookup_steps += 1
             stats.lookup_nodes += len(tokens)
             stats.lookup_accepted += verdict.accept_length
-            out = verdict.tokens
+            out, from_chain = verdict.tokens, verdict.accept_length
         if lookup is not None:
-            lookup.extend(out)
+            lookup.commit(out, from_chain)
         return out
 
     def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:

@@ -12,9 +12,12 @@ alone, greedy or sampled: lossless whatever the guess.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
+
+NGRAMS = (3, 2, 1)  # n-gram orders tried, longest first (benchmarks/lookup_offline.py: the unigram
+# fallback's chains added 8-12% tokens a step on prose and docs, little on code: LookupGate decides)
 
 
 class ContextIndex:
@@ -22,7 +25,7 @@ class ContextIndex:
     n-gram (its tokens packed into an int64), so that the latest earlier occurrence of the context's
     last n tokens is one vectorised comparison (~10-20 us at 30K tokens)."""
 
-    def __init__(self, ids: Sequence[int], vocab_size: int, ns: Sequence[int] = (3, 2), capacity: int = 0):
+    def __init__(self, ids: Sequence[int], vocab_size: int, ns: Sequence[int] = NGRAMS, capacity: int = 0):
         bits = max(1, int(vocab_size - 1).bit_length())
         self.ns = tuple(sorted((n for n in ns if 0 < n * bits <= 63), reverse=True))  # longest first
         self.bits = bits
@@ -59,9 +62,13 @@ class ContextIndex:
     def continuation(self, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that followed the latest earlier occurrence of the context's
         last n tokens, for the longest n that occurred before; [] if none did."""
+        return self.match(max_tokens)[1]
+
+    def match(self, max_tokens: int) -> tuple[int, list[int]]:
+        """(n, continuation): the order of the n-gram that found it too (0 with none)."""
         L = self.length
         if max_tokens <= 0:
-            return []
+            return 0, []
         for n in self.ns:
             if L <= n:
                 continue
@@ -69,11 +76,11 @@ class ContextIndex:
             hits = np.flatnonzero(keys[:L - n] == keys[L - n])  # occurrences that end before the last token
             if hits.size:
                 i = int(hits[-1]) + n  # what followed it
-                return self.ids[i:min(i + max_tokens, L)].tolist()
-        return []
+                return n, self.ids[i:min(i + max_tokens, L)].tolist()
+        return 0, []
 
 
-def continuation_scan(ids: Sequence[int], max_tokens: int, ns: Sequence[int] = (3, 2)) -> list[int]:
+def continuation_scan(ids: Sequence[int], max_tokens: int, ns: Sequence[int] = NGRAMS) -> list[int]:
     """ContextIndex.continuation's twin: a plain scan of the token list."""
     L = len(ids)
     for n in sorted(ns, reverse=True):
@@ -104,3 +111,87 @@ def graft(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int]) -
             new += 1
         node = nxt
     return out_t, out_p, new
+
+
+class LookupGate:
+    """Whether a step without a draft tree verifies a chain found through an n-gram of order n or
+    decodes one token plainly: per order, the chains' expected added tokens (how often their first
+    token was the target's, from verified chains and from plain steps alike, times the tokens
+    accepted when it was), against what the chain's rows cost the target beyond one row's forward
+    (`cost(rows)`, seconds; the adaptive controller's line). A chain of g expected tokens over k
+    nodes pays when (1 + g) / cost(k + 1) >= 1 / cost(1). A weak order loses little: the plain steps
+    that skip its chains still tell whether they would have hit (docs/architecture.md, "Context lookup")."""
+
+    def __init__(self, alpha: float = 0.1, hit_prior: float = 0.5, run_prior: float = 2.0) -> None:
+        self.alpha = alpha
+        self.hit: dict[int, float] = {}  # order -> share of its chains whose first token was the target's
+        self.run: dict[int, float] = {}  # order -> tokens accepted from its chains that hit (average)
+        self.hit_prior, self.run_prior = hit_prior, run_prior
+
+    def gain(self, n: int) -> float:
+        return self.hit.get(n, self.hit_prior) * self.run.get(n, self.run_prior)
+
+    def use(self, n: int, nodes: int, cost) -> bool:
+        one, rows = cost(1), cost(nodes + 1)
+        if one <= 0 or rows <= one:  # no slope measured yet, or none: a chain costs nothing more
+            return True
+        return (1.0 + self.gain(n)) * one >= rows
+
+    def observe(self, n: int, accepted: int) -> None:
+        """A verified chain of order n: the tokens the target accepted from it."""
+        self._hit(n, accepted > 0)
+        if accepted > 0:
+            self.run[n] = (1 - self.alpha) * self.run.get(n, self.run_prior) + self.alpha * accepted
+
+    def observe_skipped(self, n: int, first_hit: bool) -> None:
+        """A chain of order n left out of a plain step whose token was (or not) its first."""
+        self._hit(n, first_hit)
+
+    def _hit(self, n: int, hit: bool) -> None:
+        self.hit[n] = (1 - self.alpha) * self.hit.get(n, self.hit_prior) + self.alpha * float(hit)
+
+
+class RequestLookup:
+    """A request's lookup: its context index, the gate and the target's forward cost line
+    (`cost(rows)`, seconds; None: every chain is verified). Each step asks for a chain (`chain`,
+    a step without a tree; `graft`, a tree) and then `commit`s what it emitted, which teaches the
+    gate and extends the index."""
+
+    def __init__(self, index: ContextIndex, max_tokens: int, cost: Optional[Callable[[int], float]] = None,
+                 gate: Optional[LookupGate] = None) -> None:
+        self.index, self.max_tokens, self.cost = index, max_tokens, cost
+        self.gate = gate if gate is not None else LookupGate()
+        self._step: Optional[tuple[int, list[int], bool]] = None  # this step's (order, chain, verified)
+
+    def _pays(self, n: int, nodes: int) -> bool:
+        return self.cost is None or self.gate.use(n, nodes, self.cost)
+
+    def chain(self) -> list[int]:
+        """The chain a step without a tree verifies ([]: it decodes one token plainly)."""
+        n, chain = self.index.match(self.max_tokens)
+        used = bool(chain) and self._pays(n, len(chain))
+        self._step = (n, chain, used) if chain else None
+        return chain if used else []
+
+    def graft(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int], int]:
+        """The draft's tree with the chain grafted (graft), where its new nodes pay for their rows."""
+        n, chain = self.index.match(self.max_tokens)
+        if not chain:
+            self._step = None
+            return list(tokens), list(parents), 0
+        out_t, out_p, new = graft(tokens, parents, chain)
+        used = self._pays(n, new)
+        self._step = (n, chain, used)
+        return (out_t, out_p, new) if used else (list(tokens), list(parents), 0)
+
+    def commit(self, emitted: Sequence[int], from_chain: int) -> None:
+        """The step emitted `emitted` (committed order), `from_chain` of them accepted only because
+        the chain proposed them."""
+        if self._step is not None:
+            n, chain, used = self._step
+            if used:
+                self.gate.observe(n, from_chain)
+            else:
+                self.gate.observe_skipped(n, bool(emitted) and int(emitted[0]) == int(chain[0]))
+            self._step = None
+        self.index.extend(emitted)

@@ -222,7 +222,7 @@ def test_switching_the_tree_every_step_is_lossless(tiny_models, monkeypatch, mod
     params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=11)
     ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
     engine = make_engine(pair, mode, draft_backend=DraftWorker(pair[1].decoder, overlap=overlap),
-                         tree=TreeConfig(16, 5, 3), tree_policy="adaptive",
+                         tree=TreeConfig(16, 5, 3), tree_policy="adaptive", lookup_tokens=0,
                          retrieval=RetrievalConfig(chunk_size=8, top_k=12, every=2))
     _rig(engine, monkeypatch)
     out, _, stats = engine.generate(prompt, params)
@@ -239,7 +239,7 @@ def test_batched_sessions_hear_the_batch_and_stay_lossless(tiny_models, monkeypa
     from test_batch import run_batched
 
     pair = tiny_models("float64")
-    engine = make_engine(pair, "sd", tree=TreeConfig(16, 5, 3), tree_policy="adaptive")
+    engine = make_engine(pair, "sd", tree=TreeConfig(16, 5, 3), tree_policy="adaptive", lookup_tokens=0)
     made = _rig(engine, monkeypatch)
     reqs = [(torch.randint(0, 256, (30 + 7 * i,), generator=torch.Generator().manual_seed(i)).tolist(),
              SamplingParams(20, ignore_eos=True, **({"temperature": 0.9, "seed": i} if i % 2 else {})), {})
@@ -258,7 +258,7 @@ def test_adaptive_is_the_default_and_fixed_speculates_every_step(tiny_models):
     assert EngineConfig().tree_policy == "adaptive"
     pair = tiny_models("float64")
     prompt = list(range(1, 60))
-    _, _, stats = make_engine(pair, "sd", tree_policy="fixed").generate(prompt, SamplingParams(30, ignore_eos=True))
+    _, _, stats = make_engine(pair, "sd", tree_policy="fixed", lookup_tokens=0).generate(prompt, SamplingParams(30, ignore_eos=True))
     assert stats.plain_steps == 0 and stats.probe_steps == 0
     assert stats.nodes_per_step == [EngineConfig().tree.nodes] * stats.num_steps
 
@@ -270,7 +270,8 @@ def test_adaptive_engine_runs_its_policy(tiny_models):
     prompt = list(range(3, 90))
     params = SamplingParams(40, ignore_eos=True)
     ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
-    out, _, stats = make_engine(pair, "sd", tree=TreeConfig(8, 4, 3), tree_policy="adaptive").generate(prompt, params)
+    out, _, stats = make_engine(pair, "sd", tree=TreeConfig(8, 4, 3), tree_policy="adaptive",
+                                   lookup_tokens=0).generate(prompt, params)
     assert out == ref and stats.nodes_per_step[0] == 4  # warm-up: the smallest tree first
     assert stats.plain_steps >= 1  # then a plain step (the full tree next only where it may pay: costs)
     assert stats.num_steps + stats.plain_steps >= 40 / 5
@@ -283,7 +284,7 @@ def test_per_request_control_in_the_engine(tiny_models):
     prompt = list(range(3, 70))
     params = SamplingParams(30, ignore_eos=True)
     ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
-    engine = make_engine(pair, "sd", tree=TreeConfig(8, 4, 3))
+    engine = make_engine(pair, "sd", tree=TreeConfig(8, 4, 3), lookup_tokens=0)
     off, _, stats = engine.generate(prompt, params, speculate=False)
     assert off == ref and stats.num_steps == 0 and stats.draft_tokens == 0
     small, _, stats = engine.generate(prompt, params, max_tree_nodes=2)
@@ -330,7 +331,7 @@ def test_the_drafts_catch_up_after_plain_steps_is_not_charged_to_speculation(tin
             waits.append(draft_s)
             super().record_spec(rung, draft_s, accepts, **kw)
 
-    engine = make_engine(pair, "sd", tree=TreeConfig(8, 3, 2), tree_policy="adaptive")
+    engine = make_engine(pair, "sd", tree=TreeConfig(8, 3, 2), tree_policy="adaptive", lookup_tokens=0)
     monkeypatch.setattr(engine, "new_controller", lambda tree: Spy(ladder(tree)))
     _, _, stats = engine.generate(list(range(3, 60)), SamplingParams(30, ignore_eos=True))
     assert stats.plain_steps >= 6 and stats.num_steps >= 4
@@ -370,9 +371,9 @@ def test_the_engine_seeds_its_controller_from_the_drafts_open(tiny_models):
             return super().open(session_id, prompt_ids, params)
 
     slow = SlowOpen(pair[1].decoder)
-    out, _, stats = make_engine(pair, "sd", draft_backend=slow, tree_policy="adaptive").generate(prompt, params)
+    out, _, stats = make_engine(pair, "sd", draft_backend=slow, tree_policy="adaptive", lookup_tokens=0).generate(prompt, params)
     assert out == ref and stats.num_steps == 0 and stats.plain_steps == 29
-    out, _, stats = make_engine(pair, "sd", tree_policy="adaptive").generate(prompt, params)
+    out, _, stats = make_engine(pair, "sd", tree_policy="adaptive", lookup_tokens=0).generate(prompt, params)
     assert out == ref and stats.num_steps > 0
     slow.shutdown()
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specextend.lookup import ContextIndex, continuation_scan, graft
+from specextend.lookup import ContextIndex, LookupGate, RequestLookup, continuation_scan, graft
 from specextend.tree import children_of
 
 
@@ -34,6 +34,51 @@ def test_continuation_copies_what_followed_the_latest_longest_match():
     assert ContextIndex(ids, 16).continuation(4) == [7, 8, 0, 2]
     assert ContextIndex([1, 2, 3, 4], 16).continuation(4) == []  # nothing repeats
     assert ContextIndex(ids, 16).continuation(0) == []
+
+
+def test_match_names_the_order_and_falls_back_to_the_last_token():
+    ids = [7, 1, 2, 3, 4, 5, 6, 9, 1, 2, 3]
+    assert ContextIndex(ids, 16).match(2) == (3, [4, 5])
+    assert ContextIndex([5, 8, 9, 3, 5], 16).match(3) == (1, [8, 9, 3])  # only the last token repeats
+    assert ContextIndex([5, 8, 9, 3, 5], 16, ns=(3, 2)).match(3) == (0, [])
+    assert continuation_scan([5, 8, 9, 3, 5], 3) == [8, 9, 3]
+
+
+def _cost(a, b):
+    return lambda rows: a + b * rows
+
+
+def test_the_gate_prices_a_chain_by_its_rows_and_its_order_s_record():
+    gate = LookupGate()
+    assert gate.use(1, 8, _cost(0.0, 0.0)) and gate.use(1, 8, _cost(2.0, 0.0))  # no slope: a chain is free
+    # prior: half the chains hit, two tokens each: worth up to 2x a one-row forward
+    assert gate.use(1, 8, _cost(2.0, 0.1)) and not gate.use(1, 8, _cost(0.5, 0.5))
+    for _ in range(40):  # unigram chains that keep missing (seen on plain steps), trigram ones that run
+        gate.observe_skipped(1, False)
+        gate.observe(3, 6)
+    assert gate.gain(1) < 0.02 and gate.gain(3) > 5
+    steep = _cost(2.34e-3, 0.036e-3)  # the 1.5B at 16K: a chain of 8 costs 12% more than one row
+    assert not gate.use(1, 8, steep) and gate.use(3, 8, steep) and gate.use(2, 8, steep)  # 2: its prior
+    gate.observe(2, 0)
+    assert gate.hit[2] < gate.hit_prior and 2 not in gate.run  # a miss teaches the hit rate only
+
+
+def test_a_request_s_lookup_skips_chains_that_do_not_pay_and_still_learns_from_them():
+    ids = [4, 9, 1, 4]  # the last token repeats: a unigram chain [9, 1, 4]
+    lookup = RequestLookup(ContextIndex(ids, 16), 3, cost=_cost(1.0, 1.0))  # rows cost as much as a forward
+    assert lookup.chain() == []  # (1 + prior gain 1.0) * cost(1) = 4 < cost(4) = 5: decode plainly
+    lookup.commit([9], 0)  # the plain token was the chain's first: a hit for order 1
+    assert lookup.gate.hit[1] > lookup.gate.hit_prior and lookup.index.length == 5
+    free = RequestLookup(ContextIndex(ids, 16), 3)  # no cost line: every chain
+    assert free.chain() == [9, 1, 4]
+    free.commit([9, 1, 4, 7], 3)
+    assert free.gate.run[1] > free.gate.run_prior and free.index.ids[:8].tolist() == ids + [9, 1, 4, 7]
+    # grafted onto a tree: the chain's new nodes are priced; those the tree has cost nothing
+    tree = RequestLookup(ContextIndex(ids, 16), 3, cost=_cost(1.0, 1.0))
+    assert tree.graft([9, 1, 4], [-1, 0, 1]) == ([9, 1, 4], [-1, 0, 1], 0)
+    tree.commit([9, 1, 4, 2], 0)
+    assert tree.graft([5], [-1]) == ([5], [-1], 0)  # 4 -> [9, 1, 4, 2]: three new rows do not pay here
+    assert RequestLookup(ContextIndex(ids, 16), 3).graft([5], [-1]) == ([5, 9, 1, 4], [-1, -1, 1, 2], 3)
 
 
 def test_vocabulary_too_wide_for_a_key_drops_that_n():

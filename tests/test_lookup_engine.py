@@ -43,6 +43,9 @@ class Oracle:
     def extend(self, tokens):
         self.length += len(tokens)
 
+    def match(self, max_tokens):
+        return 3, self.continuation(max_tokens)  # as if found through a 3-gram
+
     def continuation(self, max_tokens):
         pos = self.length - Oracle.prompt_len
         chain = list(Oracle.ref[pos:pos + max_tokens])
