@@ -331,7 +331,9 @@ def test_metrics_endpoint(server):
                  "specextend_prompt_tokens_total", "specextend_generation_tokens_total",
                  "specextend_draft_fallbacks_total", "specextend_num_requests_running",
                  "specextend_spec_decode_tree_nodes_bucket", "specextend_spec_decode_num_plain_steps_total",
-                 "specextend_spec_decode_num_probe_steps_total", "specextend_replica_starts_total"):
+                 "specextend_spec_decode_num_probe_steps_total", "specextend_replica_starts_total",
+                 "specextend_spec_decode_num_lookup_steps_total",
+                 "specextend_spec_decode_num_lookup_accepted_tokens_total"):
         assert name in text, name
     startup = {s.labels["phase"]: s.value for fam in text_string_to_metric_families(text)
                if fam.name == "specextend_replica_startup_seconds" for s in fam.samples}

@@ -61,6 +61,11 @@ FAMILIES = {
         "(overlap_miss=plain); the draft caught up meanwhile.", ()),
     "specextend_spec_decode_num_probe_steps": (
         "counter", "Steps with the largest tree taken to re-measure it (tree_policy=adaptive).", ()),
+    "specextend_spec_decode_num_lookup_steps": (
+        "counter", "Steps without a draft tree that verified a context-lookup chain instead of decoding one token.",
+        ()),
+    "specextend_spec_decode_num_lookup_accepted_tokens": (
+        "counter", "Accepted tokens that only a context-lookup chain proposed (lookup_tokens).", ()),
     "specextend_spec_decode_tree_nodes": (
         "histogram", "Draft nodes verified per speculative step (the tree sizes the policy chose).", ()),
     "specextend_prompt_tokens": ("counter", "Prompt tokens prefilled.", ()),
@@ -166,6 +171,8 @@ class ReplicaMetrics:
         self.inc("specextend_spec_decode_num_plain_steps", stats.plain_steps)
         self.inc("specextend_spec_decode_num_unready_steps", stats.unready_steps)
         self.inc("specextend_spec_decode_num_probe_steps", stats.probe_steps)
+        self.inc("specextend_spec_decode_num_lookup_steps", stats.lookup_steps)
+        self.inc("specextend_spec_decode_num_lookup_accepted_tokens", stats.lookup_accepted)
         for nodes in stats.nodes_per_step:
             self.observe("specextend_spec_decode_tree_nodes", nodes)
         self.inc("specextend_draft_fallbacks", int(stats.fallback))
