@@ -6,6 +6,8 @@
 # Here (with network; from the repository root):
 #   bash scripts/offline-bundle.sh pack DIR     # PYTHON_VERSION=3.11 PLATFORMS="manylinux_2_28_x86_64 ..."
 #                                               # WITH_TORCH=1: torch, triton and CUDA libraries too (GBs)
+#                                               # FLASH="flash-attn-4[cu13]" (default; cu12 for a CUDA 12
+#                                               # torch; empty: none): FlashAttention's prefill kernels
 # There (the repository checked out, DIR copied beside it):
 #   bash scripts/offline-bundle.sh install DIR  # pip install --no-index from DIR/wheels
 #   . DIR/env.sh && specextend bench --suite e2e
@@ -21,12 +23,18 @@ case "$cmd" in
     # the project's requirements and its bench extra (pyproject.toml), resolved for the host's platform
     $PYTHON -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(p["dependencies"] + p["optional-dependencies"]["bench"]))' > "$dir/requirements.txt"
+    # flash-attn-4 (the `flash` extra's pin) with the CuTe-DSL libraries of the host's CUDA
+    flash=${FLASH-flash-attn-4[cu13]}
+    if [ -n "$flash" ]; then
+      $PYTHON -c 'import sys, tomllib; pin = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["flash"][0]
+print(sys.argv[1] + pin[len("flash-attn-4"):])' "$flash" >> "$dir/requirements.txt"
+    fi
     $PYTHON -m pip install -q --dry-run --ignore-installed --report "$dir/resolved.json" --only-binary=:all: \
       --implementation cp --python-version "$py" $plat --target "$dir/.resolve" -r "$dir/requirements.txt"
     # pinned, less torch, triton and the CUDA libraries (the host's own) unless WITH_TORCH=1
     $PYTHON -c 'import json, re, sys
 folder, with_torch = sys.argv[1], sys.argv[2] == "1"
-host = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$", re.I)
+host = re.compile(r"^(torch|triton|nvidia-(?!cutlass-dsl).*|cuda-(?!bindings$|pathfinder$).*)$", re.I)  # flash-attn-4 needs those
 meta = [i["metadata"] for i in json.load(open(folder + "/resolved.json"))["install"]]
 pins = [m["name"] + "==" + m["version"] for m in meta if with_torch or not host.match(m["name"])]
 open(folder + "/pinned.txt", "w").write("\n".join(pins) + "\n")' "$dir" "${WITH_TORCH:-0}"
@@ -50,7 +58,8 @@ open(folder + "/pinned.txt", "w").write("\n".join(pins) + "\n")' "$dir" "${WITH_
     rm -rf "$tmp" "$dir/.resolve"
     du -sh "$dir"/* ;;
   install)
-    $PYTHON -m pip install --no-index --find-links "$dir/wheels" "specextend[bench]"
+    flash=$(grep -E '^flash-attn-4' "$dir/requirements.txt" || true)
+    $PYTHON -m pip install --no-index --find-links "$dir/wheels" "specextend[bench]" ${flash:+"$flash"}
     abs=$(cd "$dir" && pwd)
     printf 'export SPECEXTEND_CACHE=%q SPECEXTEND_NODEJS_DOCS=%q\n' "$abs/models" "$abs/texts/nodejs-api" \
       > "$dir/env.sh"
