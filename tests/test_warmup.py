@@ -89,9 +89,9 @@ def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
         return (yield from inner(self, ids, window, rows))
 
     monkeypatch.setattr(ds.DraftSession, "_forward_committed_co", spy)
-    monkeypatch.setattr(ds.DraftSession, "pads_catch_up", staticmethod(lambda model: True))  # as with CUDA graphs
-    for rows in (16, 10**6):  # padded chunks; one unpadded chunk
-        monkeypatch.setattr(ds, "CATCH_UP", rows)
+    monkeypatch.setattr(ds, "CATCH_UP", 16)
+    for pads in (True, False):  # padded chunks (as with CUDA graphs); all tokens in one forward
+        monkeypatch.setattr(ds.DraftSession, "pads_catch_up", staticmethod(lambda model, pads=pads: pads))
         s = ds.DraftSession(draft.decoder, prompt, params)
         s.step(0, [5], None)
         tree = s.step(1, catch_up, None)
@@ -104,6 +104,33 @@ def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
     assert l0 == l1 and n0 == n1
     torch.testing.assert_close(w0, w1, atol=1e-12, rtol=0)
     torch.testing.assert_close(s0, s1, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("retrieval", [True, False])
+def test_a_short_request_s_catch_up_is_padded_too(tiny_models, monkeypatch, retrieval):
+    """A request of few tokens still has room for a padded catch-up (CATCH_UP rows past its last
+    committed token): unpadded, each count of plain steps' tokens was a graph shape of its own,
+    captured on the request's path."""
+    from specextend.draft import session as ds
+    from specextend.draft.base import DraftSessionParams
+
+    _, draft = tiny_models("float32")
+    seen = []
+    inner = ds.DraftSession._forward_committed_co
+
+    def spy(self, ids, window=0, rows=0):
+        seen.append((len(ids), rows))
+        return (yield from inner(self, ids, window, rows))
+
+    monkeypatch.setattr(ds.DraftSession, "_forward_committed_co", spy)
+    monkeypatch.setattr(ds.DraftSession, "pads_catch_up", staticmethod(lambda model: True))  # as with CUDA graphs
+    params = DraftSessionParams(TreeConfig(8, 3, 2), RetrievalConfig(enabled=retrieval, chunk_size=8, top_k=4,
+                                                                     draft_prefill_window=32), max_new_tokens=12)
+    s = ds.DraftSession(draft.decoder, list(range(3, 120)), params)
+    s.step(0, [5], None)
+    seen.clear()
+    s.step(1, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], None)  # ten plain steps' tokens, near the request's end
+    assert seen[0] == (10, ds.CATCH_UP)
 
 
 def test_verify_sizes_are_warmed_only_with_overlap_or_lookup_and_for_any_prompt(tiny_models):

@@ -104,7 +104,10 @@ class DraftSession(Overlap):
         self.cfg = params.retrieval
         self.overlap = overlap
         tree = params.tree
-        extra = params.max_new_tokens + tree.depth * tree.topk + tree.depth + 8
+        # room for what a step stages past the committed tokens, and for a catch-up's padding: a catch-up
+        # without room for CATCH_UP rows runs unpadded, a graph shape per token count captured on the
+        # request's path (every catch-up of a request of few tokens did, before this room was kept)
+        extra = params.max_new_tokens + tree.depth * tree.topk + tree.depth + 8 + CATCH_UP
         if overlap:
             extra += POOL_SLOTS + 2 * overlap_rows
         self.work = model.new_cache(len(prompt_ids) + extra)
