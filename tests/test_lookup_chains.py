@@ -72,7 +72,13 @@ def test_the_prior_follows_the_chains_hits():
     assert ch.seed(small_pool()) > 0 and ch.last == [3, 4, 1]
     before = ch.hit
     ch.accepted([7])  # wrong
-    assert ch.hit < before
+    assert ch.hit < before and ch.order == 3
+    # a chain found through the last token alone has a prior of its own: the trigram's record stays
+    uni = LookupChains([5, 8, 9, 3, 5], 16, tokens=3)
+    uni.hits[3] = 0.9
+    assert uni.seed(small_pool()) == 3 and uni.order == 1 and uni.logp == pytest.approx(math.log(HIT_PRIOR))
+    uni.accepted([6])
+    assert uni.hits == {3: 0.9, 1: pytest.approx((1 - 0.2) * HIT_PRIOR)}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +118,7 @@ def test_a_verdict_through_the_chain_is_ready_with_the_caches_of_a_plain_step(dr
     n = plain.work.length
     assert with_chains.work.length == n
     assert torch.allclose(with_chains.work.data[:, :, :, :n], plain.work.data[:, :, :, :n], atol=1e-9)
-    assert with_chains.chains.hit > HIT_PRIOR  # the chain's first token was the verdict's
+    assert max(with_chains.chains.hits.values()) > HIT_PRIOR  # that chain's first token was the verdict's
 
 
 def test_params_carry_the_chain_length_over_the_wire():
