@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from specextend.lookup import NGRAMS, ContextIndex, LookupGate, graft
+from specextend.lookup import NGRAMS, ContextIndex, RequestLookup, graft
 
 Policy = Callable[[Sequence[int]], list[list[int]]]  # context -> chains
 
@@ -66,29 +66,22 @@ def index_policy(k: int, ns: Sequence[int] = (3, 2)) -> Policy:
 
 
 def simulate_gated(prompt: Sequence[int], out: Sequence[int], k: int, cost, ns: Sequence[int] = NGRAMS) -> dict:
-    """Production's plain steps: the index's chain, verified only where lookup.LookupGate says it
-    pays at `cost` (seconds of a forward of so many rows), else one plain token."""
-    index, gate = ContextIndex(list(prompt), max(list(prompt) + list(out)) + 1, ns), LookupGate()
+    """Production's plain steps (lookup.RequestLookup): the index's chain, verified only where its
+    gate says it pays at `cost` (seconds of a forward of so many rows), else one plain token."""
+    lookup = RequestLookup(ContextIndex(list(prompt), max(list(prompt) + list(out)) + 1, ns), k, cost)
     i = steps = lookup_steps = nodes = from_chains = 0
     seconds = 0.0
     while i < len(out):
-        n, chain = index.match(k)
-        skipped = None
-        if chain and not gate.use(n, len(chain), cost):
-            skipped, chain = (n, chain), []
+        chain = lookup.chain()
         accepted = 0
         while accepted < len(chain) and i + accepted < len(out) and chain[accepted] == out[i + accepted]:
             accepted += 1
-        if chain:
-            gate.observe(n, accepted)
-        elif skipped is not None:
-            gate.observe_skipped(skipped[0], skipped[1][0] == out[i])
+        lookup.commit(out[i:i + accepted + 1], accepted)
         steps += 1
         lookup_steps += bool(chain)
         nodes += len(chain)
         from_chains += accepted
         seconds += cost(len(chain) + 1)
-        index.extend(out[i:i + accepted + 1])
         i += accepted + 1
     return dict(steps=steps, lookup_steps=lookup_steps, nodes=nodes, from_chains=from_chains,
                 tokens_per_step=len(out) / steps, modeled_speedup=len(out) * cost(1) / seconds)
