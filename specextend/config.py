@@ -123,8 +123,9 @@ class EngineConfig:
                            "not yet measured to pay)")
     lookup_tokens: int = Field(
         8, ge=0, le=32, description="context lookup: up to this many tokens that followed the context's last "
-                                    "3 (or 2) tokens where they occurred before, grafted onto each tree and "
-                                    "verified on steps without one (0: off; speculative modes only)")
+                                    "3 (else 2, else 1) tokens where they occurred before, grafted onto each tree "
+                                    "and verified on steps without one where a per-request gate finds them worth "
+                                    "their rows (0: off; speculative modes only)")
     draft_handover: bool = Field(
         True, description="the draft's thread waits (up to 2 ms) until a step's answer has been sent before its "
                           "next work, which would hold the GIL the sender needs (false: benchmarks' A/B)")

@@ -58,16 +58,21 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"the app did not become ready in {timeout_s:.0f} s")
 
 
+def metric_families(url: str):
+    """The app's /metrics, parsed (prometheus_client's families)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return text_string_to_metric_families(requests.get(url + "/metrics", timeout=30).text)
+
+
 def startup_phases(url: str, timeout_s: float = 15.0) -> dict:
     """The replica's start-up by phase from /metrics (specextend_replica_startup_seconds, and its draft
     actor's, specextend_draft_actor_startup_seconds), once the one replica of the app has published
     it (every 2 s); {} if it has not within timeout_s."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         values = {}
-        for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=30).text):
+        for fam in metric_families(url):
             for sample in fam.samples:
                 if fam.name == "specextend_replica_starts":
                     values["starts"] = sample.value
@@ -84,13 +89,11 @@ def startup_phases(url: str, timeout_s: float = 15.0) -> dict:
 def late_work(url: str) -> dict:
     """The replica's late work so far (specextend_late_work by kind: graph plans and Triton kernels
     met after its warm-up, models/late_work.py), read once its next publication has passed."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     from specextend.serving.metrics import PUBLISH_EVERY_S
 
     time.sleep(PUBLISH_EVERY_S + 0.5)
-    return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=30).text)
-            if fam.name == "specextend_late_work" for s in fam.samples}
+    return {s.labels["kind"]: s.value for fam in metric_families(url) if fam.name == "specextend_late_work"
+            for s in fam.samples}
 
 
 def late_work_lines(limit: int = 40) -> list[str]:

@@ -130,9 +130,8 @@ class SpecExtendReplica:
         pg = get_current_placement_group()
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
         actor_cls = ray.remote(DraftActor)
-        # max_task_retries: a control call (address, info, warmed: idempotent) that meets the actor dying
-        # is retried once Ray has restarted it, so a restart is not taken for a death (one CI run saw
-        # the replica start a second actor while Ray restarted the first); steps do not go through Ray
+        # max_task_retries: an (idempotent) control call meeting a restart is retried after it, not taken
+        # for a death (a second actor was started once); steps do not go through Ray
         return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
                                  max_task_retries=DRAFT_MAX_RESTARTS,
                                  scheduling_strategy=strategy).remote(cfg, self._draft_token,
