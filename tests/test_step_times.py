@@ -41,7 +41,10 @@ def test_a_step_queued_behind_another_sessions_open_reports_it(transport):
         fake.open_delay_s = 0.4
         opening = threading.Thread(target=client.open, args=("a", [1, 2], PARAMS))
         opening.start()
-        time.sleep(0.1)  # a's open is running on the draft's thread
+        deadline = time.time() + 10
+        while not fake.active:  # until a's open runs on the draft's thread (a fixed sleep raced a loaded host)
+            assert time.time() < deadline, "a's open never started"
+            time.sleep(0.001)
         t0 = time.perf_counter()
         tree = client.step("b", 1, [4])
         wait = time.perf_counter() - t0
