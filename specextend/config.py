@@ -126,6 +126,10 @@ class EngineConfig:
                                     "3 (else 2, else 1) tokens where they occurred before, grafted onto each tree "
                                     "and verified on steps without one where a per-request gate finds them worth "
                                     "their rows (0: off; speculative modes only)")
+    draft_tell: bool = Field(
+        True, description="with draft_overlap: each plain step sends the tokens committed so far to the draft "
+                          "while its forward runs, so that the draft's pool follows plain and lookup steps "
+                          "(false: they go with the next tree's call; benchmarks' A/B)")
     draft_handover: bool = Field(
         True, description="the draft's thread waits (up to 2 ms) until a step's answer has been sent before its "
                           "next work, which would hold the GIL the sender needs (false: benchmarks' A/B)")

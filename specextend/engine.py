@@ -18,7 +18,7 @@ import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import PLAIN, AlwaysSpeculate, Costs, TreeController, ladder, prefix_accepts
-from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
 from specextend.lookup import ContextIndex, RequestLookup, graft
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # A prepare is due this long before the verification it runs beside is expected to end (its answer's
 # way back and the draft's assembly of it; docs/architecture.md, "Prepared outcomes")
 PREPARE_MARGIN_S = 0.0003
+# A tell (a plain step's tokens sent to an overlapping draft, its answer unused) asks for the
+# smallest answer the draft can give: it only has to apply the verdict ("Overlapped drafting", told verdicts)
+TELL_BOUND = TreeBound(nodes=1, depth=1, ready_only=True)
 
 
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
@@ -98,6 +101,7 @@ class Engine:
         if self.config.mode != "ar" and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
+        self._tells = ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-tell")
 
     def new_controller(self, tree: TreeConfig) -> TreeController:
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
@@ -216,6 +220,11 @@ class Engine:
             ready_only = cfg.overlap_miss == "plain"  # an overlapping draft's unready step: a plain one instead
             refresh_due = cfg.retrieval.every  # step + 1 of the next retrieval selection
             prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
+            # an overlapping draft is told each plain step's tokens while the next forward runs, so
+            # that its pool follows them and the next tree can be ready (docs/architecture.md,
+            # "Overlapped drafting", told verdicts)
+            tell = use_draft and cfg.overlap and ready_only and not prepare and cfg.draft_tell
+            told: Optional[Future] = None  # the last tell, in flight: the next call waits for it (order)
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
             while out.finish is None:
@@ -225,6 +234,8 @@ class Engine:
                     try:
                         ts = time.perf_counter()
                         tree, applied = None, True  # applied: this step's call carries the verdict
+                        if told is not None:
+                            told, _ = None, (told.result() if told.done() else (yield DraftCall(future=told)))
                         if prepared is not None:
                             outs, prepared = (yield DraftCall(future=prepared)), None
                             late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)
@@ -309,6 +320,15 @@ class Engine:
                                     step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps
                 else:
+                    if tell and pending:  # the tokens so far go to the draft while this step's forward runs
+                        try:
+                            if told is not None:
+                                told, _ = None, (told.result() if told.done() else (yield DraftCall(future=told)))
+                            told = self._tells.submit(self.draft.step, sid, step, pending, retrieval, TELL_BOUND)
+                            step, retrieval, pending = step + 1, None, []
+                            stats.told_steps += 1
+                        except DraftError as e:
+                            use_draft = tell = self._fall_back(stats, sid, e)
                     committed = yield from self._plain_co(target, committed[-1], params, gen, timed, lookup, stats)
                     if use_draft:
                         pending = pending + committed
@@ -320,8 +340,9 @@ class Engine:
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None
             self._costs = costs or self._costs
-            if opening is not None:  # once the open has finished (now, or later if still running)
-                opening.add_done_callback(lambda f: f.exception() is None and self._close_draft(sid))
+            if opening is not None:  # once the open has finished (now, or later if still running), and
+                # after a tell still in flight (a step must not reach the draft after its session's close)
+                opening.add_done_callback(partial(self._close_after, sid, told))
 
     @staticmethod
     def _plain_co(target: TargetSession, root: int, params: SamplingParams, gen, timed,
@@ -358,6 +379,14 @@ class Engine:
         stats.fallback = True
         self._close_draft(sid)
         return False
+
+    def _close_after(self, sid: str, told: Optional[Future], opening: Future) -> None:
+        if opening.exception() is not None:  # no session was opened
+            return
+        if told is None:
+            self._close_draft(sid)
+        else:
+            told.add_done_callback(lambda _: self._close_draft(sid))
 
     def _close_draft(self, sid: str) -> None:
         try:

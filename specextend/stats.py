@@ -25,6 +25,7 @@ class RequestStats:
     unready_wait_s: float = 0.0  # the target's wait for those empty answers
     unready_refreshes: int = 0  # retrieval selections those steps delivered to the draft
     lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain instead
+    told_steps: int = 0  # plain steps whose tokens went to an overlapping draft at once (engine.TELL_BOUND)
     lookup_nodes: int = 0  # nodes that context-lookup chains added to the trees verified
     lookup_accepted: int = 0  # accepted tokens that only a lookup chain proposed
     ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
@@ -115,7 +116,7 @@ class RequestStats:
                     tokens_per_s=self.tokens_per_s, retrieval_refreshes=self.retrieval_refreshes,
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
-                    unready_steps=self.unready_steps, lookup_steps=self.lookup_steps,
+                    unready_steps=self.unready_steps, lookup_steps=self.lookup_steps, told_steps=self.told_steps,
                     lookup_nodes=self.lookup_nodes, lookup_accepted=self.lookup_accepted,
                     probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,

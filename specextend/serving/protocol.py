@@ -186,6 +186,7 @@ class SpeculativeDecoding(BaseModel):
     mean_tree_nodes: float = 0.0  # draft nodes verified per speculative step (the trees chosen)
     lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain
     lookup_accepted: int = 0  # accepted tokens that only a context-lookup chain proposed
+    told_steps: int = 0  # plain steps whose tokens the overlapping draft was sent at once (its pool follows them)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
@@ -205,7 +206,8 @@ def spec_decoding(stats: RequestStats) -> dict:
            "plain_steps": stats.plain_steps, "probe_steps": stats.probe_steps,
            "unready_steps": stats.unready_steps,
            "mean_tree_nodes": stats.mean_tree_nodes,
-           "lookup_steps": stats.lookup_steps, "lookup_accepted": stats.lookup_accepted}
+           "lookup_steps": stats.lookup_steps, "lookup_accepted": stats.lookup_accepted,
+           "told_steps": stats.told_steps}
     if stats.replayed:
         out["replayed"] = True
     return out

@@ -1,0 +1,162 @@
+"""Told verdicts (docs/architecture.md, "Overlapped drafting"): with an overlapping draft, each plain step
+sends the tokens committed so far to the draft while its own forward runs (a step call whose
+answer is unused), so the draft's pool follows plain and lookup steps and the next tree can be
+ready. Lossless (float64: exactly), every token reaches the draft once and in order, a session's
+close waits for its last tell, and a draft that fails on a tell leaves plain decoding."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
+from specextend.controller import PLAIN, TreeController, ladder
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, TreeBound
+from specextend.draft.session import DraftSession
+from specextend.draft.worker import DraftWorker
+from specextend.engine import TELL_BOUND, Engine
+
+from test_overlap import grow
+
+TREE = TreeConfig(8, 4, 3)
+
+
+def prompt(n=60, seed=3):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Runs(TreeController):
+    """Three plain steps, then two speculative ones, and again (every switch exercised)."""
+
+    def choose(self, sessions=1):
+        return self.top if (self.spec_steps + self.plain_steps) % 5 >= 3 else PLAIN
+
+
+class Recorder(DraftBackend):
+    """Around a real backend: every step call (number, tokens, bound) and when the close came."""
+
+    def __init__(self, inner: DraftBackend, delay_s: float = 0.0, fail_at: int = -1):
+        self.inner, self.delay_s, self.fail_at = inner, delay_s, fail_at
+        self.calls, self.events, self.lock = [], [], threading.Lock()
+
+    def open(self, session_id, prompt_ids, params):
+        return self.inner.open(session_id, prompt_ids, params)
+
+    def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
+        with self.lock:
+            self.calls.append((step, tuple(accepted_tokens), bound))
+        time.sleep(self.delay_s)  # a slow answer: the engine must not send the next call before it
+        if step == self.fail_at:
+            raise DraftError("injected")
+        tree = self.inner.step(session_id, step, accepted_tokens, retrieval, bound)
+        with self.lock:
+            self.events.append(("step", step))
+        return tree
+
+    def close(self, session_id):
+        with self.lock:
+            self.events.append(("close", None))
+        self.inner.close(session_id)
+
+
+def engine_for(pair, backend, **kw) -> Engine:
+    cfg = EngineConfig(mode="specextend", tree=TREE, tree_policy="adaptive",
+                       retrieval=RetrievalConfig(chunk_size=8, top_k=6, every=2),
+                       **{"lookup_tokens": 0, "draft_overlap": True, **kw})
+    engine = Engine(cfg, pair[0], backend)
+    engine.new_controller = lambda tree: Runs(ladder(tree))
+    return engine
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("lookup", [0, 8])
+def test_told_plain_steps_are_lossless_and_reach_the_draft_once_in_order(pair, sampling, lookup):
+    params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=7)
+    from helpers import make_engine
+
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, delay_s=0.002)
+    out, _, stats = engine_for(pair, draft, lookup_tokens=lookup).generate(prompt(), params)
+    worker.shutdown()
+    assert out == ref
+    assert stats.told_steps > 0 and stats.plain_steps >= stats.told_steps
+    assert stats.num_steps + stats.unready_steps > 0  # trees asked (sampled verdicts are rarely in the pool)
+    assert sampling or stats.num_steps > 0  # greedy ones are: trees verified
+    steps = [s for s, _, _ in draft.calls]
+    assert steps == list(range(len(steps)))  # one call per number, in order
+    sent = [t for _, tokens, _ in draft.calls for t in tokens]
+    assert sent == out[:len(sent)]  # each committed token sent once, in order
+    assert len(sent) >= len(out) - 3  # ... all of them but the last step's
+    told = [b == TELL_BOUND for _, _, b in draft.calls]
+    assert sum(told) == stats.told_steps
+    # after the first call every tree step may take a ready tree: the draft was told everything
+    assert all(b.ready_only for _, _, b in draft.calls[1:])
+
+
+def test_a_close_waits_for_the_last_tell(pair):
+    """A request that ends on a plain step leaves its tell in flight; the session's close reaches the
+    draft only after it (a step after a close would fail on the draft side)."""
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, delay_s=0.05)
+    engine = engine_for(pair, draft)
+    engine.new_controller = lambda tree: _AlwaysPlain(ladder(tree))
+    out, _, stats = engine.generate(prompt(), SamplingParams(6, ignore_eos=True))
+    deadline = time.time() + 5
+    while ("close", None) not in draft.events and time.time() < deadline:
+        time.sleep(0.01)
+    worker.shutdown()
+    assert stats.told_steps == 5 and stats.num_steps == 0
+    kinds = [k for k, _ in draft.events]
+    assert kinds == ["step"] * 5 + ["close"]
+
+
+class _AlwaysPlain(TreeController):
+    def choose(self, sessions=1):
+        return PLAIN
+
+
+def test_a_draft_failing_on_a_tell_leaves_plain_decoding(pair):
+    from helpers import make_engine
+
+    params = SamplingParams(30, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, fail_at=1)  # step 1 is the first tell (step 0: the first plain step's)
+    out, _, stats = engine_for(pair, draft).generate(prompt(), params)
+    worker.shutdown()
+    assert out == ref and stats.fallback
+    assert max(s for s, _, _ in draft.calls) <= 2  # nothing asked of the draft after the failure surfaced
+
+
+@pytest.mark.parametrize("overlap,tell", [(False, True), (True, False)])
+def test_without_overlap_or_with_tells_off_plain_steps_tell_nothing(pair, overlap, tell):
+    """A draft without overlap drafts a tree for any call, and `draft_tell=false` is the A/B: plain
+    steps' tokens wait for the next tree's call."""
+    worker = DraftWorker(pair[1].decoder, overlap=overlap)
+    draft = Recorder(worker)
+    engine = engine_for(pair, draft, draft_overlap=overlap, draft_tell=tell)
+    out, _, stats = engine.generate(prompt(), SamplingParams(30, ignore_eos=True))
+    worker.shutdown()
+    assert stats.told_steps == 0 and all(b != TELL_BOUND for _, _, b in draft.calls)
+    assert any(len(t) > 1 for _, t, _ in draft.calls)  # plain steps' tokens came with the next tree's call
+
+
+# ------------------------------------------------------------------ the draft session's side
+
+def test_a_tell_keeps_the_pool_and_the_next_verdict_is_answered_ready(pair):
+    """A tell whose token the pool forwarded re-roots the pool (kept, not dropped); after the
+    background grows it, the next step's verdict below it is answered from it."""
+    draft = pair[1].decoder
+    s = DraftSession(draft, prompt(), DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64), overlap=True)
+    s.step(0, [7], None)
+    grow(s)
+    child = next(i for i in range(len(s.pool)) if s.pool.depths[i] == 1 and s.pool.slots[i] >= 0)
+    told = s.step(1, [s.pool.tokens[child]], None, TELL_BOUND)
+    assert told.ready and len(told.tokens) <= 1 and s.pool is not None
+    grow(s)
+    nxt = next(i for i in range(len(s.pool)) if s.pool.depths[i] == 1 and s.pool.slots[i] >= 0)
+    assert s.step(2, [s.pool.tokens[nxt]], None, TreeBound(ready_only=True)).ready
