@@ -14,7 +14,7 @@ import torch
 
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
 from specextend.controller import PLAIN, TreeController, ladder
-from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, TreeBound
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, TreeBound
 from specextend.draft.session import DraftSession
 from specextend.draft.worker import DraftWorker
 from specextend.engine import TELL_BOUND, Engine
