@@ -72,6 +72,11 @@ SLOW_DRAFT = 3.0
 
 
 SHALLOW = 3  # levels of each size's shallow rung
+# With overlap, a tree step may find nothing ready (record_unready): the warm-up's trees are asked
+# up to this many times in all before the session decides without their measurements, and a probe
+# that met one asks once more (PROBE_RETRIES) before it counts as done
+WARM_TRIES = 4
+PROBE_RETRIES = 1
 
 
 def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
@@ -186,10 +191,14 @@ class TreeController:
     draft_ratio: Optional[float] = None  # the draft's prefill over the target's, when it says drafting cannot pay
     lookup_plain: float = 0.0  # tokens a plain step's context-lookup chain added (average; engine.py)
     lookup_spec: float = 0.0  # tokens a speculative step's lookup chain added beyond the draft's path
+    ready: float = 1.0  # share of the tree steps asked whose tree the draft had (average; with overlap < 1)
+    unready_steps: int = 0  # tree steps asked that got none (decoded plainly: record_unready)
+    _probe_misses: int = 0  # unready answers to the probe under way
     primed: bool = False  # started from carried Costs
     _warm: bool = False  # ... and skips the warm-up steps that measure them
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
+    _probe: Optional[Rung] = None  # the probe's rung
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
     _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span) not yet in the line
 
@@ -205,9 +214,9 @@ class TreeController:
                 return self.accepted[r]
         return 0.0
 
-    def step_seconds(self, rung: Rung) -> float:
-        """Predicted seconds of a step of `rung` charged to this session (its share of a shared
-        forward's fixed cost, its own rows and draft)."""
+    def _verified_seconds(self, rung: Rung) -> float:
+        """Predicted seconds of a step of `rung` that verifies its tree (or, plain, decodes), charged
+        to this session (its share of a shared forward's fixed cost, its own rows and draft)."""
         a, b = self.forward.line()
         fwd = a / max(self.sessions, 1) + b * (rung.nodes + 1)
         if rung.plain:
@@ -216,9 +225,20 @@ class TreeController:
             return fwd + (self.extra_plain or 0.0)
         return fwd + self.draft_seconds(rung.depth) + (self.extra_spec or 0.0)
 
+    def step_seconds(self, rung: Rung) -> float:
+        """Predicted seconds of a step of `rung`: a tree step asks for a tree (the wait), and gets
+        one in a `ready` share of the steps, else it decodes plainly."""
+        if rung.plain or self.ready >= 1.0:
+            return self._verified_seconds(rung)
+        unready = self.draft_seconds(rung.depth) + self._verified_seconds(PLAIN)
+        return self.ready * self._verified_seconds(rung) + (1 - self.ready) * unready
+
     def rate(self, rung: Rung) -> float:
         """Predicted tokens per second of a step of `rung`."""
-        tokens = 1.0 + (self.lookup_plain if rung.plain else self.expected_accepted(rung) + self.lookup_spec)
+        plain = 1.0 + self.lookup_plain
+        if rung.plain:
+            return plain / max(self.step_seconds(rung), 1e-9)
+        tokens = self.ready * (1.0 + self.expected_accepted(rung) + self.lookup_spec) + (1 - self.ready) * plain
         return tokens / max(self.step_seconds(rung), 1e-9)
 
     def best(self) -> Rung:
@@ -254,18 +274,22 @@ class TreeController:
         self._settle()  # the prefill's forwards, before the first step: in the line, not in this step's time
         self._forward_s = 0.0
         self.sessions = sessions
-        if self._warm and self.spec_steps == 0:  # the costs are known: one full tree measures this
+        if self._probing and self._probe_misses:  # the probe found no tree ready: once more (the
+            return self._probe  # draft catches up after an unready answer, so the next is likelier)
+        if self._warm and self.spec_steps == 0 and self.unready_steps < WARM_TRIES:  # the costs are
+            # known: one full tree measures this
             if self._top_may_pay():  # text's acceptance, every rung's at once
                 return self.top
             # carried costs say no tree can pay: warm up as a cold session does, whose smallest tree
             # re-measures the draft cheaply (the way back, were the costs to have changed)
             self._warm = False
         if not self._warm:
-            if self.spec_steps == 0 and self.draft_ratio is None:
+            tries = self.unready_steps < WARM_TRIES  # an overlapping draft with nothing ready measures nothing
+            if self.spec_steps == 0 and self.draft_ratio is None and tries:
                 return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
             if not self.plain_steps:
                 return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)
-            if self.spec_steps < self.warmup and self._top_may_pay():
+            if self.spec_steps < self.warmup and self._top_may_pay() and tries:
                 return self.top
         best = self.best()
         if best == self.top:  # nothing larger to probe
@@ -278,7 +302,7 @@ class TreeController:
             ratio = self.step_seconds(probe) / max(self.step_seconds(best), 1e-9)
             self.probe_every = max(self.min_probe, int(self.probe_ratio * ratio + 0.5))
         if self.since_probe >= self.probe_every:
-            self._probing, self._best = True, best
+            self._probing, self._best, self._probe = True, best, probe
             return probe
         return best
 
@@ -303,7 +327,7 @@ class TreeController:
     def _top_may_pay(self) -> bool:
         """Whether the largest tree could beat a plain step if every level were accepted: when not
         (a draft far slower than the target), warming up on it would only cost time."""
-        best_case = (1.0 + self.top.depth) / max(self.step_seconds(self.top), 1e-9)
+        best_case = (1.0 + self.top.depth) / max(self._verified_seconds(self.top), 1e-9)
         return best_case > self.rate(PLAIN)
 
     def record_forward(self, rows: int, seconds) -> None:
@@ -355,17 +379,42 @@ class TreeController:
             old = self.accepted.get(r, 0.0)
             w = 1 - (1 - self.alpha) ** (now - self.measured_at.get(r, -10**6))  # 1 when never measured
             self.accepted[r], self.measured_at[r] = (1 - w) * old + w * n, now
+        self.ready = (1 - self.alpha) * self.ready + self.alpha
         self.spec_steps += 1
         self.since_probe += 1
         if self._probing:
-            self._probing = False
-            self.probe_steps += 1
-            self.since_probe = 0
-            moved_up = self.rungs.index(self.best()) > self.rungs.index(self._best)
-            # a prior-priced probe (the smallest tree) is followed by full-tree probes: their
-            # interval is worked out anew from the costs just measured, not doubled from its own
-            again = moved_up or rung != self.top
-            self.probe_every = 0 if again else min(2 * self.probe_every, self.max_probe)
+            self._end_probe(rung)
+
+    def record_unready(self, rung: Rung, draft_s: Optional[float], step_s: Optional[float] = None,
+                       lookup: int = 0) -> None:
+        """A step that asked for a tree of `rung` and got none (an overlapping draft with nothing
+        ready; the step decoded plainly, `lookup` tokens from a chain): the ready share falls; the
+        acceptance averages stay (nothing was verified: an empty answer says nothing about how much
+        of a tree the target would take). A probe that met one asks again on the next step, once."""
+        self._settle()
+        self.ready = (1 - self.alpha) * self.ready
+        self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
+        if draft_s is not None:
+            self.draft.add(rung.depth, draft_s)
+        if step_s is not None:
+            self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s - (draft_s or 0.0), 0.0))
+        self._forward_s = 0.0
+        self.unready_steps += 1
+        self.since_probe += 1
+        if self._probing:
+            self._probe_misses += 1
+            if self._probe_misses > PROBE_RETRIES:
+                self._end_probe(rung)
+
+    def _end_probe(self, rung: Rung) -> None:
+        self._probing, self._probe_misses = False, 0
+        self.probe_steps += 1
+        self.since_probe = 0
+        moved_up = self.rungs.index(self.best()) > self.rungs.index(self._best)
+        # a prior-priced probe (the smallest tree) is followed by full-tree probes: their
+        # interval is worked out anew from the costs just measured, not doubled from its own
+        again = moved_up or rung != self.top
+        self.probe_every = 0 if again else min(2 * self.probe_every, self.max_probe)
 
 
 class AlwaysSpeculate(TreeController):

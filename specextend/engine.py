@@ -252,15 +252,15 @@ class Engine:
                         use_draft = self._fall_back(stats, sid, e)
                         continue
                     if not tree.tokens:  # nothing ready (the draft applied the step and catches up): one
-                        # plain token now; to the policy a step of this rung that accepted nothing
+                        # plain token now; to the policy an unready step (its ready share falls)
                         stats.unready_steps += 1
                         stats.unready_wait_s += draft_s
                         stats.unready_refreshes += retrieval is not None
                         committed = pending = yield from self._plain_co(target, committed[-1], params, gen, timed,
                                                                         lookup, stats)
                         step, retrieval = step + 1, None
-                        ctl.record_spec(rung, draft_s, prefix_accepts([], (), rung, ctl.rungs),
-                                        step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
+                        ctl.record_unready(rung, draft_s, step_s=time.perf_counter() - t_step,
+                                           lookup=len(committed) - 1)
                         stats.probe_steps = ctl.probe_steps
                         stats.decode_s = time.perf_counter() - t1
                         yield out.emit(committed)

@@ -194,7 +194,8 @@ class Rigged(TreeController):
 
     def choose(self, sessions=1):
         self.heard.append(sessions)
-        return self.rungs[(5 * (self.spec_steps + self.plain_steps) + 1) % len(self.rungs)]  # 5: prime to 4 and 6
+        steps = self.spec_steps + self.plain_steps + self.unready_steps
+        return self.rungs[(5 * steps + 1) % len(self.rungs)]  # 5: prime to 4 and 6
 
     def record_forward(self, rows, seconds):
         self.rows.append(rows)
@@ -396,3 +397,79 @@ def test_after_the_cheap_probe_the_full_tree_probes_at_an_interval_from_measured
     assert gap >= 0.9 * 10 * top_cost / (FIXED + ROW)  # the probes-cost-a-tenth rule at the measured price
     spent = sum(FIXED + ROW * (r.nodes + 1) + (level * r.depth if not r.plain else 0) for r in chosen)
     assert len(probes) * top_cost < 0.15 * spent
+
+
+# ---------------------------------------------------------------------------- an overlapping draft's unready steps
+def simulate_overlap(ctl, accepted, steps, ready, seed=0, level=0.0003):
+    """`simulate` with an overlapping draft: each tree asked is ready with probability `ready`
+    (seeded), else the step decodes plainly after the wait (record_unready). The wait is flat."""
+    gen = torch.Generator().manual_seed(seed)
+    chosen, got = [], []
+    for _ in range(steps):
+        r = ctl.choose()
+        has = not r.plain and torch.rand((), generator=gen).item() < ready
+        rows = r.nodes + 1 if has else 1
+        ctl.record_forward(rows, FIXED + ROW * rows)
+        if r.plain:
+            ctl.record_plain()
+        elif has:
+            covered = [q for q in ctl.rungs[1:] if q.nodes <= r.nodes and q.depth <= r.depth]
+            ctl.record_spec(r, level, {q: accepted[q] for q in covered})
+        else:
+            ctl.record_unready(r, level)
+        chosen.append(r)
+        got.append(has)
+    return chosen, got
+
+
+def test_an_unready_step_lowers_the_ready_share_not_the_acceptance():
+    ctl = TreeController(list(RUNGS))
+    ctl.accepted = {RUNGS[-1]: 4.0}
+    ctl.record_unready(RUNGS[-1], 0.001)
+    assert ctl.accepted == {RUNGS[-1]: 4.0} and ctl.ready == pytest.approx(0.7) and ctl.unready_steps == 1
+    assert ctl.spec_steps == 0 and ctl.plain_steps == 0
+    ctl.record_spec(RUNGS[-1], 0.001, {RUNGS[-1]: 4})
+    assert ctl.ready == pytest.approx(0.79)
+
+
+def test_the_ready_share_prices_a_tree_step():
+    """A tree that pays when it is always ready does not when it rarely is: an unready ask costs
+    the wait plus a plain step and yields one token."""
+    accepted = dict(zip(RUNGS[1:], PROFILES["medium"]))
+    often, _ = simulate_overlap(TreeController(list(RUNGS)), accepted, 300, ready=0.9)
+    rarely, _ = simulate_overlap(TreeController(list(RUNGS)), accepted, 300, ready=0.05, level=0.004)
+    assert sum(not r.plain for r in often[-100:]) > 90
+    assert sum(not r.plain for r in rarely[-100:]) < 25  # probes only
+
+
+def test_the_warm_up_asks_again_when_its_tree_was_not_ready():
+    """An empty answer measures nothing: the warm-up's tree is asked again (a bounded number of
+    times), so that a first unready step does not leave the session plain without a measurement."""
+    ctl = TreeController(list(RUNGS))
+    first = ctl.choose()
+    assert first == RUNGS[1]
+    ctl.record_unready(first, 0.001)
+    assert ctl.choose() == RUNGS[1]  # again
+    ctl.record_unready(first, 0.001)
+    ctl.record_unready(first, 0.001)
+    ctl.record_unready(first, 0.001)
+    assert ctl.choose() == PLAIN  # WARM_TRIES asks in all: on without a measurement
+
+
+def test_a_probe_that_met_an_unready_tree_asks_once_more():
+    accepted = dict(zip(RUNGS[1:], PROFILES["useless"]))
+    ctl = TreeController(list(RUNGS))
+    simulate(ctl, accepted, 40)  # plain, with probes
+    for _ in range(2000):
+        r = ctl.choose()
+        if ctl._probing:
+            break
+        assert r.plain
+        ctl.record_forward(1, FIXED + ROW)
+        ctl.record_plain()
+    assert ctl._probing
+    probes = ctl.probe_steps
+    ctl.record_unready(RUNGS[-1], 0.001)
+    assert ctl._probing and ctl.choose() == RUNGS[-1]  # the probe again
+    ctl.record_unready(RUNGS[-1], 0.001)
+    assert not ctl._probing and ctl.probe_steps == probes + 1  # done: it counts, and backs off
