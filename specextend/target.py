@@ -62,10 +62,12 @@ class TargetSession:
         part = ids[lo:lo + chunk]
         t = part.numel()
         last = lo + t >= ids.numel()
+        # eager, never a graph: a prompt's last chunk has any length up to 64 (a graph per length
+        # would be captured on the request's path: 2026-11-27, docs/architecture.md, "Execution plans")
         logits, captured = yield ForwardCall(
             part, torch.arange(lo, lo + t, device=dev), self.cache, CAUSAL,
             ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev),
-                           capture_last=capture and last))
+                           capture_last=capture and last, graphs=False))
         self.cache.advance(t)
         if last:
             self.captured = captured

@@ -95,3 +95,26 @@ def test_the_serve_suite_finds_every_process_s_late_lines_in_the_ray_session_log
                         raising=False)
     assert late_work_lines() == [f"3 x {line}", "1 x kernel after warm-up, on a request's path: "
                                                   "tree_combine[num_warps=4](T: constexpr = 9)"]
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_prompts_last_chunk_runs_eagerly_whatever_its_length(role):
+    """A prompt's last prefill chunk (after the first) has any length up to the graphs' largest:
+    replayed as a graph, each new length was a capture on the request's path (two H200s,
+    2026-11-27: captures of 46, 47 and 49 tokens, the 16K prompts' remainders past 2048-token
+    chunks). Prefill chunks run eagerly, on the target and on the draft."""
+    from specextend.models.full_graphs import FullStepGraphs
+
+    t, d = float32_pair()
+    model = (t if role == "target" else d).decoder
+    model.graphs = FullStepGraphs(model, capture=False)
+    from specextend.draft.worker import DraftWorker
+
+    engine = make_engine((t, d), "sd", draft_backend=DraftWorker(d.decoder, prefill_chunk=64), tree=TreeConfig(8, 3, 2),
+                         prefill_chunk=64, lookup_tokens=0, hybrid_attention=True)
+    warm_up(engine, list(range(3, 60)))
+    late_work.mark_ready()
+    for rest in (9, 23, 46):  # prompts of 64 + rest tokens: a last chunk of `rest`
+        engine.generate(list(range(5, 5 + 64 + rest)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert late_work.counts()["capture"] == 0
+    model.graphs = None

@@ -84,9 +84,9 @@ def test_padded_catch_up_equals_one_plain_forward(tiny_models, monkeypatch):
     trees, caches, padded = [], [], []
     inner = ds.DraftSession._forward_committed_co
 
-    def spy(self, ids, window=0, rows=0):
+    def spy(self, ids, window=0, rows=0, graphs=True):
         padded.append(rows > len(ids))
-        return (yield from inner(self, ids, window, rows))
+        return (yield from inner(self, ids, window, rows, graphs))
 
     monkeypatch.setattr(ds.DraftSession, "_forward_committed_co", spy)
     monkeypatch.setattr(ds, "CATCH_UP", 16)
@@ -118,9 +118,9 @@ def test_a_short_request_s_catch_up_is_padded_too(tiny_models, monkeypatch, retr
     seen = []
     inner = ds.DraftSession._forward_committed_co
 
-    def spy(self, ids, window=0, rows=0):
+    def spy(self, ids, window=0, rows=0, graphs=True):
         seen.append((len(ids), rows))
-        return (yield from inner(self, ids, window, rows))
+        return (yield from inner(self, ids, window, rows, graphs))
 
     monkeypatch.setattr(ds.DraftSession, "_forward_committed_co", spy)
     monkeypatch.setattr(ds.DraftSession, "pads_catch_up", staticmethod(lambda model: True))  # as with CUDA graphs

@@ -123,22 +123,24 @@ class DraftSession(Overlap):
         self._prefill(list(prompt_ids), prefill_chunk)
 
     # ----------------------------------------------------------------- caches
-    def forward_committed(self, ids: list[int], window: int = 0, rows: int = 0) -> torch.Tensor:
+    def forward_committed(self, ids: list[int], window: int = 0, rows: int = 0, graphs: bool = True) -> torch.Tensor:
         """Forward committed tokens in place (`_forward_committed_co`): the last one's logits [V]."""
-        return run_alone(self._forward_committed_co(ids, window, rows), self.model)
+        return run_alone(self._forward_committed_co(ids, window, rows, graphs), self.model)
 
-    def _forward_committed_co(self, ids: list[int], window: int = 0,
-                              rows: int = 0) -> Generator[ForwardCall, Result, torch.Tensor]:
+    def _forward_committed_co(self, ids: list[int], window: int = 0, rows: int = 0,
+                              graphs: bool = True) -> Generator[ForwardCall, Result, torch.Tensor]:
         """Forward committed tokens (causal), append them to both caches; logits of the last [V].
         `rows` > len(ids): padded to that many rows with copies of the last token, whose K/V are
-        staged past the committed ones and never committed (one graph shape for any count)."""
+        staged past the committed ones and never committed (one graph shape for any count).
+        `graphs=False`: eager (a prompt's last chunk: any length, seen once)."""
         dev = self.model.device
         t = len(ids)
         rows = max(rows, t)
         pos = torch.arange(self.work.length, self.work.length + rows, device=dev)  # [rows]
         ids_last = to_device(ids + ids[-1:] * (rows - t) + [t - 1], torch.long, dev)  # [rows + 1]: ids, then the row to read
         logits, _ = yield ForwardCall(ids_last[:rows], pos, self.work, CAUSAL,
-                                      ForwardOptions(window=window, store=self.store, logits_rows=ids_last[rows:]))
+                                      ForwardOptions(window=window, store=self.store, logits_rows=ids_last[rows:],
+                                                     graphs=graphs))
         self.work.advance(t)
         if self.store is not None:
             self.store.advance(t)
@@ -159,7 +161,7 @@ class DraftSession(Overlap):
 
     def _prefill(self, prompt: list[int], chunk: int) -> None:
         for lo in range(0, len(prompt), chunk):
-            self.forward_committed(prompt[lo:lo + chunk], window=self.cfg.draft_prefill_window or 0)
+            self.forward_committed(prompt[lo:lo + chunk], window=self.cfg.draft_prefill_window or 0, graphs=False)
         if self.store is not None and len(prompt) > self.cfg.budget_tokens:
             self._rebuild(initial_chunks(len(prompt), self.cfg), self.cfg.chunk_size)
 

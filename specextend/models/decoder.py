@@ -68,6 +68,7 @@ class ForwardOptions:
     logits_rows: Optional[torch.Tensor] = None  # rows of T to compute logits for (None = all)
     store: Optional[KVCache] = field(default=None)  # also stage pre-RoPE K (and V) here
     staged: int = 0  # tree tokens already staged after the prefix (drafting deeper levels)
+    graphs: bool = True  # may replay the step graphs (False: eager; a prompt's last chunk, a one-off shape)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -41,7 +41,7 @@ MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
 
 def graphable(t: int, cache: KVCache, new_mask: Mask, opts, max_tokens: int) -> bool:
     """HTA-composed forwards of a few queries after a non-empty prefix, no sliding window."""
-    if not (opts.hybrid and opts.window == 0 and cache.length > 0 and 0 < t <= max_tokens):
+    if not (opts.graphs and opts.hybrid and opts.window == 0 and cache.length > 0 and 0 < t <= max_tokens):
         return False
     return isinstance(new_mask, torch.Tensor) or new_mask == CAUSAL
 
