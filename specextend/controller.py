@@ -172,7 +172,7 @@ class TreeController:
     warmup: int = 2  # speculative steps before the first decision: the smallest tree, then (after a plain
     # step) the largest if it may pay
     min_probe: int = 4  # steps before a probe, at least
-    probe_ratio: float = 10.0  # ... and at least this many probes' worth of time
+    probe_ratio: float = 10.0  # ... and this many times the time a probe loses against the best choice
     max_probe: int = 1024
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
     forward: LinearCost = field(default_factory=LinearCost)  # target forward seconds vs rows
@@ -299,8 +299,14 @@ class TreeController:
         # of drafting cheaply, which corrects a wrong prior; then the full tree
         probe = self.rungs[1] if self.priced_by_prior else self.top
         if not self.probe_every:
-            ratio = self.step_seconds(probe) / max(self.step_seconds(best), 1e-9)
-            self.probe_every = max(self.min_probe, int(self.probe_ratio * ratio + 0.5))
+            # what a probe loses against the best choice: its time, less the time its predicted
+            # tokens take at the best rate; probes lose about 1/probe_ratio of the time. A probe
+            # that drafts on the target's path loses most of its time (the 0.5B draft beside the
+            # 1.5B on one GPU: ~30 steps apart); a ready tree from an overlapping draft, little
+            # (every few steps), so that its trees are measured again
+            t_probe, t_best = self.step_seconds(probe), max(self.step_seconds(best), 1e-9)
+            lost = t_probe * max(1.0 - self.rate(probe) / max(self.rate(best), 1e-12), 0.0)
+            self.probe_every = max(self.min_probe, int(self.probe_ratio * lost / t_best + 0.5))
         if self.since_probe >= self.probe_every:
             self._probing, self._best, self._probe = True, best, probe
             return probe

@@ -178,7 +178,9 @@ def test_probes_back_off_exponentially_and_come_back():
     assert ctl.best() == PLAIN
     probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]][1:]  # after the warm-up's
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    base = round(10 * (FIXED + ROW * 17 + LEVEL * 6) / (FIXED + ROW))
+    top, plain = FIXED + ROW * 17 + LEVEL * 6, FIXED + ROW  # seconds of a full-tree and a plain step
+    lost = top * (1 - (1.06 / top) / (1 / plain))  # the probe's time less its tokens' at the plain rate
+    base = round(10 * lost / plain)
     assert probes[0] == base  # `base` steps from the start (warm-up and the plain measurement included)
     assert gaps[:3] == [2 * base + 1, 4 * base + 1, 8 * base + 1]
     assert ctl.probe_steps == len(probes) and ctl.plain_steps == chosen.count(PLAIN)
@@ -473,3 +475,15 @@ def test_a_probe_that_met_an_unready_tree_asks_once_more():
     assert ctl._probing and ctl.choose() == RUNGS[-1]  # the probe again
     ctl.record_unready(RUNGS[-1], 0.001)
     assert not ctl._probing and ctl.probe_steps == probes + 1  # done: it counts, and backs off
+
+
+def test_a_probe_that_loses_little_comes_often():
+    """Probes lose about a tenth of the time against the best choice: a full tree that an
+    overlapping draft has ready (a flat wait) loses less against plain steps than one drafted on
+    the target's path (a level's cost each), so its probes come sooner and more often."""
+    useless = dict(zip(RUNGS[1:], PROFILES["useless"]))
+    ready, _ = simulate_overlap(TreeController(list(RUNGS)), useless, 300, ready=1.0, level=0.0003)
+    drafted = simulate(TreeController(list(RUNGS)), useless, 300)
+    probes = [[i for i, r in enumerate(c) if r == RUNGS[-1]][1:] for c in (ready, drafted)]
+    assert probes[0][0] < probes[1][0] and len(probes[0]) > len(probes[1])
+    assert all(r in (PLAIN, RUNGS[-1]) for c in (ready, drafted) for r in c[3:])
