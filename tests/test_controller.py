@@ -303,7 +303,8 @@ def test_policy_metrics_and_response_fields():
     from specextend.serving.protocol import spec_decoding
 
     stats = RequestStats(num_steps=3, accepted_per_step=[2, 0, 1], nodes_per_step=[16, 4, 4], draft_tokens=24,
-                         plain_steps=5, probe_steps=1, num_generated=11, lookup_steps=2, lookup_accepted=7)
+                         plain_steps=5, probe_steps=1, num_generated=11, lookup_steps=2, lookup_accepted=7,
+                         told_steps=4)
     m = ReplicaMetrics(use_ray=False)
     m.record_request(stats, "length")
     text = m.exposition()
@@ -314,8 +315,10 @@ def test_policy_metrics_and_response_fields():
     assert "specextend_spec_decode_num_probe_steps_total 1.0" in text
     assert "specextend_spec_decode_num_lookup_steps_total 2.0" in text
     assert "specextend_spec_decode_num_lookup_accepted_tokens_total 7.0" in text
+    assert "specextend_spec_decode_num_told_steps_total 4.0" in text
     spec = SpeculativeDecoding(**spec_decoding(stats)).model_dump()
     assert (spec["mean_tree_nodes"], spec["plain_steps"], spec["probe_steps"]) == (8.0, 5, 1)
+    assert spec["told_steps"] == 4
 
 
 def test_the_drafts_catch_up_after_plain_steps_is_not_charged_to_speculation(tiny_models, monkeypatch):

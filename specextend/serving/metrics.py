@@ -66,6 +66,8 @@ FAMILIES = {
         ()),
     "specextend_spec_decode_num_lookup_accepted_tokens": (
         "counter", "Accepted tokens that only a context-lookup chain proposed (lookup_tokens).", ()),
+    "specextend_spec_decode_num_told_steps": (
+        "counter", "Plain steps whose tokens went to the overlapping draft at once (draft_tell).", ()),
     "specextend_spec_decode_tree_nodes": (
         "histogram", "Draft nodes verified per speculative step (the tree sizes the policy chose).", ()),
     "specextend_prompt_tokens": ("counter", "Prompt tokens prefilled.", ()),
@@ -173,6 +175,7 @@ class ReplicaMetrics:
         self.inc("specextend_spec_decode_num_probe_steps", stats.probe_steps)
         self.inc("specextend_spec_decode_num_lookup_steps", stats.lookup_steps)
         self.inc("specextend_spec_decode_num_lookup_accepted_tokens", stats.lookup_accepted)
+        self.inc("specextend_spec_decode_num_told_steps", stats.told_steps)
         for nodes in stats.nodes_per_step:
             self.observe("specextend_spec_decode_tree_nodes", nodes)
         self.inc("specextend_draft_fallbacks", int(stats.fallback))
