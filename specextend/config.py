@@ -6,7 +6,8 @@ the Serve arguments, YAML and the draft's wire config use are derived from these
 `flat` name its metadata gives. Nothing else declares a setting, its type, range or default.
 
 Settings whose default depends on the mode are `None` ("by mode") until `EngineConfig` resolves
-them, once, in `__post_init__`: HTA and retrieval are on in `specextend` mode, off otherwise, and
+them, once, in `__post_init__`: HTA is on in `specextend` and `lookup` modes, retrieval in
+`specextend` mode, both off otherwise, and
 the draft's prefill window is 512 tokens with retrieval (the reference's), else full attention.
 
 Glossary of dimension letters used in shape comments across the package:
@@ -26,7 +27,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BeforeValidator, ConfigDict, Field, SecretStr
 from pydantic.dataclasses import dataclass
 
-MODES = ("ar", "sd", "specextend")
+MODES = ("ar", "lookup", "sd", "specextend")
 ATTENTION_BACKENDS = ("auto", "flash", "torch", "eager")
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 EXECUTIONS = ("auto", "eager", "graphs")
@@ -102,8 +103,9 @@ class EngineConfig:
     target: str = Field("default", min_length=1,
                         description="target model: default, random:<preset>, a folder, a .gguf file or a hub id")
     draft: str = Field("default", min_length=1, description="draft model (same forms as target)")
-    mode: Literal["ar", "sd", "specextend"] = Field(
-        "specextend", description="ar: plain decoding; sd: tree speculative decoding; specextend: + HTA + retrieval")
+    mode: Literal["ar", "lookup", "sd", "specextend"] = Field(
+        "specextend", description="ar: plain decoding; lookup: context lookup alone (no draft model); sd: tree "
+                                  "speculative decoding; specextend: + HTA + retrieval")
     tree: TreeConfig = Field(default_factory=TreeConfig)
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     hybrid_attention: Optional[bool] = Field(
@@ -125,7 +127,7 @@ class EngineConfig:
         8, ge=0, le=32, description="context lookup: up to this many tokens that followed the context's last "
                                     "3 (else 2, else 1) tokens where they occurred before, grafted onto each tree "
                                     "and verified on steps without one where a per-request gate finds them worth "
-                                    "their rows (0: off; speculative modes only)")
+                                    "their rows (0: off; speculative modes only; mode lookup: the only drafts)")
     draft_tell: bool = Field(
         True, description="with draft_overlap: each plain step sends the tokens committed so far to the draft "
                           "while its forward runs, so that the draft's pool follows plain and lookup steps "
@@ -152,8 +154,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # resolve the mode's defaults, once (the only place they are decided)
         spec = self.mode == "specextend"
-        if self.hybrid_attention is None:
-            object.__setattr__(self, "hybrid_attention", spec)
+        if self.mode == "lookup" and not self.lookup_tokens:
+            raise ValueError("mode 'lookup' needs lookup_tokens > 0 (its drafts are the context's chains)")
+        if self.hybrid_attention is None:  # lookup verifies chains over the long prefix: HTA too
+            object.__setattr__(self, "hybrid_attention", spec or self.mode == "lookup")
         r = self.retrieval
         enabled = spec if r.enabled is None else r.enabled
         window = r.draft_prefill_window
@@ -164,7 +168,7 @@ class EngineConfig:
 
     @property
     def uses_draft(self) -> bool:
-        return self.mode != "ar"
+        return self.mode in ("sd", "specextend")
 
     @property
     def overlap(self) -> bool:

@@ -98,7 +98,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self._costs: Optional[Costs] = None  # the costs the last session that measured them left
-        if self.config.mode != "ar" and draft is None:
+        if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
         self._tells = ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-tell")
@@ -177,7 +177,7 @@ class Engine:
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
                                hybrid=cfg.hybrid_attention)
-        use_draft = cfg.mode != "ar" and speculate
+        use_draft = cfg.uses_draft and speculate
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
         ctl = self.new_controller(tree_cfg)
@@ -207,7 +207,8 @@ class Engine:
                 except DraftError as e:
                     use_draft = self._fall_back(stats, sid, e)
             lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
-            if use_draft and cfg.lookup_tokens and replay is None:
+            # mode lookup: the chains are the only drafts, every step a plain or lookup step
+            if (use_draft or (cfg.mode == "lookup" and speculate)) and cfg.lookup_tokens and replay is None:
                 index = ContextIndex(list(prompt_ids) + [token], self.target.args.vocab_size,
                                      capacity=len(prompt_ids) + params.max_new_tokens + 1)
                 lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward)  # chains where they pay
@@ -334,6 +335,8 @@ class Engine:
                         pending = pending + committed
                         ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                         stats.plain_steps += 1
+                    elif lookup is not None:  # mode lookup: the forwards into the gate's cost line
+                        ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1
                 yield ev

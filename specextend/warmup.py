@@ -38,6 +38,8 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
     _, _, stats = engine.generate(prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), speculate=False)
     if batch_sessions > 1:
         warm_batches(engine, batch_sessions)
+    if cfg.mode == "lookup":  # chains alone: each verify size once
+        warm_verify_sizes(engine, prompt_ids)
     if not cfg.uses_draft:
         return stats
     draft_warm_up = getattr(engine.draft, "warm_up", None)  # an in-process worker (a remote one warms itself)
@@ -71,10 +73,11 @@ def warm_verify_sizes(engine: Engine, prompt_ids: Sequence[int]) -> int:
     throwaway session: each size is its own CUDA graph. Returns the verifies run (0 with neither:
     trees come at the ladder's sizes)."""
     cfg = engine.config
-    if not cfg.overlap and not cfg.lookup_tokens:
+    if not cfg.overlap and not cfg.lookup_tokens or cfg.mode == "ar":
         return 0
     prompt = list(prompt_ids)
-    largest = cfg.tree.nodes + cfg.lookup_tokens  # a tree and the lookup chain grafted onto it
+    # a tree and the lookup chain grafted onto it (mode lookup: a chain alone)
+    largest = (cfg.tree.nodes if cfg.uses_draft else 0) + cfg.lookup_tokens
     session = TargetSession(engine.target.decoder, len(prompt) + largest + 2, hybrid=cfg.hybrid_attention)
     session.prefill(prompt, cfg.prefill_chunk)
     captures = (False, True) if cfg.retrieval.enabled and cfg.retrieval.select == "attention" else (False,)
@@ -114,6 +117,8 @@ def warm_batches(engine: Engine, batch_sessions: int) -> int:
         tokens |= {r.nodes + 1 for r in ladder(cfg.tree)[1:]}
         if cfg.lookup_tokens:  # a lookup chain alone, and grafted onto the largest tree
             tokens |= {cfg.lookup_tokens + 1, cfg.tree.nodes + cfg.lookup_tokens + 1}
+    elif cfg.mode == "lookup":  # a lookup chain alone
+        tokens.add(cfg.lookup_tokens + 1)
     return graphs.warm_batches(sorted(tokens), batch_sessions)
 
 

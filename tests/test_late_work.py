@@ -118,3 +118,24 @@ def test_a_prompts_last_chunk_runs_eagerly_whatever_its_length(role):
         engine.generate(list(range(5, 5 + 64 + rest)), SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert late_work.counts()["capture"] == 0
     model.graphs = None
+
+
+def test_mode_lookup_warms_every_chain_size():
+    """mode=lookup: the warm-up verifies a chain of every size once (each its own graph), so chains
+    met later build no plan."""
+    from specextend.config import EngineConfig
+    from specextend.engine import Engine
+    from specextend.models.full_graphs import FullStepGraphs
+
+    t, _ = float32_pair()
+    t.decoder.graphs = FullStepGraphs(t.decoder, capture=False)
+    engine = Engine(EngineConfig(mode="lookup", lookup_tokens=6, prefill_chunk=64), t)
+    warm_up(engine, list(range(3, 60)))
+    assert {k.t for k in t.decoder.graphs.plans} >= set(range(1, 8))  # a plain step, chains of 1..6
+    late_work.mark_ready()
+    looked = 0
+    for start in (5, 17):  # prompts that repeat themselves: the index finds chains
+        ids = [start + (i % 23) for i in range(120)]
+        looked += engine.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))[2].lookup_steps
+    assert looked > 0 and late_work.counts()["capture"] == 0
+    t.decoder.graphs = None

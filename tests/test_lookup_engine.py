@@ -142,3 +142,26 @@ def test_plain_decoding_never_looks_up(pair, ar_engine):
     _, _, stats = make_engine(pair, **{k: getattr(cfg, k) for k in ("mode", "tree", "lookup_tokens")}).generate(
         prompt(), params, speculate=False)  # a request that turned speculation off
     assert stats.lookup_steps == stats.lookup_nodes == 0
+
+
+# ------------------------------------------------------------------ mode lookup: no draft model
+@pytest.mark.parametrize("lookup", [2, 8])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_mode_lookup_alone_equals_autoregressive_and_uses_its_chains(pair, oracle, lookup, sampling):
+    """mode=lookup: no draft backend; every step decodes one token or verifies the context's chain
+    (HTA); the output is the target's alone, greedy or seeded sampling."""
+    target, _ = pair
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.7 if sampling else 0.0, seed=5)
+    ref = oracle(prompt(), params)
+    engine = Engine(EngineConfig(mode="lookup", lookup_tokens=lookup), target)
+    assert engine.draft is None and engine.config.hybrid_attention and not engine.config.uses_draft
+    out, _, stats = engine.generate(prompt(), params)
+    assert out == ref
+    assert stats.lookup_steps > 0 and stats.lookup_accepted > 0 and stats.num_steps == 0
+    off = engine.generate(prompt(), params, speculate=False)[2]  # a request that turned speculation off
+    assert off.lookup_steps == 0
+
+
+def test_mode_lookup_needs_chains():
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        EngineConfig(mode="lookup", lookup_tokens=0)

@@ -93,7 +93,7 @@ def _modes(a, suite: str, gpus: int) -> list[str]:
         from specextend.bench.e2e import LABELS
 
         modes = [m for m in a.modes.split(",") if m]
-        known = ["ar", "sd", "sd-masked", "specextend"] if suite == "serve" else list(LABELS)
+        known = ["ar", "lookup", "sd", "sd-masked", "specextend"] if suite == "serve" else list(LABELS)
         unknown = [m for m in modes if m not in known]
         if unknown:
             raise ValueError(f"{suite}: unknown modes {unknown}; known: {', '.join(known)}")

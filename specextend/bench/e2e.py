@@ -56,12 +56,14 @@ PAIRS = {
 NO_RETRIEVAL = RetrievalConfig(enabled=False)
 MODES = {
     "ar": dict(mode="ar"),
+    "lookup": dict(mode="lookup", hybrid_attention=True, retrieval=NO_RETRIEVAL),
     "sd": dict(mode="sd", hybrid_attention=True, retrieval=NO_RETRIEVAL),
     "sd-masked": dict(mode="sd", hybrid_attention=False, retrieval=NO_RETRIEVAL),
     "specextend": dict(mode="specextend", retrieval=RetrievalConfig(enabled=True)),
 }
 LABELS = {
     "ar": "ar: our plain decoding (the baseline)",
+    "lookup": "lookup: context lookup alone, no draft model (n-gram drafts)",
     "sd": "sd: tree SD, HTA verify, full draft cache (a modern server's)",
     "sd-masked": "sd-masked: tree SD, masked verify (the SpecExtend paper's baseline)",
     "specextend": "specextend: HTA + retrieval",

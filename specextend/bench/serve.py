@@ -186,11 +186,12 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
             pair = PAIRS[pair_name]
             tokenizer = read_meta(pair.target, "target").tokenizer
             for mode in modes:
-                spread = [p for p in placements() if not only or p[0] in only] if mode != "ar" else placements()[:1]
+                alone = mode in ("ar", "lookup")  # no draft: served as `ar` is, by its mode's name
+                spread = placements()[:1] if alone else [p for p in placements() if not only or p[0] in only]
                 for where, gpus, overlap, extra in spread:
                     args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy=tree_policy,
                                 draft_overlap=overlap) | extra | (app_args or {})
-                    if pair.replayed and mode != "ar":
+                    if pair.replayed and not alone:
                         args["replay_accept_length"] = REPLAY_ACCEPT
                     t0 = time.perf_counter()
                     serve.run(specextend(args), name="bench", blocking=False)
@@ -200,7 +201,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                     progress(f"served {mode} ({where}) ready in {startup:.1f} s: "
                              + ", ".join(f"{k[8:-2]} {v:.1f} s" for k, v in phases.items()))
                     model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-                    name = f"{mode}-{where}" if mode != "ar" else "ar"
+                    name = mode if alone else f"{mode}-{where}"
                     warm, late_first = False, {}
                     for length in lengths:
                         for doc in documents(docs[pair_name]):
@@ -223,7 +224,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                 if not same:  # settled by the near-tie rule once the apps are gone
                                     differing.append((checks[-1], pair, prompt, refs[key], ids))
                             rows.append(dict(pair=pair_name, length=length, prompt_tokens=len(prompt), doc=doc.name,
-                                             mode=name, replayed=pair.replayed and mode != "ar",
+                                             mode=name, replayed=pair.replayed and not alone,
                                              startup_s=startup, **phases, **r))
                             progress(f"served {pair_name} L={length} {doc.name} {name}: "
                                      f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s")

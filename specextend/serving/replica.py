@@ -89,13 +89,14 @@ class SpecExtendReplica:
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
         self.ar_engine = Engine(dataclasses.replace(cfg, mode="ar"), self.target)
-        self.engine, self.draft = self.ar_engine, None
+        # mode lookup: context lookup alone, no draft to reach, nothing to fall back from
+        self.engine, self.draft = Engine(cfg, self.target) if cfg.mode == "lookup" else self.ar_engine, None
         if s.uses_draft:
             address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
             self.draft = draft_client(s, address, self._draft_token)
             self.engine = Engine(cfg, self.target, self.draft)
         t_draft = time.perf_counter()
-        self.draft_ok = self.draft is not None
+        self.draft_ok = self.draft is not None or cfg.mode == "lookup"  # self.engine is usable
         self._restoring: Optional[asyncio.Task] = None
         self.draft_epoch = 0  # restores so far: a request's fallback blames only the draft it started on
         self.metrics = m.ReplicaMetrics()
@@ -105,7 +106,7 @@ class SpecExtendReplica:
         if self.draft_actor is not None:
             self.draft_actor.warmed.remote()  # its own late work is logged from now on
         self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget())
-        self.draft_ok = self.draft is not None and not warm.fallback
+        self.draft_ok = (self.draft is not None and not warm.fallback) or cfg.mode == "lookup"
         # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
         self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions,
                                                   on_forward=self.metrics.record_forward))

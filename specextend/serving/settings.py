@@ -25,7 +25,7 @@ class _AppSettingsBase(FlatSettings):
 
     @property
     def uses_draft(self) -> bool:
-        return self.mode != "ar"
+        return self.mode in ("sd", "specextend")
 
     @property
     def gpus_per_replica(self) -> float:

@@ -1,0 +1,55 @@
+"""The real Serve app with mode=lookup (context lookup alone, no draft model; docs/architecture.md,
+"Context lookup"): one GPU's worth of placement (no draft actor), the output equals the target's
+greedy output, chains verified, and the health check says there is no draft."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from specextend.config import EngineConfig, SamplingParams
+
+from helpers import SERVE_SETTINGS, SERVE_TARGET, app_fixture
+
+SETTINGS = {k: v for k, v in SERVE_SETTINGS.items() if k not in ("draft", "draft_overlap")}
+SETTINGS.update(mode="lookup", lookup_tokens=6)
+PORT, BASE, server = app_fixture(SETTINGS)
+# a prompt that repeats itself: the index finds chains (a tiny random model never repeats on its own)
+PROMPT = "alpha beta gamma delta epsilon zeta eta theta " * 3
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    import torch
+
+    from specextend.engine import Engine
+    from specextend.models.loader import load_model
+
+    torch.set_num_threads(1)
+    target = load_model(SERVE_TARGET, dtype="float32", attention_backend="auto")
+    engine = Engine(EngineConfig(mode="ar", dtype="float32"), target)
+
+    def run(ids, n):
+        return engine.generate(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
+
+    run.tokenizer = target.tokenizer
+    return run
+
+
+def test_lookup_mode_serves_greedy_output_with_its_chains(server, greedy):
+    from openai import OpenAI
+
+    health = httpx.get(f"{BASE}/health").json()
+    assert health["ready"] is True and health["draft"] == "off"  # no draft actor was started
+    client = OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+    ids = greedy.tokenizer.encode(PROMPT)
+    ref = greedy(ids, 40)
+    out = client.completions.create(model=SERVE_TARGET, prompt=PROMPT, max_tokens=40, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert out.choices[0].token_ids == ref
+    spec = out.model_extra["speculative_decoding"]
+    assert spec["fallback"] is False and spec["num_steps"] == 0 and spec["lookup_steps"] > 0
+    off = client.completions.create(model=SERVE_TARGET, prompt=PROMPT, max_tokens=40, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                "speculative_decoding": {"enabled": False}})
+    assert off.choices[0].token_ids == ref and off.model_extra["speculative_decoding"]["lookup_steps"] == 0
