@@ -353,6 +353,7 @@ class Engine:
         """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
         chain worth its rows, that chain verified instead (its accepted tokens, then the target's
         next one); the emitted tokens committed to the lookup."""
+        t0 = time.perf_counter()
         chain = lookup.chain() if lookup is not None else []
         from_chain = 0
         if not chain:
@@ -367,8 +368,8 @@ class Engine:
             stats.lookup_nodes += len(tokens)
             stats.lookup_accepted += verdict.accept_length
             out, from_chain = verdict.tokens, verdict.accept_length
-        if lookup is not None:
-            lookup.commit(out, from_chain)
+        if lookup is not None:  # with its wall time: the gate prices a chain step's host work too
+            lookup.commit(out, from_chain, step_s=time.perf_counter() - t0)
         return out
 
     def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:

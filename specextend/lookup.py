@@ -127,15 +127,26 @@ class LookupGate:
         self.hit: dict[int, float] = {}  # order -> share of its chains whose first token was the target's
         self.run: dict[int, float] = {}  # order -> tokens accepted from its chains that hit (average)
         self.hit_prior, self.run_prior = hit_prior, run_prior
+        # seconds of a step beyond its forward (the host's work, the device idle), for steps that
+        # verified a chain and for plain steps (averages; None until measured: observe_host)
+        self.host: dict[bool, Optional[float]] = {True: None, False: None}
 
     def gain(self, n: int) -> float:
         return self.hit.get(n, self.hit_prior) * self.run.get(n, self.run_prior)
 
     def use(self, n: int, nodes: int, cost) -> bool:
         one, rows = cost(1), cost(nodes + 1)
-        if one <= 0 or rows <= one:  # no slope measured yet, or none: a chain costs nothing more
+        if one <= 0:  # no line measured yet
             return True
+        chain, plain = self.host[True], self.host[False]
+        if chain is not None and plain is not None:  # a chain step's verification and bookkeeping
+            one, rows = one + plain, rows + chain  # on the host cost more than a plain step's
         return (1.0 + self.gain(n)) * one >= rows
+
+    def observe_host(self, chained: bool, seconds: float) -> None:
+        """A step's seconds beyond its forward: one that verified a chain, or a plain one."""
+        old = self.host[chained]
+        self.host[chained] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
     def observe(self, n: int, accepted: int) -> None:
         """A verified chain of order n: the tokens the target accepted from it."""
@@ -162,6 +173,7 @@ class RequestLookup:
         self.index, self.max_tokens, self.cost = index, max_tokens, cost
         self.gate = gate if gate is not None else LookupGate()
         self._step: Optional[tuple[int, list[int], bool]] = None  # this step's (order, chain, verified)
+        self._rows = 0  # a step without a tree: the rows it verified (1: plain); 0 after a tree
 
     def _pays(self, n: int, nodes: int) -> bool:
         return self.cost is None or self.gate.use(n, nodes, self.cost)
@@ -171,11 +183,13 @@ class RequestLookup:
         n, chain = self.index.match(self.max_tokens)
         used = bool(chain) and self._pays(n, len(chain))
         self._step = (n, chain, used) if chain else None
+        self._rows = len(chain) + 1 if used else 1
         return chain if used else []
 
     def graft(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int], int]:
         """The draft's tree with the chain grafted (graft), where its new nodes pay for their rows."""
         n, chain = self.index.match(self.max_tokens)
+        self._rows = 0
         if not chain:
             self._step = None
             return list(tokens), list(parents), 0
@@ -184,9 +198,13 @@ class RequestLookup:
         self._step = (n, chain, used)
         return (out_t, out_p, new) if used else (list(tokens), list(parents), 0)
 
-    def commit(self, emitted: Sequence[int], from_chain: int) -> None:
+    def commit(self, emitted: Sequence[int], from_chain: int, step_s: Optional[float] = None) -> None:
         """The step emitted `emitted` (committed order), `from_chain` of them accepted only because
-        the chain proposed them."""
+        the chain proposed them; `step_s`: a step without a tree's wall time, which teaches the gate
+        its host work beyond the forward (the cost line's)."""
+        if step_s is not None and self._rows and self.cost is not None and self.cost(1) > 0:
+            self.gate.observe_host(self._rows > 1, max(step_s - self.cost(self._rows), 0.0))
+        self._rows = 0
         if self._step is not None:
             n, chain, used = self._step
             if used:

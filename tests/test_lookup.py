@@ -63,6 +63,31 @@ def test_the_gate_prices_a_chain_by_its_rows_and_its_order_s_record():
     assert gate.hit[2] < gate.hit_prior and 2 not in gate.run  # a miss teaches the hit rate only
 
 
+def test_the_gate_prices_a_chain_step_s_host_work_too():
+    """A chain step's wall time beyond its forward (verification, commit, bookkeeping; the device
+    idle) against a plain step's, learnt from the steps' wall times: a chain that pays by its rows
+    alone does not when its step's host work costs more than its expected tokens bring. Served on
+    two H200s (2026-11-27) chain steps took 3.2-3.5 ms against 2.35 for `ar`'s steps, and on
+    Shakespeare 85 of them gave 20 tokens: 0.80x `ar`."""
+    line = _cost(2.34e-3, 0.036e-3)
+    ids = [4, 9, 1, 4, 9, 1, 4]  # the last trigram repeats: a chain [9, 1, 4] at every step
+    lookup = RequestLookup(ContextIndex(ids, 16), 3, cost=line)
+    for _ in range(8):  # chains that the target takes one token of, a third of the time
+        lookup.gate.observe(3, 1)
+        lookup.gate.observe(3, 0)
+        lookup.gate.observe(3, 0)
+    assert lookup.chain() == [9, 1, 4]  # by rows alone it pays (gain ~0.3 against 4% more time)
+    lookup.commit([9, 1, 4, 9], 3, step_s=line(4) + 0.9e-3)  # a chain step: 0.9 ms of host work
+    lookup.index = ContextIndex(ids, 16)
+    lookup.gate.run[3], lookup.gate.hit[3] = 1.0, 1 / 3
+    lookup._step, lookup._rows = None, 1  # a plain step: 0.1 ms
+    lookup.commit([9], 0, step_s=line(1) + 0.1e-3)
+    assert lookup.gate.host == {True: pytest.approx(0.9e-3), False: pytest.approx(0.1e-3)}
+    assert lookup.chain() == []  # (1 + 0.33) x 2.48 ms < 2.45 + 0.9 ms: decode plainly
+    lookup.gate.host[True] = 0.2e-3  # cheap bookkeeping: the chain pays again
+    assert lookup.chain() == [1, 4, 9]  # (the plain step's token extended the index)
+
+
 def test_a_request_s_lookup_skips_chains_that_do_not_pay_and_still_learns_from_them():
     ids = [4, 9, 1, 4]  # the last token repeats: a unigram chain [9, 1, 4]
     lookup = RequestLookup(ContextIndex(ids, 16), 3, cost=_cost(1.0, 1.0))  # rows cost as much as a forward
