@@ -67,7 +67,7 @@ def test_the_gate_prices_a_chain_step_s_host_work_too():
     """A chain step's wall time beyond its forward (verification, commit, bookkeeping; the device
     idle) against a plain step's, learnt from the steps' wall times: a chain that pays by its rows
     alone does not when its step's host work costs more than its expected tokens bring. Served on
-    two H200s (2026-11-27) chain steps took 3.2-3.5 ms against 2.35 for `ar`'s steps, and on
+    two H200s (2026-11-27) steps without a tree averaged 3.2-3.5 ms against 2.35 for `ar`'s, and on
     Shakespeare 85 of them gave 20 tokens: 0.80x `ar`."""
     line = _cost(2.34e-3, 0.036e-3)
     ids = [4, 9, 1, 4, 9, 1, 4]  # the last trigram repeats: a chain [9, 1, 4] at every step
