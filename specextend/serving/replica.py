@@ -22,7 +22,7 @@ import uuid
 from typing import AsyncIterator, Optional
 
 import ray
-from ray.exceptions import ActorUnavailableError
+from ray.exceptions import ActorUnavailableError, TaskCancelledError
 
 from specextend.config import SamplingParams
 from specextend.models import late_work
@@ -331,7 +331,8 @@ class SpecExtendReplica:
             while True:
                 try:
                     address = await asyncio.wait_for(self.draft_actor.address.remote(), DRAFT_START_TIMEOUT_S)
-                except ActorUnavailableError:  # Ray is restarting it (max_restarts): wait
+                except (ActorUnavailableError, TaskCancelledError):  # Ray is restarting it (max_restarts), or
+                    # this call met the kill that restarts it (cancelled, not dead: the next one tells): wait
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, 10.0)
                     continue
