@@ -38,9 +38,8 @@ from specextend.serving.textstream import TextStream
 
 log = logging.getLogger(__name__)
 
-# The engine side (torch, transformers: seconds of imports) is imported by the replica's constructor
-# after it has started its draft actor, so that the two processes' imports overlap
-# (docs/architecture.md, "Deployment"); this module itself imports none of it.
+# The engine side (torch, transformers: seconds of imports) is imported by the constructor after it has started
+# its draft actor, so that the two processes' imports overlap (docs/architecture.md, "Deployment").
 Engine = RequestError = RequestStats = Batcher = Load = EngineThread = SessionPump = warm_up = warm_long = None
 
 
@@ -78,9 +77,8 @@ class SpecExtendReplica:
         self._draft_token = new_token()  # this replica's draft accepts only this replica (*Wire protocol*)
 
         if s.uses_draft:
-            # first thing: the draft actor's process starts, imports, checks the pair again and loads
-            # while this one reads the pair and loads the target (the app builder refused a
-            # mismatched pair before deploying; docs/architecture.md, "Deployment")
+            # first thing: the draft actor's process starts, imports, checks the pair again and loads while this
+            # one loads the target (the app builder refused a mismatched pair; docs/architecture.md, "Deployment")
             self._draft_created_at = time.time()
             self.draft_actor = self._start_draft_actor()
         import_engine_side()
@@ -308,8 +306,7 @@ class SpecExtendReplica:
                 if ended:
                     break
         finally:
-            # No more steps; then, on the engine thread after any step still running, the engine's
-            # `finally` closes the draft session (client gone, stop string, error or done).
+            # No more steps; then, on the engine thread, the engine's `finally` closes the draft session.
             pump.stop()
             if stats is not None:
                 self.metrics.record_request(stats, finish)
