@@ -180,6 +180,7 @@ class Engine:
         use_draft = cfg.uses_draft and speculate
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
+        told: Optional[Future] = None  # the last tell, in flight: the next call waits for it (order)
         ctl = self.new_controller(tree_cfg)
         if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
             ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
@@ -225,7 +226,6 @@ class Engine:
             # that its pool follows them and the next tree can be ready (docs/architecture.md,
             # "Overlapped drafting", told verdicts)
             tell = use_draft and cfg.overlap and ready_only and not prepare and cfg.draft_tell
-            told: Optional[Future] = None  # the last tell, in flight: the next call waits for it (order)
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
             while out.finish is None:

@@ -160,3 +160,20 @@ def test_a_tell_keeps_the_pool_and_the_next_verdict_is_answered_ready(pair):
     grow(s)
     nxt = next(i for i in range(len(s.pool)) if s.pool.depths[i] == 1 and s.pool.slots[i] >= 0)
     assert s.step(2, [s.pool.tokens[nxt]], None, TreeBound(ready_only=True)).ready
+
+
+def test_a_session_closed_during_its_prefill_closes_cleanly(pair):
+    """A client gone before the first token (the session closed at its prefill's forward): the
+    engine's `finally` runs with no tell ever sent, and the draft session is still closed."""
+    from specextend.models.batch import ForwardCall
+
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker)
+    co = engine_for(pair, draft).session(prompt(), SamplingParams(8, ignore_eos=True))
+    assert isinstance(next(co), ForwardCall)  # the first prefill chunk
+    co.close()  # raised UnboundLocalError from the finally before `told` was bound first
+    deadline = time.time() + 5
+    while ("close", None) not in draft.events and time.time() < deadline:
+        time.sleep(0.01)
+    worker.shutdown()
+    assert ("close", None) in draft.events and not draft.calls
