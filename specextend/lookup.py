@@ -134,13 +134,15 @@ class LookupGate:
     def gain(self, n: int) -> float:
         return self.hit.get(n, self.hit_prior) * self.run.get(n, self.run_prior)
 
-    def use(self, n: int, nodes: int, cost) -> bool:
+    def use(self, n: int, nodes: int, cost, alone: bool = False) -> bool:
+        """`alone`: the chain is a step's only draft (a step without a tree), whose host work is a
+        chain step's instead of a plain one's; a chain grafted onto a tree adds only its rows."""
         one, rows = cost(1), cost(nodes + 1)
         if one <= 0:  # no line measured yet
             return True
         chain, plain = self.host[True], self.host[False]
-        if chain is not None and plain is not None:  # a chain step's verification and bookkeeping
-            one, rows = one + plain, rows + chain  # on the host cost more than a plain step's
+        if alone and chain is not None and plain is not None:  # a chain step's verification and
+            one, rows = one + plain, rows + chain  # bookkeeping on the host cost more than a plain step's
         return (1.0 + self.gain(n)) * one >= rows
 
     def observe_host(self, chained: bool, seconds: float) -> None:
@@ -175,13 +177,13 @@ class RequestLookup:
         self._step: Optional[tuple[int, list[int], bool]] = None  # this step's (order, chain, verified)
         self._rows = 0  # a step without a tree: the rows it verified (1: plain); 0 after a tree
 
-    def _pays(self, n: int, nodes: int) -> bool:
-        return self.cost is None or self.gate.use(n, nodes, self.cost)
+    def _pays(self, n: int, nodes: int, alone: bool) -> bool:
+        return self.cost is None or self.gate.use(n, nodes, self.cost, alone)
 
     def chain(self) -> list[int]:
         """The chain a step without a tree verifies ([]: it decodes one token plainly)."""
         n, chain = self.index.match(self.max_tokens)
-        used = bool(chain) and self._pays(n, len(chain))
+        used = bool(chain) and self._pays(n, len(chain), alone=True)
         self._step = (n, chain, used) if chain else None
         self._rows = len(chain) + 1 if used else 1
         return chain if used else []
@@ -194,7 +196,7 @@ class RequestLookup:
             self._step = None
             return list(tokens), list(parents), 0
         out_t, out_p, new = graft(tokens, parents, chain)
-        used = self._pays(n, new)
+        used = self._pays(n, new, alone=False)
         self._step = (n, chain, used)
         return (out_t, out_p, new) if used else (list(tokens), list(parents), 0)
 

@@ -84,6 +84,8 @@ def test_the_gate_prices_a_chain_step_s_host_work_too():
     lookup.commit([9], 0, step_s=line(1) + 0.1e-3)
     assert lookup.gate.host == {True: pytest.approx(0.9e-3), False: pytest.approx(0.1e-3)}
     assert lookup.chain() == []  # (1 + 0.33) x 2.48 ms < 2.45 + 0.9 ms: decode plainly
+    # grafted onto a tree the same chain adds only its rows (the tree's step is verified anyway)
+    assert lookup.gate.use(3, 3, line) and not lookup.gate.use(3, 3, line, alone=True)
     lookup.gate.host[True] = 0.2e-3  # cheap bookkeeping: the chain pays again
     assert lookup.chain() == [1, 4, 9]  # (the plain step's token extended the index)
 
