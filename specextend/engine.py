@@ -41,6 +41,14 @@ TELL_BOUND = TreeBound(nodes=1, depth=1, ready_only=True)
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
 
+def _settled(call: Optional[Future]) -> Generator[DraftCall, object, None]:
+    """Waits for a draft call still in flight (a tell), if any, raising its DraftError; returns None
+    (the caller's new value for it). Calls of a session go one at a time."""
+    if call is not None:
+        call.result() if call.done() else (yield DraftCall(future=call))
+    return None
+
+
 def _seconds_of(fn, *args) -> float:
     """Calls fn(*args) and returns its wall time in seconds (the draft's open: its prefill)."""
     t = time.perf_counter()
@@ -235,8 +243,7 @@ class Engine:
                     try:
                         ts = time.perf_counter()
                         tree, applied = None, True  # applied: this step's call carries the verdict
-                        if told is not None:
-                            told, _ = None, (told.result() if told.done() else (yield DraftCall(future=told)))
+                        told = yield from _settled(told)
                         if prepared is not None:
                             outs, prepared = (yield DraftCall(future=prepared)), None
                             late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)
@@ -323,20 +330,18 @@ class Engine:
                 else:
                     if tell and pending:  # the tokens so far go to the draft while this step's forward runs
                         try:
-                            if told is not None:
-                                told, _ = None, (told.result() if told.done() else (yield DraftCall(future=told)))
+                            yield from _settled(told)
                             told = self._tells.submit(self.draft.step, sid, step, pending, retrieval, TELL_BOUND)
                             step, retrieval, pending = step + 1, None, []
                             stats.told_steps += 1
                         except DraftError as e:
                             use_draft = tell = self._fall_back(stats, sid, e)
                     committed = yield from self._plain_co(target, committed[-1], params, gen, timed, lookup, stats)
+                    if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
+                        ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                     if use_draft:
                         pending = pending + committed
-                        ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                         stats.plain_steps += 1
-                    elif lookup is not None:  # mode lookup: the forwards into the gate's cost line
-                        ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1
                 yield ev
