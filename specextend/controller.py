@@ -3,7 +3,7 @@ among a small ladder of sizes, plain decoding (no tree) included (docs/architect
 "Adaptive speculation").
 
 The ladder: plain, then trees of 4, 8, 16, ... nodes up to the session's tree, each size also
-three levels deep where its own depth is more (`ladder`). For each rung the controller predicts
+three levels deep where its own depth is more (`ladder.ladder`). For each rung the controller predicts
 tokens per second and takes the best:
 
     plain:          1 / forward(1)
@@ -25,12 +25,14 @@ from what it measured at this session's actual context, online:
   steps, not with measurements (a rung measured long ago is mostly replaced by its next
   measurement). One verification measures every rung up to the tree it verified: trees are sent
   best first, so a smaller rung's tree is the verified tree's first n nodes no deeper than d, and
-  it would have accepted the longest start of the accepted path inside it (`prefix_accepts`;
+  it would have accepted the longest start of the accepted path inside it (`ladder.prefix_accepts`;
   exact for the same draws).
+- `ready`: with an overlapping draft, the share of asked trees that came (an unready step decodes
+  plainly); a tree rung's rate mixes the ready and unready cases (`record_unready`).
 A rung larger than any verified lately keeps its last estimate (or, never seen, the estimate of
 the largest rung inside it: a lower bound). So that those estimates stay current, while the best
 rung is not the top one the controller probes the top rung now and then: after enough steps that
-probes cost about a tenth of the time, the interval doubling after each probe that does not move
+probes lose about a tenth of the time against the best rung, the interval doubling after each probe that does not move
 the choice up (as far as `max_probe`). Lossless by construction: a plain step is plain decoding,
 and any tree is verified; the controller only changes what is proposed.
 """
@@ -39,81 +41,22 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
-from specextend.config import TreeConfig
-from specextend.draft.base import TreeBound
+from specextend.ladder import PLAIN, Rung
 from specextend.timing import seconds_of
-from specextend.tree import node_depths
 
-
-@dataclass(frozen=True)
-class Rung:
-    """One step's shape: a tree of at most `nodes` nodes and `depth` levels; nodes = 0: plain."""
-
-    nodes: int
-    depth: int
-
-    @property
-    def plain(self) -> bool:
-        return self.nodes == 0
-
-    @property
-    def bound(self) -> TreeBound:
-        return TreeBound(self.nodes, self.depth)
-
-
-PLAIN = Rung(0, 0)
 # draft prefill / target prefill from which the session starts plain (TreeController.seed_draft): at
 # 1 a draft level costs about a target forward and no tree can pay; the margin covers what the
 # proxy misses (two prefills sharing a CPU, one-off costs of a first open; the tiny test pair, a
 # same-size copy of its target, measures 0.8 on 2 CPU cores, the 68M draft beside it about 12)
 SLOW_DRAFT = 3.0
 
-
-SHALLOW = 3  # levels of each size's shallow rung
 # With overlap, a tree step may find nothing ready (record_unready): the warm-up's trees are asked
 # up to this many times in all before the session decides without their measurements, and a probe
 # that met one asks once more (PROBE_RETRIES) before it counts as done
 WARM_TRIES = 4
 PROBE_RETRIES = 1
-
-
-def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
-    """[plain, 4, 8, 16, ... nodes, the session's tree]: a tree of n nodes at most 1 + log2(n)
-    levels deep (a best-n tree rarely reaches deeper), the session's tree at its own depth; where
-    that is deeper than SHALLOW, the same size SHALLOW levels deep just before it (half the
-    drafting: on an H100 the 8B geometry's 32 nodes x 3 levels beat 32 x 6 by 9% with acceptance
-    replayed at 3, 2026-11-24, and the ladder had no such rung). Ordered by nodes, then depth."""
-    sizes, n = [], smallest
-    while n < tree.nodes:
-        sizes.append(Rung(n, min(tree.depth, n.bit_length())))  # bit_length = 1 + log2(n)
-        n *= 2
-    rungs = [PLAIN]
-    for r in sizes + [Rung(tree.nodes, tree.depth)]:
-        if r.depth > SHALLOW and r.nodes > SHALLOW:  # (n nodes reach n levels at most)
-            rungs.append(Rung(r.nodes, SHALLOW))
-        rungs.append(r)
-    return rungs
-
-
-def prefix_accepts(accepted: Sequence[int], parents: Sequence[int], sent: Rung,
-                   rungs: Sequence[Rung]) -> dict[Rung, int]:
-    """Accepted draft tokens each tree rung would have had this step, for the rungs the verified
-    tree covers (no more nodes, no deeper than `sent`). `accepted`: the accepted path's node
-    indices into the verified tree (best first); a rung's tree is the first `nodes` of its nodes
-    no deeper than `depth`, and it accepts the path while the path stays inside it."""
-    depths = node_depths(parents)  # [N]
-    out = {}
-    for r in rungs:
-        if r.plain or r.nodes > sent.nodes or r.depth > sent.depth:
-            continue
-        inside = set([i for i, d in enumerate(depths) if d <= r.depth][:r.nodes])
-        n = 0
-        while n < len(accepted) and accepted[n] in inside:
-            n += 1
-        out[r] = n
-    return out
 
 
 class LinearCost:

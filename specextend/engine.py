@@ -17,7 +17,8 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.controller import PLAIN, AlwaysSpeculate, Costs, TreeController, ladder, prefix_accepts
+from specextend.controller import AlwaysSpeculate, Costs, TreeController
+from specextend.ladder import PLAIN, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
 from specextend.lookup import ContextIndex, RequestLookup, graft
 from specextend.models.loader import LoadedModel

@@ -21,7 +21,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from specextend.controller import Rung, ladder
+from specextend.ladder import Rung, ladder
 from specextend.draft.base import DraftSessionParams
 from specextend.engine import Engine
 from specextend.target import TargetSession

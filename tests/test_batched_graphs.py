@@ -228,7 +228,7 @@ def test_warm_batches_capture_every_batched_shape_before_traffic():
     adaptive ladder's trees and plain steps (and a request's 3-node trees, padded) meet no batched
     plan it did not build."""
     from specextend.config import SamplingParams, TreeConfig
-    from specextend.controller import ladder
+    from specextend.ladder import ladder
     from specextend.warmup import warm_batches
 
     from helpers import make_engine

@@ -6,7 +6,8 @@ makes."""
 import pytest
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.controller import PLAIN, TreeController, ladder
+from specextend.controller import TreeController
+from specextend.ladder import PLAIN, ladder
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 

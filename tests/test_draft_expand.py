@@ -141,7 +141,7 @@ def test_step_bound_drafts_the_smaller_tree(tiny_models, overlap):
     whole = full.step(0, [7], None)
     assert all(p < i for i, p in enumerate(whole.parents))  # best first is topological
     # the bounded tree is the full tree's best nodes no deeper than the bound (what the controller's
-    # acceptance estimates assume, controller.prefix_accepts)
+    # acceptance estimates assume, ladder.prefix_accepts)
     shallow = [t for t, d in zip(whole.tokens, node_depths(whole.parents)) if d <= 3]
     assert list(got.tokens) == shallow[:6]
 

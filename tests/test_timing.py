@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specextend.config import TreeConfig
-from specextend.controller import TreeController, ladder
+from specextend.controller import TreeController
+from specextend.ladder import ladder
 
 
 class _Event:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
-from specextend.controller import PLAIN, TreeController, ladder
+from specextend.controller import TreeController
+from specextend.ladder import PLAIN, ladder
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, TreeBound
 from specextend.draft.session import DraftSession
 from specextend.draft.worker import DraftWorker

@@ -60,7 +60,7 @@ def test_a_request_after_warm_up_meets_no_new_shape(tiny_models, monkeypatch, mo
 
 
 def test_the_warm_up_runs_each_size_at_its_deepest_and_every_depth_once():
-    from specextend.controller import Rung, ladder
+    from specextend.ladder import Rung, ladder
     from specextend.warmup import _covering
 
     assert _covering(ladder(TreeConfig(16, 6, 4))[1:]) == [Rung(4, 3), Rung(8, 4), Rung(16, 6)]
