@@ -1,0 +1,168 @@
+"""Where a whole request's decode steps leave the device idle, per engine mode, in one process.
+
+  python benchmarks/engine_gaps.py --pair real --length 16384 --modes ar,lookup,specextend --tokens 48
+
+Runs each mode's engine (bench/e2e.py's engines: graphs, warm-up) on one prompt, then profiles one
+more request with torch.profiler (CPU and CUDA activity, Python stacks). The device's busy time is the
+union of its kernels and copies after the first decode step's first kernel; every idle gap of 5 us or
+more is charged, inclusively, to each Python function of the engine's thread that was running during
+it (a function and its callers all get the gap). Prints per mode: wall and device busy time per token,
+the idle time per token, and the functions that held the host longest while the device waited.
+Companion of trace_gaps.py (one step's timeline); this one answers "what host work does a mode add
+to a step" (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specextend.bench import e2e
+from specextend.bench.texts import documents, prompt_ids
+from specextend.config import SamplingParams
+
+
+def idle_gaps(events: list[dict], t_from: float, min_gap_us: float = 5.0) -> tuple[float, float, list[tuple[float, float]]]:
+    """-> (device span us, busy us, [(gap start, gap end)]) over device events starting at t_from."""
+    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                  and e["ts"] >= t_from), key=lambda e: e["ts"])
+    if not dev:
+        return 0.0, 0.0, []
+    busy, out, end = 0.0, [], dev[0]["ts"]
+    for e in dev:
+        if e["ts"] > end:
+            if e["ts"] - end >= min_gap_us:
+                out.append((end, e["ts"]))
+            busy += e["dur"]
+            end = e["ts"] + e["dur"]
+        elif e["ts"] + e["dur"] > end:
+            busy += e["ts"] + e["dur"] - end
+            end = e["ts"] + e["dur"]
+    return end - dev[0]["ts"], busy, out
+
+
+def charge(events: list[dict], gaps: list[tuple[float, float]], tid) -> dict[str, float]:
+    """Inclusive idle us per Python function of thread `tid` (its frames overlapping each gap)."""
+    starts = [a for a, _ in gaps]
+    by: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "python_function" or e.get("tid") != tid:
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        i = max(bisect.bisect_right(starts, a) - 1, 0)
+        seen = 0.0
+        while i < len(gaps) and gaps[i][0] < b:
+            lo, hi = max(a, gaps[i][0]), min(b, gaps[i][1])
+            seen += max(0.0, hi - lo)
+            i += 1
+        if seen:
+            by[e["name"]] += seen
+    return by
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_request(engine, prompt, tokens: int) -> dict:
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    sync()
+    marks = {}
+
+    def first_token_mark(ev_iter):
+        for ev in ev_iter:
+            if "t1" not in marks:
+                sync()
+                marks["t1"] = time.perf_counter()
+            yield ev
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as p:
+        t0 = time.perf_counter()
+        n, st = 0, None
+        for ev in first_token_mark(engine.stream(prompt, params)):
+            n += len(ev.token_ids)
+            st = ev.stats
+        sync()
+        t_end = time.perf_counter()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    p.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(path)
+    return dict(events=events, decode_s=st.decode_s, tokens=n, wall_s=t_end - t0, stats=st)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pair", default="real")
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--doc", default="nodejs")
+    ap.add_argument("--modes", default="ar,lookup,specextend")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tree-policy", default="adaptive")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--trace-dir", default="", help="also write each mode's trace here (gzipped)")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    modes = a.modes.split(",")
+    target, engines, _, workers = e2e._engines(e2e.PAIRS[a.pair], modes, "auto", a.tree_policy, "auto")
+    doc = documents([a.doc])[0]
+    prompt = prompt_ids(target.tokenizer, doc, a.length)
+    warm: set = set()
+    results = []
+    try:
+        for mode in modes:
+            eng = engines[mode]
+            e2e.run_engine(eng, prompt, a.tokens, None, warm)  # warm-up and one untimed request
+            ids, r = e2e.run_engine(eng, prompt, a.tokens, None, warm)
+            res = profile_request(eng, prompt, a.tokens)
+            ev = res["events"]
+            st = res["stats"]
+            # the decode steps: device events after the prefill's last kernel, approximated as the
+            # last 'decode_s' of the trace's device span
+            dev_end = max((e["ts"] + e["dur"] for e in ev if e.get("cat") == "kernel"), default=0.0)
+            t_from = dev_end - st.decode_s * 1e6
+            span, busy, gaps = idle_gaps(ev, t_from)
+            main_tid = max(((e.get("tid"), e["dur"]) for e in ev if e.get("cat") == "python_function"),
+                           key=lambda x: x[1])[0]
+            by = charge(ev, gaps, main_tid)
+            ntok = max(res["tokens"] - 1, 1)
+            idle = sum(b - a for a, b in gaps)
+            row = dict(mode=mode, decode_tok_s=ntok / st.decode_s, unprofiled_decode_tok_s=r["decode_tokens_per_s"],
+                       wall_ms_per_token=1e3 * st.decode_s / ntok, busy_ms_per_token=busy / 1e3 / ntok,
+                       idle_ms_per_token=idle / 1e3 / ntok, gaps_per_token=len(gaps) / ntok,
+                       steps=st.num_steps, plain_steps=st.plain_steps, lookup_steps=st.lookup_steps,
+                       unready_steps=st.unready_steps,
+                       top=sorted(((k, v / 1e3 / ntok) for k, v in by.items()), key=lambda kv: -kv[1])[:a.top])
+            results.append(row)
+            print(f"\n== {mode}: {row['unprofiled_decode_tok_s']:.1f} tok/s unprofiled, profiled "
+                  f"{row['wall_ms_per_token']:.3f} ms/token wall, device busy {row['busy_ms_per_token']:.3f}, idle "
+                  f"{row['idle_ms_per_token']:.3f} in {row['gaps_per_token']:.1f} gaps; steps {st.num_steps} tree, "
+                  f"{st.plain_steps} plain, {st.lookup_steps} lookup, {st.unready_steps} unready", flush=True)
+            for name, ms in row["top"]:
+                print(f"  {ms * 1e3:8.1f} us/token idle  {name[:150]}")
+            if a.trace_dir:
+                os.makedirs(a.trace_dir, exist_ok=True)
+                with gzip.open(os.path.join(a.trace_dir, f"{mode}.json.gz"), "wt") as f:
+                    json.dump({"traceEvents": [e for e in ev if e.get("cat") != "python_function"]}, f)
+    finally:
+        for w in workers:
+            w.stop()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(pair=a.pair, length=a.length, doc=a.doc, tokens=a.tokens, rows=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
