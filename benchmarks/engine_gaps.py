@@ -134,17 +134,25 @@ def main():
             dev_end = max((e["ts"] + e["dur"] for e in ev if e.get("cat") == "kernel"), default=0.0)
             t_from = dev_end - st.decode_s * 1e6
             span, busy, gaps = idle_gaps(ev, t_from)
-            main_tid = max(((e.get("tid"), e["dur"]) for e in ev if e.get("cat") == "python_function"),
-                           key=lambda x: x[1])[0]
+            # the engine's thread: the one running its session coroutine
+            main_tid = next((e.get("tid") for e in ev if e.get("cat") == "python_function"
+                             and "engine.py" in e["name"] and "_session" in e["name"]), None)
             by = charge(ev, gaps, main_tid)
             ntok = max(res["tokens"] - 1, 1)
+            kern: dict[str, list] = defaultdict(lambda: [0.0, 0])  # the decode steps' kernels by name
+            for e in ev:
+                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["ts"] >= t_from:
+                    kern[e["name"]][0] += e["dur"]
+                    kern[e["name"]][1] += 1
             idle = sum(b - a for a, b in gaps)
             row = dict(mode=mode, decode_tok_s=ntok / st.decode_s, unprofiled_decode_tok_s=r["decode_tokens_per_s"],
                        wall_ms_per_token=1e3 * st.decode_s / ntok, busy_ms_per_token=busy / 1e3 / ntok,
                        idle_ms_per_token=idle / 1e3 / ntok, gaps_per_token=len(gaps) / ntok,
                        steps=st.num_steps, plain_steps=st.plain_steps, lookup_steps=st.lookup_steps,
                        unready_steps=st.unready_steps,
-                       top=sorted(((k, v / 1e3 / ntok) for k, v in by.items()), key=lambda kv: -kv[1])[:a.top])
+                       top=sorted(((k, v / 1e3 / ntok) for k, v in by.items()), key=lambda kv: -kv[1])[:a.top],
+                       kernels=sorted(((k, us / ntok, c / ntok) for k, (us, c) in kern.items()),
+                                      key=lambda x: -x[1])[:a.top])
             results.append(row)
             print(f"\n== {mode}: {row['unprofiled_decode_tok_s']:.1f} tok/s unprofiled, profiled "
                   f"{row['wall_ms_per_token']:.3f} ms/token wall, device busy {row['busy_ms_per_token']:.3f}, idle "
@@ -152,6 +160,9 @@ def main():
                   f"{st.plain_steps} plain, {st.lookup_steps} lookup, {st.unready_steps} unready", flush=True)
             for name, ms in row["top"]:
                 print(f"  {ms * 1e3:8.1f} us/token idle  {name[:150]}")
+            print("  kernels (device us per token, launches per token):")
+            for name, us, c in row["kernels"]:
+                print(f"  {us:8.1f} us/token {c:6.1f}x  {name[:140]}")
             if a.trace_dir:
                 os.makedirs(a.trace_dir, exist_ok=True)
                 with gzip.open(os.path.join(a.trace_dir, f"{mode}.json.gz"), "wt") as f:

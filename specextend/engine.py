@@ -101,6 +101,9 @@ def _drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
 
 class Engine:
     carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
+    # adaptive policy: a session decodes plainly until its draft's open (prefill) is done, instead
+    # of waiting for it after the first token (docs/architecture.md, "Adaptive speculation")
+    join_early = True
 
     def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None):
         self.config = config
@@ -208,14 +211,14 @@ class Engine:
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             yield out.emit([token])  # the first token needs nothing from the draft: not its open either
-            if opening is not None and out.finish is None:
-                try:
-                    open_s = yield DraftCall(future=opening)
-                    # the draft's prefill against the target's, same prompt: the controller's prior
-                    # for what drafting costs (docs/architecture.md, "Adaptive speculation")
-                    ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
-                except DraftError as e:
-                    use_draft = self._fall_back(stats, sid, e)
+            # the draft joins once its open (its prefill) is done: with the adaptive policy the target
+            # decodes plainly meanwhile instead of waiting (docs/architecture.md, "Adaptive
+            # speculation"); the fixed policy (every step drafted) waits for it here
+            if opening is not None and out.finish is None and (cfg.tree_policy != "adaptive" or not self.join_early):
+                use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
+                opening_pending = False
+            else:
+                opening_pending = opening is not None
             lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
             # mode lookup: the chains are the only drafts, every step a plain or lookup step
             if (use_draft or (cfg.mode == "lookup" and speculate)) and cfg.lookup_tokens and replay is None:
@@ -238,7 +241,10 @@ class Engine:
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
             while out.finish is None:
-                rung = ctl.choose(load.sessions) if use_draft else PLAIN
+                if opening_pending and use_draft and opening.done():
+                    use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
+                    opening_pending = False
+                rung = ctl.choose(load.sessions) if use_draft and not opening_pending else PLAIN
                 t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
                 if not rung.plain:
                     try:
@@ -272,6 +278,7 @@ class Engine:
                                            lookup=len(committed) - 1)
                         stats.probe_steps = ctl.probe_steps
                         stats.decode_s = time.perf_counter() - t1
+                        stats.max_step_s = max(stats.max_step_s, time.perf_counter() - t_step)
                         yield out.emit(committed)
                         continue
                     stats.draft_s += draft_s
@@ -329,7 +336,7 @@ class Engine:
                                     step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps
                 else:
-                    if tell and pending:  # the tokens so far go to the draft while this step's forward runs
+                    if tell and pending and not opening_pending:  # the tokens so far go to the draft while this step's forward runs
                         try:
                             yield from _settled(told)
                             told = self._tells.submit(self.draft.step, sid, step, pending, retrieval, TELL_BOUND)
@@ -342,9 +349,13 @@ class Engine:
                         ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                     if use_draft:
                         pending = pending + committed
-                        stats.plain_steps += 1
+                        if opening_pending:
+                            stats.open_steps += 1
+                        else:
+                            stats.plain_steps += 1
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1
+                stats.max_step_s = max(stats.max_step_s, time.perf_counter() - t_step)
                 yield ev
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None
@@ -352,6 +363,18 @@ class Engine:
             if opening is not None:  # once the open has finished (now, or later if still running), and
                 # after a tell still in flight (a step must not reach the draft after its session's close)
                 opening.add_done_callback(partial(self._close_after, sid, told))
+
+    def _join(self, opening: Future, ctl: TreeController, target_prefill_s: float, stats: RequestStats,
+              sid: str) -> Generator[DraftCall, object, bool]:
+        """The draft's open, finished (or waited for): whether the session speculates from now on (a
+        failed open: plain decoding). Its time against the target's prefill of the same prompt is the
+        controller's prior for what drafting costs (docs/architecture.md, "Adaptive speculation")."""
+        try:
+            open_s = opening.result() if opening.done() else (yield DraftCall(future=opening))
+        except DraftError as e:
+            return self._fall_back(stats, sid, e)
+        ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
+        return True
 
     @staticmethod
     def _plain_co(target: TargetSession, root: int, params: SamplingParams, gen, timed,

@@ -25,6 +25,7 @@ class RequestStats:
     unready_wait_s: float = 0.0  # the target's wait for those empty answers
     unready_refreshes: int = 0  # retrieval selections those steps delivered to the draft
     lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain instead
+    open_steps: int = 0  # plain steps decoded while the draft still prefilled (adaptive policy: it joins when done)
     told_steps: int = 0  # plain steps whose tokens went to an overlapping draft at once (engine.TELL_BOUND)
     lookup_nodes: int = 0  # nodes that context-lookup chains added to the trees verified
     lookup_accepted: int = 0  # accepted tokens that only a lookup chain proposed
@@ -36,6 +37,7 @@ class RequestStats:
     num_generated: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    max_step_s: float = 0.0  # the longest decode step (wall): a stall shows here, not in the means
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
@@ -117,6 +119,7 @@ class RequestStats:
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     unready_steps=self.unready_steps, lookup_steps=self.lookup_steps, told_steps=self.told_steps,
+                    open_steps=self.open_steps, max_step_s=self.max_step_s,
                     lookup_nodes=self.lookup_nodes, lookup_accepted=self.lookup_accepted,
                     probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,

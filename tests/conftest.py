@@ -10,6 +10,16 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _sessions_wait_for_the_draft(monkeypatch):
+    """In-process engines: a session waits for its draft's open after the first token, as the fixed
+    policy does, so that which steps speculate does not depend on the open's timing; the tests of
+    joining late ask for it (`make_engine(join_early=True)`, test_join.py)."""
+    from specextend.engine import Engine
+
+    monkeypatch.setattr(Engine, "join_early", False)
+
+
 @pytest.fixture(scope="session")
 def tiny_models():
     """Cache of (target, draft) tiny LoadedModels per (dtype, backend)."""

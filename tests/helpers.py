@@ -48,11 +48,14 @@ def build_pair(name, backend="eager"):
     return hf, dec
 
 
-def make_engine(pair, mode="sd", draft_backend=None, **kw) -> Engine:
+def make_engine(pair, mode="sd", draft_backend=None, join_early=None, **kw) -> Engine:
     """An engine over the pair; every step speculative (tree_policy=fixed) unless `kw` says."""
     target, draft = pair
     backend = None if mode == "ar" else (draft_backend or DraftWorker(draft.decoder))
-    return Engine(EngineConfig(mode=mode, **{"tree_policy": "fixed", **kw}), target, backend)
+    engine = Engine(EngineConfig(mode=mode, **{"tree_policy": "fixed", **kw}), target, backend)
+    if join_early is not None:  # (tests: False unless asked, conftest.py)
+        engine.join_early = join_early
+    return engine
 
 
 def assert_equal_or_near_tie(decoder, prompt, ref, out, tol):

@@ -139,7 +139,7 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
     warm_up(engine, prompt, warm, replay)
     ids, _, st = engine.generate(prompt, params, replay=replay)
     steps = st.num_steps
-    per_step = max(steps + st.plain_steps + st.unready_steps if engine.config.uses_draft else st.num_generated - 1, 1)
+    per_step = max(steps + st.plain_steps + st.unready_steps + st.open_steps if engine.config.uses_draft else st.num_generated - 1, 1)
     step_ms = 1e3 * st.decode_s / per_step
     wait_ms = st.target_wait_ms_per_step  # per step that asked for a tree (unready ones too)
     verify_ms = 1e3 * st.verify_s / steps if steps else 0.0

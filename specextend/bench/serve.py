@@ -146,7 +146,7 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
         # the split of an average step (plain ones included): the server's figures are per step that
         # verified a tree (verify) or asked for one (wait, transport), so they are scaled to all steps
         unready = spec.get("unready_steps") or 0
-        total = steps + (spec.get("plain_steps") or 0) + unready
+        total = steps + (spec.get("plain_steps") or 0) + unready + (spec.get("open_steps") or 0)
         asked = (steps + unready) / total
         wait = spec.get("target_wait_ms_per_step", 0.0) * asked
         verify = spec.get("verify_ms_per_step", 0.0) * steps / total
@@ -158,7 +158,8 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
                    draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0) * asked,
                    prepared_fraction=spec.get("prepared_fraction", 0.0), plain_steps=spec.get("plain_steps", 0),
                    lookup_steps=spec.get("lookup_steps", 0), lookup_accepted=spec.get("lookup_accepted", 0),
-                   told_steps=spec.get("told_steps", 0))
+                   told_steps=spec.get("told_steps", 0), open_steps=spec.get("open_steps", 0),
+                   max_step_ms=spec.get("max_step_ms", 0.0))
     return out
 
 

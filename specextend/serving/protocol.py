@@ -187,6 +187,8 @@ class SpeculativeDecoding(BaseModel):
     lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain
     lookup_accepted: int = 0  # accepted tokens that only a context-lookup chain proposed
     told_steps: int = 0  # plain steps whose tokens the overlapping draft was sent at once (its pool follows them)
+    open_steps: int = 0  # plain steps decoded while the draft still prefilled the prompt (it joined after them)
+    max_step_ms: float = 0.0  # the longest decode step, wall time
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
@@ -207,7 +209,7 @@ def spec_decoding(stats: RequestStats) -> dict:
            "unready_steps": stats.unready_steps,
            "mean_tree_nodes": stats.mean_tree_nodes,
            "lookup_steps": stats.lookup_steps, "lookup_accepted": stats.lookup_accepted,
-           "told_steps": stats.told_steps}
+           "told_steps": stats.told_steps, "open_steps": stats.open_steps, "max_step_ms": 1e3 * stats.max_step_s}
     if stats.replayed:
         out["replayed"] = True
     return out

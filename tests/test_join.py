@@ -1,0 +1,109 @@
+"""A draft that joins late (docs/architecture.md, "Adaptive speculation"): with the adaptive policy a
+session decodes plainly while its draft's open (its prefill) still runs, and speculates once the
+open is done, the draft catching up on the tokens decoded meanwhile. Lossless whatever the point of
+joining (float64: equal to `ar`, greedy and seeded sampling); a failed open falls back to plain
+decoding; an open that ends after the request leaves no draft session behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
+from specextend.controller import AlwaysSpeculate
+from specextend.ladder import ladder
+from specextend.draft.base import DraftError
+from specextend.draft.worker import DraftWorker
+
+from helpers import make_engine
+
+
+def prompt(n=80):
+    return [(13 * i + 7) % 251 for i in range(n)]
+
+
+class HeldOpen(DraftWorker):
+    """Its open waits until the test releases it (after the session has emitted some tokens);
+    `fail`: then it raises instead."""
+
+    def __init__(self, *a, fail=False, **kw):
+        super().__init__(*a, **kw)
+        self.release, self.opened, self.fail = threading.Event(), threading.Event(), fail
+
+    def open(self, session_id, prompt_ids, params):
+        assert self.release.wait(30)
+        try:
+            if self.fail:
+                raise DraftError("the draft's open failed")
+            return super().open(session_id, prompt_ids, params)
+        finally:
+            self.opened.set()
+
+
+def run(engine, draft, p, params, join_at):
+    """Streams the request, releasing the draft's open once `join_at` tokens were emitted (and
+    waiting for it to end, so that the session joins at its next step)."""
+    out, stats = [], None
+    for ev in engine.stream(p, params):
+        out += ev.token_ids
+        stats = ev.stats
+        if len(out) >= join_at and not draft.release.is_set():
+            draft.release.set()
+            assert draft.opened.wait(30)
+    return out, stats
+
+
+@pytest.mark.parametrize("join_at", [1, 5, 17])
+@pytest.mark.parametrize("kw", [dict(mode="sd", lookup_tokens=0), dict(mode="sd", lookup_tokens=4),
+                                dict(mode="specextend", lookup_tokens=0,
+                                     retrieval=RetrievalConfig(chunk_size=8, top_k=4, every=2))],
+                         ids=["sd", "sd-lookup", "specextend"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_a_late_join_is_lossless(pair, ar_engine, join_at, kw, overlap, sampling):
+    params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=3)
+    ref, _, _ = ar_engine.generate(prompt(), params)
+    draft = HeldOpen(pair[1].decoder, overlap=overlap)
+    engine = make_engine(pair, draft_backend=draft, tree=TreeConfig(8, 4, 2), tree_policy="adaptive",
+                         draft_overlap=overlap, join_early=True, **kw)
+    engine.new_controller = lambda tree: AlwaysSpeculate(ladder(tree))  # every step after the join drafted
+    try:
+        out, stats = run(engine, draft, prompt(), params, join_at)
+        assert out == ref
+        # the steps before the join (a lookup chain may make one emit several tokens)
+        assert 0 < stats.open_steps <= join_at - 1 if join_at > 1 else stats.open_steps == 0
+        assert stats.num_steps > 0 and not stats.fallback  # it joined and speculated
+    finally:
+        draft.shutdown()
+
+
+def test_a_failed_open_met_while_decoding_falls_back(pair, ar_engine):
+    params = SamplingParams(30, ignore_eos=True)
+    ref, _, _ = ar_engine.generate(prompt(), params)
+    draft = HeldOpen(pair[1].decoder, fail=True)
+    engine = make_engine(pair, draft_backend=draft, tree_policy="adaptive", lookup_tokens=0, join_early=True)
+    try:
+        out, stats = run(engine, draft, prompt(), params, 4)
+        assert out == ref and stats.fallback and stats.num_steps == 0 and stats.open_steps == 3
+    finally:
+        draft.shutdown()
+
+
+def test_an_open_that_ends_after_the_request_leaves_no_session(pair, ar_engine):
+    params = SamplingParams(12, ignore_eos=True)
+    ref, _, _ = ar_engine.generate(prompt(), params)
+    draft = HeldOpen(pair[1].decoder)
+    engine = make_engine(pair, draft_backend=draft, tree_policy="adaptive", lookup_tokens=0, join_early=True)
+    try:
+        out, stats = run(engine, draft, prompt(), params, 99)  # never released while it decodes
+        assert out == ref and stats.open_steps == 11 and stats.num_steps == 0 and not stats.fallback
+        draft.release.set()
+        assert draft.opened.wait(30)
+        deadline = time.monotonic() + 10
+        while draft.num_sessions and time.monotonic() < deadline:  # closed once its open ended
+            time.sleep(0.01)
+        assert draft.num_sessions == 0
+    finally:
+        draft.shutdown()
