@@ -157,7 +157,8 @@ def main():
             print(f"\n== {mode}: {row['unprofiled_decode_tok_s']:.1f} tok/s unprofiled, profiled "
                   f"{row['wall_ms_per_token']:.3f} ms/token wall, device busy {row['busy_ms_per_token']:.3f}, idle "
                   f"{row['idle_ms_per_token']:.3f} in {row['gaps_per_token']:.1f} gaps; steps {st.num_steps} tree, "
-                  f"{st.plain_steps} plain, {st.lookup_steps} lookup, {st.unready_steps} unready", flush=True)
+                  f"{st.plain_steps} plain, {st.lookup_steps} lookup, {st.unready_steps} unready"
+                  + e2e.kinds_line(r["step_kinds"], r["max_step_ms"]), flush=True)
             for name, ms in row["top"]:
                 print(f"  {ms * 1e3:8.1f} us/token idle  {name[:150]}")
             print("  kernels (device us per token, launches per token):")

@@ -278,8 +278,9 @@ class Engine:
                                            lookup=len(committed) - 1)
                         stats.probe_steps = ctl.probe_steps
                         stats.decode_s = time.perf_counter() - t1
-                        stats.max_step_s = max(stats.max_step_s, time.perf_counter() - t_step)
-                        yield out.emit(committed)
+                        ev = out.emit(committed)
+                        stats.step_done("unready", len(ev.token_ids), time.perf_counter() - t_step)
+                        yield ev
                         continue
                     stats.draft_s += draft_s
                     # best first: a prefix is the best smaller tree (a draft that ignores the bound may send more)
@@ -335,6 +336,7 @@ class Engine:
                                     prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
                                     step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps
+                    kind = "tree"
                 else:
                     if tell and pending and not opening_pending:  # the tokens so far go to the draft while this step's forward runs
                         try:
@@ -344,7 +346,9 @@ class Engine:
                             stats.told_steps += 1
                         except DraftError as e:
                             use_draft = tell = self._fall_back(stats, sid, e)
+                    chains = stats.lookup_steps
                     committed = yield from self._plain_co(target, committed[-1], params, gen, timed, lookup, stats)
+                    kind = "open" if use_draft and opening_pending else "lookup" if stats.lookup_steps > chains else "plain"
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
                         ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                     if use_draft:
@@ -355,7 +359,7 @@ class Engine:
                             stats.plain_steps += 1
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1
-                stats.max_step_s = max(stats.max_step_s, time.perf_counter() - t_step)
+                stats.step_done(kind, len(ev.token_ids), time.perf_counter() - t_step)
                 yield ev
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None

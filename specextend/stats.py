@@ -38,9 +38,18 @@ class RequestStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     max_step_s: float = 0.0  # the longest decode step (wall): a stall shows here, not in the means
+    # per kind of decode step ("tree", "plain", "lookup": a plain step that verified a lookup chain,
+    # "unready", "open": before the draft joined): [steps, tokens emitted, seconds of wall time]
+    step_kinds: dict = field(default_factory=dict)
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
+
+    def step_done(self, kind: str, tokens: int, seconds: float) -> None:
+        """One decode step of `kind` ended: it emitted `tokens` in `seconds` of wall time."""
+        k = self.step_kinds.setdefault(kind, [0, 0, 0.0])
+        k[0], k[1], k[2] = k[0] + 1, k[1] + tokens, k[2] + seconds
+        self.max_step_s = max(self.max_step_s, seconds)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -119,7 +128,7 @@ class RequestStats:
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     unready_steps=self.unready_steps, lookup_steps=self.lookup_steps, told_steps=self.told_steps,
-                    open_steps=self.open_steps, max_step_s=self.max_step_s,
+                    open_steps=self.open_steps, max_step_s=self.max_step_s, step_kinds=self.step_kinds,
                     lookup_nodes=self.lookup_nodes, lookup_accepted=self.lookup_accepted,
                     probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,

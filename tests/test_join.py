@@ -75,6 +75,9 @@ def test_a_late_join_is_lossless(pair, ar_engine, join_at, kw, overlap, sampling
         # the steps before the join (a lookup chain may make one emit several tokens)
         assert 0 < stats.open_steps <= join_at - 1 if join_at > 1 else stats.open_steps == 0
         assert stats.num_steps > 0 and not stats.fallback  # it joined and speculated
+        kinds = stats.step_kinds  # [steps, tokens, seconds] per kind: every decode step, once
+        assert kinds["tree"][0] == stats.num_steps and kinds.get("open", [0])[0] == stats.open_steps
+        assert sum(k[1] for k in kinds.values()) == len(out) - 1  # the first token is the prefill's
     finally:
         draft.shutdown()
 

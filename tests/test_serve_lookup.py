@@ -49,6 +49,9 @@ def test_lookup_mode_serves_greedy_output_with_its_chains(server, greedy):
     assert out.choices[0].token_ids == ref
     spec = out.model_extra["speculative_decoding"]
     assert spec["fallback"] is False and spec["num_steps"] == 0 and spec["lookup_steps"] > 0
+    kinds = spec["step_kinds"]  # every decode step by kind: the chains' steps, the others plain
+    assert kinds["lookup"]["steps"] == spec["lookup_steps"] and set(kinds) <= {"lookup", "plain"}
+    assert sum(k["tokens"] for k in kinds.values()) == 39 and 0 < spec["max_step_ms"] <= sum(k["ms"] for k in kinds.values())
     off = client.completions.create(model=SERVE_TARGET, prompt=PROMPT, max_tokens=40, temperature=0,
                                     extra_body={"return_token_ids": True, "ignore_eos": True,
                                                 "speculative_decoding": {"enabled": False}})

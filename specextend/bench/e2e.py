@@ -151,7 +151,19 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction,
         retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s,
         transport_ms=st.transport_ms_per_step, draft_queue_ms=st.draft_queue_ms_per_step,
-        prepared_steps=st.prepared_steps, **wait_split(st))
+        prepared_steps=st.prepared_steps, max_step_ms=1e3 * st.max_step_s, open_steps=st.open_steps,
+        step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec) for k, (n, t, sec) in st.step_kinds.items()},
+        **wait_split(st))
+
+
+def kinds_line(kinds: dict, max_step_ms: float) -> str:
+    """'; tree 41 x 2.00 tok / 4.51 ms, lookup ...; longest 9.1 ms': each kind of step's count,
+    tokens and wall time per step (a request's stats, serving/protocol.StepKind)."""
+    if not kinds:
+        return ""
+    parts = [f"{k} {v['steps']} x {v['tokens'] / max(v['steps'], 1):.2f} tok / {v['ms'] / max(v['steps'], 1):.2f} ms"
+             for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["steps"])]
+    return "; " + ", ".join(parts) + f"; longest {max_step_ms:.1f} ms"
 
 
 def wait_split(st) -> dict:
@@ -206,7 +218,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                         rows.append(dict(base, **r))
                         progress(f"{pair_name} L={length} {doc.name} {mode}: "
                                  f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s"
-                                 + (f", acceptance {r['mean_acceptance_length']:.2f}" if "num_steps" in r else ""))
+                                 + (f", acceptance {r['mean_acceptance_length']:.2f}" if "num_steps" in r else "")
+                                 + kinds_line(r.get("step_kinds", {}), r.get("max_step_ms", 0.0)))
         finally:
             for w in workers:
                 w.stop()

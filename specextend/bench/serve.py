@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import requests
 import torch
 
-from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, summarize
+from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, kinds_line, summarize
 from specextend.bench.texts import documents, prompt_ids
 
 REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (real pairs' traces: 2-6)
@@ -158,8 +158,8 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
                    draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0) * asked,
                    prepared_fraction=spec.get("prepared_fraction", 0.0), plain_steps=spec.get("plain_steps", 0),
                    lookup_steps=spec.get("lookup_steps", 0), lookup_accepted=spec.get("lookup_accepted", 0),
-                   told_steps=spec.get("told_steps", 0), open_steps=spec.get("open_steps", 0),
-                   max_step_ms=spec.get("max_step_ms", 0.0))
+                   told_steps=spec.get("told_steps", 0), open_steps=spec.get("open_steps", 0))
+    out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}))  # every mode
     return out
 
 
@@ -228,7 +228,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                              mode=name, replayed=pair.replayed and not alone,
                                              startup_s=startup, **phases, **r))
                             progress(f"served {pair_name} L={length} {doc.name} {name}: "
-                                     f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s")
+                                     f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s"
+                                     + kinds_line(r.get("step_kinds", {}), r.get("max_step_ms", 0.0)))
                     late = late_work(url)
                     late_log.append(dict(mode=name, first=late_first, timed={k: v - late_first.get(k, 0.0)
                                                                              for k, v in late.items()}))
