@@ -31,10 +31,15 @@ from specextend.bench.texts import documents, prompt_ids
 from specextend.config import SamplingParams
 
 
+def on_target(e: dict) -> bool:
+    """A kernel, copy or memset on the target's device (cuda:0; a -2gpu mode's draft is on cuda:1)."""
+    return (e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            and e.get("args", {}).get("device", 0) == 0)
+
+
 def idle_gaps(events: list[dict], t_from: float, min_gap_us: float = 5.0) -> tuple[float, float, list[tuple[float, float]]]:
     """-> (device span us, busy us, [(gap start, gap end)]) over device events starting at t_from."""
-    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                  and e["ts"] >= t_from), key=lambda e: e["ts"])
+    dev = sorted((e for e in events if on_target(e) and e["ts"] >= t_from), key=lambda e: e["ts"])
     if not dev:
         return 0.0, 0.0, []
     busy, out, end = 0.0, [], dev[0]["ts"]
@@ -131,7 +136,7 @@ def main():
             st = res["stats"]
             # the decode steps: device events after the prefill's last kernel, approximated as the
             # last 'decode_s' of the trace's device span
-            dev_end = max((e["ts"] + e["dur"] for e in ev if e.get("cat") == "kernel"), default=0.0)
+            dev_end = max((e["ts"] + e["dur"] for e in ev if on_target(e)), default=0.0)
             t_from = dev_end - st.decode_s * 1e6
             span, busy, gaps = idle_gaps(ev, t_from)
             # the engine's thread: the one running its session coroutine
@@ -141,7 +146,7 @@ def main():
             ntok = max(res["tokens"] - 1, 1)
             kern: dict[str, list] = defaultdict(lambda: [0.0, 0])  # the decode steps' kernels by name
             for e in ev:
-                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["ts"] >= t_from:
+                if on_target(e) and e["ts"] >= t_from:
                     kern[e["name"]][0] += e["dur"]
                     kern[e["name"]][1] += 1
             idle = sum(b - a for a, b in gaps)
