@@ -108,6 +108,46 @@ def profile_request(engine, prompt, tokens: int) -> dict:
     return dict(events=events, decode_s=st.decode_s, tokens=n, wall_s=t_end - t0, stats=st)
 
 
+def profile_open(engines: dict, prompt: list[int], top: int) -> dict:
+    """One draft open of `prompt` (the first engine with a draft), timed and profiled alone: its wall
+    time against the target's prefill of the same prompt, and its kernels by device time."""
+    from specextend.draft.base import DraftSessionParams
+    from specextend.target import TargetSession
+
+    eng = next(e for e in engines.values() if e.draft is not None)
+    cfg = eng.config
+    params = DraftSessionParams(cfg.tree, cfg.retrieval, 128, cfg.lookup_tokens)
+    target = TargetSession(eng.target.decoder, len(prompt) + 8, hybrid=cfg.hybrid_attention)
+    sync()
+    t0 = time.perf_counter()
+    target.prefill(prompt, cfg.prefill_chunk)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    eng.draft.open("gaps-warm", prompt, params)  # first use of this length's shapes
+    eng.draft.close("gaps-warm")
+    sync()
+    t0 = time.perf_counter()
+    eng.draft.open("gaps-timed", prompt, params)
+    sync()
+    open_s = time.perf_counter() - t0
+    eng.draft.close("gaps-timed")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        eng.draft.open("gaps-prof", prompt, params)
+        sync()
+    eng.draft.close("gaps-prof")
+    kern: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kern[e.name][0] += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+            kern[e.name][1] += 1
+    rows = sorted(((k, us / 1e3, c) for k, (us, c) in kern.items()), key=lambda x: -x[1])[:top]
+    print(f"\n== draft open of {len(prompt)} tokens: {1e3 * open_s:.1f} ms (target prefill {1e3 * prefill_s:.1f} ms); "
+          f"device {sum(us for us, _ in kern.values()) / 1e3:.1f} ms of kernels")
+    for name, ms, c in rows:
+        print(f"  {ms:8.2f} ms {c:5d}x  {name[:140]}")
+    return dict(mode="draft-open", open_ms=1e3 * open_s, target_prefill_ms=1e3 * prefill_s, kernels=rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", default="real")
@@ -119,6 +159,8 @@ def main():
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--trace-dir", default="", help="also write each mode's trace here (gzipped)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--open", action="store_true",
+                    help="also profile one draft open (its prefill) beside a target prefill of the prompt")
     a = ap.parse_args()
     modes = a.modes.split(",")
     target, engines, _, workers = e2e._engines(e2e.PAIRS[a.pair], modes, "auto", a.tree_policy, "auto")
@@ -163,7 +205,7 @@ def main():
                   f"{row['wall_ms_per_token']:.3f} ms/token wall, device busy {row['busy_ms_per_token']:.3f}, idle "
                   f"{row['idle_ms_per_token']:.3f} in {row['gaps_per_token']:.1f} gaps; steps {st.num_steps} tree, "
                   f"{st.plain_steps} plain, {st.lookup_steps} lookup, {st.unready_steps} unready"
-                  + e2e.kinds_line(r["step_kinds"], r["max_step_ms"]), flush=True)
+                  + e2e.kinds_line(r), flush=True)
             for name, ms in row["top"]:
                 print(f"  {ms * 1e3:8.1f} us/token idle  {name[:150]}")
             print("  kernels (device us per token, launches per token):")
@@ -173,6 +215,8 @@ def main():
                 os.makedirs(a.trace_dir, exist_ok=True)
                 with gzip.open(os.path.join(a.trace_dir, f"{mode}.json.gz"), "wt") as f:
                     json.dump({"traceEvents": [e for e in ev if e.get("cat") != "python_function"]}, f)
+        if a.open:
+            results.append(profile_open(engines, prompt, a.top))
     finally:
         for w in workers:
             w.stop()

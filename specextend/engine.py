@@ -377,6 +377,7 @@ class Engine:
             open_s = opening.result() if opening.done() else (yield DraftCall(future=opening))
         except DraftError as e:
             return self._fall_back(stats, sid, e)
+        stats.draft_open_s, stats.target_prefill_s = open_s, target_prefill_s
         ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
         return True
 

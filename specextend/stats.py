@@ -37,6 +37,8 @@ class RequestStats:
     num_generated: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    draft_open_s: float = 0.0  # the draft's open (its prefill, transport included) as the target timed it
+    target_prefill_s: float = 0.0  # the target's prefill of the same prompt, beside it (0: no draft joined)
     max_step_s: float = 0.0  # the longest decode step (wall): a stall shows here, not in the means
     # per kind of decode step ("tree", "plain", "lookup": a plain step that verified a lookup chain,
     # "unready", "open": before the draft joined): [steps, tokens emitted, seconds of wall time]
@@ -128,7 +130,8 @@ class RequestStats:
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     unready_steps=self.unready_steps, lookup_steps=self.lookup_steps, told_steps=self.told_steps,
-                    open_steps=self.open_steps, max_step_s=self.max_step_s, step_kinds=self.step_kinds,
+                    open_steps=self.open_steps, max_step_s=self.max_step_s, draft_open_s=self.draft_open_s,
+                    target_prefill_s=self.target_prefill_s, step_kinds=self.step_kinds,
                     lookup_nodes=self.lookup_nodes, lookup_accepted=self.lookup_accepted,
                     probe_steps=self.probe_steps, mean_tree_nodes=self.mean_tree_nodes,
                     tree_ready_fraction=self.tree_ready_fraction, draft_ahead_depth=self.draft_ahead_depth,

@@ -78,6 +78,7 @@ def test_a_late_join_is_lossless(pair, ar_engine, join_at, kw, overlap, sampling
         kinds = stats.step_kinds  # [steps, tokens, seconds] per kind: every decode step, once
         assert kinds["tree"][0] == stats.num_steps and kinds.get("open", [0])[0] == stats.open_steps
         assert sum(k[1] for k in kinds.values()) == len(out) - 1  # the first token is the prefill's
+        assert stats.draft_open_s > 0 and stats.target_prefill_s > 0  # the open's time, as the target saw it
     finally:
         draft.shutdown()
 
@@ -102,6 +103,7 @@ def test_an_open_that_ends_after_the_request_leaves_no_session(pair, ar_engine):
     try:
         out, stats = run(engine, draft, prompt(), params, 99)  # never released while it decodes
         assert out == ref and stats.open_steps == 11 and stats.num_steps == 0 and not stats.fallback
+        assert stats.draft_open_s == 0  # never joined: no open time to report
         draft.release.set()
         assert draft.opened.wait(30)
         deadline = time.monotonic() + 10

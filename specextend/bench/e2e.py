@@ -152,18 +152,25 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s,
         transport_ms=st.transport_ms_per_step, draft_queue_ms=st.draft_queue_ms_per_step,
         prepared_steps=st.prepared_steps, max_step_ms=1e3 * st.max_step_s, open_steps=st.open_steps,
+        draft_open_ms=1e3 * st.draft_open_s, target_prefill_ms=1e3 * st.target_prefill_s,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec) for k, (n, t, sec) in st.step_kinds.items()},
         **wait_split(st))
 
 
-def kinds_line(kinds: dict, max_step_ms: float) -> str:
-    """'; tree 41 x 2.00 tok / 4.51 ms, lookup ...; longest 9.1 ms': each kind of step's count,
-    tokens and wall time per step (a request's stats, serving/protocol.StepKind)."""
+def kinds_line(r: dict) -> str:
+    """'; tree 41 x 2.00 tok / 4.51 ms, lookup ...; longest 9.1 ms; draft open 480 ms (target
+    prefill 310)': a request's row (run_engine's or the serve suite's): each kind of decode step's
+    count, tokens and wall time per step (serving/protocol.StepKind), its longest step, and the
+    draft's open against the target's prefill where a draft joined."""
+    kinds = r.get("step_kinds") or {}
     if not kinds:
         return ""
     parts = [f"{k} {v['steps']} x {v['tokens'] / max(v['steps'], 1):.2f} tok / {v['ms'] / max(v['steps'], 1):.2f} ms"
              for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["steps"])]
-    return "; " + ", ".join(parts) + f"; longest {max_step_ms:.1f} ms"
+    out = "; " + ", ".join(parts) + f"; longest {r.get('max_step_ms', 0.0):.1f} ms"
+    if r.get("draft_open_ms"):
+        out += f"; draft open {r['draft_open_ms']:.0f} ms (target prefill {r.get('target_prefill_ms', 0.0):.0f})"
+    return out
 
 
 def wait_split(st) -> dict:
@@ -219,7 +226,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                         progress(f"{pair_name} L={length} {doc.name} {mode}: "
                                  f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s"
                                  + (f", acceptance {r['mean_acceptance_length']:.2f}" if "num_steps" in r else "")
-                                 + kinds_line(r.get("step_kinds", {}), r.get("max_step_ms", 0.0)))
+                                 + kinds_line(r))
         finally:
             for w in workers:
                 w.stop()

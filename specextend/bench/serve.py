@@ -159,7 +159,8 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
                    prepared_fraction=spec.get("prepared_fraction", 0.0), plain_steps=spec.get("plain_steps", 0),
                    lookup_steps=spec.get("lookup_steps", 0), lookup_accepted=spec.get("lookup_accepted", 0),
                    told_steps=spec.get("told_steps", 0), open_steps=spec.get("open_steps", 0))
-    out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}))  # every mode
+    out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}),  # every mode
+               draft_open_ms=spec.get("draft_open_ms", 0.0), target_prefill_ms=spec.get("target_prefill_ms", 0.0))
     return out
 
 
@@ -229,7 +230,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                              startup_s=startup, **phases, **r))
                             progress(f"served {pair_name} L={length} {doc.name} {name}: "
                                      f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s"
-                                     + kinds_line(r.get("step_kinds", {}), r.get("max_step_ms", 0.0)))
+                                     + kinds_line(r))
                     late = late_work(url)
                     late_log.append(dict(mode=name, first=late_first, timed={k: v - late_first.get(k, 0.0)
                                                                              for k, v in late.items()}))

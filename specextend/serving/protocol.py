@@ -195,6 +195,8 @@ class SpeculativeDecoding(BaseModel):
     told_steps: int = 0  # plain steps whose tokens the overlapping draft was sent at once (its pool follows them)
     open_steps: int = 0  # plain steps decoded while the draft still prefilled the prompt (it joined after them)
     max_step_ms: float = 0.0  # the longest decode step, wall time
+    draft_open_ms: float = 0.0  # the draft's open (its prefill of the prompt), as the target timed it
+    target_prefill_ms: float = 0.0  # the target's prefill of the same prompt, beside the draft's
     # by kind of step: tree, plain, lookup (a plain step that verified a lookup chain), unready, open
     step_kinds: dict[str, StepKind] = Field(default_factory=dict)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
@@ -218,6 +220,7 @@ def spec_decoding(stats: RequestStats) -> dict:
            "mean_tree_nodes": stats.mean_tree_nodes,
            "lookup_steps": stats.lookup_steps, "lookup_accepted": stats.lookup_accepted,
            "told_steps": stats.told_steps, "open_steps": stats.open_steps, "max_step_ms": 1e3 * stats.max_step_s,
+           "draft_open_ms": 1e3 * stats.draft_open_s, "target_prefill_ms": 1e3 * stats.target_prefill_s,
            "step_kinds": {k: {"steps": n, "tokens": t, "ms": 1e3 * sec} for k, (n, t, sec) in stats.step_kinds.items()}}
     if stats.replayed:
         out["replayed"] = True
