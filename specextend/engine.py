@@ -212,8 +212,8 @@ class Engine:
             t1 = time.perf_counter()
             yield out.emit([token])  # the first token needs nothing from the draft: not its open either
             # the draft joins once its open (its prefill) is done: with the adaptive policy the target
-            # decodes plainly meanwhile instead of waiting (docs/architecture.md, "Adaptive
-            # speculation"); the fixed policy (every step drafted) waits for it here
+            # decodes plainly meanwhile instead of waiting; the fixed policy (every step drafted)
+            # waits for it here (docs/architecture.md, "Adaptive speculation")
             if opening is not None and out.finish is None and (cfg.tree_policy != "adaptive" or not self.join_early):
                 use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
                 opening_pending = False
