@@ -92,8 +92,11 @@ class TorchBackend(AttentionBackend):
         if isinstance(mask, torch.Tensor):
             if need_lse:
                 return attention_eager(q, k, v, mask, scale)
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
+            if g != h:  # an explicit mask with grouped K/V heads (enable_gqa) would take SDPA's math
+                # kernel, which writes out every score ([H, T, S]); K/V repeated per query head take its
+                # fused memory-efficient kernel (docs/architecture.md, "Attention backends")
+                k, v = k.repeat_interleave(h // g, dim=0), v.repeat_interleave(h // g, dim=0)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
             return out[0], None
         if mask is None:  # the fused kernel with the GQA fold reads each K/V once
             out, lse = sdpa_lse(_fold_gqa(q, g)[None], k[None], v[None], False, scale)
