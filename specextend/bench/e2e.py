@@ -153,6 +153,7 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         transport_ms=st.transport_ms_per_step, draft_queue_ms=st.draft_queue_ms_per_step,
         prepared_steps=st.prepared_steps, max_step_ms=1e3 * st.max_step_s, open_steps=st.open_steps,
         draft_open_ms=1e3 * st.draft_open_s, target_prefill_ms=1e3 * st.target_prefill_s,
+        mean_tree_nodes=st.mean_tree_nodes, draft_ahead_depth=st.draft_ahead_depth, probe_steps=st.probe_steps,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec) for k, (n, t, sec) in st.step_kinds.items()},
         **wait_split(st))
 
@@ -168,6 +169,8 @@ def kinds_line(r: dict) -> str:
     parts = [f"{k} {v['steps']} x {v['tokens'] / max(v['steps'], 1):.2f} tok / {v['ms'] / max(v['steps'], 1):.2f} ms"
              for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["steps"])]
     out = "; " + ", ".join(parts) + f"; longest {r.get('max_step_ms', 0.0):.1f} ms"
+    if r.get("mean_tree_nodes"):  # the trees verified: their size, and the pool's depth below the root when asked
+        out += f"; trees of {r['mean_tree_nodes']:.1f} nodes, ahead {r.get('draft_ahead_depth', 0.0):.1f} levels"
     if r.get("draft_open_ms"):
         out += f"; draft open {r['draft_open_ms']:.0f} ms (target prefill {r.get('target_prefill_ms', 0.0):.0f})"
     return out

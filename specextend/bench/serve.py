@@ -158,7 +158,9 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
                    draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0) * asked,
                    prepared_fraction=spec.get("prepared_fraction", 0.0), plain_steps=spec.get("plain_steps", 0),
                    lookup_steps=spec.get("lookup_steps", 0), lookup_accepted=spec.get("lookup_accepted", 0),
-                   told_steps=spec.get("told_steps", 0), open_steps=spec.get("open_steps", 0))
+                   told_steps=spec.get("told_steps", 0), open_steps=spec.get("open_steps", 0),
+                   draft_ahead_depth=spec.get("draft_ahead_depth", 0.0), mean_tree_nodes=spec.get("mean_tree_nodes", 0.0),
+                   probe_steps=spec.get("probe_steps", 0))
     out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}),  # every mode
                draft_open_ms=spec.get("draft_open_ms", 0.0), target_prefill_ms=spec.get("target_prefill_ms", 0.0))
     return out
