@@ -111,7 +111,11 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=0, help="0: a free port")
     p.add_argument("--stream-interval-ms", type=float, default=None, help="the app's (default: its default)")
     p.add_argument("--label", default="", help="a suffix for the JSON's name (e.g. before, after)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="this process's GIL switch interval in seconds (the replica layer's; default Python's)")
     a = p.parse_args(argv)
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     layers = a.layers.split(",")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import torch

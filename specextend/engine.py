@@ -270,6 +270,7 @@ class Engine:
                         # plain token now; to the policy an unready step (its ready share falls)
                         stats.unready_steps += 1
                         stats.unready_wait_s += draft_s
+                        stats.unready_split.append((draft_s, tree.server_s, tree.queued_s))
                         stats.unready_refreshes += retrieval is not None
                         committed = pending = yield from self._plain_co(target, committed[-1], params, gen, timed,
                                                                         lookup, stats)

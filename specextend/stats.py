@@ -23,6 +23,8 @@ class RequestStats:
     probe_steps: int = 0  # steps with the largest tree the adaptive policy took to re-measure it
     unready_steps: int = 0  # plain steps because the overlapping draft had no tree ready (overlap_miss=plain)
     unready_wait_s: float = 0.0  # the target's wait for those empty answers
+    # (wait, draft side, queued) of each unready step: with the trees' (above), the split of every asked step
+    unready_split: list[tuple[float, float, float]] = field(default_factory=list)
     unready_refreshes: int = 0  # retrieval selections those steps delivered to the draft
     lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain instead
     open_steps: int = 0  # plain steps decoded while the draft still prefilled (adaptive policy: it joins when done)
@@ -73,8 +75,10 @@ class RequestStats:
         return 1e3 * (self.draft_s + self.unready_wait_s) / asked if asked else 0.0
 
     def _measured(self) -> list[tuple[float, float, float]]:
-        """(wait, draft side, queued) of the steps whose draft reported its own time."""
-        return [t for t in zip(self.wait_per_step, self.server_per_step, self.queued_per_step) if t[1] > 0]
+        """(wait, draft side, queued) of the steps that asked for a tree (verified or unready, as
+        target_wait_ms_per_step counts them) whose draft reported its own time."""
+        trees = zip(self.wait_per_step, self.server_per_step, self.queued_per_step)
+        return [t for t in [*trees, *self.unready_split] if t[1] > 0]
 
     @property
     def transport_s(self) -> float:

@@ -75,6 +75,18 @@ def test_transport_is_the_wait_beyond_the_draft_side():
                         queued_per_step=[0.0]).transport_ms_per_step == 0.0
 
 
+def test_unready_steps_are_split_like_the_trees_they_were_asked_as():
+    """target_wait_ms_per_step counts every step that asked for a tree, unready ones too: so does
+    the split, or a slow tree beside quick empty answers made the transport of the trees alone
+    exceed the mean wait of all (the served app's test met 2.23 against 2.17 ms)."""
+    st = RequestStats(num_steps=1, draft_s=0.003, wait_per_step=[0.003], server_per_step=[0.0005], queued_per_step=[0.0],
+                      unready_steps=2, unready_wait_s=0.0006, unready_split=[(0.0003, 0.0002, 0.0001)] * 2)
+    assert st.target_wait_ms_per_step == pytest.approx(1.2)  # (3 + 0.3 + 0.3) / 3
+    assert st.transport_ms_per_step == pytest.approx((2.5 + 0.1 + 0.1) / 3)
+    assert st.draft_queue_ms_per_step == pytest.approx(0.2 / 3)
+    assert st.transport_ms_per_step < st.target_wait_ms_per_step
+
+
 def test_engine_over_the_step_channel_splits_its_wait(tiny_models):
     """A real draft worker behind the server, stepped by the engine over ZeroMQ: every step's draft
     reported its time, the transport is the rest of the wait, and the output is plain decoding's."""
