@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Generator, Iterator, Optional, Sequence, Union
 
@@ -20,12 +20,14 @@ from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, Costs, TreeController
 from specextend.ladder import PLAIN, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
-from specextend.lookup import ContextIndex, RequestLookup, graft
+from specextend.emit import Emitter, StepEvent
+from specextend.lookup import ContextIndex, RequestLookup
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
 from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
+from specextend.plain_step import plain_step_co
 from specextend.target import TargetSession
 from specextend.verify import verify_tree
 
@@ -59,36 +61,6 @@ def _seconds_of(fn, *args) -> float:
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (too long, bad ids); maps to HTTP 400."""
-
-
-@dataclass
-class StepEvent:
-    token_ids: list[int]  # tokens emitted by this step (possibly empty)
-    finish_reason: Optional[str]  # None, "stop" or "length"
-    stats: RequestStats
-
-
-class _Emitter:
-    """Appends tokens in order and cuts exactly where plain decoding would stop."""
-
-    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], stats: RequestStats):
-        self.params = params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self.stats = stats
-        self.finish: Optional[str] = None
-
-    def emit(self, tokens: Sequence[int]) -> StepEvent:
-        out = []
-        for tok in tokens:
-            out.append(tok)
-            self.stats.num_generated += 1
-            if tok in self.stop_ids:
-                self.finish = "stop"
-            elif self.stats.num_generated >= self.params.max_new_tokens:
-                self.finish = "length"
-            if self.finish:
-                break
-        return StepEvent(out, self.finish, self.stats)
 
 
 def _drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
@@ -185,7 +157,7 @@ class Engine:
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
-        out = _Emitter(params, self.target.args.eos_token_ids, stats)
+        out = Emitter(params, self.target.args.eos_token_ids, stats)
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
                                hybrid=cfg.hybrid_attention)
@@ -272,7 +244,7 @@ class Engine:
                         stats.unready_wait_s += draft_s
                         stats.unready_split.append((draft_s, tree.server_s, tree.queued_s))
                         stats.unready_refreshes += retrieval is not None
-                        committed = pending = yield from self._plain_co(target, committed[-1], params, gen, timed,
+                        committed = pending = yield from plain_step_co(target, committed[-1], params, gen, timed,
                                                                         lookup, stats)
                         step, retrieval = step + 1, None
                         ctl.record_unready(rung, draft_s, step_s=time.perf_counter() - t_step,
@@ -348,7 +320,7 @@ class Engine:
                         except DraftError as e:
                             use_draft = tell = self._fall_back(stats, sid, e)
                     chains = stats.lookup_steps
-                    committed = yield from self._plain_co(target, committed[-1], params, gen, timed, lookup, stats)
+                    committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats)
                     kind = "open" if use_draft and opening_pending else "lookup" if stats.lookup_steps > chains else "plain"
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
                         ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
@@ -381,31 +353,6 @@ class Engine:
         stats.draft_open_s, stats.target_prefill_s = open_s, target_prefill_s
         ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
         return True
-
-    @staticmethod
-    def _plain_co(target: TargetSession, root: int, params: SamplingParams, gen, timed,
-                  lookup: Optional[RequestLookup] = None, stats: Optional[RequestStats] = None) -> Session:
-        """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
-        chain worth its rows, that chain verified instead (its accepted tokens, then the target's
-        next one); the emitted tokens committed to the lookup."""
-        t0 = time.perf_counter()
-        chain = lookup.chain() if lookup is not None else []
-        from_chain = 0
-        if not chain:
-            logits = yield from timed(target.decode_co(root))
-            out = [next_token(logits, params, gen)]
-        else:
-            tokens, parents, _ = graft((), (), chain)  # a path: [k], [k]
-            logits = yield from timed(target.verify_co(root, tokens, parents, capture=False))
-            verdict = verify_tree(logits, tokens, parents, params, gen)
-            target.commit(verdict.accepted)
-            stats.lookup_steps += 1
-            stats.lookup_nodes += len(tokens)
-            stats.lookup_accepted += verdict.accept_length
-            out, from_chain = verdict.tokens, verdict.accept_length
-        if lookup is not None:  # with its wall time: the gate prices a chain step's host work too
-            lookup.commit(out, from_chain, step_s=time.perf_counter() - t0)
-        return out
 
     def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:
         t0 = time.perf_counter()

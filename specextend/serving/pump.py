@@ -19,7 +19,7 @@ import asyncio
 import threading
 from typing import Any, Generator, Optional
 
-from specextend.engine import StepEvent
+from specextend.emit import StepEvent
 from specextend.scheduler import Batcher, Load
 
 MAX_AHEAD = 32  # undelivered events per session before its steps pause

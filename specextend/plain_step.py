@@ -1,0 +1,43 @@
+"""A decode step without a draft tree (docs/architecture.md, "Context lookup"): the target's next
+token, or, where the request's context lookup has a chain worth its rows, that chain verified in one
+forward (its accepted tokens, then the target's next one). Lossless as any verification."""
+
+from __future__ import annotations
+
+import time
+from typing import Generator, Optional
+
+from specextend.config import SamplingParams
+from specextend.lookup import RequestLookup, graft
+from specextend.models.batch import ForwardCall
+from specextend.sampling import next_token
+from specextend.stats import RequestStats
+from specextend.target import TargetSession
+from specextend.verify import verify_tree
+
+
+def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen, timed,
+                  lookup: Optional[RequestLookup] = None, stats: Optional[RequestStats] = None,
+                  ) -> Generator[ForwardCall, object, list[int]]:
+    """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
+    chain worth its rows, that chain verified instead (its accepted tokens, then the target's
+    next one); the emitted tokens committed to the lookup. `timed` wraps each forward coroutine
+    (the engine's: its cost line and a batching driver's load, scheduler.metered)."""
+    t0 = time.perf_counter()
+    chain = lookup.chain() if lookup is not None else []
+    from_chain = 0
+    if not chain:
+        logits = yield from timed(target.decode_co(root))
+        out = [next_token(logits, params, gen)]
+    else:
+        tokens, parents, _ = graft((), (), chain)  # a path: [k], [k]
+        logits = yield from timed(target.verify_co(root, tokens, parents, capture=False))
+        verdict = verify_tree(logits, tokens, parents, params, gen)
+        target.commit(verdict.accepted)
+        stats.lookup_steps += 1
+        stats.lookup_nodes += len(tokens)
+        stats.lookup_accepted += verdict.accept_length
+        out, from_chain = verdict.tokens, verdict.accept_length
+    if lookup is not None:  # with its wall time: the gate prices a chain step's host work too
+        lookup.commit(out, from_chain, step_s=time.perf_counter() - t0)
+    return out
