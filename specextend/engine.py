@@ -311,7 +311,8 @@ class Engine:
                     stats.probe_steps = ctl.probe_steps
                     kind = "tree"
                 else:
-                    if tell and pending and not opening_pending:  # the tokens so far go to the draft while this step's forward runs
+                    # the tokens so far go to the draft while this step's forward runs
+                    if tell and pending and not opening_pending:
                         try:
                             yield from _settled(told)
                             told = self._tells.submit(self.draft.step, sid, step, pending, retrieval, TELL_BOUND)
@@ -321,7 +322,8 @@ class Engine:
                             use_draft = tell = self._fall_back(stats, sid, e)
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats)
-                    kind = "open" if use_draft and opening_pending else "lookup" if stats.lookup_steps > chains else "plain"
+                    kind = ("open" if use_draft and opening_pending
+                            else "lookup" if stats.lookup_steps > chains else "plain")
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
                         ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                     if use_draft:
