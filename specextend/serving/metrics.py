@@ -68,6 +68,10 @@ FAMILIES = {
         "counter", "Accepted tokens that only a context-lookup chain proposed (lookup_tokens).", ()),
     "specextend_spec_decode_num_told_steps": (
         "counter", "Plain steps whose tokens went to the overlapping draft at once (draft_tell).", ()),
+    "specextend_spec_decode_num_open_steps": (
+        "counter", "Plain steps decoded while the draft still prefilled the prompt (it joined after them).", ()),
+    "specextend_spec_decode_draft_open_seconds": (
+        "counter", "The drafts' opens (their prefills of the prompts), as the target timed them.", ()),
     "specextend_spec_decode_tree_nodes": (
         "histogram", "Draft nodes verified per speculative step (the tree sizes the policy chose).", ()),
     "specextend_prompt_tokens": ("counter", "Prompt tokens prefilled.", ()),
@@ -176,6 +180,8 @@ class ReplicaMetrics:
         self.inc("specextend_spec_decode_num_lookup_steps", stats.lookup_steps)
         self.inc("specextend_spec_decode_num_lookup_accepted_tokens", stats.lookup_accepted)
         self.inc("specextend_spec_decode_num_told_steps", stats.told_steps)
+        self.inc("specextend_spec_decode_num_open_steps", stats.open_steps)
+        self.inc("specextend_spec_decode_draft_open_seconds", stats.draft_open_s)
         for nodes in stats.nodes_per_step:
             self.observe("specextend_spec_decode_tree_nodes", nodes)
         self.inc("specextend_draft_fallbacks", int(stats.fallback))
