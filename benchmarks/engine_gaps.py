@@ -26,6 +26,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from trace_gaps import DEVICE_CATS, sweep  # this folder (on the path when run as a script)
+
 from specextend.bench import e2e
 from specextend.bench.texts import documents, prompt_ids
 from specextend.config import SamplingParams
@@ -33,26 +35,14 @@ from specextend.config import SamplingParams
 
 def on_target(e: dict) -> bool:
     """A kernel, copy or memset on the target's device (cuda:0; a -2gpu mode's draft is on cuda:1)."""
-    return (e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-            and e.get("args", {}).get("device", 0) == 0)
+    return e.get("ph") == "X" and e.get("cat") in DEVICE_CATS and e.get("args", {}).get("device", 0) == 0
 
 
 def idle_gaps(events: list[dict], t_from: float, min_gap_us: float = 5.0) -> tuple[float, float, list[tuple[float, float]]]:
     """-> (device span us, busy us, [(gap start, gap end)]) over device events starting at t_from."""
     dev = sorted((e for e in events if on_target(e) and e["ts"] >= t_from), key=lambda e: e["ts"])
-    if not dev:
-        return 0.0, 0.0, []
-    busy, out, end = 0.0, [], dev[0]["ts"]
-    for e in dev:
-        if e["ts"] > end:
-            if e["ts"] - end >= min_gap_us:
-                out.append((end, e["ts"]))
-            busy += e["dur"]
-            end = e["ts"] + e["dur"]
-        elif e["ts"] + e["dur"] > end:
-            busy += e["ts"] + e["dur"] - end
-            end = e["ts"] + e["dur"]
-    return end - dev[0]["ts"], busy, out
+    span, busy, idle = sweep(dev, min_gap_us)
+    return span, busy, [(start, e["ts"]) for start, e in idle]
 
 
 def charge(events: list[dict], gaps: list[tuple[float, float]], tid) -> dict[str, float]:
@@ -82,19 +72,10 @@ def sync():
 def profile_request(engine, prompt, tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     sync()
-    marks = {}
-
-    def first_token_mark(ev_iter):
-        for ev in ev_iter:
-            if "t1" not in marks:
-                sync()
-                marks["t1"] = time.perf_counter()
-            yield ev
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as p:
         t0 = time.perf_counter()
         n, st = 0, None
-        for ev in first_token_mark(engine.stream(prompt, params)):
+        for ev in engine.stream(prompt, params):
             n += len(ev.token_ids)
             st = ev.stats
         sync()
@@ -172,7 +153,7 @@ def main():
         for mode in modes:
             eng = engines[mode]
             e2e.run_engine(eng, prompt, a.tokens, None, warm)  # warm-up and one untimed request
-            ids, r = e2e.run_engine(eng, prompt, a.tokens, None, warm)
+            _, r = e2e.run_engine(eng, prompt, a.tokens, None, warm)
             res = profile_request(eng, prompt, a.tokens)
             ev = res["events"]
             st = res["stats"]

@@ -22,10 +22,30 @@ def load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def sweep(dev: list[dict], min_gap_us: float = 5.0) -> tuple[float, float, list[tuple[float, dict]]]:
+    """Device events sorted by start -> (span us, busy us: the union of their intervals, and each idle
+    gap of at least `min_gap_us` as (its start, the event that ends it))."""
+    if not dev:
+        return 0.0, 0.0, []
+    busy, out, end = 0.0, [], dev[0]["ts"]
+    for e in dev:
+        if e["ts"] > end:
+            if e["ts"] - end >= min_gap_us:
+                out.append((end, e))
+            busy += e["dur"]
+            end = e["ts"] + e["dur"]
+        elif e["ts"] + e["dur"] > end:
+            busy += e["ts"] + e["dur"] - end
+            end = e["ts"] + e["dur"]
+    return end - dev[0]["ts"], busy, out
+
+
 def gaps(events: list[dict], min_gap_us: float = 5.0):
     """-> (device span us, busy us, [(gap us, host op that launched the next kernel)])."""
-    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda e: e["ts"])
+    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     launches = {e["args"].get("correlation"): e for e in events
                 if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "args" in e}
     cpu_ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function")),
@@ -42,19 +62,12 @@ def gaps(events: list[dict], min_gap_us: float = 5.0):
                 best = op
         return best["name"] if best else "?"
 
-    busy, out = 0.0, []
-    end = dev[0]["ts"]
-    for e in dev:
-        if e["ts"] > end:
-            if e["ts"] - end >= min_gap_us:
-                launch = launches.get(e.get("args", {}).get("correlation"))
-                out.append((e["ts"] - end, innermost(launch["ts"]) if launch else "?"))
-            busy += e["dur"]
-            end = e["ts"] + e["dur"]
-        elif e["ts"] + e["dur"] > end:
-            busy += e["ts"] + e["dur"] - end
-            end = e["ts"] + e["dur"]
-    return end - dev[0]["ts"], busy, out
+    span, busy, idle = sweep(dev, min_gap_us)
+    out = []
+    for start, e in idle:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        out.append((e["ts"] - start, innermost(launch["ts"]) if launch else "?"))
+    return span, busy, out
 
 
 def main():

@@ -4,11 +4,14 @@ idle time charged to the Python functions running on the engine's thread meanwhi
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("engine_gaps", Path(__file__).parent.parent / "benchmarks/engine_gaps.py")
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # as when the script runs: it imports trace_gaps beside it
+spec = importlib.util.spec_from_file_location("engine_gaps", BENCHMARKS / "engine_gaps.py")
 engine_gaps = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(engine_gaps)
 
@@ -40,3 +43,13 @@ def test_idle_time_is_charged_to_the_functions_of_the_engine_thread_running_then
     assert by["lookup.py(2): chain"] == pytest.approx(5)
     assert by["sampling.py(3): next_token"] == pytest.approx(50)
     assert "other thread" not in by
+
+
+def test_trace_gaps_shares_the_sweep():
+    """trace_gaps.gaps (one step's timeline) sweeps the same way: every device's events, each gap
+    named by the host op around the launch of the kernel that ends it ('?' where none is traced)."""
+    import trace_gaps
+
+    events = [kernel(0, 10), kernel(5, 10), kernel(30, 10), kernel(42, 3), kernel(100, 5)]
+    span, busy, gaps = trace_gaps.gaps(events)
+    assert (span, busy) == (105, 33) and gaps == [(15, "?"), (55, "?")]
