@@ -367,41 +367,6 @@ def test_a_draft_whose_prefill_says_it_cannot_pay_is_not_tried_until_a_late_chea
     assert fast.choose() == RUNGS[1] and fast.draft_ratio is None
 
 
-def test_the_engine_seeds_its_controller_from_the_drafts_open(tiny_models):
-    """A draft whose open takes far longer than the target's prefill: the adaptive session decodes
-    plainly while it runs (open_steps; it does not wait), then, seeded with that slow open's price,
-    stays plain (output equals plain decoding); the same draft opening quickly speculates."""
-    import threading
-    import time as _time
-
-    pair = tiny_models("float64")
-    prompt, params = list(range(3, 90)), SamplingParams(30, ignore_eos=True)
-    ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
-    release, opened = threading.Event(), threading.Event()
-
-    class SlowOpen(DraftWorker):
-        def open(self, session_id, prompt_ids, params):
-            assert release.wait(30)  # until the session has decoded some tokens without it
-            _time.sleep(0.3)  # then slow: the tiny target prefills 87 tokens in milliseconds
-            super().open(session_id, prompt_ids, params)
-            opened.set()
-
-    slow = SlowOpen(pair[1].decoder)
-    engine = make_engine(pair, "sd", draft_backend=slow, tree_policy="adaptive", lookup_tokens=0, join_early=True)
-    out, stats = [], None
-    for ev in engine.stream(prompt, params):
-        out += ev.token_ids
-        stats = ev.stats
-        if len(out) == 6:  # the open ends now, 24 tokens before the request does
-            release.set()
-            assert opened.wait(30)
-    assert out == ref and stats.num_steps == 0
-    assert stats.open_steps >= 5 and stats.plain_steps > 0  # plain before the join, and after it
-    out, _, stats = make_engine(pair, "sd", tree_policy="adaptive", lookup_tokens=0).generate(prompt, params)
-    assert out == ref and stats.num_steps > 0
-    slow.shutdown()
-
-
 def test_after_the_cheap_probe_the_full_tree_probes_at_an_interval_from_measured_costs():
     """A draft slower than its prior said (3.5 plain forwards a level; it costs 12): after the
     smallest-tree probe, the next probe is the full tree, after enough steps that it costs a tenth

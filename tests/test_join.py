@@ -112,3 +112,38 @@ def test_an_open_that_ends_after_the_request_leaves_no_session(pair, ar_engine):
         assert draft.num_sessions == 0
     finally:
         draft.shutdown()
+
+
+def test_the_engine_seeds_its_controller_from_the_drafts_open(tiny_models):
+    """A draft whose open takes far longer than the target's prefill: the adaptive session decodes
+    plainly while it runs (open_steps; it does not wait), then, seeded with that slow open's price,
+    stays plain (output equals plain decoding); the same draft opening quickly speculates."""
+    import threading
+    import time as _time
+
+    pair = tiny_models("float64")
+    prompt, params = list(range(3, 90)), SamplingParams(30, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt, params)
+    release, opened = threading.Event(), threading.Event()
+
+    class SlowOpen(DraftWorker):
+        def open(self, session_id, prompt_ids, params):
+            assert release.wait(30)  # until the session has decoded some tokens without it
+            _time.sleep(0.3)  # then slow: the tiny target prefills 87 tokens in milliseconds
+            super().open(session_id, prompt_ids, params)
+            opened.set()
+
+    slow = SlowOpen(pair[1].decoder)
+    engine = make_engine(pair, "sd", draft_backend=slow, tree_policy="adaptive", lookup_tokens=0, join_early=True)
+    out, stats = [], None
+    for ev in engine.stream(prompt, params):
+        out += ev.token_ids
+        stats = ev.stats
+        if len(out) == 6:  # the open ends now, 24 tokens before the request does
+            release.set()
+            assert opened.wait(30)
+    assert out == ref and stats.num_steps == 0
+    assert stats.open_steps >= 5 and stats.plain_steps > 0  # plain before the join, and after it
+    out, _, stats = make_engine(pair, "sd", tree_policy="adaptive", lookup_tokens=0).generate(prompt, params)
+    assert out == ref and stats.num_steps > 0
+    slow.shutdown()
