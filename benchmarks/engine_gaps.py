@@ -45,12 +45,39 @@ def idle_gaps(events: list[dict], t_from: float, min_gap_us: float = 5.0) -> tup
     return span, busy, [(start, e["ts"]) for start, e in idle]
 
 
-def charge(events: list[dict], gaps: list[tuple[float, float]], tid) -> dict[str, float]:
-    """Inclusive idle us per Python function of thread `tid` (its frames overlapping each gap)."""
+def thread_of(events: list[dict], marker: tuple[str, str] = ("engine.py", "_session")) -> set:
+    """The 'Python id's of the call tree that holds the engine's session coroutine: the events under
+    the same root frame as the first one whose name has both `marker` strings. The profiler may give
+    every Python thread's events one chrome 'tid' (seen on a GPU host, 2026-11-27: the draft worker's
+    and thread pools' waits were charged as the engine's), so threads are told apart by their call
+    trees ('Python parent id'), not by tid."""
+    py = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
+    parent = {e["args"]["Python id"]: e["args"].get("Python parent id") for e in py if "Python id" in e.get("args", {})}
+
+    def root(i):
+        while parent.get(i) is not None:
+            i = parent[i]
+        return i
+
+    mark = next((e for e in py if all(m in e["name"] for m in marker) and "Python id" in e.get("args", {})), None)
+    if mark is None:
+        return set()
+    top = root(mark["args"]["Python id"])
+    return {i for i in parent if root(i) == top}
+
+
+def charge(events: list[dict], gaps: list[tuple[float, float]], ids: set,
+           exclusive: bool = False) -> dict[str, float]:
+    """Idle us per Python function of the call tree `ids` (thread_of), from its frames overlapping
+    each gap: inclusive (a caller gets its callees' idle), or with `exclusive` each frame's own part
+    (its overlap less its children's: where the host actually was)."""
     starts = [a for a, _ in gaps]
-    by: dict[str, float] = defaultdict(float)
+    seen_by: dict[int, float] = {}
+    names: dict[int, str] = {}
+    parent: dict[int, object] = {}
     for e in events:
-        if e.get("ph") != "X" or e.get("cat") != "python_function" or e.get("tid") != tid:
+        args = e.get("args", {})
+        if e.get("ph") != "X" or e.get("cat") != "python_function" or args.get("Python id") not in ids:
             continue
         a, b = e["ts"], e["ts"] + e["dur"]
         i = max(bisect.bisect_right(starts, a) - 1, 0)
@@ -59,8 +86,17 @@ def charge(events: list[dict], gaps: list[tuple[float, float]], tid) -> dict[str
             lo, hi = max(a, gaps[i][0]), min(b, gaps[i][1])
             seen += max(0.0, hi - lo)
             i += 1
-        if seen:
-            by[e["name"]] += seen
+        pid = args["Python id"]
+        seen_by[pid], names[pid], parent[pid] = seen, e["name"], args.get("Python parent id")
+    own = dict(seen_by)
+    if exclusive:
+        for pid, seen in seen_by.items():
+            if parent[pid] in own:
+                own[parent[pid]] -= seen
+    by: dict[str, float] = defaultdict(float)
+    for pid, seen in own.items():
+        if seen > 0:
+            by[names[pid]] += seen
     return by
 
 
@@ -163,9 +199,9 @@ def main():
             t_from = dev_end - st.decode_s * 1e6
             span, busy, gaps = idle_gaps(ev, t_from)
             # the engine's thread: the one running its session coroutine
-            main_tid = next((e.get("tid") for e in ev if e.get("cat") == "python_function"
-                             and "engine.py" in e["name"] and "_session" in e["name"]), None)
-            by = charge(ev, gaps, main_tid)
+            ids = thread_of(ev)
+            by = charge(ev, gaps, ids)
+            own = charge(ev, gaps, ids, exclusive=True)
             ntok = max(res["tokens"] - 1, 1)
             kern: dict[str, list] = defaultdict(lambda: [0.0, 0])  # the decode steps' kernels by name
             for e in ev:
@@ -179,6 +215,7 @@ def main():
                        steps=st.num_steps, plain_steps=st.plain_steps, lookup_steps=st.lookup_steps,
                        unready_steps=st.unready_steps,
                        top=sorted(((k, v / 1e3 / ntok) for k, v in by.items()), key=lambda kv: -kv[1])[:a.top],
+                       self_top=sorted(((k, v / 1e3 / ntok) for k, v in own.items()), key=lambda kv: -kv[1])[:a.top],
                        kernels=sorted(((k, us / ntok, c / ntok) for k, (us, c) in kern.items()),
                                       key=lambda x: -x[1])[:a.top])
             results.append(row)
@@ -189,6 +226,9 @@ def main():
                   + e2e.kinds_line(r), flush=True)
             for name, ms in row["top"]:
                 print(f"  {ms * 1e3:8.1f} us/token idle  {name[:150]}")
+            print("  own time (the frame itself, not its callees) during the idle gaps:")
+            for name, ms in row["self_top"]:
+                print(f"  {ms * 1e3:8.1f} us/token self  {name[:150]}")
             print("  kernels (device us per token, launches per token):")
             for name, us, c in row["kernels"]:
                 print(f"  {us:8.1f} us/token {c:6.1f}x  {name[:140]}")

@@ -20,8 +20,9 @@ def kernel(ts, dur, device=0):
     return dict(ph="X", cat="kernel", ts=ts, dur=dur, name="k", args={"device": device})
 
 
-def py(ts, dur, name, tid=1):
-    return dict(ph="X", cat="python_function", ts=ts, dur=dur, name=name, tid=tid)
+def py(ts, dur, name, pid, parent=None, tid=1):
+    return dict(ph="X", cat="python_function", ts=ts, dur=dur, name=name, tid=tid,
+                args={"Python id": pid, "Python parent id": parent})
 
 
 def test_idle_gaps_are_the_holes_between_the_target_devices_kernels():
@@ -36,13 +37,24 @@ def test_idle_gaps_are_the_holes_between_the_target_devices_kernels():
 
 def test_idle_time_is_charged_to_the_functions_of_the_engine_thread_running_then():
     gaps = [(15, 30), (45, 100)]
-    events = [py(0, 120, "engine.py(1): _session"), py(20, 5, "lookup.py(2): chain"),
-              py(50, 60, "sampling.py(3): next_token"), py(0, 200, "other thread", tid=2)]
-    by = engine_gaps.charge(events, gaps, tid=1)
+    # the engine's thread (root 1) and another thread (root 10) with the same chrome tid, as a GPU
+    # host's trace had them
+    events = [py(0, 130, "bench.py(9): main", 1), py(0, 120, "engine.py(1): _session", 2, 1),
+              py(20, 5, "lookup.py(2): chain", 3, 2), py(50, 60, "sampling.py(3): next_token", 4, 2),
+              py(0, 200, "threading.py(5): _bootstrap", 10), py(0, 200, "jobs.py(6): _next", 11, 10)]
+    ids = engine_gaps.thread_of(events)
+    assert ids == {1, 2, 3, 4}
+    by = engine_gaps.charge(events, gaps, ids)
     assert by["engine.py(1): _session"] == pytest.approx(15 + 55)  # inclusive: a caller gets its callees' idle
+    assert by["bench.py(9): main"] == pytest.approx(15 + 55)
     assert by["lookup.py(2): chain"] == pytest.approx(5)
     assert by["sampling.py(3): next_token"] == pytest.approx(50)
-    assert "other thread" not in by
+    assert "threading.py(5): _bootstrap" not in by and "jobs.py(6): _next" not in by
+    own = engine_gaps.charge(events, gaps, ids, exclusive=True)  # where the host itself was
+    assert own["engine.py(1): _session"] == pytest.approx(70 - 5 - 50)
+    assert "bench.py(9): main" not in own  # all of its idle is its callee's
+    assert own["sampling.py(3): next_token"] == pytest.approx(50)
+    assert engine_gaps.thread_of([py(0, 1, "x", 1)]) == set()  # no session: nothing charged
 
 
 def test_trace_gaps_shares_the_sweep():
