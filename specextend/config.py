@@ -132,6 +132,10 @@ class EngineConfig:
         True, description="with draft_overlap: each plain step sends the tokens committed so far to the draft "
                           "while its forward runs, so that the draft's pool follows plain and lookup steps "
                           "(false: they go with the next tree's call; benchmarks' A/B)")
+    draft_ask_early: bool = Field(
+        True, description="with draft_tell: a tree step's verdict goes to the draft as soon as it is known and "
+                          "the answer (the next tree) is read when the next step needs it, so that the round trip "
+                          "overlaps the step's commit and bookkeeping (false: the next step asks; benchmarks' A/B)")
     draft_handover: bool = Field(
         True, description="the draft's thread waits (up to 2 ms) until a step's answer has been sent before its "
                           "next work, which would hold the GIL the sender needs (false: benchmarks' A/B)")

@@ -26,6 +26,11 @@ class Emitter:
         self.stats = stats
         self.finish: Optional[str] = None
 
+    def ends(self, tokens: Sequence[int]) -> bool:
+        """Whether emitting `tokens` would finish the request (nothing emitted yet)."""
+        return (any(t in self.stop_ids for t in tokens)
+                or self.stats.num_generated + len(tokens) >= self.params.max_new_tokens)
+
     def emit(self, tokens: Sequence[int]) -> StepEvent:
         out = []
         for tok in tokens:

@@ -165,6 +165,7 @@ class Engine:
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
         told: Optional[Future] = None  # the last tell, in flight: the next call waits for it (order)
+        asked: Optional[Future] = None  # a verdict sent early (ask_early), in flight: the next tree step's answer
         ctl = self.new_controller(tree_cfg)
         if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
             ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
@@ -210,6 +211,10 @@ class Engine:
             # that its pool follows them and the next tree can be ready (docs/architecture.md,
             # "Overlapped drafting", told verdicts)
             tell = use_draft and cfg.overlap and ready_only and not prepare and cfg.draft_tell
+            # a tree step's verdict goes to the draft as soon as it is known, the answer (the next
+            # tree, ready or none) read when the next step needs it: the round trip overlaps the
+            # step's commit, bookkeeping and emit (docs/architecture.md, "Overlapped drafting")
+            ask_early = tell and cfg.draft_ask_early
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
             while out.finish is None:
@@ -223,7 +228,11 @@ class Engine:
                         ts = time.perf_counter()
                         tree, applied = None, True  # applied: this step's call carries the verdict
                         told = yield from _settled(told)
-                        if prepared is not None:
+                        from_ask = asked is not None
+                        if from_ask:  # asked at the last verdict (its step number taken then)
+                            tree, asked = (yield DraftCall(future=asked)), None
+                            stats.asked_steps += 1
+                        elif prepared is not None:
                             outs, prepared = (yield DraftCall(future=prepared)), None
                             late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)
                             tree = outs.get(pending) if outs.step == step else None
@@ -246,7 +255,7 @@ class Engine:
                         stats.unready_refreshes += retrieval is not None
                         committed = pending = yield from plain_step_co(target, committed[-1], params, gen, timed,
                                                                         lookup, stats)
-                        step, retrieval = step + 1, None
+                        step, retrieval = step + (not from_ask), None
                         ctl.record_unready(rung, draft_s, step_s=time.perf_counter() - t_step,
                                            lookup=len(committed) - 1)
                         stats.probe_steps = ctl.probe_steps
@@ -286,6 +295,13 @@ class Engine:
                     retrieval = self._retrieval(target, row, stats) if refresh else None
                     stats.retrieval_refreshes += retrieval is not None
                     stats.verify_s += time.perf_counter() - ts
+                    committed = pending = verdict.tokens
+                    step += not from_ask
+                    if ask_early and use_draft and told is None and not out.ends(committed):  # (its error:
+                        # the next step's, as a tell's)
+                        asked = self._tells.submit(self.draft.step, sid, step, pending, retrieval,
+                                                   replace(ctl.top.bound, ready_only=True))
+                        step, retrieval, pending = step + 1, None, []
                     own = _drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes
                     stats.lookup_accepted += verdict.accept_length - len(own)
                     stats.num_steps += 1
@@ -301,16 +317,15 @@ class Engine:
                     stats.prepared_per_step.append(not applied)
                     stats.refresh_per_step.append(refreshed)
                     stats.ahead_depth_sum += tree.ahead_depth
-                    committed = pending = verdict.tokens
                     if lookup is not None:
                         lookup.commit(committed, verdict.accept_length - len(own))
-                    step += 1
                     ctl.record_spec(rung, None if caught_up else draft_s,
                                     prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
                                     step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps
                     kind = "tree"
                 else:
+                    told, asked = (asked, None) if asked is not None else (told, asked)  # a tell after all
                     # the tokens so far go to the draft while this step's forward runs
                     if tell and pending and not opening_pending:
                         try:
@@ -339,6 +354,7 @@ class Engine:
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None
             self._costs = costs or self._costs
+            told = asked if asked is not None else told  # (asked only where no tell was in flight)
             if opening is not None:  # once the open has finished (now, or later if still running), and
                 # after a tell still in flight (a step must not reach the draft after its session's close)
                 opening.add_done_callback(partial(self._close_after, sid, told))

@@ -16,7 +16,7 @@ from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 from specextend.models.transfer import to_device
 from specextend.retrieval import chunk_scores, initial_chunks, last_token_probs, select_chunks
-from specextend.tree import ancestor_mask, node_depths
+from specextend.tree import ancestor_mask_cached, node_depths
 
 T = TypeVar("T")
 
@@ -94,14 +94,17 @@ class TargetSession:
         # one copy: ids [N+1], then positions [N+1] (the committed length + each node's depth)
         both = to_device([root, *tokens] + [self.cache.length + d for d in [0] + node_depths(parents)], torch.long, dev)
         logits, self.captured = yield ForwardCall(
-            both[:n], both[n:], self.cache, ancestor_mask(parents, dev),
+            both[:n], both[n:], self.cache, ancestor_mask_cached(parents, dev),
             ForwardOptions(hybrid=self.hybrid, capture_last=capture))
         return logits
 
     def commit(self, accepted: Sequence[int]) -> None:
         """Keep the root and the accepted nodes' K/V in contiguous slots; drop the rest."""
-        idx = torch.tensor([0] + [a + 1 for a in accepted], device=self.model.device)
-        self.cache.commit(idx)
+        keep = [0] + [a + 1 for a in accepted]
+        if keep == list(range(len(keep))):  # a prefix of the staged slots (a lookup chain's accepted
+            self.cache.advance(len(keep))  # tokens, a first-child path): already in place, no gather
+            return
+        self.cache.commit(to_device(keep, torch.long, self.model.device))
 
     def retrieval_chunks(self, row: int, cfg: RetrievalConfig) -> Optional[list[int]]:
         """Chunk ids for the draft from the captured forward's query `row` (call after commit).

@@ -6,6 +6,8 @@ children. Verification and drafting index the root as 0 and node i as i + 1.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
 import numpy as np
@@ -34,6 +36,19 @@ def ancestor_mask(parents: Sequence[int], device="cpu") -> torch.Tensor:
             mask[i + 1] = mask[p + 1]
         mask[i + 1, i + 1] = True
     return torch.from_numpy(mask).to(device)
+
+
+@functools.lru_cache(maxsize=512)
+def _ancestor_mask_cached(parents: tuple[int, ...], device: str) -> torch.Tensor:
+    return ancestor_mask(parents, device)
+
+
+def ancestor_mask_cached(parents: Sequence[int], device) -> torch.Tensor:
+    """ancestor_mask, one shared device tensor per (tree shape, device): a chain of k tokens, the
+    verification of every lookup step, always has the same mask, and a forward's plan whose mask
+    buffer holds that tensor's content already skips the copy (graphs.StepGraphs.forward). Never
+    written to by its users (read-only)."""
+    return _ancestor_mask_cached(tuple(int(p) for p in parents), str(torch.device(device)))
 
 
 def children_of(parents: Sequence[int]) -> list[list[int]]:

@@ -153,7 +153,7 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         transport_ms=st.transport_ms_per_step, draft_queue_ms=st.draft_queue_ms_per_step,
         prepared_steps=st.prepared_steps, max_step_ms=1e3 * st.max_step_s, open_steps=st.open_steps,
         draft_open_ms=1e3 * st.draft_open_s, target_prefill_ms=1e3 * st.target_prefill_s,
-        mean_tree_nodes=st.mean_tree_nodes, draft_ahead_depth=st.draft_ahead_depth, probe_steps=st.probe_steps,
+        mean_tree_nodes=st.mean_tree_nodes, draft_ahead_depth=st.draft_ahead_depth, probe_steps=st.probe_steps, asked_steps=st.asked_steps,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec) for k, (n, t, sec) in st.step_kinds.items()},
         **wait_split(st))
 
@@ -171,6 +171,8 @@ def kinds_line(r: dict) -> str:
     out = "; " + ", ".join(parts) + f"; longest {r.get('max_step_ms', 0.0):.1f} ms"
     if r.get("mean_tree_nodes"):  # the trees verified: their size, and the pool's depth below the root when asked
         out += f"; trees of {r['mean_tree_nodes']:.1f} nodes, ahead {r.get('draft_ahead_depth', 0.0):.1f} levels"
+        if r.get("asked_steps"):
+            out += f", {r['asked_steps']} asked early"
     if r.get("draft_open_ms"):
         out += f"; draft open {r['draft_open_ms']:.0f} ms (target prefill {r.get('target_prefill_ms', 0.0):.0f})"
     return out

@@ -35,6 +35,7 @@ from specextend.attention.triton_prefix import TRITON_DTYPES
 from specextend.kv_cache import CacheFull, KVCache
 from specextend.models import late_work
 from specextend.models.segments import Segments
+from specextend.tree import ancestor_mask_cached
 
 MAX_GRAPH_TOKENS = 64  # forwards with more queries (prefill chunks) stay eager
 
@@ -76,6 +77,7 @@ class _Plan:
         self.ids = torch.zeros(t, dtype=torch.long, device=dev)  # [T]
         self.pos = torch.zeros(t, dtype=torch.long, device=dev)  # [T]
         self.mask = torch.ones(t, n, dtype=torch.bool, device=dev)  # [T, staged + T]
+        self.mask_src: Optional[torch.Tensor] = None  # the tensor last copied into `mask` (forward)
         self.rows = torch.zeros(key.rows, dtype=torch.long, device=dev) if key.rows else None  # [R]
         self.scratch = torch.zeros(a.num_layers, 2, g, n, d, dtype=dt, device=dev)  # tree K/V
         self.store_k = torch.zeros(a.num_layers, g, t, d, dtype=dt, device=dev) if key.store else None
@@ -140,14 +142,16 @@ class StepGraphs:
         rows = opts.logits_rows
         key = ShapeKey(t, opts.staged, 0 if rows is None else rows.numel(), opts.capture_last,
                        opts.store is not None)
-        if isinstance(new_mask, str):  # CAUSAL over this forward's own keys
-            new_mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        if isinstance(new_mask, str):  # CAUSAL over this forward's own keys (one shared tensor per t)
+            new_mask = ancestor_mask_cached(range(-1, t - 2), input_ids.device)  # a path's mask: tril
         with self.lock:
             self.forwards += 1
             p = self._plan(key, cache)
             p.ids.copy_(input_ids, non_blocking=True)
             p.pos.copy_(positions, non_blocking=True)
-            p.mask.copy_(new_mask, non_blocking=True)
+            if p.mask_src is not new_mask:  # a shared mask (tree.ancestor_mask_cached) met again: in place
+                p.mask.copy_(new_mask, non_blocking=True)
+                p.mask_src = new_mask
             if p.rows is not None:
                 p.rows.copy_(rows, non_blocking=True)
             if opts.staged:

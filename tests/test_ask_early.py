@@ -1,0 +1,106 @@
+"""Early asks (docs/architecture.md, "Overlapped drafting"): with an overlapping draft, a tree step's
+verdict goes to the draft as soon as it is known (a ready-only step call for the full tree, in
+flight), and the next step reads its answer: its tree if the next step is a tree step, a tell if it
+is a plain one. Lossless (float64: exactly), every token reaches the draft once and in order, one
+call per step number, the close after the last call, and a draft that fails on an early ask leaves
+plain decoding."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specextend.config import SamplingParams
+from specextend.controller import TreeController
+from specextend.draft.worker import DraftWorker
+from specextend.engine import TELL_BOUND
+from specextend.ladder import PLAIN, ladder
+
+from test_told import Recorder, Runs, engine_for, prompt
+
+
+class TreesOnly(TreeController):
+    def choose(self, sessions=1):
+        return self.top
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("lookup", [0, 8])
+@pytest.mark.parametrize("policy", [Runs, TreesOnly])
+def test_early_asks_are_lossless_and_every_token_reaches_the_draft_once_in_order(pair, sampling, lookup, policy):
+    from helpers import make_engine
+
+    params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=7)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, delay_s=0.002)  # answers come late: the next step must wait for them
+    engine = engine_for(pair, draft, lookup_tokens=lookup)
+    engine.new_controller = lambda tree: policy(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    deadline = time.time() + 5
+    while ("close", None) not in draft.events and time.time() < deadline:
+        time.sleep(0.01)
+    worker.shutdown()
+    assert out == ref
+    assert stats.asked_steps > 0  # trees that came from a verdict's early ask
+    assert stats.asked_steps <= stats.num_steps + stats.unready_steps
+    steps = [s for s, _, _ in draft.calls]
+    assert steps == list(range(len(steps)))  # one call per number, in order (an ask takes its number at once)
+    sent = [t for _, tokens, _ in draft.calls for t in tokens]
+    assert sent == out[:len(sent)] and len(sent) >= len(out) - 8  # each committed token once, in order
+    asks = [b for _, _, b in draft.calls if b != TELL_BOUND]
+    assert all(b.ready_only for b in asks[1:])
+    kinds = [k for k, _ in draft.events]
+    assert kinds[-1] == "close" and kinds.count("close") == 1  # after every call (an ask in flight too)
+
+
+def test_with_early_asks_off_each_tree_step_asks_for_its_own_tree(pair):
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker)
+    engine = engine_for(pair, draft, draft_ask_early=False)
+    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    _, _, stats = engine.generate(prompt(), SamplingParams(30, ignore_eos=True))
+    worker.shutdown()
+    assert stats.asked_steps == 0 and stats.num_steps > 0
+
+
+class _TreeThenPlain(TreeController):
+    """A tree, then plain steps: the tree's early ask becomes the next plain step's tell."""
+
+    def choose(self, sessions=1):
+        return self.top if self.spec_steps + self.plain_steps + self.unready_steps == 0 else PLAIN
+
+
+def test_an_ask_that_a_plain_step_follows_is_a_tell(pair):
+    from helpers import make_engine
+
+    params = SamplingParams(12, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, delay_s=0.01)
+    engine = engine_for(pair, draft)
+    engine.new_controller = lambda tree: _TreeThenPlain(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    worker.shutdown()
+    assert out == ref
+    assert stats.asked_steps == 0  # asked once, but no tree step read it
+    steps = [s for s, _, _ in draft.calls]
+    assert steps == list(range(len(steps)))
+    sent = [t for _, tokens, _ in draft.calls for t in tokens]
+    assert sent == out[:len(sent)]
+
+
+def test_a_draft_failing_on_an_early_ask_leaves_plain_decoding(pair):
+    from helpers import make_engine
+
+    params = SamplingParams(30, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, fail_at=1)  # step 0: the first tree's call; step 1: its verdict's early ask
+    engine = engine_for(pair, draft)
+    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    worker.shutdown()
+    assert out == ref and stats.fallback
+    assert max(s for s, _, _ in draft.calls) <= 1  # nothing asked of the draft after the failure surfaced
