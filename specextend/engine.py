@@ -19,12 +19,13 @@ import torch
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, Costs, TreeController
 from specextend.ladder import PLAIN, ladder, prefix_accepts
-from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
+from specextend.snapshot import SNAPSHOT_NODES, DraftFeed
 from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
 from specextend.plain_step import plain_step_co
@@ -39,6 +40,8 @@ PREPARE_MARGIN_S = 0.0003
 # A tell (a plain step's tokens sent to an overlapping draft, its answer unused) asks for the
 # smallest answer the draft can give: it only has to apply the verdict ("Overlapped drafting", told verdicts)
 TELL_BOUND = TreeBound(nodes=1, depth=1, ready_only=True)
+# With snapshots every call asks for the pool's best SNAPSHOT_NODES nodes at once ("Pool snapshots")
+SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 
 
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
@@ -166,15 +169,19 @@ class Engine:
         opening: Optional[Future] = None
         told: Optional[Future] = None  # the last tell, in flight: the next call waits for it (order)
         asked: Optional[Future] = None  # a verdict sent early (ask_early), in flight: the next tree step's answer
+        feed: Optional[DraftFeed] = None  # with snapshots: the draft's latest answer and the call in flight
         ctl = self.new_controller(tree_cfg)
         if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
             ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
         timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
         try:
             t0 = time.perf_counter()
+            snap = use_draft and cfg.overlap and cfg.overlap_miss == "plain" and cfg.draft_snapshots
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
+                # (with snapshots its answers are SNAPSHOT_NODES nodes: the session's tree allows them)
+                draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
                 opening = self._openers.submit(_seconds_of, self.draft.open, sid, list(prompt_ids),
-                                               DraftSessionParams(tree_cfg, cfg.retrieval, params.max_new_tokens,
+                                               DraftSessionParams(draft_tree, cfg.retrieval, params.max_new_tokens,
                                                                   cfg.lookup_tokens if replay is None else 0))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
             # retrieval is scored from the prefill
@@ -215,12 +222,25 @@ class Engine:
             # tree, ready or none) read when the next step needs it: the round trip overlaps the
             # step's commit, bookkeeping and emit (docs/architecture.md, "Overlapped drafting")
             ask_early = tell and cfg.draft_ask_early
+            # with snapshots every step's tokens go to the draft as soon as they are known and a tree
+            # comes from the latest answer, walked locally: no call on a step's path ("Pool snapshots")
+            snap = snap and not prepare
+            if snap:
+                tell = ask_early = False
+                feed = DraftFeed(lambda n, toks, retr: self._tells.submit(self.draft.step, sid, n, toks, retr,
+                                                                          SNAPSHOT_BOUND), len(prompt_ids))
+                feed.commit([token], retrieval)
+                pending, retrieval = [], None
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
             while out.finish is None:
                 if opening_pending and use_draft and opening.done():
                     use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
                     opening_pending = False
+                    if feed is not None and use_draft:  # the draft catches up at once
+                        feed.send()
+                if feed is not None and feed.error is not None:  # a call failed: plain decoding from here
+                    use_draft, feed = self._fall_back(stats, sid, feed.error), None
                 rung = ctl.choose(load.sessions) if use_draft and not opening_pending else PLAIN
                 t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
                 if not rung.plain:
@@ -229,7 +249,17 @@ class Engine:
                         tree, applied = None, True  # applied: this step's call carries the verdict
                         told = yield from _settled(told)
                         from_ask = asked is not None
-                        if from_ask:  # asked at the last verdict (its step number taken then)
+                        if feed is not None:  # the latest snapshot, walked to here: no call
+                            got = feed.tree(rung.nodes)
+                            if (got is None or 2 * len(got[0]) < rung.nodes) and feed.current() is not None:
+                                yield DraftCall(future=feed.current())  # too thin: the answer for this
+                                got = feed.tree(rung.nodes) or got  # very position, in flight, is worth it
+                                stats.asked_steps += 1
+                            else:
+                                stats.snapshot_trees += got is not None
+                            tree = DraftTree(step=step, tokens=tuple(got[0]) if got else (),
+                                             parents=tuple(got[1]) if got else (), ready=got is not None)
+                        elif from_ask:  # asked at the last verdict (its step number taken then)
                             tree, asked = (yield DraftCall(future=asked)), None
                             stats.asked_steps += 1
                         elif prepared is not None:
@@ -245,7 +275,7 @@ class Engine:
                         draft_s = time.perf_counter() - ts
                         refreshed = retrieval is not None
                     except DraftError as e:
-                        use_draft = self._fall_back(stats, sid, e)
+                        use_draft, feed = self._fall_back(stats, sid, e), None
                         continue
                     if not tree.tokens:  # nothing ready (the draft applied the step and catches up): one
                         # plain token now; to the policy an unready step (its ready share falls)
@@ -256,6 +286,10 @@ class Engine:
                         committed = pending = yield from plain_step_co(target, committed[-1], params, gen, timed,
                                                                         lookup, stats)
                         step, retrieval = step + (not from_ask), None
+                        if feed is not None:
+                            feed.commit(committed)
+                            feed.send()
+                            pending = []
                         ctl.record_unready(rung, draft_s, step_s=time.perf_counter() - t_step,
                                            lookup=len(committed) - 1)
                         stats.probe_steps = ctl.probe_steps
@@ -297,6 +331,10 @@ class Engine:
                     stats.verify_s += time.perf_counter() - ts
                     committed = pending = verdict.tokens
                     step += not from_ask
+                    if feed is not None:  # the verdict to the draft at once
+                        feed.commit(committed, retrieval)
+                        feed.send()
+                        pending, retrieval = [], None
                     if ask_early and use_draft and told is None and not out.ends(committed):  # (its error:
                         # the next step's, as a tell's)
                         asked = self._tells.submit(self.draft.step, sid, step, pending, retrieval,
@@ -337,12 +375,16 @@ class Engine:
                             use_draft = tell = self._fall_back(stats, sid, e)
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats)
+                    if feed is not None:
+                        feed.commit(committed)
+                        if not opening_pending:
+                            feed.send()
                     kind = ("open" if use_draft and opening_pending
                             else "lookup" if stats.lookup_steps > chains else "plain")
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
                         ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
                     if use_draft:
-                        pending = pending + committed
+                        pending = [] if feed is not None else pending + committed
                         if opening_pending:
                             stats.open_steps += 1
                         else:
@@ -355,6 +397,8 @@ class Engine:
             costs = ctl.costs() if use_draft and self.carry_costs else None
             self._costs = costs or self._costs
             told = asked if asked is not None else told  # (asked only where no tell was in flight)
+            if feed is not None and feed.pending() is not None:
+                told = feed.pending()
             if opening is not None:  # once the open has finished (now, or later if still running), and
                 # after a tell still in flight (a step must not reach the draft after its session's close)
                 opening.add_done_callback(partial(self._close_after, sid, told))

@@ -30,6 +30,7 @@ class RequestStats:
     open_steps: int = 0  # plain steps decoded while the draft still prefilled (adaptive policy: it joins when done)
     told_steps: int = 0  # plain steps whose tokens went to an overlapping draft at once (engine.TELL_BOUND)
     asked_steps: int = 0  # tree steps whose tree was asked for at the verdict before (draft_ask_early)
+    snapshot_trees: int = 0  # tree steps whose tree came from the draft's latest snapshot (draft_snapshots)
     lookup_nodes: int = 0  # nodes that context-lookup chains added to the trees verified
     lookup_accepted: int = 0  # accepted tokens that only a lookup chain proposed
     ahead_depth_sum: int = 0  # sum over steps of the ready pool's depth below the new root
@@ -135,6 +136,7 @@ class RequestStats:
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     unready_steps=self.unready_steps, lookup_steps=self.lookup_steps, told_steps=self.told_steps, asked_steps=self.asked_steps,
+                    snapshot_trees=self.snapshot_trees,
                     open_steps=self.open_steps, max_step_s=self.max_step_s, draft_open_s=self.draft_open_s,
                     target_prefill_s=self.target_prefill_s, step_kinds=self.step_kinds,
                     lookup_nodes=self.lookup_nodes, lookup_accepted=self.lookup_accepted,

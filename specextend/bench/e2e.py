@@ -154,6 +154,7 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         prepared_steps=st.prepared_steps, max_step_ms=1e3 * st.max_step_s, open_steps=st.open_steps,
         draft_open_ms=1e3 * st.draft_open_s, target_prefill_ms=1e3 * st.target_prefill_s,
         mean_tree_nodes=st.mean_tree_nodes, draft_ahead_depth=st.draft_ahead_depth, probe_steps=st.probe_steps, asked_steps=st.asked_steps,
+        snapshot_trees=st.snapshot_trees,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec) for k, (n, t, sec) in st.step_kinds.items()},
         **wait_split(st))
 
@@ -173,6 +174,8 @@ def kinds_line(r: dict) -> str:
         out += f"; trees of {r['mean_tree_nodes']:.1f} nodes, ahead {r.get('draft_ahead_depth', 0.0):.1f} levels"
         if r.get("asked_steps"):
             out += f", {r['asked_steps']} asked early"
+        if r.get("snapshot_trees"):
+            out += f", {r['snapshot_trees']} from snapshots"
     if r.get("draft_open_ms"):
         out += f"; draft open {r['draft_open_ms']:.0f} ms (target prefill {r.get('target_prefill_ms', 0.0):.0f})"
     return out

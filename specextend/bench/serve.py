@@ -35,8 +35,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     (an unready step decoding plainly, the default, or waiting for a drafted tree: `2gpu-wait`) and
     without; `-nolookup`: context lookup off (the app's default: chains of 8 tokens); `-nohandover`:
     the draft's thread not waiting for an answer to be sent before its next work; `-notell`: plain
-    steps' tokens sent with the next tree's call, not at once; `-noearly`: a tree step's verdict sent
-    with the next step's call, not as soon as it is known. `ar` is served on the first."""
+    steps' tokens sent with the next tree's call, not at once; `-nosnap`: a tree step asks the draft for
+    its tree (no pool snapshots); `-noearly`: nor is a tree step's verdict sent as soon as it is known. `ar` is served on the first."""
     gpus = torch.cuda.device_count()
     nolookup = {"lookup_tokens": 0}
     if gpus == 0:
@@ -45,7 +45,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
            ("2gpu-serial", 1.0, False, {}), ("2gpu-nolookup", 1.0, True, nolookup),
            ("2gpu-nohandover", 1.0, True, {"draft_handover": False}),
            ("2gpu-notell", 1.0, True, {"draft_tell": False}),
-           ("2gpu-noearly", 1.0, True, {"draft_ask_early": False})] if gpus >= 2 else []
+           ("2gpu-noearly", 1.0, True, {"draft_ask_early": False, "draft_snapshots": False}),
+           ("2gpu-nosnap", 1.0, True, {"draft_snapshots": False})] if gpus >= 2 else []
     return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup)] + two
 
 
@@ -160,7 +161,8 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
                    draft_queue_ms=spec.get("draft_queue_ms_per_step", 0.0) * asked,
                    prepared_fraction=spec.get("prepared_fraction", 0.0), plain_steps=spec.get("plain_steps", 0),
                    lookup_steps=spec.get("lookup_steps", 0), lookup_accepted=spec.get("lookup_accepted", 0),
-                   told_steps=spec.get("told_steps", 0), asked_steps=spec.get("asked_steps", 0), open_steps=spec.get("open_steps", 0),
+                   told_steps=spec.get("told_steps", 0), asked_steps=spec.get("asked_steps", 0),
+                   snapshot_trees=spec.get("snapshot_trees", 0), open_steps=spec.get("open_steps", 0),
                    draft_ahead_depth=spec.get("draft_ahead_depth", 0.0), mean_tree_nodes=spec.get("mean_tree_nodes", 0.0),
                    probe_steps=spec.get("probe_steps", 0))
     out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}),  # every mode

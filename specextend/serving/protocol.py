@@ -194,6 +194,7 @@ class SpeculativeDecoding(BaseModel):
     lookup_accepted: int = 0  # accepted tokens that only a context-lookup chain proposed
     told_steps: int = 0  # plain steps whose tokens the overlapping draft was sent at once (its pool follows them)
     asked_steps: int = 0  # tree steps whose tree was asked for as soon as the verdict before was known
+    snapshot_trees: int = 0  # tree steps whose tree came from the draft's latest pool snapshot, no call
     open_steps: int = 0  # plain steps decoded while the draft still prefilled the prompt (it joined after them)
     max_step_ms: float = 0.0  # the longest decode step, wall time
     draft_open_ms: float = 0.0  # the draft's open (its prefill of the prompt), as the target timed it
@@ -220,7 +221,8 @@ def spec_decoding(stats: RequestStats) -> dict:
            "unready_steps": stats.unready_steps,
            "mean_tree_nodes": stats.mean_tree_nodes,
            "lookup_steps": stats.lookup_steps, "lookup_accepted": stats.lookup_accepted,
-           "told_steps": stats.told_steps, "asked_steps": stats.asked_steps, "open_steps": stats.open_steps, "max_step_ms": 1e3 * stats.max_step_s,
+           "told_steps": stats.told_steps, "asked_steps": stats.asked_steps,
+           "snapshot_trees": stats.snapshot_trees, "open_steps": stats.open_steps, "max_step_ms": 1e3 * stats.max_step_s,
            "draft_open_ms": 1e3 * stats.draft_open_s, "target_prefill_ms": 1e3 * stats.target_prefill_s,
            "step_kinds": {k: {"steps": n, "tokens": t, "ms": 1e3 * sec} for k, (n, t, sec) in stats.step_kinds.items()}}
     if stats.replayed:

@@ -1,0 +1,202 @@
+"""Pool snapshots (docs/architecture.md, "Pool snapshots"): every step's tokens go to the overlapping
+draft at once, each answer is the best nodes of its pool, and a tree step walks the latest one to
+its own position instead of calling the draft. The walk against its scan twin, the feed's
+one-call-at-a-time order, and the engine lossless (float64: exactly) with trees taken from
+snapshots, every token sent once and in order, the close after the last call, and a failing call
+leaving plain decoding."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from specextend.config import SamplingParams
+from specextend.controller import TreeController
+from specextend.draft.base import DraftBackend, DraftError, DraftTree
+from specextend.draft.worker import DraftWorker
+from specextend.engine import SNAPSHOT_BOUND
+from specextend.ladder import ladder
+from specextend.snapshot import DraftFeed, subtree_at, subtree_at_scan
+
+from test_told import Recorder, Runs, engine_for, prompt
+
+
+def best_first_tree(rng, m, vocab=6):
+    """A random tree in best-first order: each node's parent comes before it, siblings distinct."""
+    tokens, parents = [], []
+    for i in range(m):
+        p = rng.randrange(-1, i) if i else -1
+        used = {tokens[j] for j in range(i) if parents[j] == p}
+        free = [t for t in range(vocab) if t not in used]
+        if not free:
+            p, free = -1, [t for t in range(vocab, 2 * vocab) if t not in {tokens[j] for j in range(i) if parents[j] == -1}]
+        tokens.append(rng.choice(free))
+        parents.append(p)
+    return tokens, parents
+
+
+def test_the_walk_and_the_subtree_match_the_scan_twin():
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(400):
+        tokens, parents = best_first_tree(rng, rng.randrange(0, 40))
+        path = [rng.randrange(0, 8) for _ in range(rng.randrange(0, 4))]
+        if tokens and rng.random() < 0.6:  # a path that exists: some node's chain of tokens
+            i = rng.randrange(len(tokens))
+            path = []
+            while i >= 0:
+                path.append(tokens[i])
+                i = parents[i]
+            path = path[::-1][:rng.randrange(0, len(path) + 1)]
+        n = rng.randrange(1, 12)
+        got = subtree_at(tokens, parents, path, n)
+        assert got == subtree_at_scan(tokens, parents, path, n)
+        if got is not None:
+            hits += 1
+            t, p = got
+            assert len(t) <= n and all(-1 <= q < k for k, q in enumerate(p))  # a tree, parents first
+    assert hits > 100
+
+
+def test_the_subtree_keeps_the_snapshots_order_below_the_walks_end():
+    tokens = [5, 6, 7, 8, 9, 4]  # 5 -> (7, 8 -> 4), 6 -> 9
+    parents = [-1, -1, 0, 0, 1, 3]
+    assert subtree_at(tokens, parents, [], 3) == ([5, 6, 7], [-1, -1, 0])  # at the root: the first n
+    assert subtree_at(tokens, parents, [5], 9) == ([7, 8, 4], [-1, -1, 1])
+    assert subtree_at(tokens, parents, [5, 8], 9) == ([4], [-1])
+    assert subtree_at(tokens, parents, [5, 7], 9) is None  # nothing below
+    assert subtree_at(tokens, parents, [6, 1], 9) is None  # the walk leaves the snapshot
+
+
+class Calls:
+    def __init__(self):
+        self.sent, self.futures = [], []
+
+    def __call__(self, n, tokens, retrieval):
+        self.sent.append((n, list(tokens), retrieval))
+        fut = Future()
+        self.futures.append(fut)
+        return fut
+
+
+def test_the_feed_sends_one_call_at_a_time_and_walks_its_latest_answer():
+    calls = Calls()
+    feed = DraftFeed(calls, length=10)
+    feed.commit([1], retrieval="r0")
+    assert feed.send() is not None and calls.sent == [(0, [1], "r0")]
+    assert feed.current() is calls.futures[0]
+    feed.commit([2, 3])
+    assert feed.send() is None and feed.current() is None  # in flight: the tokens wait
+    assert feed.tree(4) is None  # no answer yet
+    calls.futures[0].set_result(DraftTree(0, (2, 9, 3), (-1, -1, 0)))  # rooted after token 1
+    assert feed.tree(4) is None  # walked along 2, 3: nothing below 3
+    feed.send()
+    assert calls.sent[1] == (1, [2, 3], None)
+    calls.futures[1].set_result(DraftTree(1, (4, 5, 6), (-1, 0, 1)))
+    assert feed.tree(2) == ([4, 5], [-1, 0])  # rooted here: its first nodes
+    feed.commit([4])
+    assert feed.tree(5) == ([5, 6], [-1, 0])  # one token past it: the walk
+    feed.send()
+    calls.futures[2].set_exception(DraftError("gone"))
+    assert feed.tree(5) is None and isinstance(feed.error, DraftError)
+    feed.commit([7])
+    assert feed.send() is None and len(calls.sent) == 3  # nothing after a failure
+
+
+class TreesOnly(TreeController):
+    def choose(self, sessions=1):
+        return self.top
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("lookup", [0, 8])
+@pytest.mark.parametrize("policy", [Runs, TreesOnly])
+def test_snapshot_trees_are_lossless_and_every_token_reaches_the_draft_once_in_order(pair, sampling, lookup, policy):
+    from helpers import make_engine
+
+    params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=7)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, delay_s=0.004)  # the background grows the pool meanwhile
+    engine = engine_for(pair, draft, lookup_tokens=lookup, draft_snapshots=True)
+    engine.new_controller = lambda tree: policy(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    deadline = time.time() + 5
+    while ("close", None) not in draft.events and time.time() < deadline:
+        time.sleep(0.01)
+    worker.shutdown()
+    assert out == ref
+    assert stats.num_steps + stats.unready_steps > 0  # trees asked
+    steps = [s for s, _, _ in draft.calls]
+    assert steps == list(range(len(steps)))  # one call at a time, numbered in order
+    sent = [t for _, tokens, _ in draft.calls for t in tokens]
+    assert sent == out[:len(sent)] and len(sent) >= len(out) - 8  # each committed token once, in order
+    assert all(b == SNAPSHOT_BOUND for _, _, b in draft.calls)
+    kinds = [k for k, _ in draft.events]
+    assert kinds[-1] == "close" and kinds.count("close") == 1  # after every call
+
+
+class Oracle(DraftBackend):
+    """Knows the target's greedy answer: each snapshot is its next `depth` tokens as a path, with a
+    wrong sibling at every level, so that the target's next verdicts walk it."""
+
+    def __init__(self, answer, prompt_len, depth=12, delay_s=0.002):
+        self.answer, self.prompt_len, self.depth, self.delay_s = answer, prompt_len, depth, delay_s
+        self.seen = {}
+        self.calls = []
+
+    def open(self, session_id, prompt_ids, params):
+        self.seen[session_id] = len(prompt_ids)
+
+    def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
+        time.sleep(self.delay_s)
+        self.calls.append((step, tuple(accepted_tokens)))
+        self.seen[session_id] += len(accepted_tokens)
+        i = self.seen[session_id] - self.prompt_len  # the answer's tokens the target has committed
+        nxt = self.answer[i:i + self.depth]
+        tokens, parents = [], []
+        for k, tok in enumerate(nxt):
+            parent = 2 * k - 2 if k else -1  # the path's previous node
+            tokens += [tok, (tok + 1) % 256]  # the right token, then a wrong sibling
+            parents += [parent, parent]
+        return DraftTree(step, tuple(tokens), tuple(parents), ready=True)
+
+    def close(self, session_id):
+        self.seen.pop(session_id, None)
+
+
+def test_a_tree_step_walks_the_latest_snapshot_without_a_call(pair):
+    """With a draft whose snapshots hold the target's next tokens, most tree steps take their tree
+    from a snapshot walked past the verdicts it has not answered yet: no wait, and lossless."""
+    from helpers import make_engine
+
+    params = SamplingParams(48, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    draft = Oracle(ref, len(prompt()))
+    engine = engine_for(pair, draft, draft_snapshots=True)
+    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    assert out == ref
+    assert stats.snapshot_trees > stats.asked_steps and stats.snapshot_trees >= 3
+    assert stats.mean_acceptance_length > 2  # the walked trees hold the answer's next tokens
+    sent = [t for _, tokens in draft.calls for t in tokens]
+    assert sent == out[:len(sent)]
+    assert [s for s, _ in draft.calls] == list(range(len(draft.calls)))
+
+
+def test_a_draft_failing_on_a_snapshot_call_leaves_plain_decoding(pair):
+    from helpers import make_engine
+
+    params = SamplingParams(30, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, fail_at=2)
+    engine = engine_for(pair, draft, draft_snapshots=True)
+    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    worker.shutdown()
+    assert out == ref and stats.fallback
+    assert max(s for s, _, _ in draft.calls) <= 2  # nothing sent after the failure surfaced
