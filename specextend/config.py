@@ -140,7 +140,7 @@ class EngineConfig:
         True, description="with draft_overlap: every step's tokens go to the draft at once and each answer is "
                           "a snapshot of its pool's best nodes; a tree step walks the latest snapshot to its own "
                           "position instead of calling the draft (no wait on a step's path; false: a tree step "
-                          "asks the draft for its tree)")
+                          "asks the draft for its tree; off where draft_prepare is on)")
     draft_handover: bool = Field(
         True, description="the draft's thread waits (up to 2 ms) until a step's answer has been sent before its "
                           "next work, which would hold the GIL the sender needs (false: benchmarks' A/B)")

@@ -19,7 +19,7 @@ import torch
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, Costs, TreeController
 from specextend.ladder import PLAIN, ladder, prefix_accepts
-from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup
 from specextend.models.loader import LoadedModel
@@ -176,7 +176,8 @@ class Engine:
         timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
         try:
             t0 = time.perf_counter()
-            snap = use_draft and cfg.overlap and cfg.overlap_miss == "plain" and cfg.draft_snapshots
+            snap = (use_draft and cfg.overlap and cfg.overlap_miss == "plain" and cfg.draft_snapshots
+                    and not cfg.draft_prepare)  # (prepared outcomes are the other way to skip the call)
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 # (with snapshots its answers are SNAPSHOT_NODES nodes: the session's tree allows them)
                 draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
@@ -210,7 +211,7 @@ class Engine:
             stats.retrieval_refreshes += retrieval is not None
             step, committed = 0, [token]
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
-            prepare = use_draft and self.draft.supports_prepare
+            prepare = use_draft and self.draft.supports_prepare and not snap
             ready_only = cfg.overlap_miss == "plain"  # an overlapping draft's unready step: a plain one instead
             refresh_due = cfg.retrieval.every  # step + 1 of the next retrieval selection
             prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
@@ -224,7 +225,6 @@ class Engine:
             ask_early = tell and cfg.draft_ask_early
             # with snapshots every step's tokens go to the draft as soon as they are known and a tree
             # comes from the latest answer, walked locally: no call on a step's path ("Pool snapshots")
-            snap = snap and not prepare
             if snap:
                 tell = ask_early = False
                 feed = DraftFeed(lambda n, toks, retr: self._tells.submit(self.draft.step, sid, n, toks, retr,
@@ -250,15 +250,7 @@ class Engine:
                         told = yield from _settled(told)
                         from_ask = asked is not None
                         if feed is not None:  # the latest snapshot, walked to here: no call
-                            got = feed.tree(rung.nodes)
-                            if (got is None or 2 * len(got[0]) < rung.nodes) and feed.current() is not None:
-                                yield DraftCall(future=feed.current())  # too thin: the answer for this
-                                got = feed.tree(rung.nodes) or got  # very position, in flight, is worth it
-                                stats.asked_steps += 1
-                            else:
-                                stats.snapshot_trees += got is not None
-                            tree = DraftTree(step=step, tokens=tuple(got[0]) if got else (),
-                                             parents=tuple(got[1]) if got else (), ready=got is not None)
+                            tree = yield from feed.tree_co(step, rung.nodes, stats)
                         elif from_ask:  # asked at the last verdict (its step number taken then)
                             tree, asked = (yield DraftCall(future=asked)), None
                             stats.asked_steps += 1
@@ -287,8 +279,7 @@ class Engine:
                                                                         lookup, stats)
                         step, retrieval = step + (not from_ask), None
                         if feed is not None:
-                            feed.commit(committed)
-                            feed.send()
+                            feed.push(committed)
                             pending = []
                         ctl.record_unready(rung, draft_s, step_s=time.perf_counter() - t_step,
                                            lookup=len(committed) - 1)
@@ -332,8 +323,7 @@ class Engine:
                     committed = pending = verdict.tokens
                     step += not from_ask
                     if feed is not None:  # the verdict to the draft at once
-                        feed.commit(committed, retrieval)
-                        feed.send()
+                        feed.push(committed, retrieval)
                         pending, retrieval = [], None
                     if ask_early and use_draft and told is None and not out.ends(committed):  # (its error:
                         # the next step's, as a tell's)
@@ -376,9 +366,7 @@ class Engine:
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats)
                     if feed is not None:
-                        feed.commit(committed)
-                        if not opening_pending:
-                            feed.send()
+                        feed.push(committed, send=not opening_pending)
                     kind = ("open" if use_draft and opening_pending
                             else "lookup" if stats.lookup_steps > chains else "plain")
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Generator, Optional, Sequence
 
-from specextend.draft.base import DraftError
+from specextend.draft.base import DraftError, DraftTree
+from specextend.scheduler import DraftCall
 
 SNAPSHOT_NODES = 128  # pool nodes asked for per verdict (best first): deep enough to hold the
 # subtree below the next verdict's bonus token, which a tree is cut from
@@ -146,6 +147,28 @@ class DraftFeed:
         self.inflight = (fut, self.length)
         self.unsent, self.retrieval = [], None
         return fut
+
+    def push(self, tokens: Sequence[int], retrieval=None, send: bool = True) -> None:
+        """`commit`, then `send` (unless `send` is False: the draft has not joined yet)."""
+        self.commit(tokens, retrieval)
+        if send:
+            self.send()
+
+    def tree_co(self, step: int, n: int, stats) -> Generator[DraftCall, object, DraftTree]:
+        """A tree step's tree (`step` numbers it): the latest snapshot walked here, with no call;
+        where that gives less than half of `n` nodes and the answer for this very position is in
+        flight, that answer, waited for (a DraftCall: its DraftError is thrown into the session).
+        An empty tree: none (the step decodes plainly). Counts `stats.snapshot_trees` and
+        `stats.asked_steps` (the waited ones)."""
+        got = self.tree(n)
+        if (got is None or 2 * len(got[0]) < n) and self.current() is not None:
+            yield DraftCall(future=self.current())
+            got = self.tree(n) or got
+            stats.asked_steps += 1
+        else:
+            stats.snapshot_trees += got is not None
+        return DraftTree(step=step, tokens=tuple(got[0]) if got else (), parents=tuple(got[1]) if got else (),
+                         ready=got is not None)
 
     def tree(self, n: int) -> Optional[tuple[list[int], list[int]]]:
         """The best `n`-node tree at the current position from the latest snapshot (None: none)."""

@@ -53,7 +53,7 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
                 raise DraftError("injected: the draft died in a prepare")
             return super().prepare(session_id, step, accepted_tokens, retrieval, due_s)
 
-    ref, out, stats = run(pair, Counting(worker, Chaos()), mode)
+    ref, out, stats = run(pair, Counting(worker, Chaos()), mode, draft_prepare=True)
     assert out == ref
     if dies:
         assert stats.fallback and stats.prepared_steps == 1
@@ -80,7 +80,7 @@ def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless
     with DraftServerThread(worker) as server:
         def one(seed):
             client = GrpcDraftBackend(server.address, transport=transport)
-            results[seed] = run(pair, client, "specextend", seed=seed)
+            results[seed] = run(pair, client, "specextend", seed=seed, draft_prepare=True)
             prepares[seed] = client.supports_prepare
             client.shutdown()
 
