@@ -137,10 +137,10 @@ class EngineConfig:
                           "the answer (the next tree) is read when the next step needs it, so that the round trip "
                           "overlaps the step's commit and bookkeeping (false: the next step asks; benchmarks' A/B)")
     draft_snapshots: bool = Field(
-        True, description="with draft_overlap: every step's tokens go to the draft at once and each answer is "
-                          "a snapshot of its pool's best nodes; a tree step walks the latest snapshot to its own "
-                          "position instead of calling the draft (no wait on a step's path; false: a tree step "
-                          "asks the draft for its tree; off where draft_prepare is on)")
+        False, description="with draft_overlap: every step's tokens go to the draft at once and each answer is "
+                           "a snapshot of its pool's best nodes; a tree step walks the latest snapshot to its own "
+                           "position instead of calling the draft (off: measured slower on two H200s, the "
+                           "snapshots too thin; ignored where draft_prepare is on)")
     draft_handover: bool = Field(
         True, description="the draft's thread waits (up to 2 ms) until a step's answer has been sent before its "
                           "next work, which would hold the GIL the sender needs (false: benchmarks' A/B)")

@@ -35,8 +35,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     (an unready step decoding plainly, the default, or waiting for a drafted tree: `2gpu-wait`) and
     without; `-nolookup`: context lookup off (the app's default: chains of 8 tokens); `-nohandover`:
     the draft's thread not waiting for an answer to be sent before its next work; `-notell`: plain
-    steps' tokens sent with the next tree's call, not at once; `-nosnap`: a tree step asks the draft for
-    its tree (no pool snapshots); `-noearly`: nor is a tree step's verdict sent as soon as it is known. `ar` is served on the first."""
+    steps' tokens sent with the next tree's call, not at once; `-noearly`: a tree step's verdict sent with
+    the next step's call, not as soon as it is known; `-snap`: trees walked from pool snapshots. `ar` is served on the first."""
     gpus = torch.cuda.device_count()
     nolookup = {"lookup_tokens": 0}
     if gpus == 0:
@@ -45,8 +45,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
            ("2gpu-serial", 1.0, False, {}), ("2gpu-nolookup", 1.0, True, nolookup),
            ("2gpu-nohandover", 1.0, True, {"draft_handover": False}),
            ("2gpu-notell", 1.0, True, {"draft_tell": False}),
-           ("2gpu-noearly", 1.0, True, {"draft_ask_early": False, "draft_snapshots": False}),
-           ("2gpu-nosnap", 1.0, True, {"draft_snapshots": False})] if gpus >= 2 else []
+           ("2gpu-noearly", 1.0, True, {"draft_ask_early": False}),
+           ("2gpu-snap", 1.0, True, {"draft_snapshots": True})] if gpus >= 2 else []
     return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup)] + two
 
 
