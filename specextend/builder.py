@@ -55,9 +55,11 @@ def _load(meta: ModelMeta, config: EngineConfig, **kw) -> LoadedModel:
 
 
 def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft"),
+              metas: Optional[tuple[ModelMeta, Optional[ModelMeta]]] = None,
               ) -> tuple[Optional[LoadedModel], Optional[LoadedModel]]:
-    """Checks the pair, then loads the weights of the `roles` asked for (None for the others)."""
-    target_meta, draft_meta = read_pair(config)
+    """Checks the pair, then loads the weights of the `roles` asked for (None for the others);
+    `metas`: read_pair's result, if the caller has it already."""
+    target_meta, draft_meta = metas if metas is not None else read_pair(config)
     target = _load(target_meta, config) if "target" in roles else None
     draft = None
     if draft_meta is not None and "draft" in roles:
@@ -75,4 +77,4 @@ def build_engine(config: EngineConfig) -> Engine:
         backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap,
                               prepare=config.draft_prepare, handover=config.draft_handover)
         backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
-    return Engine(config, target, backend)
+    return Engine(config, target, backend, draft_args=draft.args if draft is not None else None)

@@ -17,11 +17,12 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.controller import AlwaysSpeculate, Costs, TreeController
+from specextend.controller import SLOW_DRAFT, AlwaysSpeculate, Costs, TreeController
 from specextend.ladder import PLAIN, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup
+from specextend.models.args import ModelArgs
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
@@ -80,13 +81,26 @@ class Engine:
     # of waiting for it after the first token (docs/architecture.md, "Adaptive speculation")
     join_early = True
 
-    def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None):
+    def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None,
+                 draft_args: Optional[ModelArgs] = None):
         self.config = config
         self.target = target
         self.draft = draft
         self._costs: Optional[Costs] = None  # the costs the last session that measured them left
         if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
+        # a draft that multiplies by SLOW_DRAFT times the target's weights a forward costs at least
+        # that many target forwards a tree level, and no tree can pay, whatever it accepts: its
+        # sessions are not opened (the adaptive policy; context lookup still runs) (docs/architecture.md,
+        # "Adaptive speculation")
+        self.draft_weight_ratio = (draft_args.decode_weights() / target.args.decode_weights()
+                                   if draft_args is not None else 0.0)
+        self.draft_never_pays = (config.uses_draft and config.tree_policy == "adaptive"
+                                 and self.draft_weight_ratio >= SLOW_DRAFT)
+        if self.draft_never_pays:
+            log.warning("the draft multiplies by %.1fx the target's weights a forward: no draft tree can pay, "
+                        "so requests decode without it (context lookup %s; tree_policy=fixed drafts anyway)",
+                        self.draft_weight_ratio, "on" if config.lookup_tokens else "off")
         self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
         self._tells = ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-tell")
 
@@ -164,7 +178,7 @@ class Engine:
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
                                hybrid=cfg.hybrid_attention)
-        use_draft = cfg.uses_draft and speculate
+        use_draft = cfg.uses_draft and speculate and not self.draft_never_pays
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
         told: Optional[Future] = None  # the last tell, in flight: the next call waits for it (order)
@@ -202,7 +216,8 @@ class Engine:
                 opening_pending = opening is not None
             lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
             # mode lookup: the chains are the only drafts, every step a plain or lookup step
-            if (use_draft or (cfg.mode == "lookup" and speculate)) and cfg.lookup_tokens and replay is None:
+            if ((use_draft or (speculate and (cfg.mode == "lookup" or self.draft_never_pays)))
+                    and cfg.lookup_tokens and replay is None):
                 index = ContextIndex(list(prompt_ids) + [token], self.target.args.vocab_size,
                                      capacity=len(prompt_ids) + params.max_new_tokens + 1)
                 lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward)  # chains where they pay

@@ -63,6 +63,13 @@ class ModelArgs:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
+    def decode_weights(self) -> int:
+        """Weights one decode-time forward multiplies by (every layer's projections and the lm_head;
+        not the embedding table, a gather): what its cost grows with, on a CPU or bound by bytes."""
+        e, d = self.hidden_size, self.head_dim
+        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        return self.num_layers * (attn + 3 * e * self.intermediate_size) + self.vocab_size * e
+
     def num_params(self) -> int:
         e, d = self.hidden_size, self.head_dim
         attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)

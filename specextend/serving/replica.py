@@ -68,7 +68,7 @@ def draft_client(settings: AppSettings, address: str, token: str):
 
 class SpecExtendReplica:
     def __init__(self, settings: dict) -> None:
-        from specextend.builder import load_pair
+        from specextend.builder import load_pair, read_pair
 
         t0 = time.perf_counter()
         self.settings = s = AppSettings.model_validate(settings)
@@ -82,7 +82,8 @@ class SpecExtendReplica:
             self._draft_created_at = time.time()
             self.draft_actor = self._start_draft_actor()
         import_engine_side()
-        self.target, _ = load_pair(cfg, roles=("target",))
+        metas = read_pair(cfg)  # (the draft's too: its size against the target's, Engine.draft_never_pays)
+        self.target, _ = load_pair(cfg, roles=("target",), metas=metas)
         t_target = time.perf_counter()
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
@@ -92,7 +93,7 @@ class SpecExtendReplica:
         if s.uses_draft:
             address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
             self.draft = draft_client(s, address, self._draft_token)
-            self.engine = Engine(cfg, self.target, self.draft)
+            self.engine = Engine(cfg, self.target, self.draft, draft_args=metas[1].args if metas[1] else None)
         t_draft = time.perf_counter()
         self.draft_ok = self.draft is not None or cfg.mode == "lookup"  # self.engine is usable
         self._restoring: Optional[asyncio.Task] = None
