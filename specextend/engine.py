@@ -17,9 +17,10 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.controller import SLOW_DRAFT, AlwaysSpeculate, Costs, TreeController
+from specextend.controller import AlwaysSpeculate, Costs, TreeController
 from specextend.ladder import PLAIN, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
+from specextend.draft_link import DraftLink, seconds_of, settled, draft_weight_ratio, never_pays
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup
 from specextend.models.args import ModelArgs
@@ -48,21 +49,6 @@ SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
 
-def _settled(call: Optional[Future]) -> Generator[DraftCall, object, None]:
-    """Waits for a draft call still in flight (a tell), if any, raising its DraftError; returns None
-    (the caller's new value for it). Calls of a session go one at a time."""
-    if call is not None:
-        call.result() if call.done() else (yield DraftCall(future=call))
-    return None
-
-
-def _seconds_of(fn, *args) -> float:
-    """Calls fn(*args) and returns its wall time in seconds (the draft's open: its prefill)."""
-    t = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t
-
-
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (too long, bad ids); maps to HTTP 400."""
 
@@ -75,7 +61,7 @@ def _drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
     return list(accepted[:n])
 
 
-class Engine:
+class Engine(DraftLink):
     carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
     # adaptive policy: a session decodes plainly until its draft's open (prefill) is done, instead
     # of waiting for it after the first token (docs/architecture.md, "Adaptive speculation")
@@ -89,14 +75,9 @@ class Engine:
         self._costs: Optional[Costs] = None  # the costs the last session that measured them left
         if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
-        # a draft that multiplies by SLOW_DRAFT times the target's weights a forward costs at least
-        # that many target forwards a tree level, and no tree can pay, whatever it accepts: its
-        # sessions are not opened (the adaptive policy; context lookup still runs) (docs/architecture.md,
-        # "Adaptive speculation")
-        self.draft_weight_ratio = (draft_args.decode_weights() / target.args.decode_weights()
-                                   if draft_args is not None else 0.0)
-        self.draft_never_pays = (config.uses_draft and config.tree_policy == "adaptive"
-                                 and self.draft_weight_ratio >= SLOW_DRAFT)
+        # a draft that can never pay is not opened (docs/architecture.md, "Adaptive speculation")
+        self.draft_weight_ratio = draft_weight_ratio(target.args, draft_args)
+        self.draft_never_pays = never_pays(config, self.draft_weight_ratio)
         if self.draft_never_pays:
             log.warning("the draft multiplies by %.1fx the target's weights a forward: no draft tree can pay, "
                         "so requests decode without it (context lookup %s; tree_policy=fixed drafts anyway)",
@@ -195,7 +176,7 @@ class Engine:
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 # (with snapshots its answers are SNAPSHOT_NODES nodes: the session's tree allows them)
                 draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
-                opening = self._openers.submit(_seconds_of, self.draft.open, sid, list(prompt_ids),
+                opening = self._openers.submit(seconds_of, self.draft.open, sid, list(prompt_ids),
                                                DraftSessionParams(draft_tree, cfg.retrieval, params.max_new_tokens,
                                                                   cfg.lookup_tokens if replay is None else 0))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
@@ -236,7 +217,7 @@ class Engine:
             tell = use_draft and cfg.overlap and ready_only and not prepare and cfg.draft_tell
             # a tree step's verdict goes to the draft as soon as it is known, the answer (the next
             # tree, ready or none) read when the next step needs it: the round trip overlaps the
-            # step's commit, bookkeeping and emit (docs/architecture.md, "Overlapped drafting")
+            # step's commit, bookkeeping and emit (docs/architecture.md, "Pool snapshots", early asks)
             ask_early = tell and cfg.draft_ask_early
             # with snapshots every step's tokens go to the draft as soon as they are known and a tree
             # comes from the latest answer, walked locally: no call on a step's path ("Pool snapshots")
@@ -262,7 +243,7 @@ class Engine:
                     try:
                         ts = time.perf_counter()
                         tree, applied = None, True  # applied: this step's call carries the verdict
-                        told = yield from _settled(told)
+                        told = yield from settled(told)
                         from_ask = asked is not None
                         if feed is not None:  # the latest snapshot, walked to here: no call
                             tree = yield from feed.tree_co(step, rung.nodes, stats)
@@ -372,7 +353,7 @@ class Engine:
                     # the tokens so far go to the draft while this step's forward runs
                     if tell and pending and not opening_pending:
                         try:
-                            yield from _settled(told)
+                            yield from settled(told)
                             told = self._tells.submit(self.draft.step, sid, step, pending, retrieval, TELL_BOUND)
                             step, retrieval, pending = step + 1, None, []
                             stats.told_steps += 1
@@ -406,41 +387,8 @@ class Engine:
                 # after a tell still in flight (a step must not reach the draft after its session's close)
                 opening.add_done_callback(partial(self._close_after, sid, told))
 
-    def _join(self, opening: Future, ctl: TreeController, target_prefill_s: float, stats: RequestStats,
-              sid: str) -> Generator[DraftCall, object, bool]:
-        """The draft's open, finished (or waited for): whether the session speculates from now on (a
-        failed open: plain decoding). Its time against the target's prefill of the same prompt is the
-        controller's prior for what drafting costs (docs/architecture.md, "Adaptive speculation")."""
-        try:
-            open_s = opening.result() if opening.done() else (yield DraftCall(future=opening))
-        except DraftError as e:
-            return self._fall_back(stats, sid, e)
-        stats.draft_open_s, stats.target_prefill_s = open_s, target_prefill_s
-        ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
-        return True
-
     def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:
         t0 = time.perf_counter()
         ids = target.retrieval_chunks(row, self.config.retrieval)  # ends on the host: timed whole
         stats.retrieval_s += time.perf_counter() - t0
         return Retrieval(tuple(ids), self.config.retrieval.chunk_size) if ids else None
-
-    def _fall_back(self, stats: RequestStats, sid: str, err: Exception) -> bool:
-        log.warning("draft failed for session %s (%s); continuing with plain decoding", sid, err)
-        stats.fallback = True
-        self._close_draft(sid)
-        return False
-
-    def _close_after(self, sid: str, told: Optional[Future], opening: Future) -> None:
-        if opening.exception() is not None:  # no session was opened
-            return
-        if told is None:
-            self._close_draft(sid)
-        else:
-            told.add_done_callback(lambda _: self._close_draft(sid))
-
-    def _close_draft(self, sid: str) -> None:
-        try:
-            self.draft.close(sid)
-        except Exception as e:  # closing is best-effort; a dead draft has nothing left to free
-            log.info("closing draft session %s failed: %s", sid, e)
