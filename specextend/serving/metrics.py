@@ -68,6 +68,10 @@ FAMILIES = {
         "counter", "Accepted tokens that only a context-lookup chain proposed (lookup_tokens).", ()),
     "specextend_spec_decode_num_told_steps": (
         "counter", "Plain steps whose tokens went to the overlapping draft at once (draft_tell).", ()),
+    "specextend_spec_decode_num_asked_steps": (
+        "counter", "Tree steps whose tree was asked for as soon as the verdict before was known (draft_ask_early).", ()),
+    "specextend_spec_decode_num_snapshot_trees": (
+        "counter", "Tree steps whose tree came from the draft's latest pool snapshot, no call (draft_snapshots).", ()),
     "specextend_spec_decode_num_open_steps": (
         "counter", "Plain steps decoded while the draft still prefilled the prompt (it joined after them).", ()),
     "specextend_spec_decode_draft_open_seconds": (
@@ -180,6 +184,8 @@ class ReplicaMetrics:
         self.inc("specextend_spec_decode_num_lookup_steps", stats.lookup_steps)
         self.inc("specextend_spec_decode_num_lookup_accepted_tokens", stats.lookup_accepted)
         self.inc("specextend_spec_decode_num_told_steps", stats.told_steps)
+        self.inc("specextend_spec_decode_num_asked_steps", stats.asked_steps)
+        self.inc("specextend_spec_decode_num_snapshot_trees", stats.snapshot_trees)
         self.inc("specextend_spec_decode_num_open_steps", stats.open_steps)
         self.inc("specextend_spec_decode_draft_open_seconds", stats.draft_open_s)
         for nodes in stats.nodes_per_step:
