@@ -66,11 +66,10 @@ def thread_of(events: list[dict], marker: tuple[str, str] = ("engine.py", "_sess
     return {i for i in parent if root(i) == top}
 
 
-def charge(events: list[dict], gaps: list[tuple[float, float]], ids: set,
-           exclusive: bool = False) -> dict[str, float]:
+def charges(events: list[dict], gaps: list[tuple[float, float]], ids: set) -> tuple[dict[str, float], dict[str, float]]:
     """Idle us per Python function of the call tree `ids` (thread_of), from its frames overlapping
-    each gap: inclusive (a caller gets its callees' idle), or with `exclusive` each frame's own part
-    (its overlap less its children's: where the host actually was)."""
+    each gap, in one pass: (inclusive: a caller gets its callees' idle; exclusive: each frame's own
+    part, its overlap less its children's, where the host actually was)."""
     starts = [a for a, _ in gaps]
     seen_by: dict[int, float] = {}
     names: dict[int, str] = {}
@@ -89,15 +88,24 @@ def charge(events: list[dict], gaps: list[tuple[float, float]], ids: set,
         pid = args["Python id"]
         seen_by[pid], names[pid], parent[pid] = seen, e["name"], args.get("Python parent id")
     own = dict(seen_by)
-    if exclusive:
-        for pid, seen in seen_by.items():
-            if parent[pid] in own:
-                own[parent[pid]] -= seen
-    by: dict[str, float] = defaultdict(float)
-    for pid, seen in own.items():
-        if seen > 0:
-            by[names[pid]] += seen
-    return by
+    for pid, seen in seen_by.items():
+        if parent[pid] in own:
+            own[parent[pid]] -= seen
+
+    def by_name(per_frame: dict[int, float]) -> dict[str, float]:
+        by: dict[str, float] = defaultdict(float)
+        for pid, seen in per_frame.items():
+            if seen > 0:
+                by[names[pid]] += seen
+        return by
+
+    return by_name(seen_by), by_name(own)
+
+
+def charge(events: list[dict], gaps: list[tuple[float, float]], ids: set,
+           exclusive: bool = False) -> dict[str, float]:
+    """One of `charges`: inclusive, or with `exclusive` each frame's own part."""
+    return charges(events, gaps, ids)[1 if exclusive else 0]
 
 
 def sync():
@@ -200,8 +208,7 @@ def main():
             span, busy, gaps = idle_gaps(ev, t_from)
             # the engine's thread: the one running its session coroutine
             ids = thread_of(ev)
-            by = charge(ev, gaps, ids)
-            own = charge(ev, gaps, ids, exclusive=True)
+            by, own = charges(ev, gaps, ids)
             ntok = max(res["tokens"] - 1, 1)
             kern: dict[str, list] = defaultdict(lambda: [0.0, 0])  # the decode steps' kernels by name
             for e in ev:

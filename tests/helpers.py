@@ -137,3 +137,15 @@ SERVE_SETTINGS = dict(target=SERVE_TARGET, draft=SERVE_DRAFT, num_gpus=0, dtype=
                       max_request_bytes=4 << 20, request_read_timeout_s=3)
 # 90 tokens: above the CMR budget (32 tokens) and prefilled in 3 chunks, other sessions' steps between
 SERVE_PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
+
+
+def speculated(create, ref, tries=5):
+    """The first of up to `tries` responses of `create()` that verified a tree, each checked against
+    `ref` (the target's greedy ids). A session decodes plainly until its draft's open is done
+    (docs/architecture.md, "Adaptive speculation"): on a loaded CPU a short request may end first."""
+    for _ in range(tries):
+        out = create()
+        assert out.choices[0].token_ids == ref
+        if out.model_extra["speculative_decoding"]["num_steps"] >= 1:
+            break
+    return out

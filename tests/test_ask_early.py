@@ -7,7 +7,6 @@ plain decoding."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -17,42 +16,22 @@ from specextend.draft.worker import DraftWorker
 from specextend.engine import TELL_BOUND
 from specextend.ladder import PLAIN, ladder
 
-from test_told import Recorder, Runs, engine_for, prompt
-
-
-class TreesOnly(TreeController):
-    def choose(self, sessions=1):
-        return self.top
+from test_told import Recorder, Runs, TreesOnly, assert_calls_in_order, engine_for, prompt, recorded_run
 
 
 @pytest.mark.parametrize("sampling", [False, True])
 @pytest.mark.parametrize("lookup", [0, 8])
 @pytest.mark.parametrize("policy", [Runs, TreesOnly])
 def test_early_asks_are_lossless_and_every_token_reaches_the_draft_once_in_order(pair, sampling, lookup, policy):
-    from helpers import make_engine
-
     params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=7)
-    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
-    draft = Recorder(worker, delay_s=0.002)  # answers come late: the next step must wait for them
-    engine = engine_for(pair, draft, lookup_tokens=lookup)
-    engine.new_controller = lambda tree: policy(ladder(tree))
-    out, _, stats = engine.generate(prompt(), params)
-    deadline = time.time() + 5
-    while ("close", None) not in draft.events and time.time() < deadline:
-        time.sleep(0.01)
-    worker.shutdown()
+    # answers come late: the next step must wait for them
+    ref, out, stats, draft = recorded_run(pair, policy, params, 0.002, lookup_tokens=lookup)
     assert out == ref
     assert stats.asked_steps > 0  # trees that came from a verdict's early ask
     assert stats.asked_steps <= stats.num_steps + stats.unready_steps
-    steps = [s for s, _, _ in draft.calls]
-    assert steps == list(range(len(steps)))  # one call per number, in order (an ask takes its number at once)
-    sent = [t for _, tokens, _ in draft.calls for t in tokens]
-    assert sent == out[:len(sent)] and len(sent) >= len(out) - 8  # each committed token once, in order
+    assert_calls_in_order(draft, out, unsent=8)  # an ask takes its number at once; the close after one in flight
     asks = [b for _, _, b in draft.calls if b != TELL_BOUND]
     assert all(b.ready_only for b in asks[1:])
-    kinds = [k for k, _ in draft.events]
-    assert kinds[-1] == "close" and kinds.count("close") == 1  # after every call (an ask in flight too)
 
 
 def test_with_early_asks_off_each_tree_step_asks_for_its_own_tree(pair):

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specextend.config import EngineConfig, SamplingParams
 
-from helpers import SERVE_DRAFT, SERVE_PROMPT, SERVE_SETTINGS, SERVE_TARGET, app_fixture
+from helpers import SERVE_DRAFT, SERVE_PROMPT, SERVE_SETTINGS, SERVE_TARGET, app_fixture, speculated
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -88,18 +88,6 @@ def test_health_and_models(server):
     assert r.status_code == 200 and r.json()["ready"] is True and r.json()["draft"] == "ok"
     models = httpx.get(f"{BASE}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [TARGET]
-
-
-def speculated(create, ref, tries=5):
-    """The first of up to `tries` responses of `create()` that verified a tree, each checked against
-    `ref` (the target's greedy ids). A session decodes plainly until its draft's open is done
-    (docs/architecture.md, "Adaptive speculation"): on a loaded CPU a short request may end first."""
-    for _ in range(tries):
-        out = create()
-        assert out.choices[0].token_ids == ref
-        if out.model_extra["speculative_decoding"]["num_steps"] >= 1:
-            break
-    return out
 
 
 def test_completion_equals_greedy(client, reference):

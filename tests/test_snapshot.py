@@ -14,14 +14,13 @@ from concurrent.futures import Future
 import pytest
 
 from specextend.config import SamplingParams
-from specextend.controller import TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftTree
 from specextend.draft.worker import DraftWorker
 from specextend.engine import SNAPSHOT_BOUND
 from specextend.ladder import ladder
 from specextend.snapshot import DraftFeed, subtree_at, subtree_at_scan
 
-from test_told import Recorder, Runs, engine_for, prompt
+from test_told import Recorder, Runs, TreesOnly, assert_calls_in_order, engine_for, prompt, recorded_run
 
 
 def best_first_tree(rng, m, vocab=6):
@@ -106,37 +105,17 @@ def test_the_feed_sends_one_call_at_a_time_and_walks_its_latest_answer():
     assert feed.send() is None and len(calls.sent) == 3  # nothing after a failure
 
 
-class TreesOnly(TreeController):
-    def choose(self, sessions=1):
-        return self.top
-
-
 @pytest.mark.parametrize("sampling", [False, True])
 @pytest.mark.parametrize("lookup", [0, 8])
 @pytest.mark.parametrize("policy", [Runs, TreesOnly])
 def test_snapshot_trees_are_lossless_and_every_token_reaches_the_draft_once_in_order(pair, sampling, lookup, policy):
-    from helpers import make_engine
-
     params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=7)
-    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
-    draft = Recorder(worker, delay_s=0.004)  # the background grows the pool meanwhile
-    engine = engine_for(pair, draft, lookup_tokens=lookup, draft_snapshots=True)
-    engine.new_controller = lambda tree: policy(ladder(tree))
-    out, _, stats = engine.generate(prompt(), params)
-    deadline = time.time() + 5
-    while ("close", None) not in draft.events and time.time() < deadline:
-        time.sleep(0.01)
-    worker.shutdown()
+    # the background grows the pool meanwhile
+    ref, out, stats, draft = recorded_run(pair, policy, params, 0.004, lookup_tokens=lookup, draft_snapshots=True)
     assert out == ref
     assert stats.num_steps + stats.unready_steps > 0  # trees asked
-    steps = [s for s, _, _ in draft.calls]
-    assert steps == list(range(len(steps)))  # one call at a time, numbered in order
-    sent = [t for _, tokens, _ in draft.calls for t in tokens]
-    assert sent == out[:len(sent)] and len(sent) >= len(out) - 8  # each committed token once, in order
+    assert_calls_in_order(draft, out, unsent=8)  # one call at a time
     assert all(b == SNAPSHOT_BOUND for _, _, b in draft.calls)
-    kinds = [k for k, _ in draft.events]
-    assert kinds[-1] == "close" and kinds.count("close") == 1  # after every call
 
 
 class Oracle(DraftBackend):

@@ -36,6 +36,13 @@ class Runs(TreeController):
         return self.top if (self.spec_steps + self.plain_steps) % 5 >= 3 else PLAIN
 
 
+class TreesOnly(TreeController):
+    """Every step the full tree."""
+
+    def choose(self, sessions=1):
+        return self.top
+
+
 class Recorder(DraftBackend):
     """Around a real backend: every step call (number, tokens, bound) and when the close came."""
 
@@ -61,6 +68,35 @@ class Recorder(DraftBackend):
         with self.lock:
             self.events.append(("close", None))
         self.inner.close(session_id)
+
+
+def recorded_run(pair, policy, params, delay_s, **kw):
+    """The request under `policy` with a real overlapping worker behind a Recorder answering `delay_s`
+    late; waits (up to 5 s) for the session's close. -> (ar's ids, the ids, stats, the Recorder)."""
+    from helpers import make_engine
+
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, delay_s=delay_s)
+    engine = engine_for(pair, draft, **kw)
+    engine.new_controller = lambda tree: policy(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    deadline = time.time() + 5
+    while ("close", None) not in draft.events and time.time() < deadline:
+        time.sleep(0.01)
+    worker.shutdown()
+    return ref, out, stats, draft
+
+
+def assert_calls_in_order(draft, out, unsent: int) -> None:
+    """One call per step number, in order; each committed token sent once and in order, all but at
+    most `unsent` of them; the session's close after every call."""
+    steps = [s for s, _, _ in draft.calls]
+    assert steps == list(range(len(steps)))
+    sent = [t for _, tokens, _ in draft.calls for t in tokens]
+    assert sent == out[:len(sent)] and len(sent) >= len(out) - unsent
+    kinds = [k for k, _ in draft.events]
+    assert kinds[-1] == "close" and kinds.count("close") == 1
 
 
 def engine_for(pair, backend, **kw) -> Engine:
