@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
-from typing import Generator, Optional
+from concurrent.futures import Executor, Future
+from typing import Callable, Generator, Optional
 
 from specextend.config import EngineConfig
 from specextend.controller import SLOW_DRAFT, TreeController
@@ -26,6 +26,51 @@ def settled(call: Optional[Future]) -> Generator[DraftCall, object, None]:
     if call is not None:
         call.result() if call.done() else (yield DraftCall(future=call))
     return None
+
+
+class Lane:
+    """A session's draft calls that no step waits for (tells, early asks): run one at a time, in the
+    order given, on a shared pool, each starting when the one before it has ended, so a step only
+    queues its call and goes on to its forward. A call behind a failed one fails with the same
+    error, unrun. `tail` is the last call given (what the next waited-for call goes after, and what
+    the session's close waits for); `backlog` how many given calls have not ended yet
+    (docs/architecture.md, "Overlapped drafting", told verdicts)."""
+
+    def __init__(self, pool: Executor) -> None:
+        self._pool = pool
+        self.tail: Optional[Future] = None
+        self._open: list[Future] = []  # given, not known to have ended (the engine's thread's only)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        out: Future = Future()
+        before = self.tail
+
+        def run() -> None:
+            err = before.exception() if before is not None else None
+            if err is not None:  # (the session falls back on the first error it meets)
+                out.set_exception(err)
+                return
+            try:
+                out.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                out.set_exception(e)
+
+        if before is None or before.done():
+            self._pool.submit(run)
+        else:  # started by the thread that ends `before` (a pool thread), handed to the pool
+            before.add_done_callback(lambda _: self._pool.submit(run))
+        self.tail = out
+        self._open.append(out)
+        return out
+
+    @property
+    def backlog(self) -> int:
+        self._open = [f for f in self._open if not f.done()]
+        return len(self._open)
+
+    def error(self) -> Optional[BaseException]:
+        """The error of the last call given, if it has ended with one (no wait)."""
+        return self.tail.exception() if self.tail is not None and self.tail.done() else None
 
 
 def seconds_of(fn, *args) -> float:

@@ -20,7 +20,7 @@ from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, Costs, TreeController
 from specextend.ladder import PLAIN, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
-from specextend.draft_link import DraftLink, seconds_of, settled, draft_weight_ratio, never_pays
+from specextend.draft_link import DraftLink, Lane, seconds_of, settled, draft_weight_ratio, never_pays
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup
 from specextend.models.args import ModelArgs
@@ -42,6 +42,9 @@ PREPARE_MARGIN_S = 0.0003
 # A tell (a plain step's tokens sent to an overlapping draft, its answer unused) asks for the
 # smallest answer the draft can give: it only has to apply the verdict ("Overlapped drafting", told verdicts)
 TELL_BOUND = TreeBound(nodes=1, depth=1, ready_only=True)
+# Calls a session's lane may hold unanswered before a plain step's tokens wait for the next one instead
+# (a draft slower than the steps is not sent one call a step; the tokens are not lost)
+LANE_BACKLOG = 2
 # With snapshots every call asks for the pool's best SNAPSHOT_NODES nodes at once ("Pool snapshots")
 SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 
@@ -162,8 +165,9 @@ class Engine(DraftLink):
         use_draft = cfg.uses_draft and speculate and not self.draft_never_pays
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None
-        told: Optional[Future] = None  # the last tell, in flight: the next call waits for it (order)
-        asked: Optional[Future] = None  # a verdict sent early (ask_early), in flight: the next tree step's answer
+        lane = Lane(self._tells)  # tells and early asks, in order, none waited for by the step that sends it
+        held = False  # plain steps' tokens held back by the lane's backlog, not yet sent
+        asked: Optional[Future] = None  # a verdict sent early (ask_early), in the lane: the next tree step's answer
         feed: Optional[DraftFeed] = None  # with snapshots: the draft's latest answer and the call in flight
         ctl = self.new_controller(tree_cfg)
         if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
@@ -243,8 +247,9 @@ class Engine(DraftLink):
                     try:
                         ts = time.perf_counter()
                         tree, applied = None, True  # applied: this step's call carries the verdict
-                        told = yield from settled(told)
-                        from_ask = asked is not None
+                        from_ask = asked is not None  # (then the lane's last call)
+                        if not from_ask:  # this step's call goes after the lane's
+                            yield from settled(lane.tail)
                         if feed is not None:  # the latest snapshot, walked to here: no call
                             tree = yield from feed.tree_co(step, rung.nodes, stats)
                         elif from_ask:  # asked at the last verdict (its step number taken then)
@@ -256,9 +261,11 @@ class Engine(DraftLink):
                             tree = outs.get(pending) if outs.step == step else None
                             applied = tree is None
                         caught_up = len(pending) > len(committed)  # it forwards plain steps' tokens too
+                        # (ready from the pool still, where only the lane's backlog held them back)
                         if tree is None:  # ready_only only where the draft's pool can hold this verdict: not
                             # the first step, nor after plain steps (the draft was not told about them)
-                            bound = replace(rung.bound, ready_only=ready_only and step > 0 and not caught_up)
+                            bound = replace(rung.bound, ready_only=ready_only and step > 0 and (held or not caught_up))
+                            held = False
                             tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, bound))
                         draft_s = time.perf_counter() - ts
                         refreshed = retrieval is not None
@@ -321,10 +328,9 @@ class Engine(DraftLink):
                     if feed is not None:  # the verdict to the draft at once
                         feed.push(committed, retrieval)
                         pending, retrieval = [], None
-                    if ask_early and use_draft and told is None and not out.ends(committed):  # (its error:
-                        # the next step's, as a tell's)
-                        asked = self._tells.submit(self.draft.step, sid, step, pending, retrieval,
-                                                   replace(ctl.top.bound, ready_only=True))
+                    if ask_early and use_draft and not out.ends(committed):  # (its error: the next step's)
+                        asked = lane.submit(self.draft.step, sid, step, pending, retrieval,
+                                            replace(ctl.top.bound, ready_only=True))
                         step, retrieval, pending = step + 1, None, []
                     own = _drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes
                     stats.lookup_accepted += verdict.accept_length - len(own)
@@ -349,18 +355,22 @@ class Engine(DraftLink):
                     stats.probe_steps = ctl.probe_steps
                     kind = "tree"
                 else:
-                    told, asked = (asked, None) if asked is not None else (told, asked)  # a tell after all
-                    # the tokens so far go to the draft while this step's forward runs
+                    asked = None  # (an ask in flight: a tell after all, its answer unused)
+                    # the tokens so far go to the draft once this step's forward is queued (the
+                    # call's host work while the device runs), after the lane's calls, unwaited
+                    send = None
                     if tell and pending and not opening_pending:
-                        try:
-                            yield from settled(told)
-                            told = self._tells.submit(self.draft.step, sid, step, pending, retrieval, TELL_BOUND)
-                            step, retrieval, pending = step + 1, None, []
+                        if isinstance(lane.error(), DraftError):
+                            use_draft = tell = self._fall_back(stats, sid, lane.error())
+                        elif lane.backlog < LANE_BACKLOG:
+                            send = partial(lane.submit, self.draft.step, sid, step, pending, retrieval, TELL_BOUND)
+                            step, retrieval, pending, held = step + 1, None, [], False
                             stats.told_steps += 1
-                        except DraftError as e:
-                            use_draft = tell = self._fall_back(stats, sid, e)
+                        else:  # they go with the next call
+                            held = True
                     chains = stats.lookup_steps
-                    committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats)
+                    committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats,
+                                                         send)
                     if feed is not None:
                         feed.push(committed, send=not opening_pending)
                     kind = ("open" if use_draft and opening_pending
@@ -380,7 +390,7 @@ class Engine(DraftLink):
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None
             self._costs = costs or self._costs
-            told = asked if asked is not None else told  # (asked only where no tell was in flight)
+            told = lane.tail  # the session's last call in flight, if any
             if feed is not None and feed.pending() is not None:
                 told = feed.pending()
             if opening is not None:  # once the open has finished (now, or later if still running), and

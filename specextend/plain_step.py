@@ -5,7 +5,7 @@ forward (its accepted tokens, then the target's next one). Lossless as any verif
 from __future__ import annotations
 
 import time
-from typing import Generator, Optional
+from typing import Callable, Generator, Optional
 
 from specextend.config import SamplingParams
 from specextend.lookup import RequestLookup, graft
@@ -18,20 +18,26 @@ from specextend.verify import verify_tree
 
 def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen, timed,
                   lookup: Optional[RequestLookup] = None, stats: Optional[RequestStats] = None,
-                  ) -> Generator[ForwardCall, object, list[int]]:
+                  queued: Optional[Callable[[], object]] = None) -> Generator[ForwardCall, object, list[int]]:
     """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
     chain worth its rows, that chain verified instead (its accepted tokens, then the target's
     next one); the emitted tokens committed to the lookup. `timed` wraps each forward coroutine
-    (the engine's: its cost line and a batching driver's load, scheduler.metered)."""
+    (the engine's: its cost line and a batching driver's load, scheduler.metered). `queued` is called
+    once the forward is queued, before its logits are read: host work that then costs the step
+    nothing (the engine's tell to an overlapping draft)."""
     t0 = time.perf_counter()
     chain = lookup.chain() if lookup is not None else []
     from_chain = 0
     if not chain:
         logits = yield from timed(target.decode_co(root))
+        if queued is not None:
+            queued()
         out = [next_token(logits, params, gen)]
     else:
         tokens, parents, _ = graft((), (), chain)  # a path: [k], [k]
         logits = yield from timed(target.verify_co(root, tokens, parents, capture=False))
+        if queued is not None:
+            queued()
         verdict = verify_tree(logits, tokens, parents, params, gen)
         target.commit(verdict.accepted)
         stats.lookup_steps += 1

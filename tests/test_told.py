@@ -18,7 +18,7 @@ from specextend.ladder import PLAIN, ladder
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, TreeBound
 from specextend.draft.session import DraftSession
 from specextend.draft.worker import DraftWorker
-from specextend.engine import TELL_BOUND, Engine
+from specextend.engine import LANE_BACKLOG, TELL_BOUND, Engine
 
 from test_overlap import grow
 
@@ -146,9 +146,42 @@ def test_a_close_waits_for_the_last_tell(pair):
     while ("close", None) not in draft.events and time.time() < deadline:
         time.sleep(0.01)
     worker.shutdown()
-    assert stats.told_steps == 5 and stats.num_steps == 0
+    assert stats.told_steps == LANE_BACKLOG and stats.num_steps == 0  # the rest held back by the slow draft
     kinds = [k for k, _ in draft.events]
-    assert kinds == ["step"] * 5 + ["close"]
+    assert kinds == ["step"] * LANE_BACKLOG + ["close"]
+
+
+class Gated(Recorder):
+    """Step calls that do not answer until the test opens the gate."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def step(self, *args, **kw):
+        self.gate.wait(10)
+        return super().step(*args, **kw)
+
+
+def test_a_plain_step_never_waits_for_a_tell(pair):
+    """Tells go through the session's lane: a step queues its tell and goes on. With every call held
+    unanswered, the request still runs to its end (the old way, a step waited for the last tell's
+    answer); the lane holds at most LANE_BACKLOG calls, the later plain steps' tokens held back for
+    the next call, and the close comes after the held calls."""
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Gated(worker)
+    engine = engine_for(pair, draft)
+    engine.new_controller = lambda tree: _AlwaysPlain(ladder(tree))
+    out, _, stats = engine.generate(prompt(), SamplingParams(8, ignore_eos=True))
+    answered = list(draft.events)  # before the gate opens: no call has been answered
+    draft.gate.set()
+    deadline = time.time() + 5
+    while ("close", None) not in draft.events and time.time() < deadline:
+        time.sleep(0.01)
+    worker.shutdown()
+    assert answered == [] and len(out) == 8
+    assert stats.told_steps == LANE_BACKLOG == len(draft.calls)
+    assert [k for k, _ in draft.events] == ["step"] * LANE_BACKLOG + ["close"]
 
 
 class _AlwaysPlain(TreeController):
@@ -214,3 +247,34 @@ def test_a_session_closed_during_its_prefill_closes_cleanly(pair):
         time.sleep(0.01)
     worker.shutdown()
     assert ("close", None) in draft.events and not draft.calls
+
+
+# ------------------------------------------------------------------ the lane itself
+
+def test_a_lane_runs_its_calls_one_at_a_time_in_order_and_fails_the_rest_after_an_error():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specextend.draft_link import Lane
+
+    pool = ThreadPoolExecutor(max_workers=8)
+    lane, ran, running = Lane(pool), [], []
+
+    def call(i, delay):
+        running.append(i)
+        assert len(running) == 1  # never two of a lane's calls at once
+        time.sleep(delay)
+        ran.append(i)
+        running.remove(i)
+        if i == 6:
+            raise DraftError("injected")
+        return i
+
+    futures = [lane.submit(call, i, 0.004 * ((7 * i) % 3)) for i in range(10)]
+    assert lane.backlog > 0 and lane.tail is futures[-1]
+    assert [f.result() for f in futures[:6]] == list(range(6))
+    for f in futures[6:]:
+        with pytest.raises(DraftError, match="injected"):
+            f.result()
+    assert ran == list(range(7))  # the calls after the failed one never ran
+    assert isinstance(lane.error(), DraftError) and lane.backlog == 0
+    pool.shutdown()
