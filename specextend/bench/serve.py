@@ -114,7 +114,7 @@ def late_work_lines(limit: int = 40) -> list[str]:
         logs = Path(rw._global_node.get_session_dir_path()) / "logs"
     except Exception:  # noqa: BLE001 - a private API: the default session folder instead
         logs = Path("/tmp/ray/session_latest/logs")
-    pattern = re.compile(r"(?:capture|kernel) " + re.escape(MARK) + r": .{0,300}")
+    pattern = re.compile(r"(?:capture|kernel|gc) " + re.escape(MARK) + r": .{0,300}")
     seen: Counter = Counter()
     for path in logs.rglob("*"):
         if path.is_file() and path.suffix in (".err", ".out", ".log"):

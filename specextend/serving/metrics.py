@@ -24,6 +24,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from specextend.models import late_work
+
 KV_PREFIX = "specextend:metrics:"
 KV_NAMESPACE = "specextend"
 PUBLISH_EVERY_S = 2.0
@@ -96,8 +98,9 @@ FAMILIES = {
         ("phase",)),
     "specextend_late_work": (
         "counter", "Work the warm-up should have done, met on a request's path by the target's process: CUDA-graph "
-        "plans captured (capture) and Triton kernels compiled or loaded (kernel); each stalls every request of the "
-        "replica. Expected 0 (the replica's log names each).", ("kind",)),
+        "plans captured (capture), Triton kernels compiled or loaded (kernel) and full garbage collections (gc); "
+        "each stalls every request of the replica. Expected 0 for capture and kernel (the replica's log names each "
+        "and a collection's pause).", ("kind",)),
     "specextend_forward_sessions": (
         "histogram", "Sessions whose steps one target forward carried (at most max_batch_sessions).", ()),
     "specextend_num_requests_running": ("gauge", "Active sessions.", ()),
@@ -120,7 +123,7 @@ class ReplicaMetrics:
         for name, (kind, doc, labels) in FAMILIES.items():
             kw = {"buckets": _BUCKETS[name]} if kind == "histogram" else {}
             self._prom[name] = prom_cls[kind](name, doc, labels, registry=self.registry, **kw)
-        for kind in ("capture", "kernel"):  # exported at 0 from the start: a rate of 0 is the expected reading
+        for kind in late_work.KINDS:  # exported at 0 from the start: a rate of 0 is the expected reading
             self._prom["specextend_late_work"].labels(kind=kind)
         if use_ray:
             from ray.util import metrics as rm
