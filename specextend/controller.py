@@ -143,6 +143,7 @@ class TreeController:
     _best: Optional[Rung] = None  # the choice before the probe
     _probe: Optional[Rung] = None  # the probe's rung
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
+    last_forward_s: float = 0.0  # the last recorded step's forward seconds (its split, stats.step_done)
     _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span) not yet in the line
 
     @property
@@ -305,7 +306,7 @@ class TreeController:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
         if self._forward_s and self.sessions <= 1:
             self.plain_forward = self._average(self.plain_forward, self._forward_s)
-        self._forward_s = 0.0
+        self.last_forward_s, self._forward_s = self._forward_s, 0.0
         self.plain_steps += 1
         self.since_probe += 1
 
@@ -322,7 +323,7 @@ class TreeController:
             self.draft.add(rung.depth, draft_s)
             if step_s is not None and self.spec_steps:
                 self.extra_spec = self._average(self.extra_spec, max(step_s - self._forward_s - draft_s, 0.0))
-        self._forward_s = 0.0
+        self.last_forward_s, self._forward_s = self._forward_s, 0.0
         now = self.spec_steps + self.plain_steps
         for r, n in accepts.items():
             old = self.accepted.get(r, 0.0)
@@ -347,7 +348,7 @@ class TreeController:
             self.draft.add(rung.depth, draft_s)
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s - (draft_s or 0.0), 0.0))
-        self._forward_s = 0.0
+        self.last_forward_s, self._forward_s = self._forward_s, 0.0
         self.unready_steps += 1
         self.since_probe += 1
         if self._probing:
@@ -370,4 +371,6 @@ class AlwaysSpeculate(TreeController):
     """tree_policy=fixed: every step the session's tree (the controller's interface, no decisions)."""
 
     def choose(self, sessions: int = 1) -> Rung:
+        self._settle()  # the prefill's forwards: in the line, not in the first step's time
+        self._forward_s = 0.0
         return self.top

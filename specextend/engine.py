@@ -261,9 +261,9 @@ class Engine(DraftLink):
                             tree = outs.get(pending) if outs.step == step else None
                             applied = tree is None
                         caught_up = len(pending) > len(committed)  # it forwards plain steps' tokens too
-                        # (ready from the pool still, where only the lane's backlog held them back)
                         if tree is None:  # ready_only only where the draft's pool can hold this verdict: not
                             # the first step, nor after plain steps (the draft was not told about them)
+                            # (ready from the pool still, where only the lane's backlog held them back)
                             bound = replace(rung.bound, ready_only=ready_only and step > 0 and (held or not caught_up))
                             held = False
                             tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, bound))
@@ -289,7 +289,8 @@ class Engine(DraftLink):
                         stats.probe_steps = ctl.probe_steps
                         stats.decode_s = time.perf_counter() - t1
                         ev = out.emit(committed)
-                        stats.step_done("unready", len(ev.token_ids), time.perf_counter() - t_step)
+                        stats.step_done("unready", len(ev.token_ids), time.perf_counter() - t_step, draft_s,
+                                        ctl.last_forward_s)
                         yield ev
                         continue
                     stats.draft_s += draft_s
@@ -334,26 +335,15 @@ class Engine(DraftLink):
                         step, retrieval, pending = step + 1, None, []
                     own = _drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes
                     stats.lookup_accepted += verdict.accept_length - len(own)
-                    stats.num_steps += 1
-                    stats.accepted_per_step.append(verdict.accept_length)
-                    stats.context_per_step.append(target.cache.length)
-                    stats.draft_tokens += drafted
-                    stats.nodes_per_step.append(len(tokens))
-                    stats.draft_cache_tokens = tree.draft_cache_tokens
-                    stats.wait_per_step.append(draft_s)
-                    stats.server_per_step.append(tree.server_s)
-                    stats.queued_per_step.append(tree.queued_s)
-                    stats.ready_per_step.append(bool(tree.ready))
-                    stats.prepared_per_step.append(not applied)
-                    stats.refresh_per_step.append(refreshed)
-                    stats.ahead_depth_sum += tree.ahead_depth
+                    stats.tree_step(verdict.accept_length, target.cache.length, drafted, len(tokens), tree, draft_s,
+                                    prepared=not applied, refreshed=refreshed)
                     if lookup is not None:
                         lookup.commit(committed, verdict.accept_length - len(own))
                     ctl.record_spec(rung, None if caught_up else draft_s,
                                     prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
                                     step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps
-                    kind = "tree"
+                    kind, split = "tree", (draft_s, ctl.last_forward_s)  # (the step's wait, its forward)
                 else:
                     asked = None  # (an ask in flight: a tell after all, its answer unused)
                     # the tokens so far go to the draft once this step's forward is queued (the
@@ -375,8 +365,10 @@ class Engine(DraftLink):
                         feed.push(committed, send=not opening_pending)
                     kind = ("open" if use_draft and opening_pending
                             else "lookup" if stats.lookup_steps > chains else "plain")
+                    split = (0.0, 0.0)
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
                         ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
+                        split = (0.0, ctl.last_forward_s)
                     if use_draft:
                         pending = [] if feed is not None else pending + committed
                         if opening_pending:
@@ -385,7 +377,7 @@ class Engine(DraftLink):
                             stats.plain_steps += 1
                 ev = out.emit(committed)
                 stats.decode_s = time.perf_counter() - t1
-                stats.step_done(kind, len(ev.token_ids), time.perf_counter() - t_step)
+                stats.step_done(kind, len(ev.token_ids), time.perf_counter() - t_step, *split)
                 yield ev
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None

@@ -51,10 +51,32 @@ class RequestStats:
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
 
-    def step_done(self, kind: str, tokens: int, seconds: float) -> None:
-        """One decode step of `kind` ended: it emitted `tokens` in `seconds` of wall time."""
-        k = self.step_kinds.setdefault(kind, [0, 0, 0.0])
-        k[0], k[1], k[2] = k[0] + 1, k[1] + tokens, k[2] + seconds
+    def tree_step(self, accepted: int, context: int, drafted: int, nodes: int, tree, wait_s: float,
+                  prepared: bool, refreshed: bool) -> None:
+        """A verified tree: `accepted` nodes of its `nodes` (`drafted` of them the draft's, the rest a
+        lookup chain's) at `context` committed tokens; `tree` the draft's answer (DraftTree), waited
+        for `wait_s`; `prepared`: taken from prepared outcomes; `refreshed`: its call carried a
+        retrieval selection."""
+        self.num_steps += 1
+        self.accepted_per_step.append(accepted)
+        self.context_per_step.append(context)
+        self.draft_tokens += drafted
+        self.nodes_per_step.append(nodes)
+        self.draft_cache_tokens = tree.draft_cache_tokens
+        self.wait_per_step.append(wait_s)
+        self.server_per_step.append(tree.server_s)
+        self.queued_per_step.append(tree.queued_s)
+        self.ready_per_step.append(bool(tree.ready))
+        self.prepared_per_step.append(prepared)
+        self.refresh_per_step.append(refreshed)
+        self.ahead_depth_sum += tree.ahead_depth
+
+    def step_done(self, kind: str, tokens: int, seconds: float, wait_s: float = 0.0, forward_s: float = 0.0) -> None:
+        """One decode step of `kind` ended: it emitted `tokens` in `seconds` of wall time, of which
+        `wait_s` waiting for the draft's answer; its target forwards took `forward_s` (the device's
+        time, CUDA events; 0: not timed). The rest is the host's work on the step."""
+        k = self.step_kinds.setdefault(kind, [0, 0, 0.0, 0.0, 0.0])
+        k[0], k[1], k[2], k[3], k[4] = k[0] + 1, k[1] + tokens, k[2] + seconds, k[3] + wait_s, k[4] + forward_s
         self.max_step_s = max(self.max_step_s, seconds)
 
     @property

@@ -138,3 +138,39 @@ def test_wait_split_gives_the_ready_steps_draft_side_and_queueing():
     assert got["wait_ready_ms"] == pytest.approx(1.5) and got["wait_drafted_ms"] == pytest.approx(7.0)
     assert got["ready_server_ms"] == pytest.approx(0.8) and got["ready_queued_ms"] == pytest.approx(0.3)
     assert got["wait_refresh_ms"] == pytest.approx(2.0) and got["wait_prepared_ms"] == pytest.approx(2.0)
+
+
+def test_each_kind_of_step_splits_its_time_into_wait_forward_and_host(tiny_models):
+    """stats.step_kinds: per kind, the steps' wall time, their wait for the draft's answer and their
+    target forwards' time (docs/architecture.md, "Adaptive speculation"); the response and the
+    bench's line carry the split."""
+    from specextend.bench.e2e import kinds_line
+    from specextend.config import EngineConfig, SamplingParams, TreeConfig
+    from specextend.controller import TreeController
+    from specextend.draft.worker import DraftWorker
+    from specextend.engine import Engine
+    from specextend.ladder import PLAIN, ladder
+    from specextend.serving.protocol import SpeculativeDecoding, spec_decoding
+
+    class Alternate(TreeController):  # a tree, then a plain step, and again
+        def choose(self, sessions=1):
+            super().choose(sessions)  # (its bookkeeping: the prefill's forwards are not the first step's)
+            return self.top if (self.spec_steps + self.plain_steps) % 2 == 0 else PLAIN
+
+    target, draft = tiny_models("float64")
+    worker = DraftWorker(draft.decoder)
+    engine = Engine(EngineConfig(mode="specextend", tree=TreeConfig(8, 3, 2), lookup_tokens=0), target, worker)
+    engine.new_controller = lambda tree: Alternate(ladder(tree))
+    _, _, st = engine.generate(list(range(3, 60)), SamplingParams(24, ignore_eos=True))
+    worker.shutdown()
+    tree, plain = st.step_kinds["tree"], st.step_kinds["plain"]  # [steps, tokens, s, wait s, forward s]
+    assert tree[0] == st.num_steps > 0 and plain[0] == st.plain_steps > 0
+    assert 0 < tree[3] and tree[3] == pytest.approx(sum(st.wait_per_step))  # each tree's wait, summed
+    assert plain[3] == 0.0  # a plain step waits for nothing
+    for steps, _, wall, wait, forward in (tree, plain):
+        assert 0 < forward and wait + forward <= wall
+    kinds = SpeculativeDecoding(**spec_decoding(st)).model_dump()["step_kinds"]
+    assert kinds["tree"]["wait_ms"] == pytest.approx(1e3 * tree[3])
+    assert kinds["plain"]["forward_ms"] == pytest.approx(1e3 * plain[4])
+    line = kinds_line(dict(step_kinds=kinds, max_step_ms=1.0))
+    assert f"tree {tree[0]} x " in line and "(wait " in line and ", forward " in line and ", host " in line

@@ -170,6 +170,8 @@ class StepKind(BaseModel):
     steps: int
     tokens: int  # emitted by those steps
     ms: float  # their wall time
+    wait_ms: float = 0.0  # ... of which waiting for the draft's answer
+    forward_ms: float = 0.0  # their target forwards' device time (0: not timed); the rest is host work
 
 
 class SpeculativeDecoding(BaseModel):
@@ -224,7 +226,8 @@ def spec_decoding(stats: RequestStats) -> dict:
            "told_steps": stats.told_steps, "asked_steps": stats.asked_steps,
            "snapshot_trees": stats.snapshot_trees, "open_steps": stats.open_steps, "max_step_ms": 1e3 * stats.max_step_s,
            "draft_open_ms": 1e3 * stats.draft_open_s, "target_prefill_ms": 1e3 * stats.target_prefill_s,
-           "step_kinds": {k: {"steps": n, "tokens": t, "ms": 1e3 * sec} for k, (n, t, sec) in stats.step_kinds.items()}}
+           "step_kinds": {k: {"steps": n, "tokens": t, "ms": 1e3 * sec, "wait_ms": 1e3 * w, "forward_ms": 1e3 * f}
+                          for k, (n, t, sec, w, f) in stats.step_kinds.items()}}
     if stats.replayed:
         out["replayed"] = True
     return out
