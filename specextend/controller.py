@@ -144,6 +144,7 @@ class TreeController:
     _probe: Optional[Rung] = None  # the probe's rung
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
     last_forward_s: float = 0.0  # the last recorded step's forward seconds (its split, stats.step_done)
+    predicted: dict = field(default_factory=dict)  # "tree"/"plain" -> [sum of predicted tokens/s, steps]
     _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span) not yet in the line
 
     @property
@@ -212,6 +213,16 @@ class TreeController:
         a, b = self.forward.line()
         one = self.plain_forward if self.plain_forward is not None else a + b
         return depth * self.draft_ratio * one
+
+    def choose_noted(self, sessions: int = 1) -> Rung:
+        """choose(), and the chosen rung's predicted tokens per second added to `predicted` by kind
+        (once the warm-up has measured the costs): what the policy expected of each kind of step,
+        beside what those steps did (stats.step_kinds)."""
+        rung = self.choose(sessions)
+        if self.draft.known and self.plain_forward is not None:
+            p = self.predicted.setdefault("plain" if rung.plain else "tree", [0.0, 0])
+            p[0], p[1] = p[0] + self.rate(rung), p[1] + 1
+        return rung
 
     def choose(self, sessions: int = 1) -> Rung:
         """The next step's rung; `sessions` share the target's forwards now."""

@@ -170,6 +170,7 @@ class Engine(DraftLink):
         asked: Optional[Future] = None  # a verdict sent early (ask_early), in the lane: the next tree step's answer
         feed: Optional[DraftFeed] = None  # with snapshots: the draft's latest answer and the call in flight
         ctl = self.new_controller(tree_cfg)
+        stats.predicted = ctl.predicted  # (filled as it chooses)
         if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
             ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
         timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
@@ -241,7 +242,7 @@ class Engine(DraftLink):
                         feed.send()
                 if feed is not None and feed.error is not None:  # a call failed: plain decoding from here
                     use_draft, feed = self._fall_back(stats, sid, feed.error), None
-                rung = ctl.choose(load.sessions) if use_draft and not opening_pending else PLAIN
+                rung = ctl.choose_noted(load.sessions) if use_draft and not opening_pending else PLAIN
                 t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
                 if not rung.plain:
                     try:

@@ -45,11 +45,19 @@ class RequestStats:
     target_prefill_s: float = 0.0  # the target's prefill of the same prompt, beside it (0: no draft joined)
     max_step_s: float = 0.0  # the longest decode step (wall): a stall shows here, not in the means
     # per kind of decode step ("tree", "plain", "lookup": a plain step that verified a lookup chain,
-    # "unready", "open": before the draft joined): [steps, tokens emitted, seconds of wall time]
+    # "unready", "open": before the draft joined): [steps, tokens emitted, seconds of wall time, of
+    # which waiting for the draft, seconds of the target's forwards]
     step_kinds: dict = field(default_factory=dict)
+    # what the policy expected: "tree"/"plain" -> [sum of the chosen rungs' predicted tokens/s, steps]
+    predicted: dict = field(default_factory=dict)
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
+
+    @property
+    def predicted_tok_per_s(self) -> dict:
+        """The policy's mean predicted tokens/s of the tree steps and the plain steps it chose."""
+        return {k: s / n for k, (s, n) in self.predicted.items() if n}
 
     def tree_step(self, accepted: int, context: int, drafted: int, nodes: int, tree, wait_s: float,
                   prepared: bool, refreshed: bool) -> None:

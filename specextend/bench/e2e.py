@@ -157,7 +157,7 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         snapshot_trees=st.snapshot_trees,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec, wait_ms=1e3 * w, forward_ms=1e3 * f)
                     for k, (n, t, sec, w, f) in st.step_kinds.items()},
-        **wait_split(st))
+        predicted_tok_per_s=st.predicted_tok_per_s, **wait_split(st))
 
 
 def _split(kind: dict) -> str:
@@ -186,6 +186,8 @@ def kinds_line(r: dict) -> str:
             out += f", {r['asked_steps']} asked early"
         if r.get("snapshot_trees"):
             out += f", {r['snapshot_trees']} from snapshots"
+    if r.get("predicted_tok_per_s"):  # what the policy expected of the kinds it chose (tokens a ms)
+        out += "; predicted " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(r["predicted_tok_per_s"].items())) + " tok/ms"
     if r.get("draft_open_ms"):
         out += f"; draft open {r['draft_open_ms']:.0f} ms (target prefill {r.get('target_prefill_ms', 0.0):.0f})"
     return out
