@@ -1,7 +1,7 @@
 """The engine's link to its draft (docs/architecture.md, "Adaptive speculation", "Overlapped
 drafting"): whether a draft is worth opening at all, a session's join once the draft's open is done,
 the fallback to plain decoding on a DraftError, and a session's close after its last call in flight.
-A mixin of Engine: it uses the engine's `config`, `draft`, `target` and `_tells` (its call threads)."""
+A mixin of Engine: it uses the engine's `config`, `draft` and `target`."""
 
 from __future__ import annotations
 
@@ -95,7 +95,6 @@ def never_pays(config: EngineConfig, ratio: float) -> bool:
 class DraftLink:
     config: EngineConfig
     draft: object  # DraftBackend
-    _tells: Executor
 
     def _join(self, opening: Future, ctl: TreeController, target_prefill_s: float, stats: RequestStats,
               sid: str) -> Generator[DraftCall, object, bool]:
@@ -114,22 +113,16 @@ class DraftLink:
     def _fall_back(self, stats: RequestStats, sid: str, err: Exception) -> bool:
         log.warning("draft failed for session %s (%s); continuing with plain decoding", sid, err)
         stats.fallback = True
-        self._close_soon(sid)
+        self._close_draft(sid)
         return False
 
     def _close_after(self, sid: str, told: Optional[Future], opening: Future) -> None:
         if opening.exception() is not None:  # no session was opened
             return
         if told is None:
-            self._close_soon(sid)
+            self._close_draft(sid)
         else:
-            told.add_done_callback(lambda _: self._close_soon(sid))
-
-    def _close_soon(self, sid: str) -> None:
-        """The draft session's close, on the engine's call threads: never on the thread that ends the
-        session (a done future runs its callbacks on the caller's thread, the engine's, where a close
-        call would stall every session's steps for its round trip, or a dead draft's deadline)."""
-        self._tells.submit(self._close_draft, sid)
+            told.add_done_callback(lambda _: self._close_draft(sid))
 
     def _close_draft(self, sid: str) -> None:
         try:

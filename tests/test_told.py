@@ -292,27 +292,3 @@ def test_a_draft_slower_than_the_steps_has_tokens_held_for_its_next_call_and_sta
     assert stats.told_steps < stats.plain_steps  # some plain steps' tokens were held
     trees = [(tokens, bound) for _, tokens, bound in draft.calls if bound != TELL_BOUND]
     assert all(bound.ready_only for _, bound in trees[1:])  # held tokens leave the tree calls ready-only
-
-
-class CloseThread(Recorder):
-    """Records the thread that closes the session."""
-
-    def close(self, session_id):
-        self.closed_on = threading.current_thread().name
-        super().close(session_id)
-
-
-@pytest.mark.parametrize("fail_at", [-1, 1])
-def test_a_session_s_draft_close_never_runs_on_the_thread_that_steps_it(pair, fail_at):
-    """The session's end (or its fallback after a failed call) hands the draft's close to the
-    engine's call threads: a close is a round trip (a dead draft's: its deadline), which on the
-    stepping thread (the replica's one engine thread) would stall every session."""
-    worker = DraftWorker(pair[1].decoder, overlap=True)
-    draft = CloseThread(worker, fail_at=fail_at)
-    out, _, stats = engine_for(pair, draft).generate(prompt(), SamplingParams(12, ignore_eos=True))
-    deadline = time.time() + 5
-    while ("close", None) not in draft.events and time.time() < deadline:
-        time.sleep(0.01)
-    worker.shutdown()
-    assert stats.fallback == (fail_at >= 0) and len(out) == 12
-    assert draft.closed_on.startswith("draft-tell") and draft.closed_on != threading.current_thread().name
