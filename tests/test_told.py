@@ -278,3 +278,17 @@ def test_a_lane_runs_its_calls_one_at_a_time_in_order_and_fails_the_rest_after_a
     assert ran == list(range(7))  # the calls after the failed one never ran
     assert isinstance(lane.error(), DraftError) and lane.backlog == 0
     pool.shutdown()
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_a_draft_slower_than_the_steps_has_tokens_held_for_its_next_call_and_stays_lossless(pair, sampling):
+    """Every draft call answers 20 ms late, far slower than a CPU step: the lane fills, the later
+    plain steps' tokens are held and go with the next call (a tree call still ready-only), each token
+    once and in order; the output is plain decoding's (float64: exactly)."""
+    params = SamplingParams(30, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=11)
+    ref, out, stats, draft = recorded_run(pair, Runs, params, delay_s=0.02)
+    assert out == ref
+    assert_calls_in_order(draft, out, unsent=len(out))  # (held tokens at the end are never sent)
+    assert stats.told_steps < stats.plain_steps  # some plain steps' tokens were held
+    trees = [(tokens, bound) for _, tokens, bound in draft.calls if bound != TELL_BOUND]
+    assert all(bound.ready_only for _, bound in trees[1:])  # held tokens leave the tree calls ready-only
