@@ -278,10 +278,10 @@ class Engine(DraftLink):
                         stats.unready_steps += 1
                         stats.unready_wait_s += draft_s
                         stats.unready_split.append((draft_s, tree.server_s, tree.queued_s))
-                        stats.unready_refreshes += retrieval is not None
+                        stats.unready_refreshes += retrieval is not None and not from_ask  # (this call carried it)
                         committed = pending = yield from plain_step_co(target, committed[-1], params, gen, timed,
                                                                         lookup, stats)
-                        step, retrieval = step + (not from_ask), None
+                        step, retrieval = step + (not from_ask), (retrieval if from_ask else None)
                         if feed is not None:
                             feed.push(committed)
                             pending = []
@@ -320,20 +320,23 @@ class Engine(DraftLink):
                     if prepared is not None:
                         dt = time.perf_counter() - t_prep
                         verify_ema = dt if not verify_ema else 0.7 * verify_ema + 0.3 * dt
-                    target.commit(verdict.accepted)
-                    row = verdict.accepted[-1] + 1 if verdict.accepted else 0
-                    retrieval = self._retrieval(target, row, stats) if refresh else None
-                    stats.retrieval_refreshes += retrieval is not None
-                    stats.verify_s += time.perf_counter() - ts
                     committed = pending = verdict.tokens
                     step += not from_ask
-                    if feed is not None:  # the verdict to the draft at once
-                        feed.push(committed, retrieval)
-                        pending, retrieval = [], None
-                    if ask_early and use_draft and not out.ends(committed):  # (its error: the next step's)
+                    if ask_early and use_draft and not out.ends(committed):  # at once, before the commit and
+                        # the retrieval scoring (a selection made below goes with the next call; its error: the next step's)
                         asked = lane.submit(self.draft.step, sid, step, pending, retrieval,
                                             replace(ctl.top.bound, ready_only=True))
                         step, retrieval, pending = step + 1, None, []
+                    target.commit(verdict.accepted)
+                    row = verdict.accepted[-1] + 1 if verdict.accepted else 0
+                    fresh = self._retrieval(target, row, stats) if refresh else None
+                    stats.retrieval_refreshes += fresh is not None
+                    # (a step that made no call keeps a selection not yet sent)
+                    retrieval = fresh if fresh is not None else (retrieval if from_ask else None)
+                    stats.verify_s += time.perf_counter() - ts
+                    if feed is not None:  # the verdict to the draft at once
+                        feed.push(committed, retrieval)
+                        pending, retrieval = [], None
                     own = _drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes
                     stats.lookup_accepted += verdict.accept_length - len(own)
                     stats.tree_step(verdict.accept_length, target.cache.length, drafted, len(tokens), tree, draft_s,

@@ -83,3 +83,48 @@ def test_a_draft_failing_on_an_early_ask_leaves_plain_decoding(pair):
     worker.shutdown()
     assert out == ref and stats.fallback
     assert max(s for s, _, _ in draft.calls) <= 1  # nothing asked of the draft after the failure surfaced
+
+
+class _Selections(Recorder):
+    """Also records each call's retrieval selection."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.selections = []
+
+    def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
+        self.selections.append(retrieval)
+        return super().step(session_id, step, accepted_tokens, retrieval, bound)
+
+
+@pytest.mark.parametrize("policy", [Runs, TreesOnly])
+def test_an_early_ask_leaves_before_the_retrieval_scoring_and_the_selection_goes_with_the_next_call(
+        pair, policy, monkeypatch):
+    """The ask goes at once after the verdict, before the step's retrieval scoring; the selection
+    scored after it is kept until a call carries it (the next ask, tell or tree call), none dropped
+    but the last, whatever the next steps are."""
+    from helpers import make_engine
+    from specextend.draft_link import Lane
+    from specextend.engine import Engine
+
+    params = SamplingParams(40, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    import specextend.engine as eng
+
+    events = []  # on the engine's thread, in order: tree verdicts, calls queued on the lane, scorings
+    submit, score, verify = Lane.submit, Engine._retrieval, eng.verify_tree
+    monkeypatch.setattr(Lane, "submit", lambda self, *a: events.append("lane") or submit(self, *a))
+    monkeypatch.setattr(Engine, "_retrieval", lambda self, *a: events.append("score") or score(self, *a))
+    monkeypatch.setattr(eng, "verify_tree", lambda *a: events.append("verdict") or verify(*a))
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = _Selections(worker)
+    engine = engine_for(pair, draft)  # (retrieval every 2 steps, chunks of 8 over a 60-token prompt)
+    engine.new_controller = lambda tree: policy(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    worker.shutdown()
+    assert out == ref and stats.asked_steps > 0 and stats.retrieval_refreshes > 2
+    steps = list(zip(events, events[1:], events[2:]))
+    assert ("verdict", "lane", "score") in steps  # a tree step's ask, then its scoring
+    assert ("verdict", "score", "lane") not in steps  # never the scoring first
+    sent = [r for r in draft.selections[1:] if r is not None]  # (the first call: the prefill's selection)
+    assert stats.retrieval_refreshes - 1 <= len(sent) <= stats.retrieval_refreshes
