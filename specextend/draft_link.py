@@ -1,11 +1,13 @@
 """The engine's link to its draft (docs/architecture.md, "Adaptive speculation", "Overlapped
 drafting"): whether a draft is worth opening at all, a session's join once the draft's open is done,
 the fallback to plain decoding on a DraftError, and a session's close after its last call in flight.
-A mixin of Engine: it uses the engine's `config`, `draft` and `target`."""
+A mixin of Engine: it uses the engine's `config`, `draft`, `target` and its two thread pools
+(`_openers`, `_tells`: the draft calls no step waits for)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Executor, Future
 from typing import Callable, Generator, Optional
@@ -18,6 +20,8 @@ from specextend.scheduler import DraftCall
 from specextend.stats import RequestStats
 
 log = logging.getLogger("specextend.engine")
+
+CLOSE_WAIT_S = 10.0  # Engine.stream waits this long at most for its draft session's close
 
 
 def settled(call: Optional[Future]) -> Generator[DraftCall, object, None]:
@@ -95,6 +99,25 @@ def never_pays(config: EngineConfig, ratio: float) -> bool:
 class DraftLink:
     config: EngineConfig
     draft: object  # DraftBackend
+    _openers: Executor
+    _tells: Executor
+
+    def _open_draft(self, sid: str, prompt_ids, params) -> Future:
+        """Starts the draft's open (its prefill) of session `sid` on the opener threads; the session
+        counts as unclosed until its close has run (`wait_closed`). -> the open's Future (seconds)."""
+        self._unclosed()[sid] = threading.Event()
+        return self._openers.submit(seconds_of, self.draft.open, sid, list(prompt_ids), params)
+
+    def _unclosed(self) -> dict:
+        """Session id -> an Event set once its draft session's close has run (or its open failed)."""
+        if "_unclosed_d" not in self.__dict__:
+            self.__dict__["_unclosed_d"] = {}
+        return self.__dict__["_unclosed_d"]
+
+    def wait_closed(self, sid: str, timeout_s: float = CLOSE_WAIT_S) -> bool:
+        """Waits (up to `timeout_s`) for session `sid`'s draft close; True once closed or never opened."""
+        ev = self._unclosed().get(sid)
+        return ev is None or ev.wait(timeout_s)
 
     def _join(self, opening: Future, ctl: TreeController, target_prefill_s: float, stats: RequestStats,
               sid: str) -> Generator[DraftCall, object, bool]:
@@ -113,19 +136,32 @@ class DraftLink:
     def _fall_back(self, stats: RequestStats, sid: str, err: Exception) -> bool:
         log.warning("draft failed for session %s (%s); continuing with plain decoding", sid, err)
         stats.fallback = True
-        self._close_draft(sid)
+        self._close_soon(sid)
         return False
 
     def _close_after(self, sid: str, told: Optional[Future], opening: Future) -> None:
         if opening.exception() is not None:  # no session was opened
-            return
-        if told is None:
-            self._close_draft(sid)
+            self._closed(sid)
+        elif told is None:
+            self._close_soon(sid)
         else:
-            told.add_done_callback(lambda _: self._close_draft(sid))
+            told.add_done_callback(lambda _: self._close_soon(sid))
+
+    def _close_soon(self, sid: str) -> None:
+        """The draft session's close, on the call threads: never on the thread that steps sessions (a
+        done future runs its callbacks on the caller's thread, the engine's, where the close's round
+        trip, or a dead draft's deadline, would stall every session's steps). `wait_closed` waits for it."""
+        self._tells.submit(self._close_draft, sid)
 
     def _close_draft(self, sid: str) -> None:
         try:
             self.draft.close(sid)
         except Exception as e:  # closing is best-effort; a dead draft has nothing left to free
             log.info("closing draft session %s failed: %s", sid, e)
+        finally:
+            self._closed(sid)
+
+    def _closed(self, sid: str) -> None:
+        ev = self._unclosed().pop(sid, None)
+        if ev is not None:
+            ev.set()

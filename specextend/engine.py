@@ -20,7 +20,7 @@ from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, Costs, TreeController
 from specextend.ladder import PLAIN, ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
-from specextend.draft_link import DraftLink, Lane, seconds_of, settled, draft_weight_ratio, never_pays
+from specextend.draft_link import DraftLink, Lane, settled, draft_weight_ratio, never_pays
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup
 from specextend.models.args import ModelArgs
@@ -42,9 +42,7 @@ PREPARE_MARGIN_S = 0.0003
 # A tell (a plain step's tokens sent to an overlapping draft, its answer unused) asks for the
 # smallest answer the draft can give: it only has to apply the verdict ("Overlapped drafting", told verdicts)
 TELL_BOUND = TreeBound(nodes=1, depth=1, ready_only=True)
-# Calls a session's lane may hold unanswered before a plain step's tokens wait for the next one instead
-# (a draft slower than the steps is not sent one call a step; the tokens are not lost)
-LANE_BACKLOG = 2
+LANE_BACKLOG = 2  # calls a session's lane holds unanswered; a plain step's tokens then go with the next
 # With snapshots every call asks for the pool's best SNAPSHOT_NODES nodes at once ("Pool snapshots")
 SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 
@@ -131,8 +129,11 @@ class Engine(DraftLink):
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> Iterator[StepEvent]:
         """One request run alone: `session`'s forwards and draft calls made in place, one at a time.
-        Yields one StepEvent per forward of the target; the last has a finish_reason."""
-        yield from drive_alone(self.session(prompt_ids, params, **kw), self.target.decoder)
+        Yields one StepEvent per forward of the target; the last has a finish_reason. Its draft
+        session is closed when it returns (a batching driver does not wait for closes)."""
+        sid = kw.pop("session_id", None) or uuid.uuid4().hex
+        yield from drive_alone(self.session(prompt_ids, params, session_id=sid, **kw), self.target.decoder)
+        self.wait_closed(sid)
 
     def session(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
                 replay: Optional[Sequence[int]] = None, speculate: bool = True, max_tree_nodes: Optional[int] = None,
@@ -181,9 +182,8 @@ class Engine(DraftLink):
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 # (with snapshots its answers are SNAPSHOT_NODES nodes: the session's tree allows them)
                 draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
-                opening = self._openers.submit(seconds_of, self.draft.open, sid, list(prompt_ids),
-                                               DraftSessionParams(draft_tree, cfg.retrieval, params.max_new_tokens,
-                                                                  cfg.lookup_tokens if replay is None else 0))
+                opening = self._open_draft(sid, prompt_ids, DraftSessionParams(
+                    draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
             # retrieval is scored from the prefill
             logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture))

@@ -161,8 +161,8 @@ def test_a_tree_step_walks_the_latest_snapshot_without_a_call(pair):
     assert out == ref
     assert stats.snapshot_trees > stats.asked_steps and stats.snapshot_trees >= 3
     assert stats.mean_acceptance_length > 2  # the walked trees hold the answer's next tokens
-    sent = [t for _, tokens in draft.calls for t in tokens]
-    assert sent == out[:len(sent)]
+    sent = [t for _, tokens in draft.calls for t in tokens]  # (the last verdict's tokens past the
+    assert sent[:len(out)] == out[:len(sent)]  # request's end may go too: committed, not emitted)
     assert [s for s, _ in draft.calls] == list(range(len(draft.calls)))
 
 

@@ -168,11 +168,16 @@ def test_a_plain_step_never_waits_for_a_tell(pair):
     unanswered, the request still runs to its end (the old way, a step waited for the last tell's
     answer); the lane holds at most LANE_BACKLOG calls, the later plain steps' tokens held back for
     the next call, and the close comes after the held calls."""
+    from specextend.scheduler import drive_alone
+
     worker = DraftWorker(pair[1].decoder, overlap=True)
     draft = Gated(worker)
     engine = engine_for(pair, draft)
     engine.new_controller = lambda tree: _AlwaysPlain(ladder(tree))
-    out, _, stats = engine.generate(prompt(), SamplingParams(8, ignore_eos=True))
+    # the session driven as a batching driver does (Engine.generate would wait for the draft's close)
+    with torch.inference_mode():
+        events = list(drive_alone(engine.session(prompt(), SamplingParams(8, ignore_eos=True)), pair[0].decoder))
+    out, stats = [t for ev in events for t in ev.token_ids], events[-1].stats
     answered = list(draft.events)  # before the gate opens: no call has been answered
     draft.gate.set()
     deadline = time.time() + 5
@@ -292,3 +297,27 @@ def test_a_draft_slower_than_the_steps_has_tokens_held_for_its_next_call_and_sta
     assert stats.told_steps < stats.plain_steps  # some plain steps' tokens were held
     trees = [(tokens, bound) for _, tokens, bound in draft.calls if bound != TELL_BOUND]
     assert all(bound.ready_only for _, bound in trees[1:])  # held tokens leave the tree calls ready-only
+
+
+class CloseThread(Recorder):
+    """Records the thread that closes the session."""
+
+    def close(self, session_id):
+        self.closed_on = threading.current_thread().name
+        super().close(session_id)
+
+
+@pytest.mark.parametrize("fail_at", [-1, 1])
+def test_a_session_s_draft_close_never_runs_on_the_thread_that_steps_it(pair, fail_at):
+    """The session's end (or its fallback after a failed call) hands the draft's close to the
+    engine's call threads: a close is a round trip (a dead draft's: its deadline), which on the
+    stepping thread (the replica's one engine thread) would stall every session. A request run alone
+    (`generate`) still returns with its draft session closed."""
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = CloseThread(worker, fail_at=fail_at)
+    out, _, stats = engine_for(pair, draft).generate(prompt(), SamplingParams(12, ignore_eos=True))
+    closed, left = ("close", None) in draft.events, worker.num_sessions  # at once: generate waited for it
+    worker.shutdown()
+    assert stats.fallback == (fail_at >= 0) and len(out) == 12
+    assert closed and left == 0
+    assert draft.closed_on.startswith("draft-tell") and draft.closed_on != threading.current_thread().name
