@@ -324,8 +324,8 @@ class Engine(DraftLink):
                     step += not from_ask
                     if ask_early and use_draft and not out.ends(committed):  # at once, before the commit and
                         # the retrieval scoring (a selection made below goes with the next call; its error: the next step's)
-                        asked = lane.submit(self.draft.step, sid, step, pending, retrieval,
-                                            replace(ctl.top.bound, ready_only=True))
+                        asked = lane.submit(self.draft.step, sid, step, pending, retrieval if from_ask else None,
+                                            replace(ctl.top.bound, ready_only=True))  # (else this step's call had it)
                         step, retrieval, pending = step + 1, None, []
                     target.commit(verdict.accepted)
                     row = verdict.accepted[-1] + 1 if verdict.accepted else 0

@@ -128,3 +128,5 @@ def test_an_early_ask_leaves_before_the_retrieval_scoring_and_the_selection_goes
     assert ("verdict", "score", "lane") not in steps  # never the scoring first
     sent = [r for r in draft.selections[1:] if r is not None]  # (the first call: the prefill's selection)
     assert stats.retrieval_refreshes - 1 <= len(sent) <= stats.retrieval_refreshes
+    every = [r for r in draft.selections if r is not None]
+    assert all(a is not b for a, b in zip(every, every[1:]))  # each sent once, not again by the next call
