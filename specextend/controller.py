@@ -224,10 +224,15 @@ class TreeController:
             p[0], p[1] = p[0] + self.rate(rung), p[1] + 1
         return rung
 
+    def _begin_step(self) -> None:
+        """The forwards recorded before this step (the prefill's, before the first) into the line,
+        not into this step's time."""
+        self._settle()
+        self._forward_s = 0.0
+
     def choose(self, sessions: int = 1) -> Rung:
         """The next step's rung; `sessions` share the target's forwards now."""
-        self._settle()  # the prefill's forwards, before the first step: in the line, not in this step's time
-        self._forward_s = 0.0
+        self._begin_step()
         self.sessions = sessions
         if self._probing and self._probe_misses:  # the probe found no tree ready: once more (the
             return self._probe  # draft catches up after an unready answer, so the next is likelier)
@@ -382,6 +387,5 @@ class AlwaysSpeculate(TreeController):
     """tree_policy=fixed: every step the session's tree (the controller's interface, no decisions)."""
 
     def choose(self, sessions: int = 1) -> Rung:
-        self._settle()  # the prefill's forwards: in the line, not in the first step's time
-        self._forward_s = 0.0
+        self._begin_step()
         return self.top

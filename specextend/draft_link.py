@@ -1,15 +1,15 @@
 """The engine's link to its draft (docs/architecture.md, "Adaptive speculation", "Overlapped
 drafting"): whether a draft is worth opening at all, a session's join once the draft's open is done,
 the fallback to plain decoding on a DraftError, and a session's close after its last call in flight.
-A mixin of Engine: it uses the engine's `config`, `draft`, `target` and its two thread pools
-(`_openers`, `_tells`: the draft calls no step waits for)."""
+A mixin of Engine: it uses the engine's `config`, `draft` and `target`, and owns the thread pools of
+the draft calls no step waits for (`_start_link`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Callable, Generator, Optional
 
 from specextend.config import EngineConfig
@@ -99,24 +99,23 @@ def never_pays(config: EngineConfig, ratio: float) -> bool:
 class DraftLink:
     config: EngineConfig
     draft: object  # DraftBackend
-    _openers: Executor
-    _tells: Executor
+
+    def _start_link(self) -> None:
+        """The draft calls' threads: the opens (a session's prefill on the draft), and the calls of
+        every session's lane and its close; the sessions whose draft close has not run yet."""
+        self._openers: Executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
+        self._tells: Executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-tell")
+        self._unclosed: dict[str, threading.Event] = {}  # set once the close has run (or the open failed)
 
     def _open_draft(self, sid: str, prompt_ids, params) -> Future:
         """Starts the draft's open (its prefill) of session `sid` on the opener threads; the session
         counts as unclosed until its close has run (`wait_closed`). -> the open's Future (seconds)."""
-        self._unclosed()[sid] = threading.Event()
+        self._unclosed[sid] = threading.Event()
         return self._openers.submit(seconds_of, self.draft.open, sid, list(prompt_ids), params)
-
-    def _unclosed(self) -> dict:
-        """Session id -> an Event set once its draft session's close has run (or its open failed)."""
-        if "_unclosed_d" not in self.__dict__:
-            self.__dict__["_unclosed_d"] = {}
-        return self.__dict__["_unclosed_d"]
 
     def wait_closed(self, sid: str, timeout_s: float = CLOSE_WAIT_S) -> bool:
         """Waits (up to `timeout_s`) for session `sid`'s draft close; True once closed or never opened."""
-        ev = self._unclosed().get(sid)
+        ev = self._unclosed.get(sid)
         return ev is None or ev.wait(timeout_s)
 
     def _join(self, opening: Future, ctl: TreeController, target_prefill_s: float, stats: RequestStats,
@@ -131,7 +130,6 @@ class DraftLink:
         stats.draft_open_s, stats.target_prefill_s = open_s, target_prefill_s
         ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
         return True
-
 
     def _fall_back(self, stats: RequestStats, sid: str, err: Exception) -> bool:
         log.warning("draft failed for session %s (%s); continuing with plain decoding", sid, err)
@@ -162,6 +160,6 @@ class DraftLink:
             self._closed(sid)
 
     def _closed(self, sid: str) -> None:
-        ev = self._unclosed().pop(sid, None)
+        ev = self._unclosed.pop(sid, None)
         if ev is not None:
             ev.set()

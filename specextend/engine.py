@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
 from typing import Generator, Iterator, Optional, Sequence, Union
@@ -83,8 +83,7 @@ class Engine(DraftLink):
             log.warning("the draft multiplies by %.1fx the target's weights a forward: no draft tree can pay, "
                         "so requests decode without it (context lookup %s; tree_policy=fixed drafts anyway)",
                         self.draft_weight_ratio, "on" if config.lookup_tokens else "off")
-        self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
-        self._tells = ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-tell")
+        self._start_link()
 
     def new_controller(self, tree: TreeConfig) -> TreeController:
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""

@@ -321,7 +321,7 @@ def test_step_transport_setting_reaches_actor_and_client(transport, channel_step
     """step_transport, a Serve argument: the draft actor serves the channel or not, the replica's
     client takes it or StepStream, and speculative decoding's output is plain decoding's."""
     from specextend.serving.draft_actor import DraftActor
-    from specextend.serving.replica import draft_client
+    from specextend.serving.draft_actor import draft_client
     from specextend.serving.settings import AppSettings
 
     settings = AppSettings(target="random:llama-tiny", draft="random:llama-tiny-draft", num_gpus=0, dtype="float64",

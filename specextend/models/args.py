@@ -71,8 +71,5 @@ class ModelArgs:
         return self.num_layers * (attn + 3 * e * self.intermediate_size) + self.vocab_size * e
 
     def num_params(self) -> int:
-        e, d = self.hidden_size, self.head_dim
-        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * e * self.intermediate_size
-        head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.vocab_size * e + head + self.num_layers * (attn + mlp)
+        """decode_weights, and the embedding table where the lm_head is not the same tensor."""
+        return self.decode_weights() + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)

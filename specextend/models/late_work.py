@@ -1,10 +1,10 @@
 """Work a request should never meet: CUDA-graph plans built and Triton kernel specializations
 compiled (or loaded from the disk cache) after a process's warm-up, and the interpreter's full
-garbage collections (docs/architecture.md, "Execution plans"). Each one stalls every request of the process for milliseconds (a load) to
-seconds (a compile, a capture of every layer), so a serving process marks the end of its warm-up
-(`mark_ready`) and from then on counts them, logs each with what it was (a graph key, a kernel's
-specialization) and calls `on_late` (the replica's /metrics). Before `mark_ready` nothing is
-logged: warm-up is where this work belongs.
+garbage collections (docs/architecture.md, "Execution plans"). Each one stalls every request of the
+process for milliseconds (a load, a collection) to seconds (a compile, a capture of every layer), so
+a serving process marks the end of its warm-up (`mark_ready`) and from then on counts them, logs
+each with what it was (a graph key, a kernel's specialization) and calls `on_late` (the replica's
+/metrics). Before `mark_ready` nothing is logged: warm-up is where this work belongs.
 
 The end of warm-up also collects and then freezes what the process holds by then (`gc.freeze`:
 the modules, the models, the compiled kernels and plans move out of the collector's generations),

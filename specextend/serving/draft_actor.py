@@ -17,12 +17,25 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from specextend.config import EngineConfig
 from specextend.models import late_work
 
+if TYPE_CHECKING:
+    from specextend.serving.settings import AppSettings
+
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"  # the target is on this node (STRICT_PACK): the narrowest address that works
+
+
+def draft_client(settings: AppSettings, address: str, token: str):
+    """The replica's client of its draft actor at `address`: deadlines and step transport as the
+    settings say (step_transport=zmq: the ZeroMQ step channel the actor advertises; grpc: StepStream)."""
+    from specextend.rpc import GrpcDraftBackend
+
+    return GrpcDraftBackend(address, timeout_s=settings.draft_timeout_s, token=token,
+                            transport=settings.step_transport)
 
 
 class DraftActor:

@@ -30,7 +30,7 @@ from specextend.models.chat import encode_chat
 from specextend.rpc.auth import new_token
 from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
-from specextend.serving.draft_actor import DraftActor
+from specextend.serving.draft_actor import DraftActor, draft_client
 from specextend.serving.errors import APIError, BadRequestError
 from specextend.serving.protocol import spec_decoding
 from specextend.serving.settings import MODEL_CPUS, AppSettings
@@ -55,15 +55,6 @@ DRAFT_MAX_RESTARTS = 3  # Ray restarts of one draft actor; after that a new acto
 DRAFT_START_TIMEOUT_S = 600.0  # loading a draft model (real models on a slow disk take minutes)
 CPU_KV_FRACTION = 0.25  # default KV budget on CPU: this share of the host's memory
 GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory after warm-up
-
-
-def draft_client(settings: AppSettings, address: str, token: str):
-    """The replica's client of its draft actor at `address`: deadlines and step transport as the
-    settings say (step_transport=zmq: the ZeroMQ step channel the actor advertises; grpc: StepStream)."""
-    from specextend.rpc import GrpcDraftBackend
-
-    return GrpcDraftBackend(address, timeout_s=settings.draft_timeout_s, token=token,
-                            transport=settings.step_transport)
 
 
 class SpecExtendReplica:
