@@ -224,15 +224,22 @@ class TreeController:
             p[0], p[1] = p[0] + self.rate(rung), p[1] + 1
         return rung
 
-    def _begin_step(self) -> None:
+    def begin_step(self) -> None:
         """The forwards recorded before this step (the prefill's, before the first) into the line,
-        not into this step's time."""
+        not into this step's time: choose() calls it, and the engine where it decides without the
+        policy (mode lookup, a draft not joined yet)."""
         self._settle()
         self._forward_s = 0.0
 
+    def plain_unchosen(self) -> Rung:
+        """PLAIN, for a step decided without the policy (mode lookup, a draft not joined yet), with
+        choose()'s bookkeeping (the prefill's forwards are not that step's)."""
+        self.begin_step()
+        return PLAIN
+
     def choose(self, sessions: int = 1) -> Rung:
         """The next step's rung; `sessions` share the target's forwards now."""
-        self._begin_step()
+        self.begin_step()
         self.sessions = sessions
         if self._probing and self._probe_misses:  # the probe found no tree ready: once more (the
             return self._probe  # draft catches up after an unready answer, so the next is likelier)
@@ -387,5 +394,5 @@ class AlwaysSpeculate(TreeController):
     """tree_policy=fixed: every step the session's tree (the controller's interface, no decisions)."""
 
     def choose(self, sessions: int = 1) -> Rung:
-        self._begin_step()
+        self.begin_step()
         return self.top
