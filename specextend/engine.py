@@ -18,7 +18,7 @@ import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, Costs, TreeController
-from specextend.ladder import PLAIN, ladder, prefix_accepts
+from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
 from specextend.draft_link import DraftLink, Lane, settled, draft_weight_ratio, never_pays
 from specextend.emit import Emitter, StepEvent
