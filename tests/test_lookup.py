@@ -19,6 +19,7 @@ def test_index_equals_scan_as_tokens_arrive(seed):
     for _ in range(30):
         k = rng.randrange(0, 10)
         assert idx.continuation(k) == continuation_scan(ids, k)
+        assert idx.match(k) == idx.match_vectorised(k)  # the dict against every key compared
         new = [rng.randrange(min(vocab, 6)) for _ in range(rng.randrange(1, 5))]
         ids += new
         idx.extend(new)
@@ -159,3 +160,14 @@ def test_graft_follows_the_tree_where_it_agrees():
     assert (t, p, new) == ([5, 6, 7, 8, 9, 10], [-1, -1, 0, 2, 2, 4], 2)
     assert graft(tokens, parents, [5, 7, 8]) == (tokens, parents, 0)
     assert graft([], [], [3, 4]) == ([3, 4], [-1, 0], 2)
+
+
+def test_index_of_a_long_prompt_equals_its_twin():
+    """A prompt (or a catch-up) of many tokens fills the dicts in one update; later tokens one by one."""
+    rng = random.Random(7)
+    ids = [rng.randrange(20) for _ in range(500)]
+    idx = ContextIndex(ids[:300], 151936)
+    idx.extend(ids[300:450])  # many at once
+    for t in ids[450:]:
+        assert idx.match(6) == idx.match_vectorised(6) and idx.match(6)[0] > 0
+        idx.extend([t])
