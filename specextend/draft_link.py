@@ -47,15 +47,19 @@ class Lane:
 
     def submit(self, fn: Callable, *args) -> Future:
         out: Future = Future()
+        out.submitted = time.perf_counter()  # (its way's times: stats.ask_done)
         before = self.tail
 
         def run() -> None:
+            out.started = time.perf_counter()
             err = before.exception() if before is not None else None
             if err is not None:  # (the session falls back on the first error it meets)
                 out.set_exception(err)
                 return
             try:
-                out.set_result(fn(*args))
+                value = fn(*args)
+                out.ended = time.perf_counter()
+                out.set_result(value)
             except BaseException as e:  # noqa: BLE001 - the caller's to raise
                 out.set_exception(e)
 

@@ -253,8 +253,9 @@ class Engine(DraftLink):
                         if feed is not None:  # the latest snapshot, walked to here: no call
                             tree = yield from feed.tree_co(step, rung.nodes, stats)
                         elif from_ask:  # asked at the last verdict (its step number taken then)
-                            tree, asked = (yield DraftCall(future=asked)), None
-                            stats.asked_steps += 1
+                            tree = yield DraftCall(future=asked)
+                            stats.ask_done(asked, ts, tree)  # (its way's times)
+                            asked = None
                         elif prepared is not None:
                             outs, prepared = (yield DraftCall(future=prepared)), None
                             late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)

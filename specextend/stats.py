@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+# an early ask's way (docs/architecture.md, "Pool snapshots", early asks): from the engine's submit
+# to a call thread's start (sent), the call's round trip (call), of which the draft side's time
+# (draft: queued for its thread, waiting for a forward in flight), the engine's own work before
+# it waited (overlap), and from the call's end to the engine reading its answer (back)
+ASK_PARTS = ("sent", "call", "draft", "queued", "flight", "overlap", "back")
 
 
 @dataclass
@@ -50,9 +57,26 @@ class RequestStats:
     step_kinds: dict = field(default_factory=dict)
     # what the policy expected: "tree"/"plain" -> [sum of the chosen rungs' predicted tokens/s, steps]
     predicted: dict = field(default_factory=dict)
+    # an early ask's way, per asked step: ASK_PARTS, seconds (ask_done)
+    ask_split: list = field(default_factory=list)
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
+
+    def ask_done(self, call, waited_from: float, tree) -> None:
+        """A tree step's answer to an early ask (`call`: the lane's future, its times set by
+        draft_link.Lane) read after the engine waited from `waited_from` (perf_counter)."""
+        now = time.perf_counter()
+        sub, start, end = (getattr(call, k, now) for k in ("submitted", "started", "ended"))
+        self.asked_steps += 1
+        self.ask_split.append((start - sub, end - start, tree.server_s, tree.queued_s, getattr(tree, "flight_s", 0.0),
+                               waited_from - sub, now - end))
+
+    @property
+    def ask_ms(self) -> dict:
+        """The asked steps' mean ASK_PARTS, milliseconds."""
+        n = len(self.ask_split)
+        return {k: 1e3 * sum(s[i] for s in self.ask_split) / n for i, k in enumerate(ASK_PARTS)} if n else {}
 
     @property
     def predicted_tok_per_s(self) -> dict:
@@ -166,7 +190,7 @@ class RequestStats:
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     unready_steps=self.unready_steps, lookup_steps=self.lookup_steps, told_steps=self.told_steps, asked_steps=self.asked_steps,
-                    snapshot_trees=self.snapshot_trees,
+                    snapshot_trees=self.snapshot_trees, ask_ms=self.ask_ms,
                     open_steps=self.open_steps, max_step_s=self.max_step_s, draft_open_s=self.draft_open_s,
                     target_prefill_s=self.target_prefill_s, step_kinds=self.step_kinds,
                     lookup_nodes=self.lookup_nodes, lookup_accepted=self.lookup_accepted,

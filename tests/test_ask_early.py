@@ -34,6 +34,24 @@ def test_early_asks_are_lossless_and_every_token_reaches_the_draft_once_in_order
     assert all(b.ready_only for b in asks[1:])
 
 
+def test_each_early_ask_says_where_its_time_went(pair):
+    """stats.ask_split (stats.ASK_PARTS): a call answered 2 ms late takes at least that, of which the
+    draft side's time is part; the engine's own work before it waited and the hand-offs are times
+    too; the response and the bench's line carry the means."""
+    from specextend.bench.e2e import ask_line
+    from specextend.serving.protocol import SpeculativeDecoding, spec_decoding
+    from specextend.stats import ASK_PARTS
+
+    _, _, stats, _ = recorded_run(pair, TreesOnly, SamplingParams(30, ignore_eos=True), 0.002)
+    assert len(stats.ask_split) == stats.asked_steps > 0
+    for sent, call, draft, queued, flight, overlap, back in stats.ask_split:
+        assert min(sent, draft, queued, flight, overlap, back) >= 0
+        assert call >= 0.002 and call >= draft >= queued  # (the Recorder sleeps before the draft's step)
+    ask = SpeculativeDecoding(**spec_decoding(stats)).model_dump()["ask_ms"]
+    assert set(ask) == set(ASK_PARTS) and ask["call"] >= 2.0
+    assert "call " in ask_line(ask) and "flight" in ask_line(ask)
+
+
 def test_with_early_asks_off_each_tree_step_asks_for_its_own_tree(pair):
     worker = DraftWorker(pair[1].decoder, overlap=True)
     draft = Recorder(worker)

@@ -18,9 +18,10 @@ from test_rpc import PARAMS, TRANSPORTS, FakeDraft, expected_tree
 
 
 def test_times_cross_the_wire_and_do_not_change_the_tree():
-    tree = DraftTree(step=3, tokens=(5, 6), parents=(-1, 0), server_s=0.001234, queued_s=0.0005)
+    tree = DraftTree(step=3, tokens=(5, 6), parents=(-1, 0), server_s=0.001234, queued_s=0.0005, flight_s=0.0003)
     back = tree_from_proto(tree_to_proto(tree))
     assert back.server_s == pytest.approx(0.001234) and back.queued_s == pytest.approx(0.0005)
+    assert back.flight_s == pytest.approx(0.0003)
     assert back == DraftTree(step=3, tokens=(5, 6), parents=(-1, 0))  # timing is not the tree's identity
     old = tree_to_proto(DraftTree(step=3, tokens=(5,), parents=(-1,)))  # a server that does not measure
     assert tree_from_proto(old).server_s == 0.0

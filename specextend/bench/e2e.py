@@ -157,7 +157,7 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         snapshot_trees=st.snapshot_trees,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec, wait_ms=1e3 * w, forward_ms=1e3 * f)
                     for k, (n, t, sec, w, f) in st.step_kinds.items()},
-        predicted_tok_per_s=st.predicted_tok_per_s, **wait_split(st))
+        predicted_tok_per_s=st.predicted_tok_per_s, ask_ms=st.ask_ms, **wait_split(st))
 
 
 def _split(kind: dict) -> str:
@@ -167,6 +167,15 @@ def _split(kind: dict) -> str:
         return ""
     wait, fwd = kind.get("wait_ms", 0.0) / n, kind["forward_ms"] / n
     return f" (wait {wait:.2f}, forward {fwd:.2f}, host {max(kind['ms'] / n - wait - fwd, 0.0):.2f})"
+
+
+def ask_line(a: dict) -> str:
+    """' (sent 0.05, call 1.10 ms: draft 0.60 of which queued 0.10 and flight 0.30; overlapped 0.40,
+    back 0.05)': an early ask's way, mean ms (stats.ASK_PARTS)."""
+    if not a:
+        return ""
+    return (f" (sent {a['sent']:.2f}, call {a['call']:.2f} ms: draft {a['draft']:.2f} of which queued {a['queued']:.2f}"
+            f" and flight {a['flight']:.2f}; overlapped {a['overlap']:.2f}, back {a['back']:.2f})")
 
 
 def kinds_line(r: dict) -> str:
@@ -183,7 +192,7 @@ def kinds_line(r: dict) -> str:
     if r.get("mean_tree_nodes"):  # the trees verified: their size, and the pool's depth below the root when asked
         out += f"; trees of {r['mean_tree_nodes']:.1f} nodes, ahead {r.get('draft_ahead_depth', 0.0):.1f} levels"
         if r.get("asked_steps"):
-            out += f", {r['asked_steps']} asked early"
+            out += f", {r['asked_steps']} asked early" + ask_line(r.get("ask_ms") or {})
         if r.get("snapshot_trees"):
             out += f", {r['snapshot_trees']} from snapshots"
     if r.get("predicted_tok_per_s"):  # what the policy expected of the kinds it chose (tokens a ms)

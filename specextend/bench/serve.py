@@ -166,7 +166,7 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dic
                    draft_ahead_depth=spec.get("draft_ahead_depth", 0.0), mean_tree_nodes=spec.get("mean_tree_nodes", 0.0),
                    probe_steps=spec.get("probe_steps", 0))
     out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}),  # every mode
-               predicted_tok_per_s=spec.get("predicted_tok_per_s", {}),
+               predicted_tok_per_s=spec.get("predicted_tok_per_s", {}), ask_ms=spec.get("ask_ms", {}),
                draft_open_ms=spec.get("draft_open_ms", 0.0), target_prefill_ms=spec.get("target_prefill_ms", 0.0))
     return out
 

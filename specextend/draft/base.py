@@ -99,6 +99,8 @@ class DraftTree:
     # to its answer (0: not measured), and how much of it the step waited for the draft's thread
     server_s: float = field(default=0.0, compare=False)
     queued_s: float = field(default=0.0, compare=False)
+    flight_s: float = field(default=0.0, compare=False)  # ... and for a background forward in flight that
+    # held the answer's first level (a ready step: docs/architecture.md, "Overlapped drafting")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ only after finishing (at most one flight per worker).
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -284,6 +286,7 @@ class Overlap:
         pool, flight = self.pool, self.flight
         path = pool.walk(accepted)
         gap = pool.first_unforwarded(path)
+        t0 = time.perf_counter()
         if (gap is not None and path[gap] is not None and flight is not None and flight.pool is pool
                 and flight.may_hold(path[gap])):
             # a node of the path is a candidate of the chained level in flight: wait for the flight
@@ -300,6 +303,7 @@ class Overlap:
             # the new root's children (the next tree's first level) are in flight: wait for them
             self.flight_waits += 1
             self.finish()
+        waited = time.perf_counter() - t0  # (the answer's flight_s)
         new, commit, keep, ids = pool.reroot_ids(path)
         self._settle = (commit, keep, pool.staged)  # the K/V moves: queued after the answer (settle;
         #                                             step_co ran the previous one first)
@@ -314,7 +318,8 @@ class Overlap:
         if self.chains is not None:  # after the answer: the background extends it
             self.chains.seed(new)
         return DraftTree(step=step, tokens=tuple(tokens), parents=tuple(parents),
-                         draft_cache_tokens=self.work.length + len(commit), ready=True, ahead_depth=new.ready_depth())
+                         draft_cache_tokens=self.work.length + len(commit), ready=True, ahead_depth=new.ready_depth(),
+                         flight_s=waited)
 
     def outcomes(self, step: int, m: int) -> list[tuple[tuple[int, ...], DraftTree]]:
         """A prepare's answer (base.py): the trees ready for the m likeliest verdicts, as this

@@ -40,13 +40,15 @@ def _us(seconds: float) -> int:
 def tree_to_proto(tree: DraftTree) -> pb.DraftTree:
     return pb.DraftTree(step=tree.step, tokens=tree.tokens, parents=tree.parents,
                         draft_cache_tokens=tree.draft_cache_tokens, ready=tree.ready,
-                        ahead_depth=tree.ahead_depth, server_us=_us(tree.server_s), queued_us=_us(tree.queued_s))
+                        ahead_depth=tree.ahead_depth, server_us=_us(tree.server_s), queued_us=_us(tree.queued_s),
+                        flight_us=_us(tree.flight_s))
 
 
 def tree_from_proto(tree: pb.DraftTree) -> DraftTree:
     return DraftTree(step=tree.step, tokens=tuple(tree.tokens), parents=tuple(tree.parents),
                      draft_cache_tokens=tree.draft_cache_tokens, ready=tree.ready,
-                     ahead_depth=tree.ahead_depth, server_s=tree.server_us / 1e6, queued_s=tree.queued_us / 1e6)
+                     ahead_depth=tree.ahead_depth, server_s=tree.server_us / 1e6, queued_s=tree.queued_us / 1e6,
+                     flight_s=tree.flight_us / 1e6)
 
 
 def outcomes_to_proto(outs: Outcomes) -> pb.Outcomes:

@@ -206,6 +206,8 @@ class SpeculativeDecoding(BaseModel):
     # the adaptive policy's mean predicted tokens/s of the tree and the plain steps it chose (beside
     # what step_kinds says they did)
     predicted_tok_per_s: dict[str, float] = Field(default_factory=dict)
+    # the asked steps' mean times, ms: stats.ASK_PARTS (sent, call, draft, queued, flight, overlap, back)
+    ask_ms: dict[str, float] = Field(default_factory=dict)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
@@ -229,7 +231,7 @@ def spec_decoding(stats: RequestStats) -> dict:
            "told_steps": stats.told_steps, "asked_steps": stats.asked_steps,
            "snapshot_trees": stats.snapshot_trees, "open_steps": stats.open_steps, "max_step_ms": 1e3 * stats.max_step_s,
            "draft_open_ms": 1e3 * stats.draft_open_s, "target_prefill_ms": 1e3 * stats.target_prefill_s,
-           "predicted_tok_per_s": stats.predicted_tok_per_s,
+           "predicted_tok_per_s": stats.predicted_tok_per_s, "ask_ms": stats.ask_ms,
            "step_kinds": {k: {"steps": n, "tokens": t, "ms": 1e3 * sec, "wait_ms": 1e3 * w, "forward_ms": 1e3 * f}
                           for k, (n, t, sec, w, f) in stats.step_kinds.items()}}
     if stats.replayed:
