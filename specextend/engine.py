@@ -394,7 +394,7 @@ class Engine(DraftLink):
                 opening.add_done_callback(partial(self._close_after, sid, told))
 
     def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:
-        t0 = time.perf_counter()
-        ids = target.retrieval_chunks(row, self.config.retrieval)  # ends on the host: timed whole
+        t0 = time.perf_counter()  # (its host work: on a GPU the ids are read by the call that carries them)
+        selection = target.selection(row, self.config.retrieval)
         stats.retrieval_s += time.perf_counter() - t0
-        return Retrieval(tuple(ids), self.config.retrieval.chunk_size) if ids else None
+        return selection

@@ -8,7 +8,7 @@ Draft side: chunk ids -> token positions to keep in the working cache.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -53,6 +53,49 @@ def select_chunks(scores: torch.Tensor, cfg: RetrievalConfig) -> list[int]:
         masked[list(forced)] = float("-inf")
     best = torch.topk(masked, rest).indices.tolist() if rest > 0 else []
     return sorted(forced | set(best))
+
+
+def select_chunks_device(scores: torch.Tensor, cfg: RetrievalConfig) -> torch.Tensor:
+    """select_chunks on the scores' device, with no wait for it: [K] sorted chunk ids (int64). Its
+    twin is select_chunks (the same top-k over the same masked scores; tests compare them)."""
+    nc, dev = scores.shape[0], scores.device
+    if nc <= cfg.top_k:
+        return torch.arange(nc, device=dev)
+    sink, recent = min(cfg.sink_chunks, nc), min(cfg.recent_chunks, nc)  # disjoint: nc > top_k >= both
+    forced = torch.cat([torch.arange(sink, device=dev), torch.arange(nc - recent, nc, device=dev)])  # [F]
+    masked = scores.float().index_fill(0, forced, float("-inf"))  # [nc]
+    rest = cfg.top_k - forced.numel()
+    best = torch.topk(masked, rest).indices if rest > 0 else forced[:0]  # [K - F]
+    return torch.sort(torch.cat([forced, best])).values  # [K]
+
+
+class DeferredRetrieval:
+    """A retrieval selection (draft.base.Retrieval's fields) whose chunk ids are still on their way
+    from the device: copied into pinned memory without a wait when scored, read (waiting for that
+    copy alone) where a draft call first uses them, on the thread that makes the call. The scoring
+    used to end in a host read on the tree step's path, after the verification's commit
+    (docs/architecture.md, "Cross-model retrieval")."""
+
+    __slots__ = ("_host", "_event", "_ids", "chunk_size")
+
+    def __init__(self, ids: torch.Tensor, chunk_size: int) -> None:  # ids [K] on the device
+        from specextend.models.transfer import record_event, to_host
+
+        self._host, self._event = to_host(ids), None
+        self._event = record_event(ids.device)
+        self._ids: Optional[tuple[int, ...]] = None
+        self.chunk_size = chunk_size
+
+    @property
+    def chunk_ids(self) -> tuple[int, ...]:
+        if self._ids is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._ids = tuple(self._host.tolist())
+        return self._ids
+
+    def __repr__(self) -> str:
+        return f"DeferredRetrieval({self.chunk_ids}, {self.chunk_size})"
 
 
 def initial_chunks(num_tokens: int, cfg: RetrievalConfig) -> list[int]:

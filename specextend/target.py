@@ -6,7 +6,7 @@ root of the next draft tree (or the next autoregressive input).
 
 from __future__ import annotations
 
-from typing import Generator, Optional, Sequence, TypeVar
+from typing import Generator, Optional, Sequence, TypeVar, Union
 
 import torch
 
@@ -15,7 +15,9 @@ from specextend.config import RetrievalConfig
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 from specextend.models.transfer import to_device
-from specextend.retrieval import chunk_scores, initial_chunks, last_token_probs, select_chunks
+from specextend.draft.base import Retrieval
+from specextend.retrieval import (DeferredRetrieval, chunk_scores, initial_chunks, last_token_probs, select_chunks,
+                                  select_chunks_device)
 from specextend.tree import ancestor_mask_cached, node_depths
 
 T = TypeVar("T")
@@ -106,8 +108,18 @@ class TargetSession:
             return
         self.cache.commit(to_device(keep, torch.long, self.model.device))
 
-    def retrieval_chunks(self, row: int, cfg: RetrievalConfig) -> Optional[list[int]]:
-        """Chunk ids for the draft from the captured forward's query `row` (call after commit).
+    def selection(self, row: int, cfg: RetrievalConfig) -> Optional[Union[Retrieval, DeferredRetrieval]]:
+        """retrieval_chunks as the draft's Retrieval (None: nothing to send); on a GPU the scored
+        chunks' ids are read when a call carries them (DeferredRetrieval), not here."""
+        ids = self.retrieval_chunks(row, cfg, deferred=self.model.device.type == "cuda")
+        if isinstance(ids, torch.Tensor):
+            return DeferredRetrieval(ids, cfg.chunk_size)
+        return Retrieval(tuple(ids), cfg.chunk_size) if ids else None
+
+    def retrieval_chunks(self, row: int, cfg: RetrievalConfig,
+                         deferred: bool = False) -> Optional[Union[list[int], torch.Tensor]]:
+        """Chunk ids for the draft from the captured forward's query `row` (call after commit);
+        `deferred`: scored chunks come as a device tensor, not waited for (select_chunks_device).
 
         After a verification, the row of the last accepted node: its final-layer probabilities
         over every key it saw (prefix, root and accepted path, now cache slots [0, length)) from
@@ -123,4 +135,5 @@ class TargetSession:
             return None
         keys = self.cache.layer(self.model.args.num_layers - 1)[0][:, :ctx]  # [G, ctx, D]
         probs = last_token_probs(self.captured.q[:, row], self.captured.lse[:, row], keys, self.model.scale)
-        return select_chunks(chunk_scores(probs, cfg.chunk_size), cfg)
+        scores = chunk_scores(probs, cfg.chunk_size)
+        return select_chunks_device(scores, cfg) if deferred else select_chunks(scores, cfg)

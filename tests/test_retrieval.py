@@ -143,3 +143,31 @@ def test_prefill_scores_the_first_tree(tiny_models):
     eng.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert seen[0][0] == 0 and seen[0][1] is not None and len(seen[0][1].chunk_ids) == cfg.top_k
     assert all(r is None for s, r in seen[1:] if s % cfg.every)  # then every `every` steps only
+
+
+@pytest.mark.parametrize("sink,recent,top_k", [(1, 2, 8), (0, 0, 5), (2, 6, 8), (4, 4, 16)])
+def test_selection_on_the_device_equals_its_twin(sink, recent, top_k):
+    """select_chunks_device (no wait for the device: its ids read when a call carries them) against
+    select_chunks, ties included (scores drawn from a few values)."""
+    from specextend.retrieval import select_chunks_device
+
+    cfg = RetrievalConfig(top_k=top_k, sink_chunks=sink, recent_chunks=recent)
+    gen = torch.Generator().manual_seed(top_k)
+    for trial in range(40):
+        nc = int(torch.randint(1, 60, (1,), generator=gen))
+        scores = torch.randint(0, 4 if trial % 2 else 1000, (nc,), generator=gen).float()
+        assert select_chunks_device(scores, cfg).tolist() == select_chunks(scores, cfg)
+
+
+def test_a_deferred_selection_reaches_the_draft_as_its_ids():
+    """DeferredRetrieval (the target's selection read where a call carries it) goes over the wire and
+    into a draft session as the same Retrieval would."""
+    from specextend.retrieval import DeferredRetrieval
+    from specextend.rpc.convert import retrieval_from_proto, step_to_proto
+
+    ids = torch.tensor([0, 3, 7, 9])
+    deferred = DeferredRetrieval(ids, 4)
+    assert deferred.chunk_ids == (0, 3, 7, 9) and deferred.chunk_size == 4
+    ids[0] = 5  # a copy: the device tensor may be reused
+    assert retrieval_from_proto(step_to_proto("s", 1, [2], deferred)) == Retrieval((0, 3, 7, 9), 4)
+    assert "(0, 3, 7, 9)" in repr(deferred)
