@@ -211,6 +211,10 @@ class ServingConfig:
         STREAM_INTERVAL_MS, ge=0, le=1000, description="a stream's tokens leave the replica at most once per this "
         "interval (the first token and the finish at once): fast steps share one item and one SSE chunk; 0: every step")
     served_model_name: Optional[str] = Field(None, min_length=1, description="model id of the API (default: the target's)")
+    switch_interval_ms: Optional[float] = Field(
+        None, gt=0, le=100, description="the replica process's interpreter switch interval (sys.setswitchinterval): "
+        "the longest the engine thread waits for the interpreter lock while the HTTP side's Python holds it "
+        "(default: the interpreter's, 5 ms)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
     step_transport: Literal["zmq", "grpc"] = Field(
         "zmq", description="how the target sends each step to its draft: zmq (the ZeroMQ step channel, with "

@@ -27,6 +27,7 @@ import torch
 from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, kinds_line, summarize
 from specextend.bench.texts import documents, prompt_ids
 
+GIL = {"switch_interval_ms": 0.2}  # the `-gil` placements' replica switch interval (the draft worker's)
 REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (real pairs' traces: 2-6)
 
 
@@ -36,7 +37,9 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     without; `-nolookup`: context lookup off (the app's default: chains of 8 tokens); `-nohandover`:
     the draft's thread not waiting for an answer to be sent before its next work; `-notell`: plain
     steps' tokens sent with the next tree's call, not at once; `-noearly`: a tree step's verdict sent with
-    the next step's call, not as soon as it is known; `-snap`: trees walked from pool snapshots. `ar` is served on the first."""
+    the next step's call, not as soon as it is known; `-snap`: trees walked from pool snapshots; `-gil`: the
+    replica's interpreter switch interval at 0.2 ms instead of 5. `ar` and `lookup` are served on the first,
+    and on `1gpu-gil` where it is named."""
     gpus = torch.cuda.device_count()
     nolookup = {"lookup_tokens": 0}
     if gpus == 0:
@@ -46,8 +49,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
            ("2gpu-nohandover", 1.0, True, {"draft_handover": False}),
            ("2gpu-notell", 1.0, True, {"draft_tell": False}),
            ("2gpu-noearly", 1.0, True, {"draft_ask_early": False}),
-           ("2gpu-snap", 1.0, True, {"draft_snapshots": True})] if gpus >= 2 else []
-    return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup)] + two
+           ("2gpu-snap", 1.0, True, {"draft_snapshots": True}), ("2gpu-gil", 1.0, True, GIL)] if gpus >= 2 else []
+    return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup), ("1gpu-gil", 0.5, False, GIL)] + two
 
 
 def wait_ready(url: str, timeout_s: float) -> None:
@@ -196,7 +199,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
             tokenizer = read_meta(pair.target, "target").tokenizer
             for mode in modes:
                 alone = mode in ("ar", "lookup")  # no draft: served as `ar` is, by its mode's name
-                spread = placements()[:1] if alone else [p for p in placements() if not only or p[0] in only]
+                spread = ([p for i, p in enumerate(placements()) if i == 0 or (only and p[0] in only and p[0] == "1gpu-gil")]
+                          if alone else [p for p in placements() if not only or p[0] in only])
                 for where, gpus, overlap, extra in spread:
                     args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy=tree_policy,
                                 draft_overlap=overlap) | extra | (app_args or {})
@@ -210,7 +214,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                     progress(f"served {mode} ({where}) ready in {startup:.1f} s: "
                              + ", ".join(f"{k[8:-2]} {v:.1f} s" for k, v in phases.items()))
                     model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-                    name = mode if alone else f"{mode}-{where}"
+                    name = mode if alone and where == placements()[0][0] else f"{mode}-{where}"
                     warm, late_first = False, {}
                     for length in lengths:
                         for doc in documents(docs[pair_name]):
@@ -224,7 +228,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                             r = one_request(url, model, prompt, new_tokens)
                             ids = r.pop("token_ids")
                             key = (pair_name, length, doc.name)
-                            if mode == "ar":
+                            if name == "ar":
                                 refs[key] = ids
                             elif key in refs and not pair.replayed:
                                 same = ids == refs[key]  # served greedy output against served ar's

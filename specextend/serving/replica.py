@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
 import uuid
 from typing import AsyncIterator, Optional
@@ -89,6 +90,8 @@ class SpecExtendReplica:
         self.draft_ok = self.draft is not None or cfg.mode == "lookup"  # self.engine is usable
         self._restoring: Optional[asyncio.Task] = None
         self.draft_epoch = 0  # restores so far: a request's fallback blames only the draft it started on
+        if s.switch_interval_ms is not None:  # (docs/architecture.md, "Serving surface")
+            sys.setswitchinterval(s.switch_interval_ms / 1e3)
         self.metrics = m.ReplicaMetrics()
         self.publisher = m.Publisher(self._replica_key(), self.metrics)
         warm = self._warm_up()
