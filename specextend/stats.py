@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 # an early ask's way (docs/architecture.md, "Pool snapshots", early asks): from the engine's submit
 # to a call thread's start (sent), the call's round trip (call), of which the draft side's time
 # (draft: queued for its thread, waiting for a forward in flight), the engine's own work before
-# it waited (overlap), and from the call's end to the engine reading its answer (back)
-ASK_PARTS = ("sent", "call", "draft", "queued", "flight", "overlap", "back")
+# it waited (overlap), from the call's end to the engine reading its answer (back), and the engine's
+# wait (wait; the response's ask_ms also has its 90th percentile, wait_p90)
+ASK_PARTS = ("sent", "call", "draft", "queued", "flight", "overlap", "back", "wait")
 
 
 @dataclass
@@ -70,13 +71,18 @@ class RequestStats:
         sub, start, end = (getattr(call, k, now) for k in ("submitted", "started", "ended"))
         self.asked_steps += 1
         self.ask_split.append((start - sub, end - start, tree.server_s, tree.queued_s, getattr(tree, "flight_s", 0.0),
-                               waited_from - sub, now - end))
+                               waited_from - sub, now - end, now - waited_from))
 
     @property
     def ask_ms(self) -> dict:
         """The asked steps' mean ASK_PARTS, milliseconds."""
         n = len(self.ask_split)
-        return {k: 1e3 * sum(s[i] for s in self.ask_split) / n for i, k in enumerate(ASK_PARTS)} if n else {}
+        if not n:
+            return {}
+        out = {k: 1e3 * sum(s[i] for s in self.ask_split) / n for i, k in enumerate(ASK_PARTS)}
+        waits = sorted(s[-1] for s in self.ask_split)
+        out["wait_p90"] = 1e3 * waits[min(n - 1, int(0.9 * n))]
+        return out
 
     @property
     def predicted_tok_per_s(self) -> dict:

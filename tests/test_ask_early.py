@@ -44,11 +44,12 @@ def test_each_early_ask_says_where_its_time_went(pair):
 
     _, _, stats, _ = recorded_run(pair, TreesOnly, SamplingParams(30, ignore_eos=True), 0.002)
     assert len(stats.ask_split) == stats.asked_steps > 0
-    for sent, call, draft, queued, flight, overlap, back in stats.ask_split:
-        assert min(sent, draft, queued, flight, overlap, back) >= 0
+    for sent, call, draft, queued, flight, overlap, back, wait in stats.ask_split:
+        assert min(sent, draft, queued, flight, overlap, back, wait) >= 0
         assert call >= 0.002 and call >= draft >= queued  # (the Recorder sleeps before the draft's step)
     ask = SpeculativeDecoding(**spec_decoding(stats)).model_dump()["ask_ms"]
-    assert set(ask) == set(ASK_PARTS) and ask["call"] >= 2.0
+    assert set(ask) == set(ASK_PARTS) | {"wait_p90"} and ask["call"] >= 2.0
+    assert ask["wait_p90"] >= min(1e3 * s[-1] for s in stats.ask_split)
     assert "call " in ask_line(ask) and "flight" in ask_line(ask)
 
 

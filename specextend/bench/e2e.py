@@ -175,7 +175,8 @@ def ask_line(a: dict) -> str:
     if not a:
         return ""
     return (f" (sent {a['sent']:.2f}, call {a['call']:.2f} ms: draft {a['draft']:.2f} of which queued {a['queued']:.2f}"
-            f" and flight {a['flight']:.2f}; overlapped {a['overlap']:.2f}, back {a['back']:.2f})")
+            f" and flight {a['flight']:.2f}; overlapped {a['overlap']:.2f}, back {a['back']:.2f};"
+            f" waited {a.get('wait', 0.0):.2f}, p90 {a.get('wait_p90', 0.0):.2f})")
 
 
 def kinds_line(r: dict) -> str:
