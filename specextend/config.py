@@ -229,6 +229,10 @@ class ServingConfig:
                                          "short bodies)")
     replay_accept_length: Optional[int] = Field(
         None, ge=0, le=64, description="benchmarks only: force every step to accept this many draft tokens (replayed)")
+    benchmark_references: bool = Field(
+        False, description="benchmarks only: a greedy request may carry speculative_decoding.reference_token_ids, "
+                           "the tokens to emit where the target's choice differs (every mode then decodes the same "
+                           "text; the response reports the overrides and their largest top-two gap)")
     replay_bonus: Literal["target", "draft"] = Field(
         "target", description="benchmarks only, with replay_accept_length: each replayed step's bonus token is the "
                               "target's own, or the draft's second choice where the path stops (a verdict an "

@@ -31,8 +31,9 @@ from specextend.snapshot import SNAPSHOT_NODES, DraftFeed
 from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
 from specextend.plain_step import plain_step_co
+from specextend.request_limits import RequestError, RequestLimits  # noqa: F401 - RequestError: the engine's
 from specextend.target import TargetSession
-from specextend.verify import verify_tree
+from specextend.verify import Reference, verify_tree
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,6 @@ SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
 
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (too long, bad ids); maps to HTTP 400."""
-
-
 def _drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
     """The accepted path's nodes up to the first that a lookup chain added (index >= drafted)."""
     n = 0
@@ -62,7 +59,7 @@ def _drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
     return list(accepted[:n])
 
 
-class Engine(DraftLink):
+class Engine(RequestLimits, DraftLink):
     carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
     # adaptive policy: a session decodes plainly until its draft's open (prefill) is done, instead
     # of waiting for it after the first token (docs/architecture.md, "Adaptive speculation")
@@ -89,35 +86,6 @@ class Engine(DraftLink):
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
         return (TreeController if self.config.tree_policy == "adaptive" else AlwaysSpeculate)(ladder(tree))
 
-    @property
-    def max_prompt_tokens(self) -> int:
-        limit = self.target.max_context
-        if self.config.max_prompt_tokens:
-            limit = min(limit, self.config.max_prompt_tokens)
-        return limit
-
-    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        return prompt_len + max_new_tokens + self.config.tree.nodes + self.config.lookup_tokens + 2
-
-    def kv_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Target KV bytes one request needs (admission control)."""
-        per_tok = self.target.args.kv_bytes_per_token(self.target.decoder.dtype)
-        return self.capacity(prompt_len, max_new_tokens) * per_tok
-
-    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        if len(prompt_ids) > self.max_prompt_tokens:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the limit is {self.max_prompt_tokens}")
-        if params.max_new_tokens > self.config.max_new_tokens:
-            raise RequestError(f"max_tokens {params.max_new_tokens} exceeds the limit {self.config.max_new_tokens}")
-        if len(prompt_ids) + params.max_new_tokens > self.target.max_context:
-            raise RequestError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_new_tokens}) exceeds "
-                               f"the model's context of {self.target.max_context} tokens")
-        vocab = self.target.args.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> tuple[list[int], str, RequestStats]:
         tokens, finish, stats = [], None, RequestStats()
         for ev in self.stream(prompt_ids, params, **kw):
@@ -136,7 +104,8 @@ class Engine(DraftLink):
 
     def session(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: Optional[str] = None,
                 replay: Optional[Sequence[int]] = None, speculate: bool = True, max_tree_nodes: Optional[int] = None,
-                load: Optional[Load] = None, replay_bonus: str = "target") -> Session:
+                load: Optional[Load] = None, replay_bonus: str = "target",
+                reference: Optional[Sequence[int]] = None) -> Session:
         """One request as a coroutine (docs/architecture.md, "Batched steps"): it yields the target
         forwards it needs (ForwardCall, answered with the forward's result), the draft calls
         (DraftCall, answered with the call's value or its exception thrown in) and its StepEvents.
@@ -148,16 +117,19 @@ class Engine(DraftLink):
         between chunks instead of stalling them for a long prompt.
         `speculate=False` decodes plainly (no draft session); `max_tree_nodes` bounds this request's
         trees (per-request control). `load` is where a batching driver tells the session's policy
-        about the forwards it shares (scheduler.Load)."""
-        self.check_request(prompt_ids, params)
+        about the forwards it shares (scheduler.Load). `reference` (benchmarks, greedy): the tokens to
+        emit where the target's choice differs (verify.Reference; its gaps in stats.reference_gaps)."""
+        self.check_request(prompt_ids, params, reference)
         return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load or Load(),
-                             replay_bonus == "draft")
+                             replay_bonus == "draft", None if reference is None else Reference(list(reference)))
 
     @torch.inference_mode()
-    def _session(self, prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load, draft_bonus) -> Session:
+    def _session(self, prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load, draft_bonus,
+                 ref) -> Session:
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
+        stats.reference_gaps = None if ref is None else ref.gaps
         out = Emitter(params, self.target.args.eos_token_ids, stats)
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
@@ -188,6 +160,7 @@ class Engine(DraftLink):
             logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture))
             target_prefill_s = time.perf_counter() - t0
             token = next_token(logits, params, gen)
+            token = token if ref is None else ref.pick(logits.view(1, -1), 0, token, 0)
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             yield out.emit([token])  # the first token needs nothing from the draft: not its open either
@@ -280,7 +253,7 @@ class Engine(DraftLink):
                         stats.unready_split.append((draft_s, tree.server_s, tree.queued_s))
                         stats.unready_refreshes += retrieval is not None and not from_ask  # (this call carried it)
                         committed = pending = yield from plain_step_co(target, committed[-1], params, gen, timed,
-                                                                        lookup, stats)
+                                                                        lookup, stats, reference=ref)
                         step, retrieval = step + (not from_ask), (retrieval if from_ask else None)
                         if feed is not None:
                             feed.push(committed)
@@ -316,7 +289,8 @@ class Engine(DraftLink):
                             prepared = Future()
                             prepared.set_exception(e)
                     forced = replay[step % len(replay)] if replay else None
-                    verdict = verify_tree(logits, tokens, parents, params, gen, forced, draft_bonus)
+                    verdict = verify_tree(logits, tokens, parents, params, gen, forced, draft_bonus, ref,
+                                          stats.num_generated)
                     if prepared is not None:
                         dt = time.perf_counter() - t_prep
                         verify_ema = dt if not verify_ema else 0.7 * verify_ema + 0.3 * dt
@@ -364,7 +338,7 @@ class Engine(DraftLink):
                             held = True
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats,
-                                                         send)
+                                                         send, ref)
                     if feed is not None:
                         feed.push(committed, send=not opening_pending)
                     kind = ("open" if use_draft and opening_pending

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 # an early ask's way (docs/architecture.md, "Pool snapshots", early asks): from the engine's submit
 # to a call thread's start (sent), the call's round trip (call), of which the draft side's time
@@ -60,6 +61,9 @@ class RequestStats:
     predicted: dict = field(default_factory=dict)
     # an early ask's way, per asked step: ASK_PARTS, seconds (ask_done)
     ask_split: list = field(default_factory=list)
+    # benchmarks' reference tokens (verify.Reference): the target's top-two gap wherever the reference
+    # overrode its choice (None: no reference)
+    reference_gaps: Optional[list] = None
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")

@@ -7,7 +7,7 @@ is one, else it is the bonus token. Accepted path + bonus = exactly what the tar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -15,6 +15,30 @@ import torch
 from specextend.config import SamplingParams
 from specextend.sampling import next_token
 from specextend.tree import children_of
+
+
+@dataclass
+class Reference:
+    """Benchmarks only: the tokens a greedy request emits, given in advance (served `ar`'s output
+    for the same prompt), so that every mode decodes the same text. In finite precision two modes'
+    greedy outputs part at the first near-tie of the target's logits (docs/architecture.md,
+    "Losslessness in finite precision"), after which their texts, and so their acceptance, differ:
+    per-text speeds would compare different texts. Where the target's choice differs from the
+    reference, the reference's token is emitted and the target's top-two gap there (its logit less
+    the reference's) is kept in `gaps`; the benchmark checks each against the near-tie tolerance, so a
+    real divergence is still caught."""
+
+    tokens: Sequence[int]
+    gaps: list = field(default_factory=list)
+
+    def pick(self, logits: torch.Tensor, row: int, tok: int, position: int) -> int:
+        """The token to emit at output `position` (0: the first) for logits [R, V] row `row`, where
+        the target chose `tok`."""
+        if position >= len(self.tokens) or int(self.tokens[position]) == tok:
+            return tok
+        want = int(self.tokens[position])
+        self.gaps.append(float(logits[row, tok].float() - logits[row, want].float()))
+        return want
 
 
 @dataclass(frozen=True)
@@ -30,12 +54,14 @@ class Verdict:
 
 def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int],
                 params: SamplingParams, generator: Optional[torch.Generator],
-                forced_length: Optional[int] = None, draft_bonus: bool = False) -> Verdict:
+                forced_length: Optional[int] = None, draft_bonus: bool = False,
+                reference: Optional[Reference] = None, emitted: int = 0) -> Verdict:
     """logits [N+1, V] of [root] + nodes. `forced_length` (acceptance replay, not lossless)
     accepts that many nodes along the draft's best branch (first child) instead; its bonus token is
     the target's, or with `draft_bonus` the draft's second choice where the path stops (its second
     child, if it has one there): a verdict that an overlapping draft can have in its pool, as real
-    verdicts mostly are (random weights' own bonus tokens never are)."""
+    verdicts mostly are (random weights' own bonus tokens never are). `reference` (benchmarks,
+    greedy): the tokens to emit from output position `emitted` on (Reference)."""
     children = children_of(parents)
     greedy_rows = torch.argmax(logits, dim=-1).tolist() if params.greedy else None
     accepted: list[int] = []
@@ -46,6 +72,8 @@ def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[i
             nxt = kids[0]  # replay: the draft's best branch, no token drawn
         else:
             tok = greedy_rows[row] if greedy_rows is not None else next_token(logits[row], params, generator)
+            if reference is not None:
+                tok = reference.pick(logits, row, tok, emitted + len(accepted))
             if forced_length is not None and draft_bonus and len(kids) > 1:
                 tok = tokens[kids[1]]
             nxt = None if forced_length is not None else next((c for c in kids if tokens[c] == tok), None)

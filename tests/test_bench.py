@@ -171,8 +171,10 @@ def test_serve_suite_runs_the_app_and_checks_outputs_against_served_ar(tmp_path,
         assert all(p >= 0 for p in phases) and sum(phases) <= row["startup_s"]
     assert spec["startup_draft_s"] + spec["startup_warm_up_s"] > 0
     assert spec["startup_draft_actor_load_s"] > 0 and "startup_draft_actor_load_s" not in record["rows"][1]
+    # the served app decoded served ar's text (its reference tokens, never needed on the CPU in float32)
     assert record["checks"] == [dict(pair="tiny", length=64, doc="python", mode="specextend-cpu", identical=True,
-                                     near_tie=True)]
+                                     near_tie=True, overrides=0, max_gap=0.0)]
+    assert spec["reference_overrides"] == 0 and "reference_overrides" not in record["rows"][1]
     assert (tmp_path / "serve" / "cpu-step_split.png").is_file()
     # each app's late work (graph plans, Triton kernels after its warm-up), from its /metrics: none on the
     # CPU; full garbage collections are counted too (kind "gc"), as many as the interpreter makes

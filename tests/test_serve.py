@@ -234,6 +234,8 @@ BAD_REQUESTS = [
      "speculative_decoding.max_tree_nodes"),  # over the app's tree_nodes (8)
     ("/v1/completions", {"prompt": "x", "speculative_decoding": {"enable": False}}, 400,
      "speculative_decoding.enable"),  # unknown keys are refused, not silently dropped
+    ("/v1/completions", {"prompt": "x", "temperature": 0, "speculative_decoding": {"reference_token_ids": [5]}}, 400,
+     "speculative_decoding.reference_token_ids"),  # benchmarks only: the app's benchmark_references is off
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("/v1/nothing", {}, 404, None),
     # lone UTF-16 surrogates are not text (JSON allows them; a tokenizer does not)

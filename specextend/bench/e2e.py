@@ -318,4 +318,9 @@ def table(result: dict) -> str:
                      f"{sum(c['identical'] for c in result['checks'])} identical, "
                      f"{len(result['checks']) - len(bad) - len(open_)} identical or first differing at a near-tie, "
                      f"{len(bad)} not" + (f", {len(open_)} differing but not checked by the near-tie rule." if open_ else "."))
+        forced = [c for c in result["checks"] if c.get("overrides")]
+        if forced:  # the serve suite's apps decode served ar's text (verify.Reference)
+            lines.append(f"Served ar's tokens overrode the target's choice at {sum(c['overrides'] for c in forced)} "
+                         f"places in {len(forced)} outputs, top-two gaps at most "
+                         f"{max(c['max_gap'] for c in forced):.3f}.")
     return "\n".join(lines)

@@ -50,6 +50,9 @@ class SpeculativeDecodingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
     max_tree_nodes: Optional[int] = Field(None, ge=1)
+    # benchmarks only (the app's `benchmark_references`), greedy: the tokens to emit where the
+    # target's own choice differs (served ar's output, so that every mode decodes the same text)
+    reference_token_ids: Optional[list[int]] = None
 
 
 class SamplingFields(BaseModel):
@@ -208,6 +211,9 @@ class SpeculativeDecoding(BaseModel):
     predicted_tok_per_s: dict[str, float] = Field(default_factory=dict)
     # the asked steps' mean times, ms: stats.ASK_PARTS (sent, call, draft, queued, flight, overlap, back)
     ask_ms: dict[str, float] = Field(default_factory=dict)
+    # with reference_token_ids: the tokens it overrode and the largest top-two gap where it did
+    reference_overrides: Optional[int] = Field(None, exclude_if=lambda v: v is None)
+    reference_max_gap: Optional[float] = Field(None, exclude_if=lambda v: v is None)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
@@ -236,6 +242,9 @@ def spec_decoding(stats: RequestStats) -> dict:
                           for k, (n, t, sec, w, f) in stats.step_kinds.items()}}
     if stats.replayed:
         out["replayed"] = True
+    if stats.reference_gaps is not None:
+        out["reference_overrides"] = len(stats.reference_gaps)
+        out["reference_max_gap"] = max(stats.reference_gaps, default=0.0)
     return out
 
 

@@ -205,6 +205,9 @@ class SpecExtendReplica:
 
     def _speculation(self, req: dict) -> dict:
         spec = req.get("speculative_decoding") or {"enabled": True, "max_tree_nodes": None}
+        if spec.get("reference_token_ids") is not None and not self.settings.benchmark_references:
+            raise BadRequestError("reference_token_ids is for benchmarks: the app's benchmark_references is off",
+                                  "speculative_decoding.reference_token_ids")
         n = spec.get("max_tree_nodes")
         if n is not None and n > self.cfg.tree.nodes:
             raise BadRequestError(f"max_tree_nodes {n} exceeds the server's tree_nodes {self.cfg.tree.nodes}",
@@ -239,9 +242,10 @@ class SpecExtendReplica:
         spec = self._speculation(req)  # a bad value is a 400 before admission
         engine = self.engine if self.draft_ok else self.ar_engine
         try:
-            engine.check_request(prompt_ids, params)
+            engine.check_request(prompt_ids, params, spec.get("reference_token_ids"))
         except RequestError as e:
-            raise BadRequestError(str(e), "max_tokens" if "max_tokens" in str(e) else "prompt") from e
+            field = "max_tokens" if "max_tokens" in str(e) else "temperature" if "greedy" in str(e) else "prompt"
+            raise BadRequestError(str(e), field) from e
         need = engine.kv_bytes(len(prompt_ids), params.max_new_tokens)
         self.metrics.set("specextend_num_requests_waiting", self.admission.waiting + 1)
         try:
@@ -259,7 +263,7 @@ class SpecExtendReplica:
         load = Load()  # the batcher tells the session's policy how many share its forwards
         session = engine.session(prompt_ids, params, session_id=req.get("request_id"), replay=replay,
                                  speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"], load=load,
-                                 replay_bonus=self.settings.replay_bonus)
+                                 replay_bonus=self.settings.replay_bonus, reference=spec.get("reference_token_ids"))
         stats, finish, last = None, None, None
         pump = SessionPump(self.engine_thread.batcher, session, loop, load=load)  # steps ahead of the streaming
         interval, sent = self.settings.stream_interval_ms / 1e3, None  # docs/architecture.md, "Serving surface"
