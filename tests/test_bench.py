@@ -254,8 +254,8 @@ def test_the_recorded_commit_is_the_checkouts_unless_named(monkeypatch):
 
 def test_gil_placements_lower_the_replicas_switch_interval_and_serve_plain_modes_too(monkeypatch):
     """The serve suite's `-gil` A/B (the replica's interpreter switch interval, a served setting): on
-    one GPU for every mode (ar and lookup included, named apart from their default rows), on two for
-    the draft's; every variant's arguments are valid app settings."""
+    one GPU for the modes without a draft (ar and lookup, named apart from their default rows), on
+    two for the draft's; every variant's arguments are valid app settings."""
     import torch
 
     from specextend.bench import serve
@@ -265,6 +265,7 @@ def test_gil_placements_lower_the_replicas_switch_interval_and_serve_plain_modes
     spread = {name: extra for name, _, _, extra in serve.placements()}
     assert spread["1gpu-gil"] == spread["2gpu-gil"] == {"switch_interval_ms": 0.2}
     assert serve.placements()[0][0] == "1gpu"  # where ar and lookup are served by default
+    assert serve.ALONE == ("1gpu-gil",)
     for extra in spread.values():
         AppSettings.model_validate(extra)
     with pytest.raises(Exception):

@@ -28,6 +28,7 @@ from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, kinds_line, summarize
 from specextend.bench.texts import documents, prompt_ids
 
 GIL = {"switch_interval_ms": 0.2}  # the `-gil` placements' replica switch interval (the draft worker's)
+ALONE = ("1gpu-gil",)  # placements of the modes without a draft only (ar, lookup), where named
 REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (real pairs' traces: 2-6)
 
 
@@ -39,7 +40,7 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     steps' tokens sent with the next tree's call, not at once; `-noearly`: a tree step's verdict sent with
     the next step's call, not as soon as it is known; `-snap`: trees walked from pool snapshots; `-gil`: the
     replica's interpreter switch interval at 0.2 ms instead of 5. `ar` and `lookup` are served on the first,
-    and on `1gpu-gil` where it is named."""
+    and on `1gpu-gil` (theirs alone: ALONE) where it is named."""
     gpus = torch.cuda.device_count()
     nolookup = {"lookup_tokens": 0}
     if gpus == 0:
@@ -210,8 +211,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
             tokenizer = read_meta(pair.target, "target").tokenizer
             for mode in modes:
                 alone = mode in ("ar", "lookup")  # no draft: served as `ar` is, by its mode's name
-                spread = ([p for i, p in enumerate(placements()) if i == 0 or (only and p[0] in only and p[0] == "1gpu-gil")]
-                          if alone else [p for p in placements() if not only or p[0] in only])
+                spread = ([p for i, p in enumerate(placements()) if i == 0 or (only and p[0] in only and p[0] in ALONE)]
+                          if alone else [p for p in placements() if (not only or p[0] in only) and p[0] not in ALONE])
                 for where, gpus, overlap, extra in spread:
                     args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy=tree_policy,
                                 draft_overlap=overlap, benchmark_references=True) | extra | (app_args or {})
