@@ -133,6 +133,9 @@ class TreeController:
     plain_forward: Optional[float] = None  # a plain step's forward seconds, alone (average)
     draft_ratio: Optional[float] = None  # the draft's prefill over the target's, when it says drafting cannot pay
     lookup_plain: float = 0.0  # tokens a plain step's context-lookup chain added (average; engine.py)
+    # the chain a step without a tree would verify now: (its nodes, the tokens it is expected to add;
+    # RequestLookup.peek), set by the engine before each choice; None: the average above
+    chain_now: Optional[tuple[int, float]] = None
     lookup_spec: float = 0.0  # tokens a speculative step's lookup chain added beyond the draft's path
     ready: float = 1.0  # share of the tree steps asked whose tree the draft had (average; with overlap < 1)
     unready_steps: int = 0  # tree steps asked that got none (decoded plainly: record_unready)
@@ -143,6 +146,7 @@ class TreeController:
     _best: Optional[Rung] = None  # the choice before the probe
     _probe: Optional[Rung] = None  # the probe's rung
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
+    _rows: int = 0  # ... and their rows
     last_forward_s: float = 0.0  # the last recorded step's forward seconds (its split, stats.step_done)
     predicted: dict = field(default_factory=dict)  # "tree"/"plain" -> [sum of predicted tokens/s, steps]
     _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span) not yet in the line
@@ -167,7 +171,7 @@ class TreeController:
         if rung.plain:
             if self.plain_forward is not None and self.sessions <= 1:
                 fwd = self.plain_forward  # measured: the line is mostly verifications, a costlier path
-            return fwd + (self.extra_plain or 0.0)
+            return fwd + b * (self.chain_now[0] if self.chain_now else 0) + (self.extra_plain or 0.0)
         return fwd + self.draft_seconds(rung.depth) + (self.extra_spec or 0.0)
 
     def step_seconds(self, rung: Rung) -> float:
@@ -180,7 +184,7 @@ class TreeController:
 
     def rate(self, rung: Rung) -> float:
         """Predicted tokens per second of a step of `rung`."""
-        plain = 1.0 + self.lookup_plain
+        plain = 1.0 + (self.lookup_plain if self.chain_now is None else self.chain_now[1])
         if rung.plain:
             return plain / max(self.step_seconds(rung), 1e-9)
         tokens = self.ready * (1.0 + self.expected_accepted(rung) + self.lookup_spec) + (1 - self.ready) * plain
@@ -229,7 +233,7 @@ class TreeController:
         not into this step's time: choose() calls it, and the engine where it decides without the
         policy (mode lookup, a draft not joined yet)."""
         self._settle()
-        self._forward_s = 0.0
+        self._forward_s, self._rows = 0.0, 0
 
     def plain_unchosen(self) -> Rung:
         """PLAIN, for a step decided without the policy (mode lookup, a draft not joined yet), with
@@ -315,6 +319,7 @@ class TreeController:
             seconds = seconds_of(span)
             self.forward.add(rows, seconds)
             self._forward_s += seconds
+            self._rows += rows
         self._pending.clear()
 
     def _average(self, old: Optional[float], new: float) -> float:
@@ -327,9 +332,10 @@ class TreeController:
         self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
-        if self._forward_s and self.sessions <= 1:
-            self.plain_forward = self._average(self.plain_forward, self._forward_s)
-        self.last_forward_s, self._forward_s = self._forward_s, 0.0
+        if self._forward_s and self.sessions <= 1:  # a chain's rows beyond the first cost the line's slope
+            one = self._forward_s - self.forward.line()[1] * max(self._rows - 1, 0)  # (chain_now prices them)
+            self.plain_forward = self._average(self.plain_forward, max(one, 0.0))
+        self.last_forward_s, self._forward_s, self._rows = self._forward_s, 0.0, 0
         self.plain_steps += 1
         self.since_probe += 1
 
@@ -346,7 +352,7 @@ class TreeController:
             self.draft.add(rung.depth, draft_s)
             if step_s is not None and self.spec_steps:
                 self.extra_spec = self._average(self.extra_spec, max(step_s - self._forward_s - draft_s, 0.0))
-        self.last_forward_s, self._forward_s = self._forward_s, 0.0
+        self.last_forward_s, self._forward_s, self._rows = self._forward_s, 0.0, 0
         now = self.spec_steps + self.plain_steps
         for r, n in accepts.items():
             old = self.accepted.get(r, 0.0)
@@ -371,7 +377,7 @@ class TreeController:
             self.draft.add(rung.depth, draft_s)
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s - (draft_s or 0.0), 0.0))
-        self.last_forward_s, self._forward_s = self._forward_s, 0.0
+        self.last_forward_s, self._forward_s, self._rows = self._forward_s, 0.0, 0
         self.unready_steps += 1
         self.since_probe += 1
         if self._probing:

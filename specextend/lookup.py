@@ -208,6 +208,14 @@ class RequestLookup:
     def _pays(self, n: int, nodes: int, alone: bool) -> bool:
         return self.cost is None or self.gate.use(n, nodes, self.cost, alone)
 
+    def peek(self) -> tuple[int, float]:
+        """(nodes, expected added tokens) of the chain a step without a tree would verify now, (0,
+        0.0) if none (the adaptive policy's choice between such a step and a tree: controller.chain_now)."""
+        n, chain = self.index.match(self.max_tokens)
+        if not chain or not self._pays(n, len(chain), alone=True):
+            return 0, 0.0
+        return len(chain), min(self.gate.gain(n), float(len(chain)))
+
     def chain(self) -> list[int]:
         """The chain a step without a tree verifies ([]: it decodes one token plainly)."""
         n, chain = self.index.match(self.max_tokens)
