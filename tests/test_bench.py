@@ -40,6 +40,8 @@ def test_e2e_suite_writes_table_json_and_plots(e2e_run):
         assert r["decode_tokens_per_s"] > 0 and r["ttft_s"] > 0 and not r["replayed"]
     spec = [r for r in record["rows"] if r["mode"] in ("sd", "sd-masked", "specextend")]
     assert all(r["num_steps"] > 0 and r["mean_acceptance_length"] >= 1 for r in spec)
+    # the engines decode ar's text (its tokens as reference; none overridden in float32 here)
+    assert all(r["reference_overrides"] == 0 for r in spec) and "reference_overrides" not in record["rows"][0]
     summary = {s["mode"]: s for s in record["summary"]}
     assert summary["ar"]["x_ar"] == 1.0 and summary["specextend"]["x_ar"] > 0
     # every other mode's output equals ar's or first differs at a near-tie (float32)

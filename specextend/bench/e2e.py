@@ -133,11 +133,13 @@ def warm_up(engine: Engine, prompt: list[int], warm: set, replay: Optional[list[
         warm.add(id(engine))
 
 
-def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optional[list[int]], warm: set):
-    """One request on `engine` (warmed up on its first use): its output ids and measurements."""
+def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optional[list[int]], warm: set,
+               reference: Optional[list[int]] = None):
+    """One request on `engine` (warmed up on its first use): its output ids and measurements;
+    `reference`: `ar`'s output, the text it decodes (verify.Reference: overrides at near-ties)."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     warm_up(engine, prompt, warm, replay)
-    ids, _, st = engine.generate(prompt, params, replay=replay)
+    ids, _, st = engine.generate(prompt, params, replay=replay, reference=reference)
     steps = st.num_steps
     per_step = max(steps + st.plain_steps + st.unready_steps + st.open_steps if engine.config.uses_draft else st.num_generated - 1, 1)
     step_ms = 1e3 * st.decode_s / per_step
@@ -148,6 +150,8 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         ttft_s=st.prefill_s, mean_acceptance_length=st.mean_acceptance_length, num_steps=steps,
         plain_steps=st.plain_steps, unready_steps=st.unready_steps, step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
         other_ms=max(step_ms - wait_ms - verify_ms, 0.0) if steps else step_ms,
+        **({} if st.reference_gaps is None else dict(reference_overrides=len(st.reference_gaps),
+                                                      reference_max_gap=max(st.reference_gaps, default=0.0))),
         draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction,
         retrieval_refreshes=st.retrieval_refreshes, retrieval_ms=1e3 * st.retrieval_s,
         transport_ms=st.transport_ms_per_step, draft_queue_ms=st.draft_queue_ms_per_step,
@@ -240,7 +244,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                         if mode in engines:
                             spec = engines[mode].config.uses_draft
                             trace, replay = trace_for(mode, length) if spec and pair.replayed else (None, None)
-                            ids, r = run_engine(engines[mode], prompt, new_tokens, replay, warm)
+                            ids, r = run_engine(engines[mode], prompt, new_tokens, replay, warm,
+                                                None if mode == "ar" or replay is not None else ref)
                             r.update(replayed=replay is not None, trace=trace)
                         elif mode in anchors:
                             hf, assistant = anchors[mode]
@@ -251,7 +256,12 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                         if mode == "ar":
                             ref = ids
                         elif ref is not None and not r["replayed"]:
-                            checks.append(dict(base, **lossless_check(target.decoder, prompt, ref, ids, tol)))
+                            check = lossless_check(target.decoder, prompt, ref, ids, tol)
+                            if r.get("reference_overrides"):  # ar's text kept where the target chose otherwise
+                                check.update(identical=False, overrides=r["reference_overrides"],
+                                             max_gap=r["reference_max_gap"],
+                                             near_tie=check["near_tie"] and r["reference_max_gap"] <= tol)
+                            checks.append(dict(base, **check))
                         rows.append(dict(base, **r))
                         progress(f"{pair_name} L={length} {doc.name} {mode}: "
                                  f"{r['decode_tokens_per_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.3f} s"
