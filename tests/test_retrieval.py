@@ -171,3 +171,17 @@ def test_a_deferred_selection_reaches_the_draft_as_its_ids():
     ids[0] = 5  # a copy: the device tensor may be reused
     assert retrieval_from_proto(step_to_proto("s", 1, [2], deferred)) == Retrieval((0, 3, 7, 9), 4)
     assert "(0, 3, 7, 9)" in repr(deferred)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_deferred_selection_equals_its_twin():
+    """On the device: select_chunks_device's ids, read through DeferredRetrieval (pinned copy, event),
+    equal select_chunks' on the same scores, ties included."""
+    from specextend.retrieval import DeferredRetrieval, select_chunks_device
+
+    cfg = RetrievalConfig(top_k=32, sink_chunks=1, recent_chunks=4)
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        scores = torch.randint(0, 3 if trial % 2 else 10**6, (520,), generator=gen).float().cuda()
+        deferred = DeferredRetrieval(select_chunks_device(scores, cfg), 32)
+        assert list(deferred.chunk_ids) == select_chunks(scores, cfg)
