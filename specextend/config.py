@@ -74,7 +74,7 @@ class RetrievalConfig:
                                     json_schema_extra=_flat("retrieval"))
     chunk_size: int = Field(32, ge=1, le=65536, description="tokens per retrieval chunk")
     top_k: int = Field(32, ge=1, description="chunks the draft keeps")
-    every: int = Field(4, ge=1, description="steps between retrieval refreshes")
+    every: int = Field(4, ge=1, description="verified trees between retrieval refreshes")
     sink_chunks: int = Field(1, ge=0, description="first chunks always kept (attention sink)")
     recent_chunks: int = Field(1, ge=0, description="last chunks always kept")
     select: Literal["attention", "recency"] = Field(

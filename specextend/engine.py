@@ -186,7 +186,7 @@ class Engine(RequestLimits, DraftLink):
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
             prepare = use_draft and self.draft.supports_prepare and not snap
             ready_only = cfg.overlap_miss == "plain"  # an overlapping draft's unready step: a plain one instead
-            refresh_due = cfg.retrieval.every  # step + 1 of the next retrieval selection
+            refresh_due = cfg.retrieval.every  # the verification (1-based) of the next retrieval selection
             prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
             # an overlapping draft is told each plain step's tokens while the next forward runs, so
             # that its pool follows them and the next tree can be ready (docs/architecture.md,
@@ -276,8 +276,9 @@ class Engine(RequestLimits, DraftLink):
                         tokens, parents, grafted = lookup.graft(tokens, parents)
                         stats.lookup_nodes += grafted
                     ts = time.perf_counter()
-                    refresh = cfg.retrieval.enabled and step + 1 >= refresh_due  # (an unready step defers it)
-                    refresh_due = step + 1 + cfg.retrieval.every if refresh else refresh_due
+                    # every `every` verifications (not step numbers, which tells, asks and unready steps advance)
+                    refresh = cfg.retrieval.enabled and stats.num_steps + 1 >= refresh_due
+                    refresh_due = stats.num_steps + 1 + cfg.retrieval.every if refresh else refresh_due
                     scored = refresh and cfg.retrieval.select == "attention"
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
                     if prepare and use_draft:  # queued: the draft prepares the next trees while it runs

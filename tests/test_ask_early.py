@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from specextend.config import SamplingParams
+from specextend.config import RetrievalConfig, SamplingParams
 from specextend.controller import TreeController
 from specextend.draft.worker import DraftWorker
 from specextend.engine import TELL_BOUND
@@ -137,7 +137,8 @@ def test_an_early_ask_leaves_before_the_retrieval_scoring_and_the_selection_goes
     monkeypatch.setattr(eng, "verify_tree", lambda *a: events.append("verdict") or verify(*a))
     worker = DraftWorker(pair[1].decoder, overlap=True)
     draft = _Selections(worker)
-    engine = engine_for(pair, draft)  # (retrieval every 2 steps, chunks of 8 over a 60-token prompt)
+    # a selection at every verification (refreshes count verifications: few trees are ready here)
+    engine = engine_for(pair, draft, retrieval=RetrievalConfig(chunk_size=8, top_k=6, every=1))
     engine.new_controller = lambda tree: policy(ladder(tree))
     out, _, stats = engine.generate(prompt(), params)
     worker.shutdown()
