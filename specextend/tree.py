@@ -27,7 +27,9 @@ def node_depths(parents: Sequence[int]) -> list[int]:
 def ancestor_mask(parents: Sequence[int], device="cpu") -> torch.Tensor:
     """[N+1, N+1] bool over [root] + nodes: row i sees the root, its ancestors and itself. Built in
     numpy (12 us for 16 nodes; row copies of a torch tensor took 140 us of host time, on the
-    verify step's critical path before its graph launch)."""
+    verify step's critical path before its graph launch), copied to the device through pinned
+    memory (models/transfer.to_device: a pageable copy may wait for the device's queued work; a
+    ready tree from the pool has a new shape nearly every step, a cache miss)."""
     n = len(parents)
     mask = np.zeros((n + 1, n + 1), dtype=bool)
     mask[:, 0] = True
@@ -35,7 +37,9 @@ def ancestor_mask(parents: Sequence[int], device="cpu") -> torch.Tensor:
         if p >= 0:
             mask[i + 1] = mask[p + 1]
         mask[i + 1, i + 1] = True
-    return torch.from_numpy(mask).to(device)
+    from specextend.models.transfer import to_device  # (models imports this module)
+
+    return to_device(mask, torch.bool, device)
 
 
 @functools.lru_cache(maxsize=512)
