@@ -17,7 +17,8 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.controller import AlwaysSpeculate, Costs, TreeController
+from specextend.controller import AlwaysSpeculate, TreeController
+from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
 from specextend.draft_link import DraftLink, Lane, settled, draft_weight_ratio, never_pays

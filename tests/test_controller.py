@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, TreeConfig
-from specextend.controller import LinearCost, TreeController
+from specextend.controller import TreeController
+from specextend.costs import LinearCost
 from specextend.ladder import PLAIN, Rung, ladder, prefix_accepts
 from specextend.draft.worker import DraftWorker
 from specextend.scheduler import Load
