@@ -77,7 +77,7 @@ def _replay(a) -> list[int] | None:
 
 def cmd_generate(a) -> int:
     from specextend.builder import build_engine
-    from specextend.engine import RequestError
+    from specextend.request_limits import RequestError
 
     config = engine_config(a)
     text = _read_prompt(a)

@@ -32,7 +32,7 @@ from specextend.snapshot import SNAPSHOT_NODES, DraftFeed
 from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
 from specextend.plain_step import plain_step_co
-from specextend.request_limits import RequestError, RequestLimits  # noqa: F401 - RequestError: the engine's
+from specextend.request_limits import RequestLimits
 from specextend.target import TargetSession
 from specextend.verify import Reference, verify_tree
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specextend.config import SamplingParams
-from specextend.engine import RequestError
+from specextend.request_limits import RequestError
 
 from helpers import make_engine
 

@@ -46,7 +46,8 @@ Engine = RequestError = RequestStats = Batcher = Load = EngineThread = SessionPu
 
 def import_engine_side() -> None:
     global Engine, RequestError, RequestStats, Batcher, Load, EngineThread, SessionPump, warm_up, warm_long
-    from specextend.engine import Engine, RequestError
+    from specextend.engine import Engine
+    from specextend.request_limits import RequestError
     from specextend.stats import RequestStats
     from specextend.scheduler import Batcher, Load
     from specextend.serving.pump import EngineThread, SessionPump
