@@ -266,6 +266,7 @@ def test_gil_placements_lower_the_replicas_switch_interval_and_serve_plain_modes
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     spread = {name: extra for name, _, _, extra in serve.placements()}
     assert spread["1gpu-gil"] == spread["2gpu-gil"] == {"switch_interval_ms": 0.2}
+    assert spread["2gpu-fixed"] == {"tree_policy": "fixed"}  # every tree asked early: the served ask_ms
     assert serve.placements()[0][0] == "1gpu"  # where ar and lookup are served by default
     assert serve.ALONE == ("1gpu-gil",)
     for extra in spread.values():

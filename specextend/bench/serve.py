@@ -39,7 +39,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     the draft's thread not waiting for an answer to be sent before its next work; `-notell`: plain
     steps' tokens sent with the next tree's call, not at once; `-noearly`: a tree step's verdict sent with
     the next step's call, not as soon as it is known; `-snap`: trees walked from pool snapshots; `-gil`: the
-    replica's interpreter switch interval at 0.2 ms instead of 5. `ar` and `lookup` are served on the first,
+    replica's interpreter switch interval at 0.2 ms instead of 5; `-fixed`: a tree every step, each
+    asked early (the served `ask_ms`). `ar` and `lookup` are served on the first,
     and on `1gpu-gil` (theirs alone: ALONE) where it is named."""
     gpus = torch.cuda.device_count()
     nolookup = {"lookup_tokens": 0}
@@ -50,7 +51,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
            ("2gpu-nohandover", 1.0, True, {"draft_handover": False}),
            ("2gpu-notell", 1.0, True, {"draft_tell": False}),
            ("2gpu-noearly", 1.0, True, {"draft_ask_early": False}),
-           ("2gpu-snap", 1.0, True, {"draft_snapshots": True}), ("2gpu-gil", 1.0, True, GIL)] if gpus >= 2 else []
+           ("2gpu-snap", 1.0, True, {"draft_snapshots": True}), ("2gpu-gil", 1.0, True, GIL),
+           ("2gpu-fixed", 1.0, True, {"tree_policy": "fixed"})] if gpus >= 2 else []
     return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup), ("1gpu-gil", 0.5, False, GIL)] + two
 
 
