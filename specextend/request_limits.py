@@ -10,7 +10,12 @@ from specextend.config import SamplingParams
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve as asked (too long, bad ids); maps to HTTP 400."""
+    """A request the engine cannot serve as asked (too long, bad ids); maps to HTTP 400 naming
+    `param`, the request field at fault."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestLimits:
@@ -36,13 +41,14 @@ class RequestLimits:
         if len(prompt_ids) > self.max_prompt_tokens:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the limit is {self.max_prompt_tokens}")
         if params.max_new_tokens > self.config.max_new_tokens:
-            raise RequestError(f"max_tokens {params.max_new_tokens} exceeds the limit {self.config.max_new_tokens}")
+            raise RequestError(f"max_tokens {params.max_new_tokens} exceeds the limit {self.config.max_new_tokens}",
+                               "max_tokens")
         if len(prompt_ids) + params.max_new_tokens > self.target.max_context:
             raise RequestError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_new_tokens}) exceeds "
-                               f"the model's context of {self.target.max_context} tokens")
+                               f"the model's context of {self.target.max_context} tokens", "max_tokens")
         vocab = self.target.args.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         if reference is not None and not params.greedy:
-            raise RequestError("reference tokens (benchmarks) need greedy decoding (temperature 0)")
+            raise RequestError("reference tokens (benchmarks) need greedy decoding (temperature 0)", "temperature")
 

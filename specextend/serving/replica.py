@@ -245,8 +245,7 @@ class SpecExtendReplica:
         try:
             engine.check_request(prompt_ids, params, spec.get("reference_token_ids"))
         except RequestError as e:
-            field = "max_tokens" if "max_tokens" in str(e) else "temperature" if "greedy" in str(e) else "prompt"
-            raise BadRequestError(str(e), field) from e
+            raise BadRequestError(str(e), e.param) from e
         need = engine.kv_bytes(len(prompt_ids), params.max_new_tokens)
         self.metrics.set("specextend_num_requests_waiting", self.admission.waiting + 1)
         try:
