@@ -186,6 +186,10 @@ class TreeController:
         self._settle()
         self._forward_s, self._rows = 0.0, 0
 
+    def _end_step(self) -> None:
+        """The step's forward time becomes its split's (last_forward_s); the next step's starts at 0."""
+        self.last_forward_s, self._forward_s, self._rows = self._forward_s, 0.0, 0
+
     def plain_unchosen(self) -> Rung:
         """PLAIN, for a step decided without the policy (mode lookup, a draft not joined yet), with
         choose()'s bookkeeping (the prefill's forwards are not that step's)."""
@@ -286,7 +290,7 @@ class TreeController:
         if self._forward_s and self.sessions <= 1:  # a chain's rows beyond the first cost the line's slope
             one = self._forward_s - self.forward.line()[1] * max(self._rows - 1, 0)  # (chain_now prices them)
             self.plain_forward = self._average(self.plain_forward, max(one, 0.0))
-        self.last_forward_s, self._forward_s, self._rows = self._forward_s, 0.0, 0
+        self._end_step()
         self.plain_steps += 1
         self.since_probe += 1
 
@@ -303,7 +307,7 @@ class TreeController:
             self.draft.add(rung.depth, draft_s)
             if step_s is not None and self.spec_steps:
                 self.extra_spec = self._average(self.extra_spec, max(step_s - self._forward_s - draft_s, 0.0))
-        self.last_forward_s, self._forward_s, self._rows = self._forward_s, 0.0, 0
+        self._end_step()
         now = self.spec_steps + self.plain_steps
         for r, n in accepts.items():
             old = self.accepted.get(r, 0.0)
@@ -328,7 +332,7 @@ class TreeController:
             self.draft.add(rung.depth, draft_s)
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s - (draft_s or 0.0), 0.0))
-        self.last_forward_s, self._forward_s, self._rows = self._forward_s, 0.0, 0
+        self._end_step()
         self.unready_steps += 1
         self.since_probe += 1
         if self._probing:

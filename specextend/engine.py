@@ -215,8 +215,11 @@ class Engine(RequestLimits, DraftLink):
                         feed.send()
                 if feed is not None and feed.error is not None:  # a call failed: plain decoding from here
                     use_draft, feed = self._fall_back(stats, sid, feed.error), None
-                ctl.chain_now = lookup.peek() if lookup is not None else None  # (what a plain step would verify)
-                rung = ctl.choose_noted(load.sessions) if use_draft and not opening_pending else ctl.plain_unchosen()
+                if use_draft and not opening_pending:
+                    ctl.chain_now = lookup.peek() if lookup is not None else None  # (what a plain step would verify)
+                    rung = ctl.choose_noted(load.sessions)
+                else:
+                    rung = ctl.plain_unchosen()
                 t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
                 if not rung.plain:
                     try:

@@ -81,8 +81,8 @@ class DeferredRetrieval:
     def __init__(self, ids: torch.Tensor, chunk_size: int) -> None:  # ids [K] on the device
         from specextend.models.transfer import record_event, to_host
 
-        self._host, self._event = to_host(ids), None
-        self._event = record_event(ids.device)
+        self._host = to_host(ids)
+        self._event = record_event(ids.device)  # (None on the CPU: the copy is done)
         self._ids: Optional[tuple[int, ...]] = None
         self.chunk_size = chunk_size
 

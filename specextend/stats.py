@@ -74,7 +74,7 @@ class RequestStats:
         now = time.perf_counter()
         sub, start, end = (getattr(call, k, now) for k in ("submitted", "started", "ended"))
         self.asked_steps += 1
-        self.ask_split.append((start - sub, end - start, tree.server_s, tree.queued_s, getattr(tree, "flight_s", 0.0),
+        self.ask_split.append((start - sub, end - start, tree.server_s, tree.queued_s, tree.flight_s,
                                waited_from - sub, now - end, now - waited_from))
 
     @property
@@ -87,6 +87,14 @@ class RequestStats:
         waits = sorted(s[-1] for s in self.ask_split)
         out["wait_p90"] = 1e3 * waits[min(n - 1, int(0.9 * n))]
         return out
+
+    @property
+    def reference_summary(self) -> dict:
+        """With reference tokens: {reference_overrides, reference_max_gap} (the tokens they overrode,
+        the largest top-two gap where they did); {} without."""
+        if self.reference_gaps is None:
+            return {}
+        return dict(reference_overrides=len(self.reference_gaps), reference_max_gap=max(self.reference_gaps, default=0.0))
 
     @property
     def predicted_tok_per_s(self) -> dict:

@@ -242,9 +242,7 @@ def spec_decoding(stats: RequestStats) -> dict:
                           for k, (n, t, sec, w, f) in stats.step_kinds.items()}}
     if stats.replayed:
         out["replayed"] = True
-    if stats.reference_gaps is not None:
-        out["reference_overrides"] = len(stats.reference_gaps)
-        out["reference_max_gap"] = max(stats.reference_gaps, default=0.0)
+    out.update(stats.reference_summary)
     return out
 
 
