@@ -207,6 +207,7 @@ class Engine(RequestLimits, DraftLink):
                 pending, retrieval = [], None
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
+            t_back = None  # when the last step's event came back (stats.between_s)
             while out.finish is None:
                 if opening_pending and use_draft and opening.done():
                     use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
@@ -221,6 +222,8 @@ class Engine(RequestLimits, DraftLink):
                 else:
                     rung = ctl.plain_unchosen()
                 t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
+                if t_back is not None:
+                    stats.between_s += t_step - t_back
                 if not rung.plain:
                     try:
                         ts = time.perf_counter()
@@ -271,8 +274,11 @@ class Engine(RequestLimits, DraftLink):
                         stats.step_done("unready", len(ev.token_ids), time.perf_counter() - t_step, draft_s,
                                         ctl.last_forward_s)
                         yield ev
+                        t_back = time.perf_counter()
                         continue
                     stats.draft_s += draft_s
+                    clock = stats.clock("tree", t_step)  # where the step's time goes (stats.phase_ms)
+                    clock("wait")
                     # best first: a prefix is the best smaller tree (a draft that ignores the bound may send more)
                     tokens, parents = tree.tokens[:rung.nodes], tree.parents[:rung.nodes]  # [N], [N]
                     drafted = len(tokens)  # the draft's nodes; a lookup chain's new ones follow them
@@ -284,7 +290,9 @@ class Engine(RequestLimits, DraftLink):
                     refresh = cfg.retrieval.enabled and stats.num_steps + 1 >= refresh_due
                     refresh_due = stats.num_steps + 1 + cfg.retrieval.every if refresh else refresh_due
                     scored = refresh and cfg.retrieval.select == "attention"
+                    clock("graft")
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
+                    clock("verify")
                     if prepare and use_draft:  # queued: the draft prepares the next trees while it runs
                         t_prep = time.perf_counter()
                         try:
@@ -297,6 +305,7 @@ class Engine(RequestLimits, DraftLink):
                     forced = replay[step % len(replay)] if replay else None
                     verdict = verify_tree(logits, tokens, parents, params, gen, forced, draft_bonus, ref,
                                           stats.num_generated)
+                    clock("verdict")
                     if prepared is not None:
                         dt = time.perf_counter() - t_prep
                         verify_ema = dt if not verify_ema else 0.7 * verify_ema + 0.3 * dt
@@ -307,9 +316,12 @@ class Engine(RequestLimits, DraftLink):
                         asked = lane.submit(self.draft.step, sid, step, pending, retrieval if from_ask else None,
                                             replace(ctl.top.bound, ready_only=True))  # (else this step's call had it)
                         step, retrieval, pending = step + 1, None, []
+                    clock("ask")
                     target.commit(verdict.accepted)
+                    clock("commit")
                     row = verdict.accepted[-1] + 1 if verdict.accepted else 0
                     fresh = self._retrieval(target, row, stats) if refresh else None
+                    clock("retrieval")
                     stats.retrieval_refreshes += fresh is not None
                     # (a step that made no call keeps a selection not yet sent)
                     retrieval = fresh if fresh is not None else (retrieval if from_ask else None)
@@ -345,6 +357,7 @@ class Engine(RequestLimits, DraftLink):
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats,
                                                          send, ref)
+                    t_plain = time.perf_counter()
                     if feed is not None:
                         feed.push(committed, send=not opening_pending)
                     kind = ("open" if use_draft and opening_pending
@@ -359,10 +372,14 @@ class Engine(RequestLimits, DraftLink):
                             stats.open_steps += 1
                         else:
                             stats.plain_steps += 1
+                    clock = stats.clock(kind, t_step)
+                    clock.add("step", t_plain - t_step)  # its forward, verdict and commit (plain_step_co)
                 ev = out.emit(committed)
+                clock("books")  # (the stats, the policy's record, the emit)
                 stats.decode_s = time.perf_counter() - t1
                 stats.step_done(kind, len(ev.token_ids), time.perf_counter() - t_step, *split)
                 yield ev
+                t_back = time.perf_counter()
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None
             self._costs = costs or self._costs

@@ -14,6 +14,27 @@ from typing import Optional
 ASK_PARTS = ("sent", "call", "draft", "queued", "flight", "overlap", "back", "wait")
 
 
+class PhaseClock:
+    """Splits one step's wall time into named phases (`clock(name)` ends the phase running since
+    the last mark), added to a kind of step's sums (RequestStats.phases; docs/architecture.md,
+    "Where a step's time goes")."""
+
+    __slots__ = ("_sums", "_t")
+
+    def __init__(self, sums: dict, t0: float) -> None:
+        self._sums, self._t = sums, t0
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self._sums[name] = self._sums.get(name, 0.0) + (now - self._t)
+        self._t = now
+
+    def add(self, name: str, seconds: float) -> None:
+        """A phase timed elsewhere (the clock's next phase starts where it ended)."""
+        self._sums[name] = self._sums.get(name, 0.0) + seconds
+        self._t += seconds
+
+
 @dataclass
 class RequestStats:
     num_steps: int = 0  # verification steps
@@ -61,6 +82,9 @@ class RequestStats:
     predicted: dict = field(default_factory=dict)
     # an early ask's way, per asked step: ASK_PARTS, seconds (ask_done)
     ask_split: list = field(default_factory=list)
+    # a kind of step's wall time by phase (PhaseClock): kind -> {phase: seconds, summed over its steps}
+    phases: dict = field(default_factory=dict)
+    between_s: float = 0.0  # wall time between a step's event and the next step's start (the caller's, the policy's)
     # benchmarks' reference tokens (verify.Reference): the target's top-two gap wherever the reference
     # overrode its choice (None: no reference)
     reference_gaps: Optional[list] = None
@@ -76,6 +100,20 @@ class RequestStats:
         self.asked_steps += 1
         self.ask_split.append((start - sub, end - start, tree.server_s, tree.queued_s, tree.flight_s,
                                waited_from - sub, now - end, now - waited_from))
+
+    def clock(self, kind: str, t0: float) -> PhaseClock:
+        """A PhaseClock for one step of `kind` that started at `t0` (perf_counter)."""
+        return PhaseClock(self.phases.setdefault(kind, {}), t0)
+
+    @property
+    def phase_ms(self) -> dict:
+        """Mean ms per step of each kind's phases, and `between` steps (per step of any kind)."""
+        out = {k: {p: 1e3 * s / max(self.step_kinds.get(k, [1])[0], 1) for p, s in ph.items()}
+               for k, ph in self.phases.items()}
+        steps = sum(v[0] for v in self.step_kinds.values())
+        if steps:
+            out["between"] = {"ms": 1e3 * self.between_s / steps}
+        return out
 
     @property
     def ask_ms(self) -> dict:
@@ -208,7 +246,7 @@ class RequestStats:
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     unready_steps=self.unready_steps, lookup_steps=self.lookup_steps, told_steps=self.told_steps, asked_steps=self.asked_steps,
-                    snapshot_trees=self.snapshot_trees, ask_ms=self.ask_ms,
+                    snapshot_trees=self.snapshot_trees, ask_ms=self.ask_ms, phase_ms=self.phase_ms,
                     open_steps=self.open_steps, max_step_s=self.max_step_s, draft_open_s=self.draft_open_s,
                     target_prefill_s=self.target_prefill_s, step_kinds=self.step_kinds,
                     lookup_nodes=self.lookup_nodes, lookup_accepted=self.lookup_accepted,

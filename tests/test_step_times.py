@@ -175,6 +175,19 @@ def test_each_kind_of_step_splits_its_time_into_wait_forward_and_host(tiny_model
     assert kinds["plain"]["forward_ms"] == pytest.approx(1e3 * plain[4])
     line = kinds_line(dict(step_kinds=kinds, max_step_ms=1.0))
     assert f"tree {tree[0]} x " in line and "(wait " in line and ", forward " in line and ", host " in line
+    # the phases split each kind's wall time (stats.PhaseClock): they add up to it, the tree's wait is its wait
+    phases = st.phases
+    assert list(phases["tree"]) == ["wait", "graft", "verify", "verdict", "ask", "commit", "retrieval", "books"]
+    assert list(phases["plain"]) == ["step", "books"]
+    for kind, sums in (("tree", tree), ("plain", plain)):
+        assert sum(phases[kind].values()) == pytest.approx(sums[2], rel=1e-2)
+    assert phases["tree"]["wait"] >= tree[3]
+    assert phases["tree"]["verify"] >= tree[4] * 0.5  # (the forward's own timer runs inside the phase)
+    assert st.between_s > 0
+    got = SpeculativeDecoding(**spec_decoding(st)).model_dump()["phase_ms"]
+    assert got["tree"]["verify"] == pytest.approx(1e3 * phases["tree"]["verify"] / tree[0])
+    assert got["between"]["ms"] == pytest.approx(1e3 * st.between_s / (tree[0] + plain[0]))
+    assert "; tree phases wait " in kinds_line(dict(step_kinds=kinds, phase_ms=got, max_step_ms=1.0))
 
 
 def test_mode_lookup_steps_forward_time_is_their_own(tiny_models):

@@ -160,7 +160,7 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         snapshot_trees=st.snapshot_trees,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec, wait_ms=1e3 * w, forward_ms=1e3 * f)
                     for k, (n, t, sec, w, f) in st.step_kinds.items()},
-        predicted_tok_per_s=st.predicted_tok_per_s, ask_ms=st.ask_ms, **wait_split(st))
+        predicted_tok_per_s=st.predicted_tok_per_s, ask_ms=st.ask_ms, phase_ms=st.phase_ms, **wait_split(st))
 
 
 def _split(kind: dict) -> str:
@@ -199,6 +199,12 @@ def kinds_line(r: dict) -> str:
             out += f", {r['asked_steps']} asked early" + ask_line(r.get("ask_ms") or {})
         if r.get("snapshot_trees"):
             out += f", {r['snapshot_trees']} from snapshots"
+    tree_phases = (r.get("phase_ms") or {}).get("tree")
+    if tree_phases:  # where a tree step's time goes (stats.PhaseClock), mean ms
+        out += "; tree phases " + ", ".join(f"{k} {v:.2f}" for k, v in tree_phases.items())
+    between = (r.get("phase_ms") or {}).get("between")
+    if between:
+        out += f"; between steps {between['ms']:.2f} ms"
     if r.get("predicted_tok_per_s"):  # what the policy expected of the kinds it chose (tokens a ms)
         out += "; predicted " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(r["predicted_tok_per_s"].items())) + " tok/ms"
     if r.get("draft_open_ms"):

@@ -211,6 +211,9 @@ class SpeculativeDecoding(BaseModel):
     predicted_tok_per_s: dict[str, float] = Field(default_factory=dict)
     # the asked steps' mean times, ms: stats.ASK_PARTS (sent, call, draft, queued, flight, overlap, back)
     ask_ms: dict[str, float] = Field(default_factory=dict)
+    # a kind of step's mean wall time by phase, ms (stats.PhaseClock: tree: wait, graft, verify, verdict,
+    # ask, commit, retrieval, books; plain and lookup: step, books; "between": {"ms": between steps})
+    phase_ms: dict[str, dict[str, float]] = Field(default_factory=dict)
     # with reference_token_ids: the tokens it overrode and the largest top-two gap where it did
     reference_overrides: Optional[int] = Field(None, exclude_if=lambda v: v is None)
     reference_max_gap: Optional[float] = Field(None, exclude_if=lambda v: v is None)
@@ -237,7 +240,7 @@ def spec_decoding(stats: RequestStats) -> dict:
            "told_steps": stats.told_steps, "asked_steps": stats.asked_steps,
            "snapshot_trees": stats.snapshot_trees, "open_steps": stats.open_steps, "max_step_ms": 1e3 * stats.max_step_s,
            "draft_open_ms": 1e3 * stats.draft_open_s, "target_prefill_ms": 1e3 * stats.target_prefill_s,
-           "predicted_tok_per_s": stats.predicted_tok_per_s, "ask_ms": stats.ask_ms,
+           "predicted_tok_per_s": stats.predicted_tok_per_s, "ask_ms": stats.ask_ms, "phase_ms": stats.phase_ms,
            "step_kinds": {k: {"steps": n, "tokens": t, "ms": 1e3 * sec, "wait_ms": 1e3 * w, "forward_ms": 1e3 * f}
                           for k, (n, t, sec, w, f) in stats.step_kinds.items()}}
     if stats.replayed:
