@@ -33,6 +33,7 @@ from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
 from specextend.plain_step import plain_step_co
 from specextend.request_limits import RequestLimits
+from specextend.retrieval import launch_scoring
 from specextend.target import TargetSession
 from specextend.verify import Reference, verify_tree
 
@@ -50,6 +51,13 @@ SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 
 
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
+
+
+def _queued(scoring, send) -> None:
+    """A plain step's work once its forward is queued: a pending selection's scoring, then the tell."""
+    launch_scoring(scoring)
+    if send is not None:
+        send()
 
 
 def _drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
@@ -292,6 +300,7 @@ class Engine(RequestLimits, DraftLink):
                     scored = refresh and cfg.retrieval.select == "attention"
                     clock("graft")
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
+                    launch_scoring(retrieval)  # a selection not yet scored: in this forward's shadow
                     clock("verify")
                     if prepare and use_draft:  # queued: the draft prepares the next trees while it runs
                         t_prep = time.perf_counter()
@@ -344,7 +353,7 @@ class Engine(RequestLimits, DraftLink):
                     asked = None  # (an ask in flight: a tell after all, its answer unused)
                     # the tokens so far go to the draft once this step's forward is queued (the
                     # call's host work while the device runs), after the lane's calls, unwaited
-                    send = None
+                    send, scoring = None, retrieval  # (scoring: launched once this step's forward is queued)
                     if tell and pending and not opening_pending:
                         if isinstance(lane.error(), DraftError):
                             use_draft = tell = self._fall_back(stats, sid, lane.error())
@@ -356,7 +365,7 @@ class Engine(RequestLimits, DraftLink):
                             held = True
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats,
-                                                         send, ref)
+                                                         partial(_queued, scoring, send), ref)
                     t_plain = time.perf_counter()
                     if feed is not None:
                         feed.push(committed, send=not opening_pending)

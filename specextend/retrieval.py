@@ -8,7 +8,8 @@ Draft side: chunk ids -> token positions to keep in the working cache.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import threading
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -74,21 +75,59 @@ class DeferredRetrieval:
     from the device: copied into pinned memory without a wait when scored, read (waiting for that
     copy alone) where a draft call first uses them, on the thread that makes the call. The scoring
     used to end in a host read on the tree step's path, after the verification's commit
-    (docs/architecture.md, "Cross-model retrieval")."""
+    (docs/architecture.md, "Cross-model retrieval").
 
-    __slots__ = ("_host", "_event", "_ids", "chunk_size")
+    `later` makes one whose scoring itself waits: its kernels are queued by `launch`, which the
+    engine calls once the next target forward is queued (their host work then runs while the
+    device runs that forward), or at the latest where the ids are read. They run on the stream
+    that was current where it was made, after the forward that captured the query."""
 
-    def __init__(self, ids: torch.Tensor, chunk_size: int) -> None:  # ids [K] on the device
+    __slots__ = ("_score", "_stream", "_lock", "_host", "_event", "_ids", "chunk_size")
+
+    def __init__(self, ids: Optional[torch.Tensor], chunk_size: int) -> None:  # ids [K] on the device
+        self._score = self._stream = self._host = self._event = None
+        self._lock = threading.Lock()
+        self._ids: Optional[tuple[int, ...]] = None
+        self.chunk_size = chunk_size
+        if ids is not None:
+            self._copy(ids)
+
+    @classmethod
+    def later(cls, score: Callable[[], torch.Tensor], device: torch.device, chunk_size: int) -> "DeferredRetrieval":
+        """A selection scored by `score()` (-> ids [K] on `device`) when launched."""
+        out = cls(None, chunk_size)
+        out._score = score
+        out._stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None
+        return out
+
+    def _copy(self, ids: torch.Tensor) -> None:
         from specextend.models.transfer import record_event, to_host
 
         self._host = to_host(ids)
         self._event = record_event(ids.device)  # (None on the CPU: the copy is done)
-        self._ids: Optional[tuple[int, ...]] = None
-        self.chunk_size = chunk_size
+
+    @property
+    def launched(self) -> bool:
+        return self._host is not None
+
+    def launch(self) -> None:
+        """Queue the scoring and the copy of its ids (once; any thread)."""
+        if self._host is not None:
+            return
+        with self._lock:
+            if self._host is not None:
+                return
+            if self._stream is None:
+                self._copy(self._score())
+            else:
+                with torch.cuda.stream(self._stream):
+                    self._copy(self._score())
+            self._score = None  # (drops the query, LSE and key views it held)
 
     @property
     def chunk_ids(self) -> tuple[int, ...]:
         if self._ids is None:
+            self.launch()
             if self._event is not None:
                 self._event.synchronize()
             self._ids = tuple(self._host.tolist())
@@ -96,6 +135,14 @@ class DeferredRetrieval:
 
     def __repr__(self) -> str:
         return f"DeferredRetrieval({self.chunk_ids}, {self.chunk_size})"
+
+
+def launch_scoring(retrieval) -> None:
+    """Queue a selection's scoring if it still waits for it (DeferredRetrieval.later); anything else
+    (None, a Retrieval) as it is. The engine calls it once a target forward is queued, so that the
+    scoring's host work runs while the device runs that forward."""
+    if isinstance(retrieval, DeferredRetrieval):
+        retrieval.launch()
 
 
 def initial_chunks(num_tokens: int, cfg: RetrievalConfig) -> list[int]:

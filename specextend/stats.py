@@ -17,7 +17,7 @@ ASK_PARTS = ("sent", "call", "draft", "queued", "flight", "overlap", "back", "wa
 class PhaseClock:
     """Splits one step's wall time into named phases (`clock(name)` ends the phase running since
     the last mark), added to a kind of step's sums (RequestStats.phases; docs/architecture.md,
-    "Where a step's time goes")."""
+    "Overlapped drafting")."""
 
     __slots__ = ("_sums", "_t")
 

@@ -108,18 +108,31 @@ class TargetSession:
             return
         self.cache.commit(to_device(keep, torch.long, self.model.device))
 
-    def selection(self, row: int, cfg: RetrievalConfig) -> Optional[Union[Retrieval, DeferredRetrieval]]:
-        """retrieval_chunks as the draft's Retrieval (None: nothing to send); on a GPU the scored
-        chunks' ids are read when a call carries them (DeferredRetrieval), not here."""
-        ids = self.retrieval_chunks(row, cfg, deferred=self.model.device.type == "cuda")
-        if isinstance(ids, torch.Tensor):
-            return DeferredRetrieval(ids, cfg.chunk_size)
-        return Retrieval(tuple(ids), cfg.chunk_size) if ids else None
+    def selection(self, row: int, cfg: RetrievalConfig,
+                  lazy: Optional[bool] = None) -> Optional[Union[Retrieval, DeferredRetrieval]]:
+        """retrieval_chunks as the draft's Retrieval (None: nothing to send). On a GPU the scores are
+        not even queued here: a DeferredRetrieval.later holds the query row, its LSE and a view of
+        the keys, and is scored when launched (the engine launches it in the next forward's shadow)
+        and read when a call carries it. The keys it reads, cache slots [0, length), stay as they
+        are: later steps write only past them. `lazy` (default: on a GPU) False: scored and read here,
+        retrieval_chunks (the twin)."""
+        ctx = self.cache.length
+        lazy = self.model.device.type == "cuda" if lazy is None else lazy
+        if (not lazy or cfg.select != "attention" or self.captured is None
+                or -(-ctx // cfg.chunk_size) <= cfg.top_k):
+            ids = self.retrieval_chunks(row, cfg)
+            return Retrieval(tuple(ids), cfg.chunk_size) if ids else None
+        q = self.captured.q[:, row].clone()  # [H, D] (the capture's buffers are reused by later forwards)
+        lse = self.captured.lse[:, row].clone()  # [H]
+        keys = self.cache.layer(self.model.args.num_layers - 1)[0][:, :ctx]  # [G, ctx, D], a view
+        scale = self.model.scale
 
-    def retrieval_chunks(self, row: int, cfg: RetrievalConfig,
-                         deferred: bool = False) -> Optional[Union[list[int], torch.Tensor]]:
-        """Chunk ids for the draft from the captured forward's query `row` (call after commit);
-        `deferred`: scored chunks come as a device tensor, not waited for (select_chunks_device).
+        def score() -> torch.Tensor:  # [K] chunk ids on the device
+            return select_chunks_device(chunk_scores(last_token_probs(q, lse, keys, scale), cfg.chunk_size), cfg)
+        return DeferredRetrieval.later(score, self.model.device, cfg.chunk_size)
+
+    def retrieval_chunks(self, row: int, cfg: RetrievalConfig) -> Optional[list[int]]:
+        """Chunk ids for the draft from the captured forward's query `row` (call after commit).
 
         After a verification, the row of the last accepted node: its final-layer probabilities
         over every key it saw (prefix, root and accepted path, now cache slots [0, length)) from
@@ -136,4 +149,4 @@ class TargetSession:
         keys = self.cache.layer(self.model.args.num_layers - 1)[0][:, :ctx]  # [G, ctx, D]
         probs = last_token_probs(self.captured.q[:, row], self.captured.lse[:, row], keys, self.model.scale)
         scores = chunk_scores(probs, cfg.chunk_size)
-        return select_chunks_device(scores, cfg) if deferred else select_chunks(scores, cfg)
+        return select_chunks(scores, cfg)

@@ -185,3 +185,110 @@ def test_on_a_gpu_the_deferred_selection_equals_its_twin():
         scores = torch.randint(0, 3 if trial % 2 else 10**6, (520,), generator=gen).float().cuda()
         deferred = DeferredRetrieval(select_chunks_device(scores, cfg), 32)
         assert list(deferred.chunk_ids) == select_chunks(scores, cfg)
+
+
+def test_a_lazy_selection_is_scored_when_launched_and_equals_its_twin(tiny_models):
+    """TargetSession.selection(lazy=True) queues nothing: it holds the query row, its LSE and a view of
+    the keys, and scores them when launched (or read). Scored after later forwards and commits (the
+    engine launches it in the next forward's shadow), it equals the eager selection made at once."""
+    from specextend.retrieval import DeferredRetrieval, launch_scoring
+
+    target, draft = tiny_models("float64")
+    dec = target.decoder
+    prompt = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    ts = TargetSession(dec, 160, hybrid=True)
+    root = int(torch.argmax(ts.prefill(prompt, 32)))
+    session = DraftSession(draft.decoder, prompt, DraftSessionParams(TreeConfig(10, 4, 3)))
+    tree = session.step(0, [root], None)
+    logits = ts.verify(root, tree.tokens, tree.parents, capture=True)
+    verdict = verify_tree(logits, tree.tokens, tree.parents, SamplingParams(), None, forced_length=2)
+    ts.commit(verdict.accepted)
+    row = verdict.accepted[-1] + 1
+    eager = ts.selection(row, CFG, lazy=False)
+    lazy = ts.selection(row, CFG, lazy=True)
+    assert isinstance(lazy, DeferredRetrieval) and not lazy.launched
+    assert isinstance(eager, Retrieval) and len(eager.chunk_ids) == CFG.top_k
+    # later steps: another verification (with a capture of its own) and its commit
+    nxt = verdict.tokens[-1]
+    tree2 = session.step(1, verdict.tokens, None)
+    logits2 = ts.verify(nxt, tree2.tokens, tree2.parents, capture=True)
+    ts.commit(verify_tree(logits2, tree2.tokens, tree2.parents, SamplingParams(), None).accepted)
+    launch_scoring(lazy)
+    assert lazy.launched
+    launch_scoring(lazy)  # once only
+    assert lazy.chunk_ids == eager.chunk_ids and lazy.chunk_size == CFG.chunk_size
+    # read before any launch: scored there
+    late = ts.selection(-1, CFG, lazy=True)  # (the capture's last row)
+    assert not late.launched and len(late.chunk_ids) == CFG.top_k and late.launched
+    launch_scoring(None)
+    launch_scoring(eager)  # (anything but a lazy selection: as it is)
+
+
+def test_a_lazy_selection_is_scored_once_whichever_threads_launch_it():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specextend.retrieval import DeferredRetrieval
+
+    calls = []
+
+    def score():
+        calls.append(1)
+        return torch.tensor([1, 4, 6])
+    sel = DeferredRetrieval.later(score, torch.device("cpu"), 8)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: sel.chunk_ids, range(16)))
+    assert calls == [1] and got == [(1, 4, 6)] * 16
+
+
+def test_the_engine_scores_a_selection_in_the_next_forwards_shadow(tiny_models, monkeypatch):
+    """With lazy selections (a GPU's default, forced here) and an overlapping draft that is told plain
+    steps and asked early, refreshes travel with calls made after a forward: the engine launches
+    their scoring once that forward is queued, before the call reads them. Output unchanged."""
+    import specextend.engine as engine_mod
+    from specextend.retrieval import DeferredRetrieval
+
+    from test_told import Runs, recorded_run
+
+    made, by_engine = [], []
+    selection = TargetSession.selection
+
+    def lazy_selection(self, row, c, lazy=None):
+        out = selection(self, row, c, lazy=True)
+        made.append(out)
+        return out
+
+    def launch(retrieval):
+        if isinstance(retrieval, DeferredRetrieval) and not retrieval.launched:
+            by_engine.append(retrieval)
+            retrieval.launch()
+    monkeypatch.setattr(TargetSession, "selection", lazy_selection)
+    monkeypatch.setattr(engine_mod, "launch_scoring", launch)
+    pair = tiny_models("float64")
+    retrieval = RetrievalConfig(chunk_size=4, top_k=6, every=1)
+    ref, out, stats, _ = recorded_run(pair, Runs, SamplingParams(40, ignore_eos=True), 0.0, retrieval=retrieval)
+    assert out == ref and stats.retrieval_refreshes > 2 and stats.asked_steps > 0
+    lazies = [m for m in made if isinstance(m, DeferredRetrieval)]
+    assert len(lazies) == stats.retrieval_refreshes and len(by_engine) >= 2
+    assert all(s.launched for s in by_engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_lazy_selection_launched_on_another_thread_runs_on_its_makers_stream():
+    """DeferredRetrieval.later on the device: launched from another thread (a draft call's), its
+    kernels go on the stream current where it was made, after the work queued there before it."""
+    import threading
+
+    from specextend.retrieval import DeferredRetrieval, select_chunks_device
+
+    cfg = RetrievalConfig(top_k=32, sink_chunks=1, recent_chunks=4)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        scores = torch.zeros(520, device="cuda")
+        torch.cuda._sleep(50_000_000)  # the maker's stream is busy when the scores are written
+        scores.copy_(torch.arange(520, device="cuda").float().flip(0))
+        sel = DeferredRetrieval.later(lambda: select_chunks_device(scores, cfg), torch.device("cuda"), 32)
+    got = []
+    t = threading.Thread(target=lambda: got.append(sel.chunk_ids))
+    t.start()
+    t.join()
+    assert list(got[0]) == select_chunks(torch.arange(520).float().flip(0), cfg)
