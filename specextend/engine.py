@@ -21,7 +21,7 @@ from specextend.controller import AlwaysSpeculate, TreeController
 from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
-from specextend.draft_link import DraftLink, Lane, settled, draft_weight_ratio, never_pays
+from specextend.draft_link import DraftLink, Lane, settled, draft_weight_ratio, never_pays, start_ask
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup
 from specextend.models.args import ModelArgs
@@ -322,8 +322,8 @@ class Engine(RequestLimits, DraftLink):
                     step += not from_ask
                     if ask_early and use_draft and not out.ends(committed):  # at once, before the commit and
                         # the retrieval scoring (a selection made below goes with the next call; its error: the next step's)
-                        asked = lane.submit(self.draft.step, sid, step, pending, retrieval if from_ask else None,
-                                            replace(ctl.top.bound, ready_only=True))  # (else this step's call had it)
+                        asked = start_ask(self.draft, lane, sid, step, pending, retrieval if from_ask else None,
+                                          replace(ctl.top.bound, ready_only=True))  # (else this step's call had it)
                         step, retrieval, pending = step + 1, None, []
                     clock("ask")
                     target.commit(verdict.accepted)

@@ -150,3 +150,32 @@ def test_an_early_ask_leaves_before_the_retrieval_scoring_and_the_selection_goes
     assert stats.retrieval_refreshes - 1 <= len(sent) <= stats.retrieval_refreshes
     every = [r for r in draft.selections if r is not None]
     assert all(a is not b for a, b in zip(every, every[1:]))  # each sent once, not again by the next call
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_early_asks_begin_on_the_engines_thread_where_the_lane_is_idle(pair, sampling):
+    """With a backend that can begin a step at once (DraftBackend.start_step: here the worker, in
+    process), an early ask made while the session's lane is idle is queued on the draft from the
+    engine's thread, no hand-off to a call thread (its `sent` part 0); lossless as ever."""
+    from helpers import make_engine
+    from test_told import engine_for, prompt
+
+    params = SamplingParams(40, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=7)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    started = []
+
+    class Counting(DraftWorker):
+        def start_step(self, *args):
+            fut = super().start_step(*args)
+            started.append(fut)
+            return fut
+
+    worker = Counting(pair[1].decoder, overlap=True)
+    engine = engine_for(pair, worker)
+    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    worker.shutdown()
+    assert out == ref
+    assert stats.asked_steps > 0 and len(started) >= stats.asked_steps
+    assert all(f.submitted == f.started <= f.ended for f in started)
+    assert all(sent == 0.0 for sent, *_ in stats.ask_split)

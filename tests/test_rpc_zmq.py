@@ -349,3 +349,35 @@ def test_step_transport_setting_reaches_actor_and_client(transport, channel_step
         client.shutdown()
         actor.__ray_shutdown__()
         actor.backend.shutdown()
+
+
+def test_a_started_step_is_sent_at_once_and_answered_in_a_future(fake, channel_steps):
+    """GrpcDraftBackend.start_step: sent on the caller's thread over an idle connection, answered in a
+    future by the client's waiter (the same tree as `step`, with its times); None, nothing sent,
+    where no connection is idle yet, so the caller calls `step`."""
+    with DraftServerThread(fake) as server:
+        client = GrpcDraftBackend(server.address)
+        client.open("s", [1, 2, 3], PARAMS)
+        assert client.start_step("s", 0, [3]) is None  # no connection to the channel yet
+        assert client.step("s", 0, [3]) == expected_tree("s", 0, [3])  # (a connection made, now idle)
+        fut = client.start_step("s", 1, [4, 5])
+        assert fut is not None
+        assert fut.result(5) == expected_tree("s", 1, [4, 5])
+        assert fut.submitted <= fut.started <= fut.ended
+        assert channel_steps["s"] == [0, 1]
+        # a retried step number: the same tree again (the server applies it once)
+        assert client.start_step("s", 1, [4, 5]).result(5) == expected_tree("s", 1, [4, 5])
+        client.close("s")
+        client.shutdown()
+        assert client.start_step("s", 2, [6]) is None  # shut down: nothing begins
+
+
+def test_a_started_step_that_fails_raises_from_its_future(fake):
+    with DraftServerThread(fake) as server:
+        client = GrpcDraftBackend(server.address)
+        client.open("s", [1, 2, 3], PARAMS)
+        client.step("s", 0, [3])
+        fut = client.start_step("nope", 0, [3])  # an unknown session: the server's error, as step's
+        with pytest.raises(DraftError):
+            fut.result(5)
+        client.shutdown()

@@ -138,6 +138,15 @@ class DraftBackend(abc.ABC):
     @abc.abstractmethod
     def close(self, session_id: str) -> None: ...
 
+    def start_step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
+                   retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> "Optional[Future]":
+        """`step`, begun on the caller's thread and answered in a future (a DraftTree, or the step's
+        error), with its times as attributes: `submitted` (called), `started` (sent on), `ended`
+        (answered), perf_counter. None where this backend cannot begin a step without blocking:
+        the caller then runs `step` on a thread of its own (docs/architecture.md, "Overlapped
+        drafting", early asks)."""
+        return None
+
     def prepare(self, session_id: str, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
                 due_s: float) -> "Future[Outcomes]":
         """See the module's docstring; only where `supports_prepare`."""

@@ -104,6 +104,22 @@ class JobWorker(DraftBackend):
     def close(self, session_id: str) -> None:
         self.submit(Close(session_id)).result()
 
+    def start_step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
+                   retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> Future:
+        """The step queued on the worker now; its tree (with_times) in the future returned."""
+        job = self.submit(Step(session_id, step, tuple(accepted_tokens), retrieval, bound))
+        out: Future = Future()
+        out.submitted = out.started = job.submitted
+
+        def answered(f: Future) -> None:  # (on the worker's thread, as it answers)
+            out.ended = time.perf_counter()
+            try:
+                out.set_result(with_times(f.result(), f))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+                out.set_exception(exc)
+        job.add_done_callback(answered)
+        return out
+
     def prepare(self, session_id: str, step: int, accepted_tokens: Sequence[int], retrieval: Optional[Retrieval],
                 due_s: float) -> Future:
         return self.submit(Prepare(session_id, step, tuple(accepted_tokens), retrieval, due_s))

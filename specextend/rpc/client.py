@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -35,7 +36,7 @@ from specextend.rpc.convert import (outcomes_from_proto, params_to_proto, prepar
                                     tree_from_proto)
 from specextend.rpc.errors import RETRYABLE, STREAM_RETRYABLE, error_from_rpc, error_from_status
 from specextend.rpc.stream import SessionStream, StreamFailed
-from specextend.rpc.zmq_client import StepChannelClient, StepFailed
+from specextend.rpc.zmq_client import PendingStep, StepChannelClient, StepFailed
 from specextend.v1 import draft_pb2 as pb
 from specextend.v1 import draft_pb2_grpc
 
@@ -91,7 +92,7 @@ class GrpcDraftBackend(DraftBackend):
         self._steps: Optional[StepChannelClient] = None  # the server's ZeroMQ step channel, once advertised
         self._discover = False  # ask Health for the channel before the next step (set by reconnect)
         self._prepares = False  # the server's step channel answers prepares (its OpenSessionReply)
-        self._waiters = ThreadPoolExecutor(8, thread_name_prefix="draft-prepare")  # a prepare's wait for its answer
+        self._waiters = ThreadPoolExecutor(8, thread_name_prefix="draft-waiter")  # a prepare's or a started step's wait for its answer
         self.reconnect(address)
 
     @property
@@ -168,11 +169,16 @@ class GrpcDraftBackend(DraftBackend):
                 logger.warning("draft health check failed: %s", exc)
         return self._steps
 
-    def _channel_step(self, steps: StepChannelClient, session_id: str, request: pb.StepRequest) -> pb.DraftTree:
+    def _channel_step(self, steps: StepChannelClient, session_id: str, request: pb.StepRequest,
+                      first: Optional[Callable[[], bytes]] = None) -> pb.DraftTree:
+        """The step over the channel, sent once more as the module says; `first`: its first
+        attempt's reply, where the request was sent already (start_step)."""
         request.timeout_ms = math.ceil(self.timeout_s * 1e3)  # the server's bound on the step
         data = request.SerializeToString()
         for attempt in (1, 2):
             try:
+                if attempt == 1 and first is not None:
+                    return pb.DraftTree.FromString(first())
                 return pb.DraftTree.FromString(steps.call(data, self.timeout_s))
             except StepFailed as err:
                 if attempt == 1 and err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -278,6 +284,40 @@ class GrpcDraftBackend(DraftBackend):
         if tree.step != step:
             raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")
         return tree
+
+    def start_step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
+                   retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> Optional[Future]:
+        """base.py's start_step over the step channel: the request sent now on this thread (no
+        hand-off to a call thread), its reply read on a thread of this client's (retried as a
+        step's is). None without a channel or an idle connection to it (the caller calls `step`)."""
+        steps = self._steps
+        if steps is None or self._discover or self._stub is None:
+            return None
+        out: Future = Future()
+        out.submitted = time.perf_counter()
+        request = step_to_proto(session_id, step, accepted_tokens, retrieval, bound)
+        request.timeout_ms = math.ceil(self.timeout_s * 1e3)
+        pending = steps.start(request.SerializeToString())
+        if pending is None:
+            return None
+        out.started = time.perf_counter()
+        try:
+            self._waiters.submit(self._finish_step, steps, session_id, step, request, pending, out)
+        except RuntimeError:  # shut down meanwhile
+            out.set_exception(DraftError("the draft client is shut down"))
+        return out
+
+    def _finish_step(self, steps: StepChannelClient, session_id: str, step: int, request: pb.StepRequest,
+                     pending: PendingStep, out: Future) -> None:
+        try:
+            reply = self._channel_step(steps, session_id, request, first=partial(pending.result, self.timeout_s))
+            out.ended = time.perf_counter()
+            tree = tree_from_proto(reply)
+            if tree.step != step:
+                raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")
+            out.set_result(tree)
+        except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+            out.set_exception(exc)
 
     @property
     def supports_prepare(self) -> bool:

@@ -96,6 +96,10 @@ class _Socket:
     def call(self, message: bytes, request_id: int, timeout_s: float) -> tuple[grpc.StatusCode, bytes]:
         deadline = time.monotonic() + timeout_s
         self._send(message, deadline)
+        return self.reply(request_id, deadline)
+
+    def reply(self, request_id: int, deadline: float) -> tuple[grpc.StatusCode, bytes]:
+        """Waits (until `deadline`, monotonic) for the reply to `request_id`, sent on this socket."""
         while True:
             events = dict(self.poller.poll(_ms(deadline - time.monotonic())))
             if self.sock in events:
@@ -171,6 +175,25 @@ class StepChannelClient:
             raise StepFailed(code, body.decode("utf-8", "replace"))
         return body
 
+    def start(self, request: bytes) -> Optional["PendingStep"]:
+        """Sends `request` now, without blocking, on an idle connected socket; its reply is read by
+        `PendingStep.result` (on any thread). None, with nothing sent, where no socket is idle or
+        the send would block: the caller then makes a `call`."""
+        with self._lock:
+            if self.closed or not self._idle:
+                return None
+            sock = self._idle.pop()
+        if sock.monitor.get(zmq.EVENTS) & zmq.POLLIN:  # its connection dropped while it was idle
+            sock.close()
+            return None
+        request_id = next(self._ids)
+        try:
+            sock.sock.send(encode_request(self._token, request_id, request), zmq.NOBLOCK)
+        except zmq.ZMQError:  # (Again: not connected, or no room) nothing was sent
+            self._give_back(sock)
+            return None
+        return PendingStep(self, sock, request_id)
+
     def close(self) -> None:
         """Closes the idle sockets; those in use close when their calls end."""
         with self._lock:
@@ -198,3 +221,20 @@ class StepChannelClient:
                 self._idle.append(sock)
                 return
         sock.close()
+
+
+class PendingStep:
+    """A request sent by StepChannelClient.start: `result` waits for its reply (once)."""
+
+    def __init__(self, client: StepChannelClient, sock: _Socket, request_id: int) -> None:
+        self._client, self._sock, self._id = client, sock, request_id
+
+    def result(self, timeout_s: float) -> bytes:
+        """The reply's DraftTree bytes within `timeout_s`; raises StepFailed (as `call` does)."""
+        try:
+            code, body = self._sock.reply(self._id, time.monotonic() + timeout_s)
+        finally:
+            self._client._give_back(self._sock)
+        if code != grpc.StatusCode.OK:
+            raise StepFailed(code, body.decode("utf-8", "replace"))
+        return body
