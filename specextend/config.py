@@ -212,9 +212,10 @@ class ServingConfig:
         "interval (the first token and the finish at once): fast steps share one item and one SSE chunk; 0: every step")
     served_model_name: Optional[str] = Field(None, min_length=1, description="model id of the API (default: the target's)")
     switch_interval_ms: Optional[float] = Field(
-        None, gt=0, le=100, description="the replica process's interpreter switch interval (sys.setswitchinterval): "
-        "the longest the engine thread waits for the interpreter lock while the HTTP side's Python holds it "
-        "(default: the interpreter's, 5 ms)")
+        None, gt=0, le=100, description="the replica's and the draft actor's interpreter switch interval "
+        "(sys.setswitchinterval): the longest a thread that woke (the engine's, a step's reply, the draft's "
+        "channel) waits for the interpreter lock while another thread's Python holds it (default: the "
+        "interpreter's, 5 ms; the draft's 0.2 ms with overlap)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
     step_transport: Literal["zmq", "grpc"] = Field(
         "zmq", description="how the target sends each step to its draft: zmq (the ZeroMQ step channel, with "

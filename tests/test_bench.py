@@ -255,7 +255,7 @@ def test_the_recorded_commit_is_the_checkouts_unless_named(monkeypatch):
 
 
 def test_gil_placements_lower_the_replicas_switch_interval_and_serve_plain_modes_too(monkeypatch):
-    """The serve suite's `-gil` A/B (the replica's interpreter switch interval, a served setting): on
+    """The serve suite's `-gil` A/B (the replica's and draft actor's switch interval, a served setting): on
     one GPU for the modes without a draft (ar and lookup, named apart from their default rows), on
     two for the draft's; every variant's arguments are valid app settings."""
     import torch
@@ -265,8 +265,9 @@ def test_gil_placements_lower_the_replicas_switch_interval_and_serve_plain_modes
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     spread = {name: extra for name, _, _, extra in serve.placements()}
-    assert spread["1gpu-gil"] == spread["2gpu-gil"] == {"switch_interval_ms": 0.2}
+    assert spread["1gpu-gil"] == spread["2gpu-gil"] == {"switch_interval_ms": 0.05}
     assert spread["2gpu-fixed"] == {"tree_policy": "fixed"}  # every tree asked early: the served ask_ms
+    assert spread["2gpu-fixed-gil"] == {"tree_policy": "fixed", "switch_interval_ms": 0.05}
     assert serve.placements()[0][0] == "1gpu"  # where ar and lookup are served by default
     assert serve.ALONE == ("1gpu-gil",)
     for extra in spread.values():

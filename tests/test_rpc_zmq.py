@@ -381,3 +381,21 @@ def test_a_started_step_that_fails_raises_from_its_future(fake):
         with pytest.raises(DraftError):
             fut.result(5)
         client.shutdown()
+
+
+def test_switch_interval_setting_reaches_the_draft_actor():
+    """switch_interval_ms, a Serve argument, is the draft actor's process's too (the replica passes it)."""
+    import sys
+
+    from specextend.serving.draft_actor import DraftActor
+    from specextend.serving.settings import AppSettings
+
+    settings = AppSettings(target="random:llama-tiny", draft="random:llama-tiny-draft", num_gpus=0, dtype="float64",
+                           switch_interval_ms=0.05)
+    before = sys.getswitchinterval()
+    actor = DraftActor(settings.to_engine_config(), new_token(), switch_interval_ms=settings.switch_interval_ms)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(5e-5)
+    finally:
+        actor.__ray_shutdown__()
+        sys.setswitchinterval(before)

@@ -27,7 +27,8 @@ import torch
 from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, kinds_line, summarize
 from specextend.bench.texts import documents, prompt_ids
 
-GIL = {"switch_interval_ms": 0.2}  # the `-gil` placements' replica switch interval (the draft worker's)
+GIL = {"switch_interval_ms": 0.05}  # the `-gil` placements' switch interval, replica and draft actor (0.2 ms before
+#                                    2026-11-27's run P, and the replica's only)
 ALONE = ("1gpu-gil",)  # placements of the modes without a draft only (ar, lookup), where named
 REPLAY_ACCEPT = 3  # accepted draft tokens per step for random-weight pairs (real pairs' traces: 2-6)
 
@@ -39,8 +40,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     the draft's thread not waiting for an answer to be sent before its next work; `-notell`: plain
     steps' tokens sent with the next tree's call, not at once; `-noearly`: a tree step's verdict sent with
     the next step's call, not as soon as it is known; `-snap`: trees walked from pool snapshots; `-gil`: the
-    replica's interpreter switch interval at 0.2 ms instead of 5; `-fixed`: a tree every step, each
-    asked early (the served `ask_ms`). `ar` and `lookup` are served on the first,
+    replica's and the draft actor's interpreter switch interval at 0.05 ms (GIL) instead of 5 and 0.2;
+    `-fixed`: a tree every step, each asked early (the served `ask_ms`; `-fixed-gil`: with GIL too). `ar` and `lookup` are served on the first,
     and on `1gpu-gil` (theirs alone: ALONE) where it is named."""
     gpus = torch.cuda.device_count()
     nolookup = {"lookup_tokens": 0}
@@ -52,7 +53,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
            ("2gpu-notell", 1.0, True, {"draft_tell": False}),
            ("2gpu-noearly", 1.0, True, {"draft_ask_early": False}),
            ("2gpu-snap", 1.0, True, {"draft_snapshots": True}), ("2gpu-gil", 1.0, True, GIL),
-           ("2gpu-fixed", 1.0, True, {"tree_policy": "fixed"})] if gpus >= 2 else []
+           ("2gpu-fixed", 1.0, True, {"tree_policy": "fixed"}),
+           ("2gpu-fixed-gil", 1.0, True, {"tree_policy": "fixed", **GIL})] if gpus >= 2 else []
     return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup), ("1gpu-gil", 0.5, False, GIL)] + two
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from specextend.config import EngineConfig
 from specextend.models import late_work
@@ -39,7 +40,8 @@ def draft_client(settings: AppSettings, address: str, token: str):
 
 
 class DraftActor:
-    def __init__(self, config: EngineConfig, token: str, step_transport: str = "zmq") -> None:
+    def __init__(self, config: EngineConfig, token: str, step_transport: str = "zmq",
+                 switch_interval_ms: Optional[float] = None) -> None:
         from specextend.builder import load_pair
         from specextend.draft.base import DraftSessionParams
         from specextend.draft.worker import DraftWorker
@@ -50,6 +52,8 @@ class DraftActor:
         # tiny draft is built as the correlated copy of the (deterministic) tiny target
         _, self.model = load_pair(config, roles=("draft",))
         t1 = time.time()
+        if switch_interval_ms is not None:  # (the worker lowers it to its own with overlap only where unset)
+            sys.setswitchinterval(switch_interval_ms / 1e3)
         self.backend = DraftWorker(self.model.decoder, name=self.model.name, prefill_chunk=config.prefill_chunk,
                                    overlap=config.overlap, prepare=config.draft_prepare,
                                    handover=config.draft_handover)

@@ -130,7 +130,8 @@ class SpecExtendReplica:
         return actor_cls.options(num_cpus=MODEL_CPUS, num_gpus=s.num_gpus, max_restarts=DRAFT_MAX_RESTARTS,
                                  max_task_retries=DRAFT_MAX_RESTARTS,
                                  scheduling_strategy=strategy).remote(cfg, self._draft_token,
-                                                                      step_transport=s.step_transport)
+                                                                      step_transport=s.step_transport,
+                                                                      switch_interval_ms=s.switch_interval_ms)
 
     def _record_draft_start(self) -> None:
         try:
