@@ -256,6 +256,7 @@ class Engine(RequestLimits, DraftLink):
                             # (ready from the pool still, where only the lane's backlog held them back)
                             bound = replace(rung.bound, ready_only=ready_only and step > 0 and (held or not caught_up))
                             held = False
+                            launch_scoring(retrieval)  # (here: the call may run on another thread)
                             tree = yield DraftCall(fn=partial(self.draft.step, sid, step, pending, retrieval, bound))
                         draft_s = time.perf_counter() - ts
                         refreshed = retrieval is not None
@@ -336,6 +337,7 @@ class Engine(RequestLimits, DraftLink):
                     retrieval = fresh if fresh is not None else (retrieval if from_ask else None)
                     stats.verify_s += time.perf_counter() - ts
                     if feed is not None:  # the verdict to the draft at once
+                        launch_scoring(retrieval)
                         feed.push(committed, retrieval)
                         pending, retrieval = [], None
                     own = _drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes

@@ -79,8 +79,10 @@ class DeferredRetrieval:
 
     `later` makes one whose scoring itself waits: its kernels are queued by `launch`, which the
     engine calls once the next target forward is queued (their host work then runs while the
-    device runs that forward), or at the latest where the ids are read. They run on the stream
-    that was current where it was made, after the forward that captured the query."""
+    device runs that forward), and in any case before it hands the selection to a call, which may
+    run on another thread: a CUDA graph captured on the engine's thread forbids other threads'
+    device work meanwhile. A read launches one that was not (a fallback). The kernels run on the
+    stream that was current where it was made, after the forward that captured the query."""
 
     __slots__ = ("_score", "_stream", "_lock", "_host", "_event", "_ids", "chunk_size")
 

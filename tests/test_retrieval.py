@@ -1,6 +1,7 @@
 """Cross-model retrieval: probabilities from the verify pass, chunk selection, working cache."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -240,10 +241,12 @@ def test_a_lazy_selection_is_scored_once_whichever_threads_launch_it():
     assert calls == [1] and got == [(1, 4, 6)] * 16
 
 
-def test_the_engine_scores_a_selection_in_the_next_forwards_shadow(tiny_models, monkeypatch):
+def test_the_engine_scores_a_selection_in_the_next_forwards_shadow(monkeypatch):
     """With lazy selections (a GPU's default, forced here) and an overlapping draft that is told plain
     steps and asked early, refreshes travel with calls made after a forward: the engine launches
-    their scoring once that forward is queued, before the call reads them. Output unchanged."""
+    their scoring once that forward is queued, before the call reads them, and every other selection
+    before it hands it to a call: no call's thread queues kernels (a graph capture on the engine's
+    thread forbids other threads' work). Output unchanged."""
     import specextend.engine as engine_mod
     from specextend.retrieval import DeferredRetrieval
 
@@ -261,15 +264,31 @@ def test_the_engine_scores_a_selection_in_the_next_forwards_shadow(tiny_models, 
         if isinstance(retrieval, DeferredRetrieval) and not retrieval.launched:
             by_engine.append(retrieval)
             retrieval.launch()
+    threads = []
+    launch_once = DeferredRetrieval.launch
+
+    def recording_launch(self):
+        if not self.launched:  # (where the kernels are queued)
+            threads.append(threading.current_thread())
+        launch_once(self)
     monkeypatch.setattr(TargetSession, "selection", lazy_selection)
     monkeypatch.setattr(engine_mod, "launch_scoring", launch)
-    pair = tiny_models("float64")
+    monkeypatch.setattr(DeferredRetrieval, "launch", recording_launch)
+    # on the CPU whatever the machine (an in-process draft on the target's GPU would capture graphs
+    # on its own thread beside the engine's; the stream handling has its GPU test below)
+    from specextend.models.loader import load_model
+
+    t = load_model("random:llama-tiny", dtype="float64", attention_backend="torch", device="cpu")
+    d = load_model("random:llama-tiny-draft", role="draft", dtype="float64", attention_backend="torch", device="cpu",
+                   vocab_size=t.args.vocab_size, target_weights=t.decoder.w)
+    pair = (t, d)
     retrieval = RetrievalConfig(chunk_size=4, top_k=6, every=1)
     ref, out, stats, _ = recorded_run(pair, Runs, SamplingParams(40, ignore_eos=True), 0.0, retrieval=retrieval)
     assert out == ref and stats.retrieval_refreshes > 2 and stats.asked_steps > 0
     lazies = [m for m in made if isinstance(m, DeferredRetrieval)]
     assert len(lazies) == stats.retrieval_refreshes and len(by_engine) >= 2
     assert all(s.launched for s in by_engine)
+    assert threads and all(t is threading.main_thread() for t in threads)  # never a call's thread
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
