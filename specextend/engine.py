@@ -130,7 +130,8 @@ class Engine(RequestLimits, DraftLink):
         emit where the target's choice differs (verify.Reference; its gaps in stats.reference_gaps)."""
         self.check_request(prompt_ids, params, reference)
         return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load or Load(),
-                             replay_bonus == "draft", None if reference is None else Reference(list(reference)))
+                             replay_bonus == "draft",
+                             None if reference is None else Reference(list(reference), dtype=self.target.decoder.dtype))
 
     @torch.inference_mode()
     def _session(self, prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load, draft_bonus,
@@ -138,7 +139,7 @@ class Engine(RequestLimits, DraftLink):
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
-        stats.reference_gaps = None if ref is None else ref.gaps
+        stats.reference_gaps, stats.reference_steps = (None, None) if ref is None else (ref.gaps, ref.steps)
         out = Emitter(params, self.target.args.eos_token_ids, stats)
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),

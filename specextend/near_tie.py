@@ -20,6 +20,13 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def within_rounding(gap: float, steps: Optional[float], tol: float) -> bool:
+    """A reference override's largest top-two gap is a near-tie: within the dtype's tolerance, or
+    within one rounding step of the logits' own magnitude (`steps` <= 1: 0.25 for bfloat16 logits in
+    [32, 64), where the fixed 0.125 is half a step; docs/architecture.md, "Baselines")."""
+    return gap <= tol or (steps is not None and steps <= 1.0)
+
+
 @torch.inference_mode()
 def top2_gap(decoder: Decoder, ids: Sequence[int]) -> float:
     """The target's top-2 logit gap for the token after `ids` (a fresh causal forward)."""

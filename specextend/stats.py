@@ -88,6 +88,7 @@ class RequestStats:
     # benchmarks' reference tokens (verify.Reference): the target's top-two gap wherever the reference
     # overrode its choice (None: no reference)
     reference_gaps: Optional[list] = None
+    reference_steps: Optional[list] = None  # the rounding step at each of those places (verify.rounding_step)
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
@@ -132,7 +133,9 @@ class RequestStats:
         the largest top-two gap where they did); {} without."""
         if self.reference_gaps is None:
             return {}
-        return dict(reference_overrides=len(self.reference_gaps), reference_max_gap=max(self.reference_gaps, default=0.0))
+        steps = self.reference_steps or [1.0] * len(self.reference_gaps)
+        return dict(reference_overrides=len(self.reference_gaps), reference_max_gap=max(self.reference_gaps, default=0.0),
+                    reference_max_gap_steps=max((g / s for g, s in zip(self.reference_gaps, steps)), default=0.0))
 
     @property
     def predicted_tok_per_s(self) -> dict:

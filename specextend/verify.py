@@ -7,6 +7,7 @@ is one, else it is the bonus token. Accepted path + bonus = exactly what the tar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -17,6 +18,16 @@ from specextend.sampling import next_token
 from specextend.tree import children_of
 
 
+def rounding_step(magnitude: float, dtype: torch.dtype) -> float:
+    """The spacing of `dtype`'s values at `magnitude` (one rounding step: bfloat16 0.125 for
+    logits in [16, 32), 0.25 in [32, 64)): the most two computations of one logit that differ only
+    in rounding can part by, per rounding of the result."""
+    m = abs(magnitude)
+    if m == 0 or not math.isfinite(m):
+        return torch.finfo(dtype).tiny
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(m))
+
+
 @dataclass
 class Reference:
     """Benchmarks only: the tokens a greedy request emits, given in advance (served `ar`'s output
@@ -25,11 +36,15 @@ class Reference:
     "Losslessness in finite precision"), after which their texts, and so their acceptance, differ:
     per-text speeds would compare different texts. Where the target's choice differs from the
     reference, the reference's token is emitted and the target's top-two gap there (its logit less
-    the reference's) is kept in `gaps`; the benchmark checks each against the near-tie tolerance, so a
-    real divergence is still caught."""
+    the reference's) is kept in `gaps`, and beside it in `steps` the rounding step of the model's
+    dtype (`dtype`, default the logits') at the larger of the two logits; the benchmark checks each
+    against the near-tie tolerance, or one rounding step where the logits are large, so a real
+    divergence is still caught."""
 
     tokens: Sequence[int]
     gaps: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    dtype: Optional[torch.dtype] = None
 
     def pick(self, logits: torch.Tensor, row: int, tok: int, position: int) -> int:
         """The token to emit at output `position` (0: the first) for logits [R, V] row `row`, where
@@ -37,7 +52,9 @@ class Reference:
         if position >= len(self.tokens) or int(self.tokens[position]) == tok:
             return tok
         want = int(self.tokens[position])
-        self.gaps.append(float(logits[row, tok].float() - logits[row, want].float()))
+        mine, theirs = float(logits[row, tok].float()), float(logits[row, want].float())
+        self.gaps.append(mine - theirs)
+        self.steps.append(rounding_step(max(abs(mine), abs(theirs)), self.dtype or logits.dtype))
         return want
 
 

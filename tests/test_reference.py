@@ -41,3 +41,40 @@ def test_a_reference_shorter_than_the_answer_leaves_the_rest_to_the_target(pair)
     short = ref[:4] + [(ref[4] + 1) % pair[0].args.vocab_size]
     out, _, st = make_engine(pair, "specextend").generate(PROMPT, params, reference=short)
     assert out[:5] == short and len(out) == 20 and len(st.reference_gaps) == 1
+
+
+def test_an_override_is_measured_in_rounding_steps_of_the_logits_magnitude():
+    """A bfloat16 logit near 40 can only move in steps of 0.25: an override at a gap of 0.25 there
+    is one rounding step, a near-tie (the fixed 0.125 tolerance is half a step at that size), one at
+    0.5 is not; the response and the benchmarks' checks carry it (docs/architecture.md, "Baselines")."""
+    import torch
+
+    from specextend.near_tie import within_rounding
+    from specextend.serving.protocol import SpeculativeDecoding, spec_decoding
+    from specextend.stats import RequestStats
+    from specextend.verify import Reference, rounding_step
+
+    assert rounding_step(40.0, torch.bfloat16) == 0.25 and rounding_step(-20.0, torch.bfloat16) == 0.125
+    assert rounding_step(1.5, torch.float32) == 2.0 ** -23 and rounding_step(0.0, torch.bfloat16) > 0
+    logits = torch.full((1, 8), -5.0, dtype=torch.bfloat16)
+    logits[0, 2], logits[0, 3], logits[0, 4] = 40.25, 40.0, 39.75
+    ref = Reference([3, 4], dtype=torch.bfloat16)
+    assert ref.pick(logits, 0, 2, 0) == 3 and ref.pick(logits, 0, 2, 1) == 4
+    assert ref.gaps == [0.25, 0.5] and ref.steps == [0.25, 0.25]
+    st = RequestStats()
+    st.reference_gaps, st.reference_steps = ref.gaps, ref.steps
+    assert st.reference_summary == dict(reference_overrides=2, reference_max_gap=0.5, reference_max_gap_steps=2.0)
+    got = SpeculativeDecoding(**spec_decoding(st)).model_dump()
+    assert got["reference_max_gap_steps"] == 2.0
+    assert within_rounding(0.25, 1.0, 0.125) and not within_rounding(0.5, 2.0, 0.125)
+    assert within_rounding(0.1, None, 0.125) and not within_rounding(0.25, None, 0.125)
+
+
+def test_the_engine_measures_its_overrides_in_its_dtypes_steps(pair):
+    params = SamplingParams(12, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(PROMPT, params)
+    other = list(ref)
+    other[3] = (ref[3] + 1) % pair[0].args.vocab_size
+    _, _, st = make_engine(pair, "specextend").generate(PROMPT, params, reference=other)
+    assert len(st.reference_steps) == len(st.reference_gaps) >= 1  # (the text after it is ar's no more)
+    assert all(0 < s < 1e-10 for s in st.reference_steps)  # float64's steps at the logits' size

@@ -33,7 +33,7 @@ from specextend.draft.worker import DraftWorker
 from specextend import warmup
 from specextend.engine import Engine
 from specextend.models.loader import load_model
-from specextend.near_tie import lossless_check
+from specextend.near_tie import lossless_check, within_rounding
 
 log = logging.getLogger(__name__)
 TRACES = Path(__file__).resolve().parent / "traces"
@@ -265,7 +265,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                             if r.get("reference_overrides"):  # ar's text kept where the target chose otherwise
                                 check.update(identical=False, overrides=r["reference_overrides"],
                                              max_gap=r["reference_max_gap"],
-                                             near_tie=check["near_tie"] and r["reference_max_gap"] <= tol)
+                                             near_tie=check["near_tie"] and within_rounding(
+                                                 r["reference_max_gap"], r.get("reference_max_gap_steps"), tol))
                             checks.append(dict(base, **check))
                         rows.append(dict(base, **r))
                         progress(f"{pair_name} L={length} {doc.name} {mode}: "

@@ -25,6 +25,7 @@ import requests
 import torch
 
 from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, kinds_line, summarize
+from specextend.near_tie import within_rounding
 from specextend.bench.texts import documents, prompt_ids
 
 GIL = {"switch_interval_ms": 0.05}  # the `-gil` placements' switch interval, replica and draft actor (0.2 ms before
@@ -183,7 +184,8 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int,
                    draft_ahead_depth=spec.get("draft_ahead_depth", 0.0), mean_tree_nodes=spec.get("mean_tree_nodes", 0.0),
                    probe_steps=spec.get("probe_steps", 0))
     if "reference_overrides" in spec:
-        out.update(reference_overrides=spec["reference_overrides"], reference_max_gap=spec["reference_max_gap"])
+        out.update(reference_overrides=spec["reference_overrides"], reference_max_gap=spec["reference_max_gap"],
+                   reference_max_gap_steps=spec.get("reference_max_gap_steps"))
     out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}),  # every mode
                predicted_tok_per_s=spec.get("predicted_tok_per_s", {}), ask_ms=spec.get("ask_ms", {}),
                phase_ms=spec.get("phase_ms", {}),
@@ -253,9 +255,10 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                             elif key in refs and not pair.replayed:
                                 same = ids == refs[key]  # served greedy output against served ar's
                                 gap = r.get("reference_max_gap") or 0.0  # where the reference overrode it
+                                steps = r.get("reference_max_gap_steps")  # (the same gap in rounding steps)
                                 checks.append(dict(pair=pair_name, length=length, doc=doc.name, mode=name,
                                                    identical=same and not r.get("reference_overrides"),
-                                                   near_tie=same and gap <= tie_tolerance(),
+                                                   near_tie=same and within_rounding(gap, steps, tie_tolerance()),
                                                    overrides=r.get("reference_overrides", 0), max_gap=gap))
                                 if not same:  # settled by the near-tie rule once the apps are gone
                                     differing.append((checks[-1], pair, prompt, refs[key], ids))

@@ -217,6 +217,8 @@ class SpeculativeDecoding(BaseModel):
     # with reference_token_ids: the tokens it overrode and the largest top-two gap where it did
     reference_overrides: Optional[int] = Field(None, exclude_if=lambda v: v is None)
     reference_max_gap: Optional[float] = Field(None, exclude_if=lambda v: v is None)
+    # ... and the largest such gap in rounding steps of the target's dtype at the logits' magnitude
+    reference_max_gap_steps: Optional[float] = Field(None, exclude_if=lambda v: v is None)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
