@@ -35,11 +35,15 @@ def test_record_and_replay_trace(capsys, tmp_path):
     saved = json.loads(trace.read_text())
     assert saved["accepted_per_step"] and len(saved["accepted_per_step"]) == rec["num_steps"]
     (tmp_path / "forced.json").write_text(json.dumps({"accepted_per_step": [3]}))
-    # every step the full tree (depth 4): under the adaptive policy which steps verify a tree depends
-    # on measured times, and one fresh-clone CI run (2026-11-27) got a mean of 3.5 (a replayed step
-    # short of 3, not reproduced here: forcing every rung at random gave 3 at every step)
+    # every step the full tree (depth 4): under the adaptive policy which steps verify a tree, and how
+    # large, depends on measured times, and a replayed step accepts no more than its tree's best
+    # branch is deep (a 4-node rung may stop at depth 2: one fresh-clone CI run read a mean of 3.5)
     rep = run_json(capsys, "--replay-trace", str(tmp_path / "forced.json"), "--tree-policy", "fixed", *common)
     assert rep["replayed"] and rep["mean_acceptance_length"] == 4.0
+    # ...and no deeper than the best branch of the tree verified
+    small = run_json(capsys, "--replay-trace", str(tmp_path / "forced.json"), "--tree-policy", "fixed",
+                     "--tree-nodes", "1", *common)
+    assert small["replayed"] and small["mean_acceptance_length"] == 2.0
 
 
 @pytest.mark.parametrize("args,message", [
