@@ -61,8 +61,9 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
         # every step asked by a step call but those a prepare answered (unready ones: plain steps)
         assert stats.prepared_steps > 0 and calls["step"] + stats.prepared_steps == stats.num_steps + stats.unready_steps
         assert calls["prepare"] == stats.num_steps  # one per verification
-        if mode == "specextend":
-            assert stats.retrieval_refreshes > 1
+        if mode == "specextend":  # (a refresh every 2 verified trees once the context passes the budget;
+            # how many trees verify depends on timing: a loaded CI run verified 4 and refreshed once)
+            assert stats.retrieval_refreshes >= 1
     worker.shutdown()
 
 
