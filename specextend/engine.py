@@ -23,7 +23,7 @@ from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
 from specextend.draft_link import DraftLink, Lane, settled, draft_weight_ratio, never_pays, start_ask
 from specextend.emit import Emitter, StepEvent
-from specextend.lookup import ContextIndex, RequestLookup
+from specextend.lookup import ContextIndex, RequestLookup, drafted_prefix
 from specextend.models.args import ModelArgs
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
@@ -51,21 +51,6 @@ SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 
 
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
-
-
-def _queued(scoring, send) -> None:
-    """A plain step's work once its forward is queued: a pending selection's scoring, then the tell."""
-    launch_scoring(scoring)
-    if send is not None:
-        send()
-
-
-def _drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
-    """The accepted path's nodes up to the first that a lookup chain added (index >= drafted)."""
-    n = 0
-    while n < len(accepted) and accepted[n] < drafted:
-        n += 1
-    return list(accepted[:n])
 
 
 class Engine(RequestLimits, DraftLink):
@@ -341,7 +326,7 @@ class Engine(RequestLimits, DraftLink):
                         launch_scoring(retrieval)
                         feed.push(committed, retrieval)
                         pending, retrieval = [], None
-                    own = _drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes
+                    own = drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes
                     stats.lookup_accepted += verdict.accept_length - len(own)
                     stats.tree_step(verdict.accept_length, target.cache.length, drafted, len(tokens), tree, draft_s,
                                     prepared=not applied, refreshed=refreshed)
@@ -368,7 +353,7 @@ class Engine(RequestLimits, DraftLink):
                             held = True
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats,
-                                                         partial(_queued, scoring, send), ref)
+                                                         send, ref, scoring)
                     t_plain = time.perf_counter()
                     if feed is not None:
                         feed.push(committed, send=not opening_pending)

@@ -121,6 +121,15 @@ def continuation_scan(ids: Sequence[int], max_tokens: int, ns: Sequence[int] = N
     return []
 
 
+def drafted_prefix(accepted: Sequence[int], drafted: int) -> list[int]:
+    """The accepted path's nodes up to the first that a lookup chain added (index >= drafted: `graft`
+    appends a chain's nodes after the draft's)."""
+    n = 0
+    while n < len(accepted) and accepted[n] < drafted:
+        n += 1
+    return list(accepted[:n])
+
+
 def graft(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int]) -> tuple[list[int], list[int], int]:
     """The tree with `chain` (tokens after the root, in order) joined to it: the chain follows the
     tree's nodes while they carry its tokens, and its remaining tokens hang below as a path of new

@@ -10,38 +10,46 @@ from typing import Callable, Generator, Optional
 from specextend.config import SamplingParams
 from specextend.lookup import RequestLookup, graft
 from specextend.models.batch import ForwardCall
+from specextend.retrieval import launch_scoring
 from specextend.sampling import next_token
 from specextend.stats import RequestStats
 from specextend.target import TargetSession
 from specextend.verify import Reference, verify_tree
 
 
+def _queued(scoring, queued: Optional[Callable[[], object]]) -> None:
+    """Once the forward is queued: a pending selection's scoring, then the caller's hook (a tell)."""
+    launch_scoring(scoring)
+    if queued is not None:
+        queued()
+
+
 def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen, timed,
                   lookup: Optional[RequestLookup] = None, stats: Optional[RequestStats] = None,
                   queued: Optional[Callable[[], object]] = None,
-                  reference: Optional[Reference] = None) -> Generator[ForwardCall, object, list[int]]:
+                  reference: Optional[Reference] = None,
+                  scoring=None) -> Generator[ForwardCall, object, list[int]]:
     """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
     chain worth its rows, that chain verified instead (its accepted tokens, then the target's
     next one); the emitted tokens committed to the lookup. `timed` wraps each forward coroutine
     (the engine's: its cost line and a batching driver's load, scheduler.metered). `queued` is called
     once the forward is queued, before its logits are read: host work that then costs the step
-    nothing (the engine's tell to an overlapping draft). `reference` (benchmarks): verify.Reference,
-    with `stats` (its count of emitted tokens is the position)."""
+    nothing (the engine's tell to an overlapping draft); a retrieval selection still to be scored
+    (`scoring`: retrieval.launch_scoring) is launched just before it. `reference` (benchmarks):
+    verify.Reference, with `stats` (its count of emitted tokens is the position)."""
     t0 = time.perf_counter()
     chain = lookup.chain() if lookup is not None else []
     from_chain = 0
     if not chain:
         logits = yield from timed(target.decode_co(root))
-        if queued is not None:
-            queued()
+        _queued(scoring, queued)
         out = [next_token(logits, params, gen)]
         if reference is not None:
             out = [reference.pick(logits.view(1, -1), 0, out[0], stats.num_generated)]
     else:
         tokens, parents, _ = graft((), (), chain)  # a path: [k], [k]
         logits = yield from timed(target.verify_co(root, tokens, parents, capture=False))
-        if queued is not None:
-            queued()
+        _queued(scoring, queued)
         verdict = verify_tree(logits, tokens, parents, params, gen, reference=reference,
                               emitted=0 if stats is None else stats.num_generated)
         target.commit(verdict.accepted)

@@ -248,6 +248,7 @@ def test_the_engine_scores_a_selection_in_the_next_forwards_shadow(monkeypatch):
     before it hands it to a call: no call's thread queues kernels (a graph capture on the engine's
     thread forbids other threads' work). Output unchanged."""
     import specextend.engine as engine_mod
+    import specextend.plain_step as plain_step_mod
     from specextend.retrieval import DeferredRetrieval
 
     from test_told import Runs, recorded_run
@@ -273,6 +274,7 @@ def test_the_engine_scores_a_selection_in_the_next_forwards_shadow(monkeypatch):
         launch_once(self)
     monkeypatch.setattr(TargetSession, "selection", lazy_selection)
     monkeypatch.setattr(engine_mod, "launch_scoring", launch)
+    monkeypatch.setattr(plain_step_mod, "launch_scoring", launch)
     monkeypatch.setattr(DeferredRetrieval, "launch", recording_launch)
     # on the CPU whatever the machine (an in-process draft on the target's GPU would capture graphs
     # on its own thread beside the engine's; the stream handling has its GPU test below)
