@@ -179,3 +179,52 @@ def test_early_asks_begin_on_the_engines_thread_where_the_lane_is_idle(pair, sam
     assert stats.asked_steps > 0 and len(started) >= stats.asked_steps
     assert all(f.submitted == f.started <= f.ended for f in started)
     assert all(sent == 0.0 for sent, *_ in stats.ask_split)
+
+
+def test_an_ask_begins_at_once_only_behind_an_idle_lane():
+    """draft_link.start_ask: behind calls still running (or one that failed) the ask is the lane's next
+    call, so it reaches the draft after them; behind an idle lane it begins on the caller's thread and
+    becomes the lane's tail; a backend that cannot begin one gets a lane call."""
+    import threading
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from specextend.draft_link import Lane, start_ask
+
+    order, gate = [], threading.Event()
+
+    class Backend:
+        can_start = True
+
+        def step(self, *args):
+            if args[1] == 0:
+                gate.wait(5)
+            order.append(("step", args[1]))
+            return args[1]
+
+        def start_step(self, *args):
+            if not self.can_start:
+                return None
+            order.append(("start", args[1]))
+            fut = Future()
+            fut.set_result(args[1])
+            return fut
+
+    with ThreadPoolExecutor(2) as pool:
+        lane, backend = Lane(pool), Backend()
+        busy = lane.submit(backend.step, "s", 0)  # running: the lane is not idle
+        asked = start_ask(backend, lane, "s", 1)
+        assert lane.tail is asked and not lane.idle
+        gate.set()
+        assert asked.result(5) == 1 and busy.result(5) == 0
+        assert order == [("step", 0), ("step", 1)]  # after the call before it, as a lane call
+        direct = start_ask(backend, lane, "s", 2)  # idle now: begun here
+        assert order[-1] == ("start", 2) and lane.tail is direct and direct.result() == 2
+        backend.can_start = False
+        assert start_ask(backend, lane, "s", 3).result(5) == 3 and order[-1] == ("step", 3)
+        failed = Future()
+        failed.set_exception(RuntimeError("draft gone"))
+        lane.adopt(failed)
+        backend.can_start = True
+        with pytest.raises(RuntimeError, match="draft gone"):  # behind a failure: failed the same, unrun
+            start_ask(backend, lane, "s", 4).result(5)
+        assert order[-1] == ("step", 3)

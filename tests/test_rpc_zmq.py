@@ -399,3 +399,17 @@ def test_switch_interval_setting_reaches_the_draft_actor():
     finally:
         actor.__ray_shutdown__()
         sys.setswitchinterval(before)
+
+
+def test_a_started_step_past_its_deadline_is_sent_once_more(fake):
+    """A started step whose first attempt runs past the deadline is retried as `step` retries (the
+    same step number: the draft applies it once and answers the retry with the same tree)."""
+    with DraftServerThread(fake) as server:
+        client = GrpcDraftBackend(server.address, timeout_s=0.4)
+        client.open("s", [1, 2, 3], PARAMS)
+        client.step("s", 0, [3])
+        fake.slow_once[1] = 0.6
+        fut = client.start_step("s", 1, [4])
+        assert fut.result(5) == expected_tree("s", 1, [4])
+        assert [step for _, step, _ in fake.applied] == [0, 1]  # applied once
+        client.shutdown()
