@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 # Messages are small (a step is well under 1 KB; TCP_NODELAY is gRPC's default), so latency is
 # all that matters: no gRPC-level retries (Step retries itself, once), keepalive pings to notice a
 # dead draft node between steps, and a short reconnect backoff so a restarted server is found soon.
+# threads that wait for the answers of prepares and started steps, one per call in flight: as many as
+# a replica's sessions (max_concurrent_sessions, 16 by default) may have, with room; created on demand
+WAITERS = 32
 CHANNEL_OPTIONS = (
     ("grpc.enable_retries", 0),
     ("grpc.keepalive_time_ms", 30_000),
@@ -92,7 +95,7 @@ class GrpcDraftBackend(DraftBackend):
         self._steps: Optional[StepChannelClient] = None  # the server's ZeroMQ step channel, once advertised
         self._discover = False  # ask Health for the channel before the next step (set by reconnect)
         self._prepares = False  # the server's step channel answers prepares (its OpenSessionReply)
-        self._waiters = ThreadPoolExecutor(8, thread_name_prefix="draft-waiter")  # a prepare's or a started step's wait for its answer
+        self._waiters = ThreadPoolExecutor(WAITERS, thread_name_prefix="draft-waiter")  # a prepare's or a started step's wait for its answer
         self.reconnect(address)
 
     @property
