@@ -34,6 +34,7 @@ order, and, with overlap on, background drafting between them that any arriving 
 from __future__ import annotations
 
 import abc
+import functools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -79,8 +80,16 @@ class TreeBound:
     ready_only: bool = False  # with overlap: a tree from the pool, or none at once (never drafted on the step's path)
 
     def apply(self, tree: TreeConfig) -> TreeConfig:
-        return TreeConfig(nodes=min(tree.nodes, self.nodes or tree.nodes),
-                          depth=min(tree.depth, self.depth or tree.depth), topk=tree.topk)
+        """The session's tree within this cap (memoised: a validated TreeConfig is built once per
+        cap and tree, not on every step's path, where building one took ~50 us of the ~250 us of a
+        ready answer on the CPU)."""
+        return _bounded(tree, self.nodes, self.depth)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bounded(tree: TreeConfig, nodes: int, depth: int) -> TreeConfig:
+    return TreeConfig(nodes=min(tree.nodes, nodes or tree.nodes), depth=min(tree.depth, depth or tree.depth),
+                      topk=tree.topk)
 
 
 @dataclass(frozen=True)
