@@ -17,6 +17,12 @@ Protocol of a session (the target drives):
       and applies nothing twice.
   close(session_id)                             frees everything of the session (idempotent)
 
+A backend may also begin a step without blocking the caller (an early ask from the engine's thread):
+  start_step(...same as step...) -> Future[DraftTree] | None
+      the step sent or queued now, its tree (or error) in the future, with its times (`submitted`,
+      `started`, `ended`); None where it cannot begin one without waiting (the caller then calls
+      `step` on a thread of its own).
+
 With overlapped drafting a backend may also prepare the next tree before the verdict
 (`supports_prepare`, docs/architecture.md, "Prepared outcomes"):
   prepare(session_id, step, accepted_tokens, retrieval, due_s) -> Future[Outcomes]
