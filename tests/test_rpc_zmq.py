@@ -354,17 +354,24 @@ def test_step_transport_setting_reaches_actor_and_client(transport, channel_step
 def test_a_started_step_is_sent_at_once_and_answered_in_a_future(fake, channel_steps):
     """GrpcDraftBackend.start_step: sent on the caller's thread over an idle connection, answered in a
     future by the client's waiter (the same tree as `step`, with its times); None, nothing sent,
-    where no connection is idle yet, so the caller calls `step`."""
+    where no connection is idle, so the caller calls `step`."""
     with DraftServerThread(fake) as server:
         client = GrpcDraftBackend(server.address)
-        client.open("s", [1, 2, 3], PARAMS)
-        assert client.start_step("s", 0, [3]) is None  # no connection to the channel yet
-        assert client.step("s", 0, [3]) == expected_tree("s", 0, [3])  # (a connection made, now idle)
+        client.open("s", [1, 2, 3], PARAMS)  # (it connects a socket ahead: maybe connected by now, maybe not)
+        first = client.start_step("s", 0, [3])
+        tree = client.step("s", 0, [3]) if first is None else first.result(5)
+        assert tree == expected_tree("s", 0, [3])
+        with client._steps._lock:  # no idle connection: nothing begins, nothing is sent
+            idle, client._steps._idle = client._steps._idle, []
+        assert client.start_step("s", 1, [4, 5]) is None and channel_steps["s"] == [0]
+        for sock in idle:
+            sock.close()
+        assert client.step("s", 0, [3]) == tree  # (a retry of step 0, on a new connection, now idle)
         fut = client.start_step("s", 1, [4, 5])
         assert fut is not None
         assert fut.result(5) == expected_tree("s", 1, [4, 5])
         assert fut.submitted <= fut.started <= fut.ended
-        assert channel_steps["s"] == [0, 1]
+        assert channel_steps["s"] == [0, 0, 1]
         # a retried step number: the same tree again (the server applies it once)
         assert client.start_step("s", 1, [4, 5]).result(5) == expected_tree("s", 1, [4, 5])
         client.close("s")
