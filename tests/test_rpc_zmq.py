@@ -412,10 +412,10 @@ def test_a_started_step_past_its_deadline_is_sent_once_more(fake):
     """A started step whose first attempt runs past the deadline is retried as `step` retries (the
     same step number: the draft applies it once and answers the retry with the same tree)."""
     with DraftServerThread(fake) as server:
-        client = GrpcDraftBackend(server.address, timeout_s=0.4)
+        client = GrpcDraftBackend(server.address, timeout_s=1.0)
         client.open("s", [1, 2, 3], PARAMS)
         client.step("s", 0, [3])
-        fake.slow_once[1] = 0.6
+        fake.slow_once[1] = 1.3  # past the first attempt's second, well within the retry's
         fut = client.start_step("s", 1, [4])
         assert fut.result(5) == expected_tree("s", 1, [4])
         assert [step for _, step, _ in fake.applied] == [0, 1]  # applied once
