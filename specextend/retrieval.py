@@ -114,10 +114,10 @@ class DeferredRetrieval:
 
     def launch(self) -> None:
         """Queue the scoring and the copy of its ids (once; any thread)."""
-        if self._host is not None:
+        if self.launched:
             return
         with self._lock:
-            if self._host is not None:
+            if self.launched:
                 return
             if self._stream is None:
                 self._copy(self._score())

@@ -133,9 +133,11 @@ class RequestStats:
         the largest top-two gap where they did); {} without."""
         if self.reference_gaps is None:
             return {}
-        steps = self.reference_steps or [1.0] * len(self.reference_gaps)
-        return dict(reference_overrides=len(self.reference_gaps), reference_max_gap=max(self.reference_gaps, default=0.0),
-                    reference_max_gap_steps=max((g / s for g, s in zip(self.reference_gaps, steps)), default=0.0))
+        out = dict(reference_overrides=len(self.reference_gaps), reference_max_gap=max(self.reference_gaps, default=0.0))
+        if self.reference_steps is not None:  # (without them no gap is measured in steps: none passes by steps)
+            out["reference_max_gap_steps"] = max((g / s for g, s in zip(self.reference_gaps, self.reference_steps)),
+                                                 default=0.0)
+        return out
 
     @property
     def predicted_tok_per_s(self) -> dict:

@@ -20,6 +20,30 @@ def _sessions_wait_for_the_draft(monkeypatch):
     monkeypatch.setattr(Engine, "join_early", False)
 
 
+@pytest.fixture
+def fake():
+    """A fresh test_rpc.FakeDraft (base.py's step contract, deterministic trees) for a server to serve."""
+    from test_rpc import FakeDraft
+
+    return FakeDraft()
+
+
+@pytest.fixture
+def channel_steps(monkeypatch):
+    """Session id -> steps that arrived over the ZeroMQ channel (counted where its jobs are made)."""
+    import specextend.rpc.zmq_server as zmq_server
+
+    seen: dict[str, list[int]] = {}
+    make_job = zmq_server.step_from_proto
+
+    def counting(request):
+        seen.setdefault(request.session_id, []).append(request.step)
+        return make_job(request)
+
+    monkeypatch.setattr(zmq_server, "step_from_proto", counting)
+    return seen
+
+
 @pytest.fixture(scope="session")
 def tiny_models():
     """Cache of (target, draft) tiny LoadedModels per (dtype, backend)."""

@@ -110,11 +110,6 @@ PARAMS = DraftSessionParams(
 
 
 @pytest.fixture
-def fake():
-    return FakeDraft()
-
-
-@pytest.fixture
 def server(fake):
     with DraftServerThread(fake, model="fake-draft") as server:
         yield server

@@ -12,13 +12,8 @@ import zmq
 
 from specextend.rpc import DraftServerThread, GrpcDraftBackend
 from specextend.rpc.zmq_client import StepChannelClient, StepFailed, _Socket
-from test_rpc import PARAMS, FakeDraft, expected_tree
+from test_rpc import PARAMS, expected_tree
 from test_rpc_zmq import request_bytes
-
-
-@pytest.fixture
-def fake():
-    return FakeDraft()
 
 
 def test_an_idle_socket_of_a_gone_draft_stops_trying(fake):

@@ -59,6 +59,14 @@ CHANNEL_OPTIONS = (
 )
 
 
+def _tree_of(reply: pb.DraftTree, step: int) -> DraftTree:
+    """The reply to step `step` as a DraftTree; a tree of another step is the draft's error."""
+    tree = tree_from_proto(reply)
+    if tree.step != step:
+        raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")
+    return tree
+
+
 @dataclass(frozen=True)
 class DraftHealth:
     ok: bool
@@ -283,10 +291,7 @@ class GrpcDraftBackend(DraftBackend):
             reply = self._stream_step(session_id, request)
         else:
             reply = self._call("Step", request, self.timeout_s, attempts=2)
-        tree = tree_from_proto(reply)
-        if tree.step != step:
-            raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")
-        return tree
+        return _tree_of(reply, step)
 
     def start_step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
                    retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> Optional[Future]:
@@ -315,10 +320,7 @@ class GrpcDraftBackend(DraftBackend):
         try:
             reply = self._channel_step(steps, session_id, request, first=partial(pending.result, self.timeout_s))
             out.ended = time.perf_counter()
-            tree = tree_from_proto(reply)
-            if tree.step != step:
-                raise DraftError(f"draft answered step {step} with the tree of step {tree.step}")
-            out.set_result(tree)
+            out.set_result(_tree_of(reply, step))
         except BaseException as exc:  # noqa: BLE001 - the caller's to raise
             out.set_exception(exc)
 
