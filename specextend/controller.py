@@ -29,6 +29,11 @@ from what it measured at this session's actual context, online:
   exact for the same draws).
 - `ready`: with an overlapping draft, the share of asked trees that came (an unready step decodes
   plainly); a tree rung's rate mixes the ready and unready cases (`record_unready`).
+- with an overlapping draft (`overlap`), trees come in runs whose first step (after a plain or an
+  unready one: the pool followed those tokens, it grew no tree below them) waits longer and takes
+  less than the rest: its tokens and seconds go to their own averages (`switch_*`), the rest to
+  the above; `value` prices a rung with them (`costs.run_rate`), and the warm-up and probes last
+  until a tree after a tree has been verified.
 A rung larger than any verified lately keeps its last estimate (or, never seen, the estimate of
 the largest rung inside it: a lower bound). So that those estimates stay current, while the best
 rung is not the top one the controller probes the top rung now and then: after enough steps that
@@ -43,7 +48,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
-from specextend.costs import Costs, LinearCost
+from specextend.costs import Costs, LinearCost, run_rate
 from specextend.ladder import PLAIN, Rung
 from specextend.timing import seconds_of
 
@@ -58,6 +63,8 @@ SLOW_DRAFT = 3.0
 # that met one asks once more (PROBE_RETRIES) before it counts as done
 WARM_TRIES = 4
 PROBE_RETRIES = 1
+SWITCH_ALPHA = 0.1  # with overlap, the newest step's weight in the ready share and the switch's averages
+#                     (runs of unready answers come in clusters: a faster average leaves trees that pay)
 
 
 @dataclass
@@ -89,6 +96,12 @@ class TreeController:
     chain_now: Optional[tuple[int, float]] = None
     lookup_spec: float = 0.0  # tokens a speculative step's lookup chain added beyond the draft's path
     ready: float = 1.0  # share of the tree steps asked whose tree the draft had (average; with overlap < 1)
+    overlap: bool = False  # the draft overlaps: a run of tree steps has a first step unlike the rest
+    in_run: bool = False  # the last step asked for a tree and verified one (a tree step now continues the run)
+    asking: bool = False  # the last step asked for a tree (verified or not: not a plain step)
+    steady: bool = False  # (overlap) a tree step that continued a run has been verified
+    switch_tokens: Optional[float] = None  # (overlap) a run's first tree step: tokens (average) ...
+    switch_s: Optional[float] = None  # ... and wall seconds (average)
     unready_steps: int = 0  # tree steps asked that got none (decoded plainly: record_unready)
     _probe_misses: int = 0  # unready answers to the probe under way
     primed: bool = False  # started from carried Costs
@@ -101,6 +114,10 @@ class TreeController:
     last_forward_s: float = 0.0  # the last recorded step's forward seconds (its split, stats.step_done)
     predicted: dict = field(default_factory=dict)  # "tree"/"plain" -> [sum of predicted tokens/s, steps]
     _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span) not yet in the line
+
+    def __post_init__(self) -> None:
+        if self.overlap and self.draft.proportional and not self.draft.known:
+            self.draft = LinearCost()  # a ready tree's wait is the answer's way, not its depth's drafting
 
     @property
     def top(self) -> Rung:
@@ -141,9 +158,18 @@ class TreeController:
         tokens = self.ready * (1.0 + self.expected_accepted(rung) + self.lookup_spec) + (1 - self.ready) * plain
         return tokens / max(self.step_seconds(rung), 1e-9)
 
+    def value(self, rung: Rung) -> float:
+        """Predicted tokens per second of choosing `rung` now: its rate, except with overlap, where
+        trees come in runs and each run's first step costs what the switch's averages say
+        (`costs.run_rate`)."""
+        if rung.plain or not self.overlap or self.switch_s is None:
+            return self.rate(rung)
+        t = self.step_seconds(rung)
+        return run_rate(self.rate(rung) * t, t, self.ready, self.switch_tokens, self.switch_s, self.asking)
+
     def best(self) -> Rung:
         """The rung of the highest predicted tokens per second (the smaller one on a tie)."""
-        return max(self.rungs, key=lambda r: (self.rate(r), -r.nodes, -r.depth))
+        return max(self.rungs, key=lambda r: (self.value(r), -r.nodes, -r.depth))
 
     def seed_draft(self, ratio: float) -> None:
         """The prior before any tree: the draft's prefill took `ratio` times the target's on the same
@@ -200,9 +226,10 @@ class TreeController:
         """The next step's rung; `sessions` share the target's forwards now."""
         self.begin_step()
         self.sessions = sessions
-        if self._probing and self._probe_misses:  # the probe found no tree ready: once more (the
-            return self._probe  # draft catches up after an unready answer, so the next is likelier)
-        if self._warm and self.spec_steps == 0 and self.unready_steps < WARM_TRIES:  # the costs are
+        if self._probing:  # it found no tree ready (the draft catches up after an unready answer, so
+            return self._probe  # the next is likelier), or with overlap began a run: once more
+        unsteady = self.overlap and not self.steady  # (overlap) no tree after a tree verified yet
+        if self._warm and (self.spec_steps == 0 or unsteady) and self.unready_steps < WARM_TRIES:  # the costs are
             # known: one full tree measures this
             if self._top_may_pay():  # text's acceptance, every rung's at once
                 return self.top
@@ -215,7 +242,7 @@ class TreeController:
                 return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
             if not self.plain_steps:
                 return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)
-            if self.spec_steps < self.warmup and self._top_may_pay() and tries:
+            if (self.spec_steps < self.warmup or unsteady) and self._top_may_pay() and tries:
                 return self.top
         best = self.best()
         if best == self.top:  # nothing larger to probe
@@ -230,8 +257,10 @@ class TreeController:
             # that drafts on the target's path loses most of its time (the 0.5B draft beside the
             # 1.5B on one GPU: ~30 steps apart); a ready tree from an overlapping draft, little
             # (every few steps), so that its trees are measured again
-            t_probe, t_best = self.step_seconds(probe), max(self.step_seconds(best), 1e-9)
-            lost = t_probe * max(1.0 - self.rate(probe) / max(self.rate(best), 1e-12), 0.0)
+            # (with overlap a probe is a run's first step and one more: the two steps' time)
+            t_probe = self.step_seconds(probe) + (self.switch_s or 0.0)
+            t_best = max(self.step_seconds(best), 1e-9)
+            lost = t_probe * max(1.0 - self.value(probe) / max(self.value(best), 1e-12), 0.0)
             self.probe_every = max(self.min_probe, int(self.probe_ratio * lost / t_best + 0.5))
         if self.since_probe >= self.probe_every:
             self._probing, self._best, self._probe = True, best, probe
@@ -293,6 +322,7 @@ class TreeController:
         self._end_step()
         self.plain_steps += 1
         self.since_probe += 1
+        self.in_run = self.asking = False
 
     def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None,
                     lookup: int = 0) -> None:
@@ -302,6 +332,13 @@ class TreeController:
         speculative step's is not used: it carries one-off costs); `lookup`: the accepted tokens
         that only a context-lookup chain proposed."""
         self._settle()
+        self.asking = True
+        if self.overlap and not self.in_run:  # a run's first tree: its own averages, not the run's
+            self._switched(1.0 + accepts.get(rung, 0) + lookup, step_s)
+            self.spec_steps += 1
+            self.since_probe += 1
+            self.in_run = True  # (a probe goes on: its next tree measures the run)
+            return
         self.lookup_spec = (1 - self.alpha) * self.lookup_spec + self.alpha * lookup
         if draft_s is not None:
             self.draft.add(rung.depth, draft_s)
@@ -313,9 +350,11 @@ class TreeController:
             old = self.accepted.get(r, 0.0)
             w = 1 - (1 - self.alpha) ** (now - self.measured_at.get(r, -10**6))  # 1 when never measured
             self.accepted[r], self.measured_at[r] = (1 - w) * old + w * n, now
-        self.ready = (1 - self.alpha) * self.ready + self.alpha
+        a = SWITCH_ALPHA if self.overlap else self.alpha
+        self.ready = (1 - a) * self.ready + a
         self.spec_steps += 1
         self.since_probe += 1
+        self.in_run, self.steady = True, self.steady or self.overlap
         if self._probing:
             self._end_probe(rung)
 
@@ -326,19 +365,34 @@ class TreeController:
         acceptance averages stay (nothing was verified: an empty answer says nothing about how much
         of a tree the target would take). A probe that met one asks again on the next step, once."""
         self._settle()
-        self.ready = (1 - self.alpha) * self.ready
-        self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
-        if draft_s is not None:
-            self.draft.add(rung.depth, draft_s)
-        if step_s is not None:
-            self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s - (draft_s or 0.0), 0.0))
-        self._end_step()
+        self.asking = True
+        if self.overlap and not self.in_run:  # a run's first ask: the switch's cost
+            self._switched(1.0 + lookup, step_s)
+        else:
+            self.ready *= 1 - (SWITCH_ALPHA if self.overlap else self.alpha)
+            self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
+            if draft_s is not None:
+                self.draft.add(rung.depth, draft_s)
+            if step_s is not None:
+                self.extra_plain = self._average(self.extra_plain,
+                                                 max(step_s - self._forward_s - (draft_s or 0.0), 0.0))
+            self._end_step()
+        self.in_run = False
         self.unready_steps += 1
         self.since_probe += 1
         if self._probing:
             self._probe_misses += 1
             if self._probe_misses > PROBE_RETRIES:
                 self._end_probe(rung)
+
+    def _switched(self, tokens: float, step_s: Optional[float]) -> None:
+        """(overlap) A run's first tree step: its tokens and wall seconds into the switch's averages
+        (a step without its wall time, its forwards)."""
+        seconds = step_s if step_s is not None else self._forward_s
+        a = SWITCH_ALPHA
+        self.switch_tokens = tokens if self.switch_tokens is None else (1 - a) * self.switch_tokens + a * tokens
+        self.switch_s = seconds if self.switch_s is None else (1 - a) * self.switch_s + a * seconds
+        self._end_step()
 
     def _end_probe(self, rung: Rung) -> None:
         self._probing, self._probe_misses = False, 0

@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+# With an overlapping draft, the tree steps a run of them is expected to last once begun: a tree
+# chosen after a plain step pays the run's first step (the switch) once over them ...
+RUN_STEPS = 8
+STAY_MARGIN = 0.05  # ... and trees asked lately are left only for a plain rate this much above theirs
+
 
 class LinearCost:
     """cost(x) = a + b x: least squares over exponentially weighted (x, y) points (the newest
@@ -42,6 +47,21 @@ class LinearCost:
     def __call__(self, x: float) -> float:
         a, b = self.line()
         return a + b * x
+
+
+def run_rate(tokens: float, seconds: float, ready: float, switch_tokens: float, switch_s: float,
+             asking: bool) -> float:
+    """Tokens per second of a tree rung whose steps inside a run yield `tokens` in `seconds` (the
+    ready and unready answers mixed by the `ready` share) where each unready answer ends the run and
+    the next tree begins one, at `switch_tokens` in `switch_s` (docs/architecture.md, "Adaptive
+    speculation"). From a plain step (`asking` false) one more first step, spread over RUN_STEPS
+    steps; while trees are asked, the rate over 1 - STAY_MARGIN (leaving costs a switch later)."""
+    f = 1.0 - ready  # first steps per step inside a run
+    tokens, seconds = tokens + f * switch_tokens, seconds + f * switch_s
+    if not asking:
+        n = RUN_STEPS - 1
+        return (switch_tokens + n * tokens) / max(switch_s + n * seconds, 1e-9)
+    return tokens / max(seconds, 1e-9) / (1 - STAY_MARGIN)
 
 
 @dataclass(frozen=True)

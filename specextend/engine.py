@@ -78,7 +78,8 @@ class Engine(RequestLimits, DraftLink):
 
     def new_controller(self, tree: TreeConfig) -> TreeController:
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
-        return (TreeController if self.config.tree_policy == "adaptive" else AlwaysSpeculate)(ladder(tree))
+        policy = TreeController if self.config.tree_policy == "adaptive" else AlwaysSpeculate
+        return policy(ladder(tree), overlap=self.config.overlap)  # (overlap: trees come in runs)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> tuple[list[int], str, RequestStats]:
         tokens, finish, stats = [], None, RequestStats()
