@@ -274,3 +274,22 @@ def test_gil_placements_lower_the_replicas_switch_interval_and_serve_plain_modes
         AppSettings.model_validate(extra)
     with pytest.raises(Exception):
         AppSettings.model_validate({"switch_interval_ms": 0})
+
+
+def test_served_modes_are_the_in_process_modes():
+    """The serve suite's `sd` is a modern server's tree SD (HTA, the draft's full cache) and
+    `sd-masked` the paper's masked verification, as in process (e2e.MODES): the app resolves each
+    mode's arguments to the same verification and retrieval; an unknown mode fails before anything
+    loads."""
+    from specextend.bench import e2e, serve
+    from specextend.config import EngineConfig
+    from specextend.serving.settings import AppSettings
+
+    for mode, spec in e2e.MODES.items():
+        served = AppSettings.model_validate(serve.mode_args(mode)).to_config().engine
+        local = EngineConfig(**spec)
+        assert (served.mode, served.hybrid_attention, served.retrieval.enabled) == \
+            (local.mode, local.hybrid_attention, local.retrieval.enabled), mode
+    assert serve.mode_args("sd")["hybrid_attention"] is True
+    with pytest.raises(ValueError, match="unknown mode"):
+        serve.mode_args("sd-2gpu")

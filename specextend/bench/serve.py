@@ -62,6 +62,24 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup), ("1gpu-gil", 0.5, False, GIL)] + two
 
 
+def mode_args(mode: str) -> dict:
+    """The app arguments of a bench mode (e2e.MODES: `sd` with HTA and the draft's full cache, a
+    modern server's; `sd-masked` the SpecExtend paper's masked verification), validated."""
+    from specextend.bench.e2e import MODES
+    from specextend.serving.settings import AppSettings
+
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} for the serve suite (one of {', '.join(MODES)})")
+    spec = MODES[mode]
+    args = dict(mode=spec["mode"])
+    if spec.get("hybrid_attention") is not None:
+        args["hybrid_attention"] = spec["hybrid_attention"]
+    if "retrieval" in spec:
+        args["retrieval"] = bool(spec["retrieval"].enabled)
+    AppSettings.model_validate(args)
+    return args
+
+
 def wait_ready(url: str, timeout_s: float) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout_s:
@@ -203,6 +221,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
     from specextend.serving.settings import AppSettings
 
     AppSettings.model_validate(app_args or {})  # a bad argument fails here, not inside Serve
+    by_mode = {mode: mode_args(mode) for mode in modes}  # (and a bad mode)
     rows = _in_process_ar(pairs, modes, new_tokens, docs, tree_policy, progress)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -224,8 +243,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                 spread = ([p for i, p in enumerate(placements()) if i == 0 or (only and p[0] in only and p[0] in ALONE)]
                           if alone else [p for p in placements() if (not only or p[0] in only) and p[0] not in ALONE])
                 for where, gpus, overlap, extra in spread:
-                    args = dict(target=pair.target, draft=pair.draft, mode=mode, num_gpus=gpus, tree_policy=tree_policy,
-                                draft_overlap=overlap, benchmark_references=True) | extra | (app_args or {})
+                    args = dict(target=pair.target, draft=pair.draft, num_gpus=gpus, tree_policy=tree_policy,
+                                draft_overlap=overlap, benchmark_references=True) | by_mode[mode] | extra | (app_args or {})
                     if pair.replayed and not alone:
                         args["replay_accept_length"] = REPLAY_ACCEPT
                     t0 = time.perf_counter()
