@@ -206,6 +206,9 @@ class ServingConfig:
     max_concurrent_sessions: int = Field(16, ge=1, le=4096, description="sessions a replica runs at once")
     max_batch_sessions: int = Field(8, ge=1, le=256,
                                     description="sessions whose steps one target forward carries (1: one at a time)")
+    max_batch_tokens: Optional[int] = Field(
+        4096, ge=1, le=1 << 20, description="rows a round of batched steps carries: every session's step, then prompt "
+                                            "chunks within this (at least one a round; null: no bound)")
     max_queued_requests: int = Field(64, ge=0, le=65536, description="requests a replica queues beyond that; then 429")
     stream_interval_ms: float = Field(
         STREAM_INTERVAL_MS, ge=0, le=1000, description="a stream's tokens leave the replica at most once per this "

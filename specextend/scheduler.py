@@ -142,8 +142,10 @@ class Batcher:
     batched target forward. `add`, `resume` and `stop` may be called from any thread."""
 
     def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8, forward=forward_batch,
-                 on_forward: Optional[Callable[[int], None]] = None) -> None:
+                 on_forward: Optional[Callable[[int], None]] = None, max_tokens: Optional[int] = None) -> None:
         self.model = model
+        self.max_tokens = max_tokens  # rows a round's forwards carry, prompt chunks within it (None: any)
+        self.held_chunks = 0  # prompt chunks a round held for a later one (the budget was spent)
         self._forward = forward  # forward_batch (its signature; tests pass a fake)
         self._on_forward = on_forward  # told each forward's number of calls (the replica's metrics)
         self.max_batch = max_batch
@@ -248,7 +250,7 @@ class Batcher:
             for e in step_futures:
                 if e.future.done():
                     self._advance(e)
-        calls = [e for e in self._sessions if e.call is not None]
+        calls = self._within_budget([e for e in self._sessions if e.call is not None])
         for lo in range(0, len(calls), self.max_batch):
             group = calls[lo:lo + self.max_batch]
             watch = Stopwatch(group[0].call.ids)
@@ -270,6 +272,26 @@ class Batcher:
                     e.exc = r
                 else:
                     e.send = r
+
+    def _within_budget(self, calls: list[_Entry]) -> list[_Entry]:
+        """The calls this round carries: every step's (decode, verification, a chain), then prompt
+        chunks in admission order while the round's rows stay within `max_tokens`, at least one
+        chunk a round; the others keep their call for a later round, so that a long prompt's
+        prefill does not stretch the steps of the sessions decoding beside it (docs/architecture.md,
+        "Batched steps")."""
+        if self.max_tokens is None or not any(e.call.prompt for e in calls):
+            return calls
+        rows = sum(e.call.ids.shape[0] for e in calls if not e.call.prompt)
+        out, chunks = [], 0
+        for e in calls:
+            n = e.call.ids.shape[0]
+            if e.call.prompt and chunks and rows + n > self.max_tokens:
+                self.held_chunks += 1
+                continue
+            out.append(e)
+            if e.call.prompt:
+                rows, chunks = rows + n, chunks + 1
+        return out
 
     @staticmethod
     def _tell_loads(group: list[_Entry], span: Span) -> None:

@@ -69,7 +69,7 @@ class TargetSession:
         logits, captured = yield ForwardCall(
             part, torch.arange(lo, lo + t, device=dev), self.cache, CAUSAL,
             ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev),
-                           capture_last=capture and last, graphs=False))
+                           capture_last=capture and last, graphs=False), prompt=True)
         self.cache.advance(t)
         if last:
             self.captured = captured

@@ -115,3 +115,42 @@ def test_a_session_that_fails_ends_alone_and_its_neighbours_are_whole(tiny_model
             break
         threading.Event().wait(0.05)
     assert engine.draft.num_sessions == 0
+
+
+def test_a_round_carries_prompt_chunks_within_its_token_budget(tiny_models):
+    """With `max_tokens`, a round carries every session's step and prompt chunks while its rows
+    fit, at least one chunk: long prompts arriving together prefill a chunk or two a round while
+    the sessions already decoding step every round; every output equals its solo run."""
+    from specextend.models.batch import forward_batch
+
+    engine = make_engine(tiny_models("float64"), "ar", prefill_chunk=32)
+    rounds = []
+
+    def recording(model, calls):
+        rounds.append([(c.prompt, c.ids.shape[0]) for c in calls])
+        return forward_batch(model, calls)
+
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    short = [_requests()[0][0], _requests()[4][0]]  # 3 and 9 tokens: one chunk each
+    long = [(p * 3)[:100] for p, _, _ in _requests()[1:4]]  # 100 tokens: four chunks each
+    alone = [engine.generate(p, params)[0] for p in short + long]
+    b = Batcher(engine.target.decoder, 8, forward=recording, max_tokens=40)
+    sinks = Sinks(5)
+    for i, p in enumerate(short):
+        b.add(engine.session(p, params), sinks.sink(i))
+    thread = threading.Thread(target=b.run, daemon=True)
+    thread.start()
+    assert sinks.seen.wait(60)  # the short ones decode ...
+    for i, p in enumerate(long):  # ... when three long prompts arrive together
+        b.add(engine.session(p, params), sinks.sink(2 + i))
+    assert sinks.done.wait(120)
+    b.shutdown()
+    thread.join(10)
+    assert all(end is None for end in sinks.ends.values()), sinks.ends
+    assert [sinks.tokens(i) for i in range(5)] == alone
+    assert b.held_chunks > 0
+    for calls in rounds:  # within the budget, or a single chunk beside the steps
+        chunks = [n for prompt, n in calls if prompt]
+        assert sum(n for _, n in calls) <= 40 or len(chunks) == 1, calls
+    both = [calls for calls in rounds if any(p for p, _ in calls) and sum(not p for p, _ in calls) == 2]
+    assert both, "no round carried a chunk beside both decoding sessions' steps"

@@ -32,6 +32,7 @@ class ForwardCall:
     cache: KVCache
     mask: Mask  # CAUSAL, or [T, staged + T] bool
     opts: ForwardOptions = field(default_factory=ForwardOptions)
+    prompt: bool = False  # a prompt's prefill chunk: a round's token budget may hold it for a later round
 
     def run(self, model: Decoder) -> "Result":
         """This forward alone, through Decoder.forward (the step graphs when they take it)."""

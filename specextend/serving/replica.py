@@ -102,7 +102,7 @@ class SpecExtendReplica:
         self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget())
         self.draft_ok = (self.draft is not None and not warm.fallback) or cfg.mode == "lookup"
         # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
-        self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions,
+        self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions, max_tokens=s.max_batch_tokens,
                                                   on_forward=self.metrics.record_forward))
         t_ready = time.perf_counter()
         # where a (re)start's time goes: the target's weights, then waiting for the draft actor, then warm-up
