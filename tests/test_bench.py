@@ -293,3 +293,17 @@ def test_served_modes_are_the_in_process_modes():
     assert serve.mode_args("sd")["hybrid_attention"] is True
     with pytest.raises(ValueError, match="unknown mode"):
         serve.mode_args("sd-2gpu")
+
+
+@pytest.mark.parametrize("doc", texts.documents(list(texts.BY_NAME)), ids=lambda d: d.name)
+def test_the_longest_sweep_prompt_and_its_new_tokens_fit_the_8b_context(doc):
+    """"128K" is 130,000 document tokens: with the question (the 8B geometry's byte tokenizer: a
+    token a byte, an upper bound for the real tokenizers) and the suite's 128 new tokens it fits
+    the 131,072 positions of the preset."""
+    from specextend.bench.cli import DEFAULTS, LONG
+    from specextend.models.presets import PRESETS
+
+    new_tokens = DEFAULTS["sweep"]["gpu"][1]
+    question = len(("\n\n" + doc.question).encode())
+    assert LONG[-1] == 130_000 and new_tokens == 128
+    assert LONG[-1] + question + new_tokens <= PRESETS["llama-3.1-8b"]["max_position_embeddings"]
