@@ -180,12 +180,16 @@ class GrpcDraftBackend(DraftBackend):
                 logger.warning("draft health check failed: %s", exc)
         return self._steps
 
+    def _stamped(self, request: pb.StepRequest) -> bytes:
+        """The request with the server's bound on the step (timeout_ms), serialised."""
+        request.timeout_ms = math.ceil(self.timeout_s * 1e3)
+        return request.SerializeToString()
+
     def _channel_step(self, steps: StepChannelClient, session_id: str, request: pb.StepRequest,
-                      first: Optional[Callable[[], bytes]] = None) -> pb.DraftTree:
+                      first: Optional[Callable[[], bytes]] = None, data: Optional[bytes] = None) -> pb.DraftTree:
         """The step over the channel, sent once more as the module says; `first`: its first
-        attempt's reply, where the request was sent already (start_step)."""
-        request.timeout_ms = math.ceil(self.timeout_s * 1e3)  # the server's bound on the step
-        data = request.SerializeToString()
+        attempt's reply, where the request was sent already as `data` (start_step)."""
+        data = self._stamped(request) if data is None else data
         for attempt in (1, 2):
             try:
                 if attempt == 1 and first is not None:
@@ -304,21 +308,21 @@ class GrpcDraftBackend(DraftBackend):
         out: Future = Future()
         out.submitted = time.perf_counter()
         request = step_to_proto(session_id, step, accepted_tokens, retrieval, bound)
-        request.timeout_ms = math.ceil(self.timeout_s * 1e3)
-        pending = steps.start(request.SerializeToString())
+        data = self._stamped(request)
+        pending = steps.start(data)
         if pending is None:
             return None
         out.started = time.perf_counter()
         try:
-            self._waiters.submit(self._finish_step, steps, session_id, step, request, pending, out)
+            self._waiters.submit(self._finish_step, steps, session_id, step, request, data, pending, out)
         except RuntimeError:  # shut down meanwhile
             out.set_exception(DraftError("the draft client is shut down"))
         return out
 
     def _finish_step(self, steps: StepChannelClient, session_id: str, step: int, request: pb.StepRequest,
-                     pending: PendingStep, out: Future) -> None:
+                     data: bytes, pending: PendingStep, out: Future) -> None:
         try:
-            reply = self._channel_step(steps, session_id, request, first=partial(pending.result, self.timeout_s))
+            reply = self._channel_step(steps, session_id, request, partial(pending.result, self.timeout_s), data)
             out.ended = time.perf_counter()
             out.set_result(_tree_of(reply, step))
         except BaseException as exc:  # noqa: BLE001 - the caller's to raise
@@ -338,8 +342,7 @@ class GrpcDraftBackend(DraftBackend):
         if steps is None:
             raise DraftError("the draft's step channel is gone: no prepares")
         request = prepare_to_proto(session_id, step, accepted_tokens, retrieval, due_s)
-        request.timeout_ms = math.ceil(self.timeout_s * 1e3)
-        return self._waiters.submit(self._prepare_call, steps, request.SerializeToString())
+        return self._waiters.submit(self._prepare_call, steps, self._stamped(request))
 
     def _prepare_call(self, steps: StepChannelClient, data: bytes) -> Outcomes:
         try:
