@@ -32,6 +32,7 @@ from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
 from specextend.draft.expand import Pool, expand_tree_dev_co, level_post
 from specextend.kv_cache import KVCache
+from specextend.models.capture import capture
 from specextend.models.decoder import ForwardOptions
 from specextend.models.graphs import ShapeKey, _Plan, check_room
 
@@ -122,7 +123,7 @@ class TreeGraphs:
             self._body(plan, key)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=s, capture_error_mode="thread_local"):
+        with capture(graph, s, self._pool):
             self._body(plan, key)
         plan.graph = graph
         return plan

@@ -34,6 +34,7 @@ from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta
                                                  triton_available)
 from specextend.kv_cache import KVCache
 from specextend.models import persistent as persistent_mod
+from specextend.models.capture import capture
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room
 from specextend.models.transfer import copy_from_host, to_device
 
@@ -259,7 +260,7 @@ class FullStepGraphs(StepGraphs):
         torch.cuda.current_stream().wait_stream(s)
         for steps in self.pieces:  # one pool: tensors that cross pieces (p.x, p.q) stay allocated
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=s, capture_error_mode="thread_local"):
+            with capture(graph, s, self._pool):
                 self._body(p, steps)
             p.graphs.append(graph)
         return p

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from specextend.models.capture import capture
 from specextend.models import late_work
 
 
@@ -62,7 +63,7 @@ class Graphed:
             self.fn(*inputs)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=s, capture_error_mode="thread_local"):
+        with capture(graph, s, self._pool):
             outputs = self.fn(*inputs)
         return graph, inputs, outputs if isinstance(outputs, tuple) else (outputs,)
 
@@ -78,7 +79,7 @@ def replay_seconds(body: Callable[[], None], warm: Callable[[], None], reps: int
         warm()
     s.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
+    with capture(graph, s):
         body()
     graph.replay()
     torch.cuda.synchronize()

@@ -34,6 +34,7 @@ from specextend.attention.backends import CAUSAL, Mask, sdpa_lse
 from specextend.attention.triton_prefix import TRITON_DTYPES
 from specextend.kv_cache import CacheFull, KVCache
 from specextend.models import late_work
+from specextend.models.capture import capture
 from specextend.models.segments import Segments
 from specextend.tree import ancestor_mask_cached
 
@@ -235,7 +236,7 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(s)
         for i in range(n + 1):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool, stream=s, capture_error_mode="thread_local"):
+            with capture(g, s, self._pool):
                 self._segment(p, i)
             p.graphs.append(g)
         return p
