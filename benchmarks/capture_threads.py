@@ -10,7 +10,6 @@ permitted when stream is capturing"; with it 60 and 60."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import threading
 
 import torch
@@ -52,9 +51,8 @@ def main() -> None:
     for locked in (True, False):  # (a failed capture can leave the allocator unusable: unlocked last)
         out: list = []
         threads = [threading.Thread(target=capturer, args=(locked, args.captures, w, out)) for _ in range(2)]
-        with contextlib.ExitStack():
-            [t.start() for t in threads]
-            [t.join(120) for t in threads]
+        [t.start() for t in threads]
+        [t.join(120) for t in threads]
         print(f"{'with' if locked else 'without'} the lock: captures that succeeded "
               f"{[ok for ok, _ in out]} of {args.captures} a thread; errors {sorted({e for _, es in out for e in es})}")
 
