@@ -121,8 +121,8 @@ class EngineConfig:
                              "token on the target while the draft catches up; draft waits for the draft to draft one")
     draft_prepare: bool = Field(
         False, description="with draft_overlap: the draft prepares the next trees for the likeliest verdicts "
-                           "while the target verifies, so that a verdict among them takes no step call (off: "
-                           "not yet measured to pay)")
+                           "while the target verifies, so that a verdict among them takes no step call (any "
+                           "other is asked early; off: not yet measured to pay)")
     lookup_tokens: int = Field(
         8, ge=0, le=32, description="context lookup: up to this many tokens that followed the context's last "
                                     "3 (else 2, else 1) tokens where they occurred before, grafted onto each tree "

@@ -14,7 +14,7 @@ from typing import Callable, Generator, Optional
 
 from specextend.config import EngineConfig
 from specextend.controller import SLOW_DRAFT, TreeController
-from specextend.draft.base import DraftBackend, DraftError
+from specextend.draft.base import DraftBackend, DraftError, DraftTree, TreeBound
 from specextend.models.args import ModelArgs
 from specextend.scheduler import DraftCall
 from specextend.stats import RequestStats
@@ -22,6 +22,13 @@ from specextend.stats import RequestStats
 log = logging.getLogger("specextend.engine")
 
 CLOSE_WAIT_S = 10.0  # Engine.stream waits this long at most for its draft session's close
+# A prepare is due this long before the verification it runs beside is expected to end (its answer's
+# way back and the draft's assembly of it; docs/architecture.md, "Prepared outcomes")
+PREPARE_MARGIN_S = 0.0003
+# A tell (a plain step's tokens sent to an overlapping draft, its answer unused) asks for the
+# smallest answer the draft can give: it only has to apply the verdict ("Overlapped drafting", told verdicts)
+TELL_BOUND = TreeBound(nodes=1, depth=1, ready_only=True)
+LANE_BACKLOG = 2  # calls a session's lane holds unanswered; a plain step's tokens then go with the next
 
 
 def settled(call: Optional[Future]) -> Generator[DraftCall, object, None]:
@@ -103,6 +110,19 @@ def start_ask(draft: DraftBackend, lane: Lane, *args) -> Future:
             lane.adopt(call)
             return call
     return lane.submit(draft.step, *args)
+
+
+def prepared_tree(prepared: Optional[Future], verdict, step: int) -> tuple[Optional[DraftTree], None, bool]:
+    """At a verdict, with early asks (docs/architecture.md, "Prepared outcomes"): the tree a prepare's
+    answer holds for `verdict` (tokens) as step `step`, if the answer is in (a hit: no call), the
+    prepare spent (None: a miss's ask goes after it in the lane, which meets its error), and whether
+    the answer was not in yet (late: the prepares fall due sooner)."""
+    if prepared is None or (prepared.done() and prepared.exception() is not None):
+        return None, None, False
+    if not prepared.done():
+        return None, None, True
+    outs = prepared.result()
+    return (outs.get(verdict) if outs.step == step else None), None, False
 
 
 def seconds_of(fn, *args) -> float:

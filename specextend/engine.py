@@ -20,8 +20,9 @@ from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, TreeController
 from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
-from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, Retrieval, TreeBound
-from specextend.draft_link import DraftLink, Lane, settled, draft_weight_ratio, never_pays, start_ask
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
+from specextend.draft_link import (LANE_BACKLOG, PREPARE_MARGIN_S, TELL_BOUND, DraftLink, Lane,  # noqa: F401
+                                   draft_weight_ratio, never_pays, prepared_tree, settled, start_ask)
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup, drafted_prefix
 from specextend.models.args import ModelArgs
@@ -39,13 +40,6 @@ from specextend.verify import Reference, verify_tree
 
 log = logging.getLogger(__name__)
 
-# A prepare is due this long before the verification it runs beside is expected to end (its answer's
-# way back and the draft's assembly of it; docs/architecture.md, "Prepared outcomes")
-PREPARE_MARGIN_S = 0.0003
-# A tell (a plain step's tokens sent to an overlapping draft, its answer unused) asks for the
-# smallest answer the draft can give: it only has to apply the verdict ("Overlapped drafting", told verdicts)
-TELL_BOUND = TreeBound(nodes=1, depth=1, ready_only=True)
-LANE_BACKLOG = 2  # calls a session's lane holds unanswered; a plain step's tokens then go with the next
 # With snapshots every call asks for the pool's best SNAPSHOT_NODES nodes at once ("Pool snapshots")
 SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 
@@ -184,10 +178,11 @@ class Engine(RequestLimits, DraftLink):
             ready_only = cfg.overlap_miss == "plain"  # an overlapping draft's unready step: a plain one instead
             refresh_due = cfg.retrieval.every  # the verification (1-based) of the next retrieval selection
             prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
+            ready: Optional[DraftTree] = None  # the next tree, found among them at the verdict (with early asks)
             # an overlapping draft is told each plain step's tokens while the next forward runs, so
             # that its pool follows them and the next tree can be ready (docs/architecture.md,
             # "Overlapped drafting", told verdicts)
-            tell = use_draft and cfg.overlap and ready_only and not prepare and cfg.draft_tell
+            tell = use_draft and cfg.overlap and ready_only and cfg.draft_tell
             # a tree step's verdict goes to the draft as soon as it is known, the answer (the next
             # tree, ready or none) read when the next step needs it: the round trip overlaps the
             # step's commit, bookkeeping and emit (docs/architecture.md, "Pool snapshots", early asks)
@@ -232,7 +227,9 @@ class Engine(RequestLimits, DraftLink):
                             tree = yield DraftCall(future=asked)
                             stats.ask_done(asked, ts, tree)  # (its way's times)
                             asked = None
-                        elif prepared is not None:
+                        elif ready is not None:  # prepared for the last verdict: no call (it goes with the next)
+                            tree, ready, applied = ready, None, False
+                        elif prepared is not None:  # (without early asks: read here, waited for)
                             outs, prepared = (yield DraftCall(future=prepared)), None
                             late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)
                             tree = outs.get(pending) if outs.step == step else None
@@ -290,8 +287,8 @@ class Engine(RequestLimits, DraftLink):
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
                     launch_scoring(retrieval)  # a selection not yet scored: in this forward's shadow
                     clock("verify")
-                    if prepare and use_draft:  # queued: the draft prepares the next trees while it runs
-                        t_prep = time.perf_counter()
+                    if prepare and use_draft and (not ask_early or lane.idle):  # queued: the draft prepares
+                        t_prep = time.perf_counter()  # the next trees while it runs (after the lane's calls)
                         try:
                             prepared = self.draft.prepare(sid, step, () if applied else pending,
                                                           None if applied else retrieval,
@@ -299,6 +296,8 @@ class Engine(RequestLimits, DraftLink):
                         except DraftError as e:  # met where the next step would have: its fallback
                             prepared = Future()
                             prepared.set_exception(e)
+                        if ask_early:  # the next call goes after it
+                            lane.adopt(prepared)
                     forced = replay[step % len(replay)] if replay else None
                     verdict = verify_tree(logits, tokens, parents, params, gen, forced, draft_bonus, ref,
                                           stats.num_generated)
@@ -310,9 +309,12 @@ class Engine(RequestLimits, DraftLink):
                     step += not from_ask
                     if ask_early and use_draft and not out.ends(committed):  # at once, before the commit and
                         # the retrieval scoring (a selection made below goes with the next call; its error: the next step's)
-                        asked = start_ask(self.draft, lane, sid, step, pending, retrieval if from_ask else None,
-                                          replace(ctl.top.bound, ready_only=True))  # (else this step's call had it)
-                        step, retrieval, pending = step + 1, None, []
+                        ready, prepared, late = prepared_tree(prepared, committed, step)  # (a hit: no ask)
+                        late_ema = 0.7 * late_ema + 0.3 * PREPARE_MARGIN_S * late
+                        if ready is None:
+                            asked = start_ask(self.draft, lane, sid, step, pending, retrieval if from_ask else None,
+                                              replace(ctl.top.bound, ready_only=True))  # (else this step's call had it)
+                            step, retrieval, pending = step + 1, None, []
                     clock("ask")
                     target.commit(verdict.accepted)
                     clock("commit")
@@ -339,7 +341,7 @@ class Engine(RequestLimits, DraftLink):
                     stats.probe_steps = ctl.probe_steps
                     kind, split = "tree", (draft_s, ctl.last_forward_s)  # (the step's wait, its forward)
                 else:
-                    asked = None  # (an ask in flight: a tell after all, its answer unused)
+                    asked = ready = None  # (an ask in flight: a tell after all, its answer unused)
                     # the tokens so far go to the draft once this step's forward is queued (the
                     # call's host work while the device runs), after the lane's calls, unwaited
                     send, scoring = None, retrieval  # (scoring: launched once this step's forward is queued)

@@ -114,3 +114,41 @@ def test_outcomes_cross_the_wire_unchanged_and_grpc_refuses_a_prepare(tiny_model
             client._call("Step", prepare_to_proto("s", 1, [5], None, 0.001), 5.0)
         client.shutdown()
     worker.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_a_prepared_hit_takes_no_ask_and_a_miss_asks_at_its_verdict(tiny_models, monkeypatch, policy):
+    """With early asks (the default) the prepare's answer is looked at when the verdict is known:
+    a verdict among its trees takes no call, any other is asked at once, behind the prepare in the
+    session's lane; with the adaptive policy plain steps' tells go through the same lane. Lossless
+    in float64 (greedy and seeded sampling); both kinds of step were met; every call in order (the
+    worker refuses a step number out of order, which would fail the request)."""
+    from specextend.config import SamplingParams
+    from specextend.controller import TreeController
+    from specextend.engine import Engine
+    from specextend.ladder import ladder
+    from test_overlap import TREE, EngineConfig, RetrievalConfig, prompt
+
+    pair = tiny_models("float64")
+    SlowVerdicts(monkeypatch, 0.02)
+    for params in (SamplingParams(40, ignore_eos=True), SamplingParams(40, ignore_eos=True, temperature=0.9, seed=5)):
+        worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
+        cfg = EngineConfig(mode="specextend", tree=TREE, retrieval=RetrievalConfig(chunk_size=8, top_k=10, every=2),
+                           tree_policy=policy, draft_prepare=True, draft_overlap=True)
+        ref = Engine(EngineConfig(mode="ar"), pair[0], None).generate(prompt(70, 3), params)[0]
+        engine = Engine(cfg, pair[0], worker)
+        if policy == "adaptive":  # two trees, then a plain step: tells and prepares share the lane
+            class TwoTreesOnePlain(TreeController):
+                def choose(self, sessions=1):
+                    self.begin_step()
+                    n = self.spec_steps + self.plain_steps + self.unready_steps
+                    return self.rungs[0] if n % 3 == 2 else self.top
+            engine.new_controller = lambda tree: TwoTreesOnePlain(ladder(tree))
+        out, _, stats = engine.generate(prompt(70, 3), params)
+        assert out == ref and not stats.fallback
+        assert stats.prepared_steps > 0, "no prepared tree was used"
+        if policy == "fixed":
+            assert stats.asked_steps > 0, "no miss was asked at its verdict"
+        else:
+            assert stats.told_steps > 0
+        worker.shutdown()
