@@ -67,12 +67,14 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
     worker.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["zmq", "grpc"])
-def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless(tiny_models, monkeypatch, transport):
+@pytest.mark.parametrize("transport,asks", [("zmq", False), ("zmq", True), ("grpc", False)])
+def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless(tiny_models, monkeypatch, transport,
+                                                                                  asks):
     """Over a real server on 127.0.0.1: with the ZeroMQ step channel the client prepares (the server
     said so when the session opened), prepared trees are used and every session's output equals
-    plain decoding; over gRPC alone there are no prepares (a prepare's answer is not a DraftTree),
-    and the same holds with step calls only."""
+    plain decoding, with early asks for the misses (`asks`: the engine overlaps) or step calls;
+    over gRPC alone there are no prepares (a prepare's answer is not a DraftTree), and the same
+    holds with step calls only."""
     pair = tiny_models("float64")
     SlowVerdicts(monkeypatch, 0.05)  # two sessions and a server on a loaded 2-core host: room to prepare
     # (at 0.02 s one fresh-clone CI run, beside other work, had no prepared tree used)
@@ -81,7 +83,7 @@ def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless
     with DraftServerThread(worker) as server:
         def one(seed):
             client = GrpcDraftBackend(server.address, transport=transport)
-            results[seed] = run(pair, client, "specextend", seed=seed, draft_prepare=True)
+            results[seed] = run(pair, client, "specextend", seed=seed, draft_prepare=True, draft_overlap=asks)
             prepares[seed] = client.supports_prepare
             client.shutdown()
 
@@ -91,6 +93,7 @@ def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless
     used = sum(stats.prepared_steps for _, _, stats in results.values())
     if transport == "zmq":
         assert all(prepares.values()) and used > 0
+        assert not asks or sum(stats.asked_steps for _, _, stats in results.values()) > 0
     else:
         assert not any(prepares.values()) and used == 0
     assert worker.num_sessions == 0
