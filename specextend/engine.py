@@ -197,6 +197,7 @@ class Engine(RequestLimits, DraftLink):
                 pending, retrieval = [], None
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
             late_ema = 0.0  # seconds the target then waited for the prepare's answer (due that much sooner)
+            late: list[float] = []  # (with early asks) how long after their verdicts late answers came
             t_back = None  # when the last step's event came back (stats.between_s)
             while out.finish is None:
                 if opening_pending and use_draft and opening.done():
@@ -293,6 +294,9 @@ class Engine(RequestLimits, DraftLink):
                             prepared = self.draft.prepare(sid, step, () if applied else pending,
                                                           None if applied else retrieval,
                                                           max(0.0, verify_ema - PREPARE_MARGIN_S - late_ema))
+                            while late:  # late: at once that much sooner (a miss costs an ask); in time: slowly later
+                                lt = late.pop()
+                                late_ema = late_ema + lt if lt > 0 else 0.7 * late_ema
                         except DraftError as e:  # met where the next step would have: its fallback
                             prepared = Future()
                             prepared.set_exception(e)
@@ -309,8 +313,7 @@ class Engine(RequestLimits, DraftLink):
                     step += not from_ask
                     if ask_early and use_draft and not out.ends(committed):  # at once, before the commit and
                         # the retrieval scoring (a selection made below goes with the next call; its error: the next step's)
-                        ready, prepared, late = prepared_tree(prepared, committed, step)  # (a hit: no ask)
-                        late_ema = 0.7 * late_ema + 0.3 * PREPARE_MARGIN_S * late
+                        ready, prepared = prepared_tree(prepared, committed, step, late)  # (a hit: no ask)
                         if ready is None:
                             asked = start_ask(self.draft, lane, sid, step, pending, retrieval if from_ask else None,
                                               replace(ctl.top.bound, ready_only=True))  # (else this step's call had it)
