@@ -57,7 +57,7 @@ class Sinks:
 def test_a_session_that_joins_mid_decode_changes_nobody(tiny_models):
     engine = make_engine(tiny_models("float64"), "specextend", tree=TreeConfig(12, 4, 3), prefill_chunk=64,
                          retrieval=RETRIEVAL)
-    reqs = _requests()[:3]
+    reqs = [(p, SamplingParams(max_new_tokens=40, ignore_eos=True), k) for p, _, k in _requests()[:3]]
     alone = [engine.generate(p, params, **k)[0] for p, params, k in reqs]
     b = Batcher(engine.target.decoder, 4)
     sinks = Sinks(3)
