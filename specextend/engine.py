@@ -288,8 +288,8 @@ class Engine(RequestLimits, DraftLink):
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
                     launch_scoring(retrieval)  # a selection not yet scored: in this forward's shadow
                     clock("verify")
-                    if prepare and use_draft and (not ask_early or lane.idle):  # queued: the draft prepares
-                        t_prep = time.perf_counter()  # the next trees while it runs (after the lane's calls)
+                    if prepare and use_draft:  # queued: the draft prepares the next trees while it runs (the
+                        t_prep = time.perf_counter()  # lane is idle: this step's tree came after its calls)
                         try:
                             prepared = self.draft.prepare(sid, step, () if applied else pending,
                                                           None if applied else retrieval,
