@@ -9,31 +9,22 @@ tokens per second and takes the best:
     plain:          1 / forward(1)
     tree (n, d):    (1 + accepted(n, d)) / (draft(d) + forward(n + 1))
 
-from what it measured at this session's actual context, online:
-- `forward(rows)`: seconds of a target forward, a line a + b * rows (`LinearCost`) fitted to
-  every forward of the session (prefill chunks, plain steps, verifications); on a GPU the
-  device's time between CUDA events around the forward (timing.py), read a step later. When B sessions
-  share a forward (scheduler.Batcher), its fixed part is shared: a session is charged
-  a / B + b * rows, so as the batch grows the weight of the nodes' own cost grows smoothly and
-  the chosen tree shrinks (no threshold, no cliff).
-- `draft(depth)`: seconds the target waited for a tree, a line over the tree's depth.
-- `extra`: the rest of a step's wall time, beyond its forwards and its wait for the tree: host work
-  (verification, retrieval, bookkeeping), one average for speculative steps and one for plain
-  ones, when the driver gives the step's wall time. Small beside a GPU step; on a CPU with a tiny
-  target it is most of a speculative step, and without it speculation looked cheaper than it was.
-- `accepted(n, d)`: accepted draft tokens per step, an average per rung whose weights decay with
-  steps, not with measurements (a rung measured long ago is mostly replaced by its next
-  measurement). One verification measures every rung up to the tree it verified: trees are sent
-  best first, so a smaller rung's tree is the verified tree's first n nodes no deeper than d, and
-  it would have accepted the longest start of the accepted path inside it (`ladder.prefix_accepts`;
-  exact for the same draws).
-- `ready`: with an overlapping draft, the share of asked trees that came (an unready step decodes
-  plainly); a tree rung's rate mixes the ready and unready cases (`record_unready`).
-- with an overlapping draft (`overlap`), trees come in runs whose first step (after a plain or an
-  unready one: the pool followed those tokens, it grew no tree below them) waits longer and takes
-  less than the rest: its tokens and seconds go to their own averages (`switch_*`), the rest to
-  the above; `value` prices a rung with them (`costs.run_rate`), and the warm-up and probes last
-  until a tree after a tree has been verified.
+from what it measured at this session's actual context, online (docs/architecture.md, "Adaptive
+speculation", says why each is measured so):
+- `forward(rows)`: a target forward's seconds, a line a + b * rows (`LinearCost`) over every forward
+  of the session, on a GPU the device's time between CUDA events (timing.py); B sessions sharing a
+  forward (scheduler.Batcher) are charged a / B + b * rows each, so trees shrink smoothly as the
+  batch grows.
+- `draft(depth)`: seconds the target waited for a tree, a line over its depth (flat with overlap).
+- `extra`: a step's wall time beyond its forwards and its wait (host work), for speculative and for
+  plain steps.
+- `accepted(n, d)`: accepted draft tokens per rung, averaged with weights that decay with steps; one
+  verification measures every rung inside its tree (trees are sent best first:
+  `ladder.prefix_accepts`, exact for the same draws).
+- `ready`: with an overlapping draft, the share of asked trees that came (`record_unready`).
+- with overlap, trees come in runs whose first step (after a plain or an unready one) waits longer
+  and takes less than the rest: its own averages (`switch_*`), priced by `value` (`costs.run_rate`);
+  the warm-up and probes last until a tree after a tree has been verified.
 A rung larger than any verified lately keeps its last estimate (or, never seen, the estimate of
 the largest rung inside it: a lower bound). So that those estimates stay current, while the best
 rung is not the top one the controller probes the top rung now and then: after enough steps that
@@ -48,7 +39,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
-from specextend.costs import Costs, LinearCost, run_rate
+from specextend.costs import Costs, LinearCost, probe_interval, run_rate
 from specextend.ladder import PLAIN, Rung
 from specextend.timing import seconds_of
 
@@ -251,17 +242,10 @@ class TreeController:
         # while only the prior prices the draft, the probe is the smallest tree: it measures a level
         # of drafting cheaply, which corrects a wrong prior; then the full tree
         probe = self.rungs[1] if self.priced_by_prior else self.top
-        if not self.probe_every:
-            # what a probe loses against the best choice: its time, less the time its predicted
-            # tokens take at the best rate; probes lose about 1/probe_ratio of the time. A probe
-            # that drafts on the target's path loses most of its time (the 0.5B draft beside the
-            # 1.5B on one GPU: ~30 steps apart); a ready tree from an overlapping draft, little
-            # (every few steps), so that its trees are measured again
-            # (with overlap a probe is a run's first step and one more: the two steps' time)
-            t_probe = self.step_seconds(probe) + (self.switch_s or 0.0)
-            t_best = max(self.step_seconds(best), 1e-9)
-            lost = t_probe * max(1.0 - self.value(probe) / max(self.value(best), 1e-12), 0.0)
-            self.probe_every = max(self.min_probe, int(self.probe_ratio * lost / t_best + 0.5))
+        if not self.probe_every:  # (with overlap a probe is a run's first step and one more)
+            self.probe_every = probe_interval(self.step_seconds(probe) + (self.switch_s or 0.0),
+                                              self.step_seconds(best), self.value(probe), self.value(best),
+                                              self.min_probe, self.probe_ratio)
         if self.since_probe >= self.probe_every:
             self._probing, self._best, self._probe = True, best, probe
             return probe
@@ -306,8 +290,13 @@ class TreeController:
             self._rows += rows
         self._pending.clear()
 
-    def _average(self, old: Optional[float], new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+    def _average(self, old: Optional[float], new: float, alpha: Optional[float] = None) -> float:
+        a = self.alpha if alpha is None else alpha
+        return new if old is None else (1 - a) * old + a * new
+
+    @property
+    def _ready_alpha(self) -> float:
+        return SWITCH_ALPHA if self.overlap else self.alpha
 
     def record_plain(self, step_s: Optional[float] = None, lookup: int = 0) -> None:
         """A plain step; `step_s`: its wall time, when the driver measured it; `lookup`: the tokens a
@@ -350,8 +339,7 @@ class TreeController:
             old = self.accepted.get(r, 0.0)
             w = 1 - (1 - self.alpha) ** (now - self.measured_at.get(r, -10**6))  # 1 when never measured
             self.accepted[r], self.measured_at[r] = (1 - w) * old + w * n, now
-        a = SWITCH_ALPHA if self.overlap else self.alpha
-        self.ready = (1 - a) * self.ready + a
+        self.ready = self._average(self.ready, 1.0, self._ready_alpha)
         self.spec_steps += 1
         self.since_probe += 1
         self.in_run, self.steady = True, self.steady or self.overlap
@@ -369,7 +357,7 @@ class TreeController:
         if self.overlap and not self.in_run:  # a run's first ask: the switch's cost
             self._switched(1.0 + lookup, step_s)
         else:
-            self.ready *= 1 - (SWITCH_ALPHA if self.overlap else self.alpha)
+            self.ready = self._average(self.ready, 0.0, self._ready_alpha)
             self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
             if draft_s is not None:
                 self.draft.add(rung.depth, draft_s)
@@ -389,9 +377,8 @@ class TreeController:
         """(overlap) A run's first tree step: its tokens and wall seconds into the switch's averages
         (a step without its wall time, its forwards)."""
         seconds = step_s if step_s is not None else self._forward_s
-        a = SWITCH_ALPHA
-        self.switch_tokens = tokens if self.switch_tokens is None else (1 - a) * self.switch_tokens + a * tokens
-        self.switch_s = seconds if self.switch_s is None else (1 - a) * self.switch_s + a * seconds
+        self.switch_tokens = self._average(self.switch_tokens, tokens, SWITCH_ALPHA)
+        self.switch_s = self._average(self.switch_s, seconds, SWITCH_ALPHA)
         self._end_step()
 
     def _end_probe(self, rung: Rung) -> None:

@@ -64,6 +64,17 @@ def run_rate(tokens: float, seconds: float, ready: float, switch_tokens: float, 
     return tokens / max(seconds, 1e-9) / (1 - STAY_MARGIN)
 
 
+def probe_interval(t_probe: float, t_best: float, rate_probe: float, rate_best: float, min_probe: int,
+                   ratio: float) -> int:
+    """Steps between probes so that they lose about 1/`ratio` of the time: a probe loses its time
+    (`t_probe`) less the time its predicted tokens take at the best rung's rate; the best step takes
+    `t_best`. A probe that drafts on the target's path loses most of its time (the 0.5B draft beside
+    the 1.5B on one GPU: ~30 steps apart); a ready tree from an overlapping draft, little (every few
+    steps), so that its trees are measured again."""
+    lost = t_probe * max(1.0 - rate_probe / max(rate_best, 1e-12), 0.0)
+    return max(min_probe, int(ratio * lost / max(t_best, 1e-9) + 0.5))
+
+
 @dataclass(frozen=True)
 class Costs:
     """What a finished session of the same engine measured of the costs (the machine's and the

@@ -112,22 +112,21 @@ def start_ask(draft: DraftBackend, lane: Lane, *args) -> Future:
     return lane.submit(draft.step, *args)
 
 
-def prepared_tree(prepared: Optional[Future], verdict, step: int,
-                  late: list[float]) -> tuple[Optional[DraftTree], None]:
+def prepared_tree(prepared: Optional[Future], verdict, step: int, late: list[float]) -> Optional[DraftTree]:
     """At a verdict, with early asks (docs/architecture.md, "Prepared outcomes"): the tree a prepare's
-    answer holds for `verdict` (tokens) as step `step`, if the answer is in (a hit: no call), and
-    the prepare spent (None: a miss's ask goes after it in the lane, which meets its error). An
-    answer not in yet adds to `late`, when it comes, how long after the verdict it came (the next
-    prepares fall due that much sooner); one in time adds 0."""
+    answer holds for `verdict` (tokens) as step `step`, if the answer is in (a hit: no call; else a
+    miss, whose ask goes after the prepare in the lane and meets its error, if any). An answer not
+    in yet adds to `late`, when it comes, how long after the verdict it came (the next prepares fall
+    due that much sooner); one in time adds 0."""
     if prepared is None or (prepared.done() and prepared.exception() is not None):
-        return None, None
+        return None
     if not prepared.done():
         t = time.perf_counter()
         prepared.add_done_callback(lambda _: late.append(time.perf_counter() - t))
-        return None, None
+        return None
     late.append(0.0)
     outs = prepared.result()
-    return (outs.get(verdict) if outs.step == step else None), None
+    return outs.get(verdict) if outs.step == step else None
 
 
 def seconds_of(fn, *args) -> float:

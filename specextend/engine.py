@@ -313,7 +313,7 @@ class Engine(RequestLimits, DraftLink):
                     step += not from_ask
                     if ask_early and use_draft and not out.ends(committed):  # at once, before the commit and
                         # the retrieval scoring (a selection made below goes with the next call; its error: the next step's)
-                        ready, prepared = prepared_tree(prepared, committed, step, late)  # (a hit: no ask)
+                        ready, prepared = prepared_tree(prepared, committed, step, late), None  # (a hit: no ask)
                         if ready is None:
                             asked = start_ask(self.draft, lane, sid, step, pending, retrieval if from_ask else None,
                                               replace(ctl.top.bound, ready_only=True))  # (else this step's call had it)

@@ -180,10 +180,13 @@ class GrpcDraftBackend(DraftBackend):
                 logger.warning("draft health check failed: %s", exc)
         return self._steps
 
-    def _stamped(self, request: pb.StepRequest) -> bytes:
-        """The request with the server's bound on the step (timeout_ms), serialised."""
+    def _bounded(self, request: pb.StepRequest) -> pb.StepRequest:
+        """The request with the server's bound on the step (timeout_ms)."""
         request.timeout_ms = math.ceil(self.timeout_s * 1e3)
-        return request.SerializeToString()
+        return request
+
+    def _stamped(self, request: pb.StepRequest) -> bytes:
+        return self._bounded(request).SerializeToString()
 
     def _channel_step(self, steps: StepChannelClient, session_id: str, request: pb.StepRequest,
                       first: Optional[Callable[[], bytes]] = None, data: Optional[bytes] = None) -> pb.DraftTree:
@@ -229,7 +232,7 @@ class GrpcDraftBackend(DraftBackend):
             stream.close()
 
     def _stream_step(self, session_id: str, request: pb.StepRequest):
-        request.timeout_ms = math.ceil(self.timeout_s * 1e3)  # the server's bound on the step
+        self._bounded(request)
         for attempt in (1, 2):
             try:
                 return self._session_stream(session_id).step(request, self.timeout_s)
