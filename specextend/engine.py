@@ -290,13 +290,13 @@ class Engine(RequestLimits, DraftLink):
                     clock("verify")
                     if prepare and use_draft:  # queued: the draft prepares the next trees while it runs (the
                         t_prep = time.perf_counter()  # lane is idle: this step's tree came after its calls)
+                        while late:  # late: at once that much sooner (a miss costs an ask); in time: slowly later
+                            lt = late.pop()
+                            late_ema = late_ema + lt if lt > 0 else 0.7 * late_ema
                         try:
                             prepared = self.draft.prepare(sid, step, () if applied else pending,
                                                           None if applied else retrieval,
                                                           max(0.0, verify_ema - PREPARE_MARGIN_S - late_ema))
-                            while late:  # late: at once that much sooner (a miss costs an ask); in time: slowly later
-                                lt = late.pop()
-                                late_ema = late_ema + lt if lt > 0 else 0.7 * late_ema
                         except DraftError as e:  # met where the next step would have: its fallback
                             prepared = Future()
                             prepared.set_exception(e)
