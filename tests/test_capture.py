@@ -27,7 +27,7 @@ def test_captures_in_two_threads_take_turns(monkeypatch):
     def fake_graph(graph, pool=None, stream=None, capture_error_mode=None):
         assert capture_error_mode == "thread_local"
         t0 = time.perf_counter()
-        inside.append(cap.capturing())
+        inside.append(cap._LOCK._is_owned())
         time.sleep(0.05)
         yield
         spans.append((t0, time.perf_counter()))
@@ -44,7 +44,7 @@ def test_captures_in_two_threads_take_turns(monkeypatch):
     assert len(spans) == 2 and all(inside)
     (a0, a1), (b0, b1) = sorted(spans)
     assert b0 >= a1  # no overlap
-    assert not cap.capturing()
+    assert not cap._LOCK._is_owned()
 
 
 def test_every_capture_site_takes_the_lock():

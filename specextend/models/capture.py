@@ -27,8 +27,3 @@ def capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool: Option
     lock (another thread's capture waits; its replays and launches do not)."""
     with _LOCK, torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         yield
-
-
-def capturing() -> bool:
-    """Whether this thread holds the capture lock (a capture is under way here)."""
-    return _LOCK._is_owned()  # noqa: SLF001 - RLock's own test, for the tests
