@@ -88,3 +88,65 @@ def lossless_check(decoder: Decoder, prompt: Sequence[int], ref: Sequence[int], 
         ok = gap <= 2 * noise
     return dict(identical=i is None, near_tie=ok, first_divergence=i, top2_gap=gap, tolerance=tol,
                 rounding_noise=noise)
+
+
+def settle_overrides(decoder: Decoder, prompt: Sequence[int], reference: Sequence[int], overrides: Sequence,
+                     tol: float) -> tuple[bool, Optional[float]]:
+    """Reference overrides ([output position, gap, gap in rounding steps] each: the response's
+    `reference_override_at`, verify.Reference) by the near-tie rule: each within the tolerance or
+    one rounding step (`within_rounding`), or else, in bf16/fp16, with its gap within twice the
+    target's own rounding noise after `prompt + reference[:position]`, as `lossless_check` settles a
+    differing output (docs/architecture.md, "Losslessness in finite precision"). (ok, the largest
+    noise measured: None where none was). Stops at the first override beyond it (each measure costs
+    a float32 copy of the weights and a prefill)."""
+    noise: Optional[float] = None
+    for position, gap, steps in overrides:
+        if within_rounding(gap, steps, tol):
+            continue
+        if position is None or decoder.dtype not in REDUCED:  # (no position: nowhere to measure)
+            return False, noise
+        here = rounding_noise(decoder, list(prompt) + list(reference[:int(position)]))
+        noise = here if noise is None else max(noise, here)
+        if gap > 2 * here:
+            return False, noise
+    return True, noise
+
+
+def overrides_of(result: dict) -> list:
+    """A benchmark result's reference overrides ([position, gap, gap in steps] each: its
+    `reference_override_at`); from an app that reported no positions, its largest gap alone ([None,
+    reference_max_gap, reference_max_gap_steps]: only the tolerance or one step settles that); []
+    without overrides."""
+    if not result.get("reference_overrides"):
+        return []
+    at = result.get("reference_override_at")
+    if at is None:
+        return [[None, result["reference_max_gap"], result.get("reference_max_gap_steps")]]
+    return [list(o) for o in at]
+
+
+def reference_check(decoder: Decoder, prompt: Sequence[int], ref: Sequence[int], out: Sequence[int],
+                    overrides: Sequence, tol: float) -> dict:
+    """`lossless_check` of `out` against `ref`, and where the reference overrode the target's choice
+    (`overrides`: overrides_of) those settled too (settle_overrides): near_tie only if both hold,
+    rounding_noise the largest measured by either."""
+    check = lossless_check(decoder, prompt, ref, out, tol)
+    if overrides:
+        ok, noise = settle_overrides(decoder, prompt, ref, overrides, tol)
+        noises = [n for n in (check["rounding_noise"], noise) if n is not None]
+        check.update(identical=False, near_tie=check["near_tie"] and ok, rounding_noise=max(noises, default=None))
+    return check
+
+
+def check_line(check: dict) -> str:
+    """A settled check in words: where it differed or was overridden, the gaps, the noise, the verdict."""
+    parts = []
+    if check.get("first_divergence") is not None:
+        gap = check.get("top2_gap")
+        parts.append(f"first difference at {check['first_divergence']}, top-2 gap "
+                     + ("-" if gap is None else f"{gap:.4f}"))
+    if check.get("overrides"):
+        parts.append(f"{check['overrides']} overrides of the target's choice, largest gap {check['max_gap']:.4f}")
+    if check.get("rounding_noise") is not None:
+        parts.append(f"rounding noise {check['rounding_noise']:.4f} (2x {2 * check['rounding_noise']:.4f})")
+    return "; ".join(parts or ["identical"]) + (": near-tie" if check["near_tie"] else ": DIVERGED")

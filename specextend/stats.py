@@ -89,6 +89,7 @@ class RequestStats:
     # overrode its choice (None: no reference)
     reference_gaps: Optional[list] = None
     reference_steps: Optional[list] = None  # the rounding step at each of those places (verify.rounding_step)
+    reference_positions: Optional[list] = None  # the output position of each (verify.Reference.positions)
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
@@ -130,13 +131,19 @@ class RequestStats:
     @property
     def reference_summary(self) -> dict:
         """With reference tokens: {reference_overrides, reference_max_gap} (the tokens they overrode,
-        the largest top-two gap where they did); {} without."""
-        if self.reference_gaps is None:
+        the largest top-two gap where they did), the largest gap in rounding steps, and with positions
+        each override as [position, gap, gap in steps] (`reference_override_at`: the benchmarks settle
+        those beyond one step by the target's rounding noise there, near_tie.settle_overrides); {}
+        without."""
+        gaps, steps = self.reference_gaps, self.reference_steps
+        if gaps is None:
             return {}
-        out = dict(reference_overrides=len(self.reference_gaps), reference_max_gap=max(self.reference_gaps, default=0.0))
-        if self.reference_steps is not None:  # (without them no gap is measured in steps: none passes by steps)
-            out["reference_max_gap_steps"] = max((g / s for g, s in zip(self.reference_gaps, self.reference_steps)),
-                                                 default=0.0)
+        out = dict(reference_overrides=len(gaps), reference_max_gap=max(gaps, default=0.0))
+        if steps is not None:  # (without them no gap is measured in steps: none passes by steps)
+            out["reference_max_gap_steps"] = max((g / s for g, s in zip(gaps, steps)), default=0.0)
+        if self.reference_positions is not None:
+            out["reference_override_at"] = [[p, g, None if steps is None else g / steps[i]]
+                                            for i, (p, g) in enumerate(zip(self.reference_positions, gaps))]
         return out
 
     @property

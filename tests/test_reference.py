@@ -66,6 +66,7 @@ def test_an_override_is_measured_in_rounding_steps_of_the_logits_magnitude():
     assert st.reference_summary == dict(reference_overrides=2, reference_max_gap=0.5, reference_max_gap_steps=2.0)
     got = SpeculativeDecoding(**spec_decoding(st)).model_dump()
     assert got["reference_max_gap_steps"] == 2.0
+    assert "reference_override_at" not in got  # (no positions: excluded like its neighbours)
     assert within_rounding(0.25, 1.0, 0.125) and not within_rounding(0.5, 2.0, 0.125)
     assert within_rounding(0.1, None, 0.125) and not within_rounding(0.25, None, 0.125)
 
@@ -78,3 +79,32 @@ def test_the_engine_measures_its_overrides_in_its_dtypes_steps(pair):
     _, _, st = make_engine(pair, "specextend").generate(PROMPT, params, reference=other)
     assert len(st.reference_steps) == len(st.reference_gaps) >= 1  # (the text after it is ar's no more)
     assert all(0 < s < 1e-10 for s in st.reference_steps)  # float64's steps at the logits' size
+
+
+def test_each_override_keeps_its_output_position_and_the_response_lists_them():
+    """The benchmarks settle an override beyond one rounding step by the target's rounding noise at its
+    position (near_tie.settle_overrides): Reference keeps each one's output position beside its gap and
+    step, and the response lists them, [position, gap, gap in steps] (docs/architecture.md, "Baselines")."""
+    import json
+
+    import torch
+
+    from specextend.serving.protocol import SpeculativeDecoding, spec_decoding
+    from specextend.stats import RequestStats
+    from specextend.verify import Reference
+
+    logits = torch.full((2, 8), -5.0, dtype=torch.bfloat16)
+    logits[0, 2], logits[0, 3] = 40.25, 40.0
+    logits[1, 5], logits[1, 6] = 40.5, 40.0
+    ref = Reference([1, 1, 1, 1, 3, 1, 1, 6], dtype=torch.bfloat16)
+    assert ref.pick(logits, 0, 1, 3) == 1  # the target's own choice: nothing kept
+    assert ref.pick(logits, 0, 2, 4) == 3 and ref.pick(logits, 1, 5, 7) == 6
+    assert ref.pick(logits, 1, 5, 9) == 5  # past the reference's end: the target's
+    assert ref.positions == [4, 7] and ref.gaps == [0.25, 0.5] and ref.steps == [0.25, 0.25]
+    st = RequestStats()
+    st.reference_gaps, st.reference_steps, st.reference_positions = ref.gaps, ref.steps, ref.positions
+    assert st.reference_summary["reference_override_at"] == [[4, 0.25, 1.0], [7, 0.5, 2.0]]
+    body = json.loads(SpeculativeDecoding(**spec_decoding(st)).model_dump_json())
+    assert body["reference_override_at"] == [[4, 0.25, 1.0], [7, 0.5, 2.0]] and body["reference_overrides"] == 2
+    st.reference_steps = None  # (no steps: none passes by steps)
+    assert st.reference_summary["reference_override_at"] == [[4, 0.25, None], [7, 0.5, None]]

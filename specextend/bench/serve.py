@@ -8,9 +8,10 @@ steps waiting for a drafted tree, `2gpu-wait`, and without overlap, `2gpu-serial
 allows (`--placements` picks some); on the CPU, `num_gpus=0`. Tokens/s, time to first token and the per-step split come from
 the client's clock and each response's `speculative_decoding` object. Random-weight pairs accept
 a constant replayed length (`replay_accept_length`), labelled "replayed". Other pairs' outputs
-are compared with served `ar`'s token for token; where they differ, the target is loaded in this
-process once the apps are gone and the first difference is checked by the near-tie rule
-(near_tie.lossless_check), as the in-process suites do.
+are compared with served `ar`'s token for token; where they differ, or where ar's tokens (the
+reference every app decodes) overrode the target's choice beyond one rounding step, the target is
+loaded in this process once the apps are gone and the first difference and those overrides are
+checked by the near-tie rule (near_tie.reference_check), as the in-process suites do.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import requests
 import torch
 
 from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, kinds_line, summarize
-from specextend.near_tie import within_rounding
+from specextend.near_tie import overrides_of, within_rounding
 from specextend.bench.texts import documents, prompt_ids
 
 GIL = {"switch_interval_ms": 0.05}  # the `-gil` placements' switch interval, replica and draft actor (0.2 ms before
@@ -206,7 +207,8 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int,
                    probe_steps=spec.get("probe_steps", 0))
     if "reference_overrides" in spec:
         out.update(reference_overrides=spec["reference_overrides"], reference_max_gap=spec["reference_max_gap"],
-                   reference_max_gap_steps=spec.get("reference_max_gap_steps"))
+                   reference_max_gap_steps=spec.get("reference_max_gap_steps"),
+                   reference_override_at=spec.get("reference_override_at"))
     out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}),  # every mode
                predicted_tok_per_s=spec.get("predicted_tok_per_s", {}), ask_ms=spec.get("ask_ms", {}),
                phase_ms=spec.get("phase_ms", {}),
@@ -276,14 +278,14 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                 refs[key] = ids
                             elif key in refs and not pair.replayed:
                                 same = ids == refs[key]  # served greedy output against served ar's
-                                gap = r.get("reference_max_gap") or 0.0  # where the reference overrode it
-                                steps = r.get("reference_max_gap_steps")  # (the same gap in rounding steps)
+                                overrides = overrides_of(r)  # where the reference overrode it: [position, gap, steps]
+                                near = all(within_rounding(g, steps, tie_tolerance()) for _, g, steps in overrides)
                                 checks.append(dict(pair=pair_name, length=length, doc=doc.name, mode=name,
-                                                   identical=same and not r.get("reference_overrides"),
-                                                   near_tie=same and within_rounding(gap, steps, tie_tolerance()),
-                                                   overrides=r.get("reference_overrides", 0), max_gap=gap))
-                                if not same:  # settled by the near-tie rule once the apps are gone
-                                    differing.append((checks[-1], pair, prompt, refs[key], ids))
+                                                   identical=same and not overrides, near_tie=same and near,
+                                                   overrides=r.get("reference_overrides", 0),
+                                                   max_gap=r.get("reference_max_gap") or 0.0))
+                                if not (same and near):  # settled by the near-tie rule once the apps are gone
+                                    differing.append((checks[-1], pair, prompt, refs[key], ids, overrides))
                             rows.append(dict(pair=pair_name, length=length, prompt_tokens=len(prompt), doc=doc.name,
                                              mode=name, replayed=pair.replayed and not alone,
                                              startup_s=startup, **phases, **r))
@@ -327,23 +329,24 @@ def _in_process_ar(pairs, modes, new_tokens, docs, tree_policy, progress) -> lis
     return result["rows"]
 
 
-def _settle(differing: list, progress=print) -> None:
-    """Checks each served output that differs from served `ar`'s by the near-tie rule, with the
-    pair's target loaded here (the GPU memory of the apps is free again)."""
+def _settle(differing: list, progress=print, loaded: Optional[dict] = None) -> None:
+    """Checks each served output that differs from served `ar`'s, or whose reference overrides
+    ([position, gap, steps] each, near_tie.overrides_of) are not all within one rounding step, by the
+    near-tie rule (near_tie.reference_check: an override beyond a step is settled by twice the
+    target's rounding noise at its position), with the pair's target loaded here (the GPU memory of
+    the apps is free again; `loaded`: decoders by target name already at hand)."""
     from specextend.config import EngineConfig
     from specextend.models.loader import load_model
-    from specextend.near_tie import lossless_check
+    from specextend.near_tie import check_line, reference_check
     from specextend.builder import read_pair
 
-    loaded: dict = {}
-    for check, pair, prompt, ref, ids in differing:
+    loaded = {} if loaded is None else loaded
+    for check, pair, prompt, ref, ids, overrides in differing:
         if pair.target not in loaded:
             loaded.clear()  # one target at a time
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
             meta, _ = read_pair(EngineConfig(target=pair.target, draft=pair.draft, device=device))
             loaded[pair.target] = load_model(meta, "target", "auto", device).decoder
         decoder = loaded[pair.target]
-        check.update(lossless_check(decoder, prompt, ref, ids, TIE_TOLERANCE.get(decoder.dtype, 0.125)))
-        progress(f"served {check['pair']} L={check['length']} {check['doc']} {check['mode']}: first difference at "
-                 f"{check['first_divergence']}, top-2 gap {check['top2_gap']}: "
-                 f"{'near-tie' if check['near_tie'] else 'DIVERGED'}")
+        check.update(reference_check(decoder, prompt, ref, ids, overrides, TIE_TOLERANCE.get(decoder.dtype, 0.125)))
+        progress(f"served {check['pair']} L={check['length']} {check['doc']} {check['mode']}: {check_line(check)}")

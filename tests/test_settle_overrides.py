@@ -1,0 +1,103 @@
+"""Reference overrides beyond one rounding step are settled by the noise rule, as differing outputs
+are: ok where the top-two gap is within twice the target's own rounding noise (bf16 against float32
+logits of the same weights) at the override's position (near_tie.settle_overrides; the serve suite's
+_settle and the e2e suite's check; docs/architecture.md, "Losslessness in finite precision")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specextend.models.decoder import Decoder
+from specextend.near_tie import (check_line, overrides_of, reference_check, rounding_noise, settle_overrides,
+                                 within_rounding)
+
+PROMPT, REF = list(range(5, 30)), [7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def decoders(tiny_models):
+    """The tiny target in float32 and the same weights in bfloat16."""
+    t, _ = tiny_models("float32")
+    d = t.decoder
+    return d, Decoder(d.args, d.w.to(dtype=torch.bfloat16), d.rope, d.backend)
+
+
+@pytest.fixture(scope="module")
+def noise(decoders):
+    """The bf16 target's rounding noise after PROMPT + REF[:2] (an override at output position 2)."""
+    return rounding_noise(decoders[1], PROMPT + REF[:2])
+
+
+def test_an_override_within_twice_the_noise_at_its_position_is_a_near_tie(decoders, noise):
+    _, bf = decoders
+    assert noise > 0
+    gap = 1.5 * noise  # beyond the tolerance and beyond one rounding step, within 2x the noise
+    assert not within_rounding(gap, 3.0, 0.0)
+    assert settle_overrides(bf, PROMPT, REF, [[2, gap, 3.0]], tol=0.0) == (True, noise)
+
+
+def test_an_override_far_beyond_the_noise_is_a_divergence(decoders, noise):
+    _, bf = decoders
+    ok, got = settle_overrides(bf, PROMPT, REF, [[2, 1.5 * noise, 3.0], [2, 10 * noise + 1.0, 40.0]], tol=0.0)
+    assert not ok and got == noise
+    # the noise is measured where the override was: a gap within 2x one position's noise but not
+    # another's is judged by its own
+    other = rounding_noise(bf, PROMPT + REF[:4])
+    assert other != noise
+    gap = (2 * min(noise, other) + 2 * max(noise, other)) / 2
+    at_small = 2 if noise < other else 4
+    assert settle_overrides(bf, PROMPT, REF, [[at_small, gap, 3.0]], tol=0.0) == (False, min(noise, other))
+    assert settle_overrides(bf, PROMPT, REF, [[6 - at_small, gap, 3.0]], tol=0.0) == (True, max(noise, other))
+
+
+def test_within_rounding_measures_nothing_and_float32_or_no_position_settles_nothing(decoders, noise):
+    f32, bf = decoders
+    assert settle_overrides(bf, PROMPT, REF, [[2, 0.1, 2.0], [3, 0.25, 1.0]], tol=0.125) == (True, None)
+    assert settle_overrides(f32, PROMPT, REF, [[2, 1.5 * noise, 3.0]], tol=0.0) == (False, None)
+    assert settle_overrides(bf, PROMPT, REF, [[None, 1.5 * noise, 3.0]], tol=0.0) == (False, None)
+
+
+def test_overrides_of_a_result_with_and_without_positions():
+    assert overrides_of({"reference_overrides": 0, "reference_max_gap": 0.0}) == []
+    assert overrides_of({}) == []
+    r = dict(reference_overrides=2, reference_max_gap=0.5, reference_max_gap_steps=2.0,
+             reference_override_at=[[4, 0.25, 1.0], [7, 0.5, 2.0]])
+    assert overrides_of(r) == [[4, 0.25, 1.0], [7, 0.5, 2.0]]
+    del r["reference_override_at"]  # an app that reported no positions: its largest gap, nowhere to measure
+    assert overrides_of(r) == [[None, 0.5, 2.0]]
+
+
+def test_reference_check_joins_the_first_difference_and_the_overrides(decoders, noise):
+    _, bf = decoders
+    same = reference_check(bf, PROMPT, REF, list(REF), [[2, 1.5 * noise, 3.0]], tol=0.0)
+    assert same["near_tie"] and not same["identical"] and same["rounding_noise"] == noise
+    assert "near-tie" in check_line(same) and "rounding noise" in check_line(same)
+    bad = reference_check(bf, PROMPT, REF, list(REF), [[2, 10 * noise + 1.0, 40.0]], tol=0.0)
+    assert not bad["near_tie"] and check_line(bad).endswith("DIVERGED")
+    plain = reference_check(bf, PROMPT, REF, list(REF), [], tol=0.0)
+    assert plain["identical"] and plain["near_tie"] and plain["rounding_noise"] is None
+
+
+def test_the_serve_suites_settle_takes_the_overrides(decoders, noise):
+    """Served outputs equal to served ar's whose overrides are beyond one step go to _settle once the
+    apps are gone, with their override lists: each judged by the noise at its position."""
+    from specextend.bench.e2e import PAIRS
+    from specextend.bench.serve import _settle
+
+    _, bf = decoders
+    pair = PAIRS["tiny"]
+
+    def check(gap):
+        return dict(pair="tiny", length=64, doc="python", mode="lookup", identical=False, near_tie=False,
+                    overrides=1, max_gap=gap)
+
+    near, far = check(1.5 * noise), check(10 * noise + 1.0)
+    lines: list[str] = []
+    _settle([(near, pair, PROMPT, REF, list(REF), [[2, near["max_gap"], 3.0]]),
+             (far, pair, PROMPT, REF, list(REF), [[2, far["max_gap"], 40.0]])],
+            progress=lines.append, loaded={pair.target: bf})
+    assert near["near_tie"] is True and near["rounding_noise"] == noise
+    assert far["near_tie"] is False and far["rounding_noise"] == noise
+    assert lines[0].startswith("served tiny L=64 python lookup: 1 overrides") and lines[0].endswith("near-tie")
+    assert f"rounding noise {noise:.4f}" in lines[0] and lines[1].endswith("DIVERGED")
