@@ -10,12 +10,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable, Generator, Optional
 
 from specextend.config import EngineConfig
 from specextend.controller import SLOW_DRAFT, TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftTree, TreeBound
 from specextend.models.args import ModelArgs
+from specextend.retrieval import launch_scoring
 from specextend.scheduler import DraftCall
 from specextend.stats import RequestStats
 
@@ -110,6 +112,43 @@ def start_ask(draft: DraftBackend, lane: Lane, *args) -> Future:
             lane.adopt(call)
             return call
     return lane.submit(draft.step, *args)
+
+
+def ask_ahead(draft: DraftBackend, lane: Lane, ctl: TreeController, chain, sessions: int, sid: str, step: int,
+              pending: list, retrieval) -> tuple:
+    """After a plain or unready step, with early asks (docs/architecture.md, "Adaptive speculation",
+    asks ahead of a run): the next step's rung, chosen now that the step's tokens are known (`chain`:
+    the lookup chain a plain step would verify then); a tree's ask leaves at once with them, as a
+    tree step's verdict's does, so a run's first tree is asked early too. -> (rung, the ask or None,
+    step, pending, retrieval), as the engine carries them on."""
+    ctl.chain_now = chain
+    rung = ctl.choose_noted(sessions)
+    if rung.plain:
+        return rung, None, step, pending, retrieval
+    launch_scoring(retrieval)  # (before a call that may run on another thread)
+    asked = start_ask(draft, lane, sid, step, pending, retrieval, replace(ctl.top.bound, ready_only=True))
+    return rung, asked, step + 1, [], None
+
+
+def send_prepare(draft: DraftBackend, lane: Optional[Lane], sid: str, step: int, tokens, retrieval,
+                 verify_ema: float, late_ema: float, late: list[float]) -> tuple[Future, float]:
+    """A prepare sent beside a tree's verification (docs/architecture.md, "Prepared outcomes"), the
+    session's lane idle (the step's tree came after its calls): due PREPARE_MARGIN_S before the
+    verification is expected to end (`verify_ema`), sooner by `late_ema`, into which the lateness of
+    answers since (`late`, emptied) is folded first: a late one at once, in time ones slowly later.
+    With early asks (`lane`) the next call goes after it. -> (the prepare's Future, late_ema); a
+    DraftError is the Future's, met where the next step would have met it."""
+    while late:
+        lt = late.pop()
+        late_ema = late_ema + lt if lt > 0 else 0.7 * late_ema
+    try:
+        prepared = draft.prepare(sid, step, tokens, retrieval, max(0.0, verify_ema - PREPARE_MARGIN_S - late_ema))
+    except DraftError as e:
+        prepared = Future()
+        prepared.set_exception(e)
+    if lane is not None:
+        lane.adopt(prepared)
+    return prepared, late_ema
 
 
 def prepared_tree(prepared: Optional[Future], verdict, step: int, late: list[float]) -> Optional[DraftTree]:

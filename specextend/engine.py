@@ -22,7 +22,8 @@ from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft_link import (LANE_BACKLOG, PREPARE_MARGIN_S, TELL_BOUND, DraftLink, Lane,  # noqa: F401
-                                   draft_weight_ratio, never_pays, prepared_tree, settled, start_ask)
+                                   ask_ahead, draft_weight_ratio, never_pays, prepared_tree, send_prepare,
+                                   settled, start_ask)
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup, drafted_prefix
 from specextend.models.args import ModelArgs
@@ -119,7 +120,8 @@ class Engine(RequestLimits, DraftLink):
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
-        stats.reference_gaps, stats.reference_steps = (None, None) if ref is None else (ref.gaps, ref.steps)
+        stats.reference_gaps, stats.reference_steps, stats.reference_positions = (
+            (None, None, None) if ref is None else (ref.gaps, ref.steps, ref.positions))
         out = Emitter(params, self.target.args.eos_token_ids, stats)
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
@@ -130,6 +132,7 @@ class Engine(RequestLimits, DraftLink):
         lane = Lane(self._tells)  # tells and early asks, in order, none waited for by the step that sends it
         held = False  # plain steps' tokens held back by the lane's backlog, not yet sent
         asked: Optional[Future] = None  # a verdict sent early (ask_early), in the lane: the next tree step's answer
+        chosen = None  # the next step's rung, chosen at the step before (ask_ahead)
         feed: Optional[DraftFeed] = None  # with snapshots: the draft's latest answer and the call in flight
         ctl = self.new_controller(tree_cfg)
         stats.predicted = ctl.predicted  # (filled as it chooses)
@@ -179,16 +182,14 @@ class Engine(RequestLimits, DraftLink):
             refresh_due = cfg.retrieval.every  # the verification (1-based) of the next retrieval selection
             prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
             ready: Optional[DraftTree] = None  # the next tree, found among them at the verdict (with early asks)
-            # an overlapping draft is told each plain step's tokens while the next forward runs, so
-            # that its pool follows them and the next tree can be ready (docs/architecture.md,
-            # "Overlapped drafting", told verdicts)
+            # an overlapping draft is told each plain step's tokens while the next forward runs: its pool
+            # follows them, the next tree can be ready (docs/architecture.md, "Overlapped drafting")
             tell = use_draft and cfg.overlap and ready_only and cfg.draft_tell
-            # a tree step's verdict goes to the draft as soon as it is known, the answer (the next
-            # tree, ready or none) read when the next step needs it: the round trip overlaps the
-            # step's commit, bookkeeping and emit (docs/architecture.md, "Pool snapshots", early asks)
+            # a tree step's verdict goes to the draft once known, its answer read by the next step: the
+            # round trip overlaps the commit, books and emit ("Pool snapshots", early asks; ask_ahead)
             ask_early = tell and cfg.draft_ask_early
-            # with snapshots every step's tokens go to the draft as soon as they are known and a tree
-            # comes from the latest answer, walked locally: no call on a step's path ("Pool snapshots")
+            # with snapshots every step's tokens go to the draft at once, a tree walked from the latest
+            # answer: no call on a step's path ("Pool snapshots")
             if snap:
                 tell = ask_early = False
                 feed = DraftFeed(lambda n, toks, retr: self._tells.submit(self.draft.step, sid, n, toks, retr,
@@ -207,11 +208,14 @@ class Engine(RequestLimits, DraftLink):
                         feed.send()
                 if feed is not None and feed.error is not None:  # a call failed: plain decoding from here
                     use_draft, feed = self._fall_back(stats, sid, feed.error), None
-                if use_draft and not opening_pending:
+                if use_draft and chosen is not None:  # (at the step before: ask_ahead)
+                    rung = chosen
+                elif use_draft and not opening_pending:
                     ctl.chain_now = lookup.peek() if lookup is not None else None  # (what a plain step would verify)
                     rung = ctl.choose_noted(load.sessions)
                 else:
                     rung = ctl.plain_unchosen()
+                chosen = None
                 t_step = time.perf_counter()  # the step's wall time teaches the controller its host work
                 if t_back is not None:
                     stats.between_s += t_step - t_back
@@ -262,6 +266,9 @@ class Engine(RequestLimits, DraftLink):
                             pending = []
                         ctl.record_unready(rung, draft_s, step_s=time.perf_counter() - t_step,
                                            lookup=len(committed) - 1)
+                        if ask_early and not out.ends(committed):  # the next step chosen now: a tree's ask goes
+                            chosen, asked, step, pending, retrieval = ask_ahead(self.draft, lane, ctl, lookup and
+                                lookup.peek(), load.sessions, sid, step, pending, retrieval)  # noqa: E128
                         stats.probe_steps = ctl.probe_steps
                         stats.decode_s = time.perf_counter() - t1
                         ev = out.emit(committed)
@@ -288,20 +295,11 @@ class Engine(RequestLimits, DraftLink):
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
                     launch_scoring(retrieval)  # a selection not yet scored: in this forward's shadow
                     clock("verify")
-                    if prepare and use_draft:  # queued: the draft prepares the next trees while it runs (the
-                        t_prep = time.perf_counter()  # lane is idle: this step's tree came after its calls)
-                        while late:  # late: at once that much sooner (a miss costs an ask); in time: slowly later
-                            lt = late.pop()
-                            late_ema = late_ema + lt if lt > 0 else 0.7 * late_ema
-                        try:
-                            prepared = self.draft.prepare(sid, step, () if applied else pending,
-                                                          None if applied else retrieval,
-                                                          max(0.0, verify_ema - PREPARE_MARGIN_S - late_ema))
-                        except DraftError as e:  # met where the next step would have: its fallback
-                            prepared = Future()
-                            prepared.set_exception(e)
-                        if ask_early:  # the next call goes after it
-                            lane.adopt(prepared)
+                    if prepare and use_draft:  # queued: the draft prepares the next trees while it runs
+                        t_prep = time.perf_counter()
+                        prepared, late_ema = send_prepare(self.draft, lane if ask_early else None, sid, step,
+                                                          () if applied else pending, None if applied else retrieval,
+                                                          verify_ema, late_ema, late)
                     forced = replay[step % len(replay)] if replay else None
                     verdict = verify_tree(logits, tokens, parents, params, gen, forced, draft_bonus, ref,
                                           stats.num_generated)
@@ -375,6 +373,10 @@ class Engine(RequestLimits, DraftLink):
                             stats.open_steps += 1
                         else:
                             stats.plain_steps += 1
+                            if ask_early and not out.ends(committed):  # (as after an unready step)
+                                chosen, asked, step, pending, retrieval = ask_ahead(self.draft, lane, ctl, lookup and
+                                    lookup.peek(), load.sessions, sid, step, pending, retrieval)  # noqa: E128
+                                held = held and asked is None
                     clock = stats.clock(kind, t_step)
                     clock.add("step", t_plain - t_step)  # its forward, verdict and commit (plain_step_co)
                 ev = out.emit(committed)

@@ -34,6 +34,26 @@ def test_early_asks_are_lossless_and_every_token_reaches_the_draft_once_in_order
     assert all(b.ready_only for b in asks[1:])
 
 
+class _Every5(TreeController):
+    """Three plain steps, then two that ask for trees (unready ones counted), and again."""
+
+    def choose(self, sessions=1):
+        return self.top if (self.spec_steps + self.plain_steps + self.unready_steps) % 5 >= 3 else PLAIN
+
+
+@pytest.mark.parametrize("lookup", [0, 8])
+def test_a_run_s_first_tree_is_asked_at_the_plain_step_before_it(pair, lookup):
+    """ask_ahead: after a plain (or unready) step the next step is chosen at once, and a tree's ask
+    leaves with that step's tokens, so every tree step reads an early ask's answer, a run's first
+    included; lossless, every token sent once and in order."""
+    params = SamplingParams(40, ignore_eos=True)
+    ref, out, stats, draft = recorded_run(pair, _Every5, params, 0.002, lookup_tokens=lookup)
+    assert out == ref
+    assert stats.num_steps + stats.unready_steps >= 6 and stats.plain_steps >= 6
+    assert stats.asked_steps == stats.num_steps + stats.unready_steps  # no tree asked at its own step
+    assert_calls_in_order(draft, out, unsent=8)
+
+
 def test_each_early_ask_says_where_its_time_went(pair):
     """stats.ask_split (stats.ASK_PARTS): a call answered 2 ms late takes at least that, of which the
     draft side's time is part; the engine's own work before it waited and the hand-offs are times

@@ -26,6 +26,7 @@ def test_every_mode_emits_the_reference_and_keeps_the_gap_where_it_overrode_the_
     out, _, st = engine.generate(PROMPT, params, reference=other)
     assert out == other
     assert st.reference_gaps and st.reference_gaps[0] > 0  # the target's own token scored higher
+    assert st.reference_positions[0] == 5 and len(st.reference_positions) == len(st.reference_gaps)
     plain, _, _ = make_engine(pair, mode, lookup_tokens=lookup).generate(PROMPT, params)
     assert plain == ref  # (without a reference: the target's own output, lossless)
 
