@@ -1,0 +1,78 @@
+"""Where a draft actor's spawn goes (issue 17's start time; docs/architecture.md, "Deployment"): the
+seconds from a Ray actor's creation to its constructor, and to its first answer, for an empty actor
+(CPU, then one GPU), and for one that also imports what the draft actor's module imports, torch and
+a CUDA context. Prints one line per kind and writes JSON with --json.
+
+    python benchmarks/actor_spawn.py [--gpus 1] [--reps 2] [--json out.json]
+
+The served two-GPU apps recorded 13-15 s of `draft_actor_spawn` on two H100s (2026-11-28, run U)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import ray
+
+
+class Empty:
+    def __init__(self, created: float) -> None:
+        self.started = time.time() - created
+
+    def ready(self) -> float:
+        return self.started
+
+
+class Heavy(Empty):
+    def __init__(self, created: float) -> None:
+        super().__init__(created)
+        t = time.time()
+        import specextend.serving.draft_actor  # noqa: F401 - what the draft actor's module imports
+        import torch
+
+        self.imports = time.time() - t
+        t = time.time()
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")  # the CUDA context
+        self.cuda = time.time() - t
+
+    def ready(self) -> dict:
+        return dict(spawn_s=self.started, imports_s=self.imports, cuda_s=self.cuda)
+
+
+def spawn(cls, num_gpus: float) -> dict:
+    created = time.time()
+    actor = ray.remote(cls).options(num_cpus=1, num_gpus=num_gpus).remote(created)
+    out = ray.get(actor.ready.remote())
+    total = time.time() - created
+    ray.kill(actor)
+    out = out if isinstance(out, dict) else dict(spawn_s=out)
+    return dict(out, first_answer_s=total)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=float, default=1.0, help="num_gpus of the GPU kinds (0: CPU only)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    t = time.time()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    rows = [dict(kind="ray.init", first_answer_s=time.time() - t)]
+    kinds = [("empty-cpu", Empty, 0.0), ("heavy-cpu", Heavy, 0.0)]
+    if args.gpus:
+        kinds += [("empty-gpu", Empty, args.gpus), ("heavy-gpu", Heavy, args.gpus)]
+    for rep in range(args.reps):
+        for name, cls, gpus in kinds:
+            rows.append(dict(kind=name, rep=rep, **spawn(cls, gpus)))
+    for r in rows:
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, date=time.strftime("%Y-%m-%d %H:%M")), f, indent=1)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
