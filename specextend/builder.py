@@ -75,6 +75,7 @@ def build_engine(config: EngineConfig) -> Engine:
     backend = None
     if draft is not None:
         backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap,
-                              prepare=config.draft_prepare, handover=config.draft_handover)
+                              prepare=config.draft_prepare, handover=config.draft_handover,
+                              overlap_rows=config.draft_overlap_rows)
         backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
     return Engine(config, target, backend, draft_args=draft.args if draft is not None else None)

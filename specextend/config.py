@@ -141,6 +141,9 @@ class EngineConfig:
                            "a snapshot of its pool's best nodes; a tree step walks the latest snapshot to its own "
                            "position instead of calling the draft (off: measured slower on two H200s, the "
                            "snapshots too thin; ignored where draft_prepare is on)")
+    draft_overlap_rows: int = Field(
+        8, ge=1, le=32, description="with draft_overlap: pool nodes each background forward of the draft takes "
+                                    "(a small draft streams its weights whatever the row count)")
     draft_handover: bool = Field(
         True, description="the draft's thread waits (up to 2 ms) until a step's answer has been sent before its "
                           "next work, which would hold the GIL the sender needs (false: benchmarks' A/B)")

@@ -299,6 +299,26 @@ def test_warm_up_runs_the_background_forwards_before_traffic(draft):
     assert DraftWorker(draft).warm_up(DraftSessionParams(TREE, RetrievalConfig(enabled=False), 64)) == 0
 
 
+def test_the_rows_setting_reaches_the_draft_s_background_forwards(tiny_models, monkeypatch):
+    """`draft_overlap_rows` (the serve suite's `-rows16`): the worker's sessions take that many pool
+    nodes a background forward, and the output stays plain decoding's."""
+    from specextend.builder import build_engine
+
+    assert EngineConfig().draft_overlap_rows == 8
+    taken = []
+    original = DraftSession.launch
+    monkeypatch.setattr(DraftSession, "launch", lambda s: taken.append(s.rows) or original(s))
+    cfg = EngineConfig(target="random:llama-tiny", draft="random:llama-tiny-draft", dtype="float64",
+                       tree=TREE, tree_policy="fixed", draft_overlap=True, draft_overlap_rows=16)
+    engine = build_engine(cfg)
+    params = SamplingParams(24, ignore_eos=True)
+    ref, _, _ = Engine(EngineConfig(mode="ar"), engine.target, None).generate(prompt(70), params)
+    out, _, _ = engine.generate(prompt(70), params)
+    engine.draft.shutdown()
+    assert engine.draft.overlap_rows == 16 and out == ref
+    assert taken and set(taken) == {16}
+
+
 def test_an_arriving_job_preempts_background_work(draft, monkeypatch):
     """Background drafting runs one forward at a time between jobs: a step queued behind it waits
     for at most the slice in flight, however much background work remains."""

@@ -44,7 +44,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     the next step's call, not as soon as it is known; `-snap`: trees walked from pool snapshots; `-gil`: the
     replica's and the draft actor's interpreter switch interval at 0.05 ms (GIL) instead of 5 and 0.2;
     `-fixed`: a tree every step, each asked early (the served `ask_ms`; `-fixed-gil`: with GIL too); `-prep`: the
-    draft prepares trees for the likeliest verdicts (`draft_prepare`). `ar` and `lookup` are served on the first,
+    draft prepares trees for the likeliest verdicts (`draft_prepare`); `-rows16`: 16 pool nodes a background
+    forward (`draft_overlap_rows`, 8 by default). `ar` and `lookup` are served on the first,
     and on `1gpu-gil` (theirs alone: ALONE) where it is named."""
     gpus = torch.cuda.device_count()
     nolookup = {"lookup_tokens": 0}
@@ -59,7 +60,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
            ("2gpu-fixed", 1.0, True, {"tree_policy": "fixed"}),
            ("2gpu-fixed-gil", 1.0, True, {"tree_policy": "fixed", **GIL}),
            ("2gpu-prep", 1.0, True, {"draft_prepare": True}),
-           ("2gpu-fixed-prep", 1.0, True, {"tree_policy": "fixed", "draft_prepare": True})] if gpus >= 2 else []
+           ("2gpu-fixed-prep", 1.0, True, {"tree_policy": "fixed", "draft_prepare": True}),
+           ("2gpu-fixed-rows16", 1.0, True, {"tree_policy": "fixed", "draft_overlap_rows": 16})] if gpus >= 2 else []
     return [("1gpu", 0.5, False, {}), ("1gpu-nolookup", 0.5, False, nolookup), ("1gpu-gil", 0.5, False, GIL)] + two
 
 

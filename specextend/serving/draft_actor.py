@@ -56,7 +56,8 @@ class DraftActor:
             sys.setswitchinterval(switch_interval_ms / 1e3)
         self.backend = DraftWorker(self.model.decoder, name=self.model.name, prefill_chunk=config.prefill_chunk,
                                    overlap=config.overlap, prepare=config.draft_prepare,
-                                   handover=config.draft_handover)
+                                   handover=config.draft_handover,
+                                   overlap_rows=config.draft_overlap_rows)
         # with overlap, the background forwards' graphs are captured now, not on a request's path
         self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
         t2 = time.time()
