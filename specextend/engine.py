@@ -120,8 +120,8 @@ class Engine(RequestLimits, DraftLink):
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
-        stats.reference_gaps, stats.reference_steps, stats.reference_positions = (
-            (None, None, None) if ref is None else (ref.gaps, ref.steps, ref.positions))
+        stats.reference_gaps, stats.reference_steps, stats.reference_positions, stats.reference_chosen = (
+            (None,) * 4 if ref is None else (ref.gaps, ref.steps, ref.positions, ref.chosen))
         out = Emitter(params, self.target.args.eos_token_ids, stats)
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),

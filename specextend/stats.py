@@ -90,6 +90,7 @@ class RequestStats:
     reference_gaps: Optional[list] = None
     reference_steps: Optional[list] = None  # the rounding step at each of those places (verify.rounding_step)
     reference_positions: Optional[list] = None  # the output position of each (verify.Reference.positions)
+    reference_chosen: Optional[list] = None  # the target's own token at each (verify.Reference.chosen)
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
@@ -132,8 +133,9 @@ class RequestStats:
     def reference_summary(self) -> dict:
         """With reference tokens: {reference_overrides, reference_max_gap} (the tokens they overrode,
         the largest top-two gap where they did), the largest gap in rounding steps, and with positions
-        each override as [position, gap, gap in steps] (`reference_override_at`: the benchmarks settle
-        those beyond one step by the target's rounding noise there, near_tie.settle_overrides); {}
+        each override as [position, gap, gap in steps, the target's token] (`reference_override_at`: the
+        benchmarks settle those beyond one step by the target's float32 logits and rounding noise
+        there, near_tie.settle_overrides); {}
         without."""
         gaps, steps = self.reference_gaps, self.reference_steps
         if gaps is None:
@@ -142,8 +144,9 @@ class RequestStats:
         if steps is not None:  # (without them no gap is measured in steps: none passes by steps)
             out["reference_max_gap_steps"] = max((g / s for g, s in zip(gaps, steps)), default=0.0)
         if self.reference_positions is not None:
-            out["reference_override_at"] = [[p, g, None if steps is None else g / steps[i]]
-                                            for i, (p, g) in enumerate(zip(self.reference_positions, gaps))]
+            chosen = self.reference_chosen or [None] * len(gaps)
+            out["reference_override_at"] = [[p, g, None if steps is None else g / steps[i], c]
+                                            for i, (p, g, c) in enumerate(zip(self.reference_positions, gaps, chosen))]
         return out
 
     @property

@@ -37,15 +37,17 @@ class Reference:
     per-text speeds would compare different texts. Where the target's choice differs from the
     reference, the reference's token is emitted and the target's top-two gap there (its logit less
     the reference's) is kept in `gaps`, and beside it in `steps` the rounding step of the model's
-    dtype (`dtype`, default the logits') at the larger of the two logits, and in `positions` the
-    output position; the benchmark checks each against the near-tie tolerance, or one rounding step
-    where the logits are large, or twice the target's rounding noise at that position
-    (near_tie.settle_overrides), so a real divergence is still caught."""
+    dtype (`dtype`, default the logits') at the larger of the two logits, in `positions` the output
+    position and in `chosen` the target's own token; the benchmark checks each against the near-tie
+    tolerance, or one rounding step where the logits are large, or else by the target's float32
+    logits of the two tokens there against its rounding noise (near_tie.settle_overrides), so a real
+    divergence is still caught."""
 
     tokens: Sequence[int]
     gaps: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     positions: list = field(default_factory=list)
+    chosen: list = field(default_factory=list)
     dtype: Optional[torch.dtype] = None
 
     def pick(self, logits: torch.Tensor, row: int, tok: int, position: int) -> int:
@@ -58,6 +60,7 @@ class Reference:
         self.gaps.append(mine - theirs)
         self.steps.append(rounding_step(max(abs(mine), abs(theirs)), self.dtype or logits.dtype))
         self.positions.append(position)
+        self.chosen.append(tok)
         return want
 
 

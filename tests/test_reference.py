@@ -27,6 +27,7 @@ def test_every_mode_emits_the_reference_and_keeps_the_gap_where_it_overrode_the_
     assert out == other
     assert st.reference_gaps and st.reference_gaps[0] > 0  # the target's own token scored higher
     assert st.reference_positions[0] == 5 and len(st.reference_positions) == len(st.reference_gaps)
+    assert st.reference_chosen[0] == ref[5]  # the target's own choice where `other` overrode it
     plain, _, _ = make_engine(pair, mode, lookup_tokens=lookup).generate(PROMPT, params)
     assert plain == ref  # (without a reference: the target's own output, lossless)
 
@@ -102,10 +103,12 @@ def test_each_override_keeps_its_output_position_and_the_response_lists_them():
     assert ref.pick(logits, 0, 2, 4) == 3 and ref.pick(logits, 1, 5, 7) == 6
     assert ref.pick(logits, 1, 5, 9) == 5  # past the reference's end: the target's
     assert ref.positions == [4, 7] and ref.gaps == [0.25, 0.5] and ref.steps == [0.25, 0.25]
+    assert ref.chosen == [2, 5]  # the target's own tokens there
     st = RequestStats()
     st.reference_gaps, st.reference_steps, st.reference_positions = ref.gaps, ref.steps, ref.positions
-    assert st.reference_summary["reference_override_at"] == [[4, 0.25, 1.0], [7, 0.5, 2.0]]
+    st.reference_chosen = ref.chosen
+    assert st.reference_summary["reference_override_at"] == [[4, 0.25, 1.0, 2], [7, 0.5, 2.0, 5]]
     body = json.loads(SpeculativeDecoding(**spec_decoding(st)).model_dump_json())
-    assert body["reference_override_at"] == [[4, 0.25, 1.0], [7, 0.5, 2.0]] and body["reference_overrides"] == 2
-    st.reference_steps = None  # (no steps: none passes by steps)
-    assert st.reference_summary["reference_override_at"] == [[4, 0.25, None], [7, 0.5, None]]
+    assert body["reference_override_at"] == [[4, 0.25, 1.0, 2], [7, 0.5, 2.0, 5]] and body["reference_overrides"] == 2
+    st.reference_steps = st.reference_chosen = None  # (no steps: none passes by steps; no tokens)
+    assert st.reference_summary["reference_override_at"] == [[4, 0.25, None, None], [7, 0.5, None, None]]

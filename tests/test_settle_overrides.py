@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specextend.models.decoder import Decoder
-from specextend.near_tie import (check_line, overrides_of, reference_check, rounding_noise, settle_overrides,
-                                 within_rounding)
+from specextend.near_tie import (check_line, float32_tie, overrides_of, reference_check, rounding_at, rounding_noise,
+                                 settle_overrides, within_rounding)
 
 PROMPT, REF = list(range(5, 30)), [7, 8, 9, 10, 11]
 
@@ -34,28 +34,48 @@ def test_an_override_within_twice_the_noise_at_its_position_is_a_near_tie(decode
     assert noise > 0
     gap = 1.5 * noise  # beyond the tolerance and beyond one rounding step, within 2x the noise
     assert not within_rounding(gap, 3.0, 0.0)
-    assert settle_overrides(bf, PROMPT, REF, [[2, gap, 3.0]], tol=0.0) == (True, noise)
+    assert settle_overrides(bf, PROMPT, REF, [[2, gap, 3.0]], tol=0.0) == (True, noise, None)
 
 
 def test_an_override_far_beyond_the_noise_is_a_divergence(decoders, noise):
     _, bf = decoders
-    ok, got = settle_overrides(bf, PROMPT, REF, [[2, 1.5 * noise, 3.0], [2, 10 * noise + 1.0, 40.0]], tol=0.0)
-    assert not ok and got == noise
+    ok, *got = settle_overrides(bf, PROMPT, REF, [[2, 1.5 * noise, 3.0], [2, 10 * noise + 1.0, 40.0]], tol=0.0)
+    assert not ok and got[0] == noise
     # the noise is measured where the override was: a gap within 2x one position's noise but not
     # another's is judged by its own
     other = rounding_noise(bf, PROMPT + REF[:4])
     assert other != noise
     gap = (2 * min(noise, other) + 2 * max(noise, other)) / 2
     at_small = 2 if noise < other else 4
-    assert settle_overrides(bf, PROMPT, REF, [[at_small, gap, 3.0]], tol=0.0) == (False, min(noise, other))
-    assert settle_overrides(bf, PROMPT, REF, [[6 - at_small, gap, 3.0]], tol=0.0) == (True, max(noise, other))
+    assert settle_overrides(bf, PROMPT, REF, [[at_small, gap, 3.0]], tol=0.0) == (False, min(noise, other), None)
+    assert settle_overrides(bf, PROMPT, REF, [[6 - at_small, gap, 3.0]], tol=0.0) == (True, max(noise, other), None)
+
+
+def test_an_override_with_the_target_s_token_is_judged_by_the_target_s_own_float32_logits(decoders, noise):
+    """With the target's token (the response's fourth field) the override is a near-tie when the two
+    tokens' float32 logits there are within twice the rounding noise, whatever the gap its own bf16
+    path saw: the model itself cannot tell them apart beyond its rounding (near_tie.float32_tie)."""
+    _, bf = decoders
+    vocab = bf.args.vocab_size
+    ids = PROMPT + REF[:2]
+    got, logits = rounding_at(bf, ids, range(vocab))
+    assert got == noise
+    want = REF[2]
+    others = sorted((abs(logits[t] - logits[want]), t) for t in range(vocab) if t != want)
+    (near_gap, near), (far_gap, far) = others[0], others[-1]
+    assert near_gap <= 2 * noise < far_gap  # (the tiny target's nearly flat logits have both)
+    big = 10 * noise + 1.0  # the bf16 gap the path saw does not decide it
+    assert settle_overrides(bf, PROMPT, REF, [[2, big, 40.0, near]], tol=0.0) == (True, noise, near_gap)
+    assert settle_overrides(bf, PROMPT, REF, [[2, 0.5 * noise, 40.0, far]], tol=0.0) == (False, noise, far_gap)
+    assert float32_tie(bf, ids, near, want) == (True, noise, near_gap)
+    assert "float32 gap" in check_line(reference_check(bf, PROMPT, REF, list(REF), [[2, big, 40.0, far]], tol=0.0))
 
 
 def test_within_rounding_measures_nothing_and_float32_or_no_position_settles_nothing(decoders, noise):
     f32, bf = decoders
-    assert settle_overrides(bf, PROMPT, REF, [[2, 0.1, 2.0], [3, 0.25, 1.0]], tol=0.125) == (True, None)
-    assert settle_overrides(f32, PROMPT, REF, [[2, 1.5 * noise, 3.0]], tol=0.0) == (False, None)
-    assert settle_overrides(bf, PROMPT, REF, [[None, 1.5 * noise, 3.0]], tol=0.0) == (False, None)
+    assert settle_overrides(bf, PROMPT, REF, [[2, 0.1, 2.0], [3, 0.25, 1.0]], tol=0.125) == (True, None, None)
+    assert settle_overrides(f32, PROMPT, REF, [[2, 1.5 * noise, 3.0]], tol=0.0) == (False, None, None)
+    assert settle_overrides(bf, PROMPT, REF, [[None, 1.5 * noise, 3.0]], tol=0.0) == (False, None, None)
 
 
 def test_overrides_of_a_result_with_and_without_positions():

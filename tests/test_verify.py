@@ -112,9 +112,9 @@ def test_rounding_noise_is_zero_in_float64_and_positive_in_bf16(tiny_models):
 
 def test_lossless_check_measures_the_rounding_noise_only_for_reduced_precision_divergences(tiny_models):
     """A divergence past the fixed tolerance: float32 says no without measuring noise; bf16 measures
-    its own rounding noise there and judges the gap against twice it."""
+    its own rounding noise there and judges the two tokens' float32 logits against twice it."""
     from specextend.models.decoder import Decoder
-    from specextend.near_tie import lossless_check, rounding_noise, top2_gap
+    from specextend.near_tie import lossless_check, rounding_at, rounding_noise, top2_gap
 
     t, _ = tiny_models("float32")
     d = t.decoder
@@ -129,7 +129,8 @@ def test_lossless_check_measures_the_rounding_noise_only_for_reduced_precision_d
     gap = top2_gap(bf, prompt + ref[:2])
     noise = rounding_noise(bf, prompt + ref[:2])
     assert c["top2_gap"] == gap and c["rounding_noise"] == noise > 0
-    assert c["near_tie"] == (gap <= 2 * noise)
+    _, (la, lb) = rounding_at(bf, prompt + ref[:2], (ref[2], out[2]))  # the two tokens' float32 logits
+    assert c["float32_gap"] == abs(la - lb) and c["near_tie"] == (abs(la - lb) <= 2 * noise)
     assert lossless_check(bf, prompt, ref, out, tol=gap)["rounding_noise"] is None  # within the fixed tolerance
 
 

@@ -262,7 +262,7 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                             ref = ids
                         elif ref is not None and not r["replayed"]:
                             # ar's text kept where the target chose otherwise: those overrides beyond one
-                            # rounding step settled by the target's rounding noise there (near_tie.settle_overrides)
+                            # rounding step settled by the target's float32 logits and rounding noise there (near_tie.settle_overrides)
                             check = reference_check(target.decoder, prompt, ref, ids, overrides_of(r), tol)
                             if r.get("reference_overrides"):
                                 check.update(overrides=r["reference_overrides"], max_gap=r["reference_max_gap"])

@@ -333,9 +333,9 @@ def _in_process_ar(pairs, modes, new_tokens, docs, tree_policy, progress) -> lis
 
 def _settle(differing: list, progress=print, loaded: Optional[dict] = None) -> None:
     """Checks each served output that differs from served `ar`'s, or whose reference overrides
-    ([position, gap, steps] each, near_tie.overrides_of) are not all within one rounding step, by the
-    near-tie rule (near_tie.reference_check: an override beyond a step is settled by twice the
-    target's rounding noise at its position), with the pair's target loaded here (the GPU memory of
+    ([position, gap, steps, token] each, near_tie.overrides_of) are not all within one rounding step,
+    by the near-tie rule (near_tie.reference_check: an override beyond a step is settled by the two
+    tokens' float32 logits against the target's rounding noise there), with its target loaded here (the GPU memory of
     the apps is free again; `loaded`: decoders by target name already at hand)."""
     from specextend.config import EngineConfig
     from specextend.models.loader import load_model

@@ -219,10 +219,10 @@ class SpeculativeDecoding(BaseModel):
     reference_max_gap: Optional[float] = Field(None, exclude_if=lambda v: v is None)
     # ... and the largest such gap in rounding steps of the target's dtype at the logits' magnitude
     reference_max_gap_steps: Optional[float] = Field(None, exclude_if=lambda v: v is None)
-    # ... and each override: [output position, gap, gap in those steps] (the benchmarks settle one
-    # beyond a step by the target's rounding noise at that position: near_tie.settle_overrides)
-    reference_override_at: Optional[list[tuple[int, float, Optional[float]]]] = Field(None,
-                                                                                   exclude_if=lambda v: v is None)
+    # ... and each override: [output position, gap, gap in those steps, the target's token] (the
+    # benchmarks settle one beyond a step by the target's float32 logits there: near_tie.settle_overrides)
+    reference_override_at: Optional[list[tuple[int, float, Optional[float], Optional[int]]]] = Field(
+        None, exclude_if=lambda v: v is None)
     replayed: Optional[bool] = Field(None, exclude_if=lambda v: v is None)  # benchmarks' acceptance replay
 
 
