@@ -102,11 +102,15 @@ class Lane:
         return self.tail.exception() if self.tail is not None and self.tail.done() else None
 
 
-def start_ask(draft: DraftBackend, lane: Lane, *args) -> Future:
-    """An early ask (docs/architecture.md, "Overlapped drafting"): begun on the caller's thread where
-    the lane is idle and the backend can (DraftBackend.start_step: no hand-off to a call thread, whose
-    wake-up was 0.24-0.27 ms of each ask's way on two H200s), else the lane's next call."""
-    if lane.idle:
+def start_ask(draft: DraftBackend, lane: Lane, sid: str, step: int, tokens, retrieval, bound: TreeBound) -> Future:
+    """An early ask, or a plain step's tell (docs/architecture.md, "Overlapped drafting"): begun on
+    the caller's thread where the lane is idle and the backend can (DraftBackend.start_step: no
+    hand-off to a call thread, whose wake-up was 0.24-0.27 ms of each ask's way on two H200s, nor a
+    thread beside the engine's wanting the interpreter lock), else the lane's next call; a retrieval
+    selection whose ids are still on their way from the device goes by the lane too (reading them
+    here would make the caller wait for the device)."""
+    args = (sid, step, tokens, retrieval, bound)
+    if lane.idle and getattr(retrieval, "on_host", True):
         call = draft.start_step(*args)
         if call is not None:
             lane.adopt(call)

@@ -344,13 +344,13 @@ class Engine(RequestLimits, DraftLink):
                 else:
                     asked = ready = None  # (an ask in flight: a tell after all, its answer unused)
                     # the tokens so far go to the draft once this step's forward is queued (the
-                    # call's host work while the device runs), after the lane's calls, unwaited
+                    # call's host work while the device runs: start_ask), after the lane's calls, unwaited
                     send, scoring = None, retrieval  # (scoring: launched once this step's forward is queued)
                     if tell and pending and not opening_pending:
                         if isinstance(lane.error(), DraftError):
                             use_draft = tell = self._fall_back(stats, sid, lane.error())
                         elif lane.backlog < LANE_BACKLOG:
-                            send = partial(lane.submit, self.draft.step, sid, step, pending, retrieval, TELL_BOUND)
+                            send = partial(start_ask, self.draft, lane, sid, step, pending, retrieval, TELL_BOUND)
                             step, retrieval, pending, held = step + 1, None, [], False
                             stats.told_steps += 1
                         else:  # they go with the next call

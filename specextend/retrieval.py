@@ -127,6 +127,11 @@ class DeferredRetrieval:
             self._score = None  # (drops the query, LSE and key views it held)
 
     @property
+    def on_host(self) -> bool:
+        """Its ids can be read without waiting for the device (launched, and the copy has passed)."""
+        return self._ids is not None or (self.launched and (self._event is None or self._event.query()))
+
+    @property
     def chunk_ids(self) -> tuple[int, ...]:
         if self._ids is None:
             self.launch()

@@ -204,7 +204,8 @@ def test_early_asks_begin_on_the_engines_thread_where_the_lane_is_idle(pair, sam
 def test_an_ask_begins_at_once_only_behind_an_idle_lane():
     """draft_link.start_ask: behind calls still running (or one that failed) the ask is the lane's next
     call, so it reaches the draft after them; behind an idle lane it begins on the caller's thread and
-    becomes the lane's tail; a backend that cannot begin one gets a lane call."""
+    becomes the lane's tail; a backend that cannot begin one gets a lane call, and so does one carrying
+    a retrieval selection whose ids are still on their way from the device."""
     import threading
     from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -232,19 +233,26 @@ def test_an_ask_begins_at_once_only_behind_an_idle_lane():
     with ThreadPoolExecutor(2) as pool:
         lane, backend = Lane(pool), Backend()
         busy = lane.submit(backend.step, "s", 0)  # running: the lane is not idle
-        asked = start_ask(backend, lane, "s", 1)
+        asked = start_ask(backend, lane, "s", 1, (), None, None)
         assert lane.tail is asked and not lane.idle
         gate.set()
         assert asked.result(5) == 1 and busy.result(5) == 0
         assert order == [("step", 0), ("step", 1)]  # after the call before it, as a lane call
-        direct = start_ask(backend, lane, "s", 2)  # idle now: begun here
+        direct = start_ask(backend, lane, "s", 2, (), None, None)  # idle now: begun here
         assert order[-1] == ("start", 2) and lane.tail is direct and direct.result() == 2
         backend.can_start = False
-        assert start_ask(backend, lane, "s", 3).result(5) == 3 and order[-1] == ("step", 3)
+        assert start_ask(backend, lane, "s", 3, (), None, None).result(5) == 3 and order[-1] == ("step", 3)
         failed = Future()
         failed.set_exception(RuntimeError("draft gone"))
         lane.adopt(failed)
         backend.can_start = True
         with pytest.raises(RuntimeError, match="draft gone"):  # behind a failure: failed the same, unrun
-            start_ask(backend, lane, "s", 4).result(5)
+            start_ask(backend, lane, "s", 4, (), None, None).result(5)
         assert order[-1] == ("step", 3)
+        lane.adopt(Future())
+        lane.tail.set_result(None)  # idle again
+
+        class OnItsWay:  # a retrieval selection whose ids the device has not copied yet
+            on_host = False
+        assert start_ask(backend, lane, "s", 5, (), OnItsWay(), None).result(5) == 5
+        assert order[-1] == ("step", 5)  # a lane call: the caller's thread does not wait for the device

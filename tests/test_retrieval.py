@@ -174,6 +174,23 @@ def test_a_deferred_selection_reaches_the_draft_as_its_ids():
     assert "(0, 3, 7, 9)" in repr(deferred)
 
 
+def test_a_deferred_selection_is_on_the_host_once_launched_and_copied():
+    """`on_host` (draft_link.start_ask reads it: only such a selection goes with a call begun on the
+    engine's thread): not before its scoring is launched; on the CPU at once after; on a GPU once
+    its copy's event has passed."""
+    from specextend.retrieval import DeferredRetrieval
+
+    sel = DeferredRetrieval.later(lambda: torch.tensor([2, 5]), torch.device("cpu"), 8)
+    assert not sel.on_host
+    sel.launch()
+    assert sel.on_host and sel.chunk_ids == (2, 5) and sel.on_host
+    assert DeferredRetrieval(torch.tensor([1]), 8).on_host
+    if torch.cuda.is_available():
+        dev = DeferredRetrieval(torch.tensor([1, 2], device="cuda"), 8)
+        torch.cuda.synchronize()
+        assert dev.on_host
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_deferred_selection_equals_its_twin():
     """On the device: select_chunks_device's ids, read through DeferredRetrieval (pinned copy, event),
