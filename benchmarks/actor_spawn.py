@@ -6,6 +6,7 @@ placement group of two bundles or not), idle or working `--busy` seconds of Pyth
 it. Prints one line per kind and writes JSON with --json.
 
     python benchmarks/actor_spawn.py [--gpus 1] [--reps 2] [--json out.json]
+    python benchmarks/actor_spawn.py --draft-actor [--gpus 0] [--dtype float32]  # its spawn, load, warm-up
 
 The served two-GPU apps recorded 13-15 s of `draft_actor_spawn` on two H100s (2026-11-28, run U)."""
 
@@ -84,6 +85,21 @@ def nested(num_gpus: float, busy_s: float, in_pg: bool) -> dict:
     return out
 
 
+def draft_actor(num_gpus: float, dtype: str) -> dict:
+    """The draft actor itself, on the default pair (the model cache warm), created from the driver."""
+    from specextend.config import EngineConfig
+    from specextend.serving.draft_actor import DraftActor
+
+    cfg = EngineConfig(device="cuda" if num_gpus else "cpu", dtype=dtype)
+    created = time.time()
+    actor = ray.remote(DraftActor).options(num_cpus=1, num_gpus=num_gpus).remote(cfg, "token", step_transport="zmq")
+    st = ray.get(actor.info.remote(), timeout=900)["startup"]
+    out = dict(spawn_s=st["started_at"] - created, load_s=st["load_s"], warm_up_s=st["warm_up_s"],
+               first_answer_s=time.time() - created)
+    ray.kill(actor)
+    return out
+
+
 def spawn(cls, num_gpus: float) -> dict:
     created = time.time()
     actor = ray.remote(cls).options(num_cpus=1, num_gpus=num_gpus).remote(created)
@@ -99,6 +115,8 @@ def main() -> None:
     ap.add_argument("--gpus", type=float, default=1.0, help="num_gpus of the GPU kinds (0: CPU only)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--busy", type=float, default=5.0, help="seconds the parent works after creating its child")
+    ap.add_argument("--draft-actor", action="store_true", help="the draft actor on the default pair instead")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json")
     args = ap.parse_args()
     t = time.time()
@@ -108,7 +126,12 @@ def main() -> None:
     if args.gpus:
         kinds += [("empty-gpu", Empty, args.gpus), ("heavy-gpu", Heavy, args.gpus)]
     gpus = args.gpus or 0.0
+    if args.draft_actor:
+        kinds = []
     for rep in range(args.reps):
+        if args.draft_actor:
+            rows.append(dict(kind="draft-actor", rep=rep, **draft_actor(gpus, args.dtype)))
+            continue
         for name, cls, g in kinds:
             rows.append(dict(kind=name, rep=rep, **spawn(cls, g)))
         for busy in (0.0, args.busy):

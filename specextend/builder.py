@@ -13,6 +13,7 @@ from specextend.config import EngineConfig
 from specextend.draft.base import DraftSessionParams
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
+from specextend.models.light_meta import vocab_digest
 from specextend.models.loader import LoadedModel, ModelMeta, load_model, read_meta
 
 
@@ -23,7 +24,7 @@ class IncompatibleModels(ValueError):
 def check_pair(target, draft) -> None:
     """The draft must speak the target's token ids (LoadedModel or ModelMeta, each with name,
     tokenizer and args)."""
-    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+    if vocab_digest(target.tokenizer) != vocab_digest(draft.tokenizer):  # (a LightTokenizer's is recorded)
         raise IncompatibleModels(f"tokenizer mismatch: draft {draft.name!r} and target {target.name!r} "
                                  "use different vocabularies")
     if draft.args.vocab_size > target.args.vocab_size:
@@ -32,12 +33,14 @@ def check_pair(target, draft) -> None:
                                  "past the target's embedding")
 
 
-def read_pair(config: EngineConfig) -> tuple[ModelMeta, Optional[ModelMeta]]:
-    """Both models' metadata, checked as a pair (no weights loaded); no draft in `ar` mode."""
-    target = read_meta(config.target, "target", cache=config.model_cache)
+def read_pair(config: EngineConfig, light: bool = False) -> tuple[ModelMeta, Optional[ModelMeta]]:
+    """Both models' metadata, checked as a pair (no weights loaded); no draft in `ar` mode. `light`:
+    from their model cache entries' light records where they exist (read_meta: no transformers)."""
+    target = read_meta(config.target, "target", cache=config.model_cache, light=light)
     if not config.uses_draft:
         return target, None
-    draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size, cache=config.model_cache)
+    draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size, cache=config.model_cache,
+                      light=light)
     check_pair(target, draft)
     return target, draft
 
@@ -55,11 +58,12 @@ def _load(meta: ModelMeta, config: EngineConfig, **kw) -> LoadedModel:
 
 
 def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft"),
-              metas: Optional[tuple[ModelMeta, Optional[ModelMeta]]] = None,
+              metas: Optional[tuple[ModelMeta, Optional[ModelMeta]]] = None, light: bool = False,
               ) -> tuple[Optional[LoadedModel], Optional[LoadedModel]]:
     """Checks the pair, then loads the weights of the `roles` asked for (None for the others);
-    `metas`: read_pair's result, if the caller has it already."""
-    target_meta, draft_meta = metas if metas is not None else read_pair(config)
+    `metas`: read_pair's result, if the caller has it already; `light`: read_pair's (a process that
+    never tokenizes: its model's tokenizer is then a LightTokenizer)."""
+    target_meta, draft_meta = metas if metas is not None else read_pair(config, light)
     target = _load(target_meta, config) if "target" in roles else None
     draft = None
     if draft_meta is not None and "draft" in roles:

@@ -76,3 +76,13 @@ def ar_engine(pair):
     from helpers import make_engine
 
     return make_engine(pair, "ar")
+
+
+@pytest.fixture
+def gguf(tmp_path, monkeypatch):
+    """A tiny GGUF file (tests/tiny_gguf.py), the model cache in tmp_path (test_model_cache, test_light_meta)."""
+    from tests.tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("SPECEXTEND_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "src").mkdir()
+    return write_tiny_gguf(tmp_path / "src" / "tiny.gguf")

@@ -22,13 +22,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def gguf(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("SPECEXTEND_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "src").mkdir()
-    return write_tiny_gguf(tmp_path / "src" / "tiny.gguf")
-
-
-@pytest.fixture
 def conversions(monkeypatch) -> list[str]:
     """Records each GGUF conversion (metadata, weights) that actually runs."""
     from transformers import AutoTokenizer

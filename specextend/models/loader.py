@@ -22,6 +22,7 @@ from specextend.fetch import use_kernel_cache
 from specextend.models import presets
 from specextend.models.args import ModelArgs
 from specextend.models.decoder import Decoder, LayerWeights, Weights
+from specextend.models.light_meta import LightTokenizer, args_of, light_record, rope_of
 from specextend.models.model_cache import Entry
 from specextend.models.rope import Rope, inv_freq_from_config
 
@@ -114,12 +115,16 @@ class ModelMeta:
     args: ModelArgs
     source: Optional[tuple[str, dict]] = None  # (folder, from_pretrained keywords) of a real checkpoint
     cache: Optional[Entry] = None  # where a GGUF file's conversion is kept (None: cache off, or not GGUF)
+    light: Optional[dict] = None  # read from the entry's light record: no config, a LightTokenizer (light_meta.py)
 
 
-def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None, cache: bool = True) -> ModelMeta:
+def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None, cache: bool = True,
+              light: bool = False) -> ModelMeta:
     """The name, config and tokenizer of `spec` (a folder, .gguf file, hub id, `default` or
     `random:<preset>`); random presets take `vocab_size` (the target's) when given. With `cache`,
-    a GGUF file's config and tokenizer come from (and go to) its model cache entry."""
+    a GGUF file's config and tokenizer come from (and go to) its model cache entry, and beside them
+    its light record (light_meta.py) is written; `light`: that record instead where it exists, no
+    transformers imported (a process that never tokenizes: the draft actor)."""
     if spec.startswith("random:"):
         from specextend.models.tokenizer import build_byte_tokenizer
 
@@ -131,8 +136,6 @@ def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None,
         if preset == presets.TINY_DRAFT:
             config.num_hidden_layers = presets.TINY_DRAFT_LAYERS
         return ModelMeta(spec, role, spec, config, build_byte_tokenizer(), ModelArgs.from_hf_config(config))
-    from transformers import AutoConfig, AutoTokenizer
-
     gguf_file, pinned = None, None
     if spec == "default":
         from specextend import fetch
@@ -152,16 +155,25 @@ def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None,
     kw = {"gguf_file": gguf_file} if gguf_file else {}
 
     def convert():
+        from transformers import AutoConfig, AutoTokenizer
+
         if gguf_file:
             log.info("reading %s's config and tokenizer from its GGUF metadata", name)
         return AutoConfig.from_pretrained(folder, **kw), AutoTokenizer.from_pretrained(folder, **kw)
 
     try:
         entry = Entry.for_file(Path(folder) / gguf_file, pinned) if cache and gguf_file else None
+        record = entry.read_light() if entry is not None and light else None
+        if record is not None:
+            return ModelMeta(spec, role, name, None, LightTokenizer(record["vocab"]), args_of(record), (folder, kw),
+                             entry, record)
         config, tokenizer = entry.meta(convert) if entry else convert()
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load model {spec!r}: {str(e).splitlines()[0]}") from e
-    return ModelMeta(spec, role, name, config, tokenizer, ModelArgs.from_hf_config(config), (folder, kw), entry)
+    args = ModelArgs.from_hf_config(config)
+    if entry is not None and entry.read_light() is None:
+        entry.write_light(light_record(args, *inv_freq_from_config(config), stop_token_ids(tokenizer), tokenizer))
+    return ModelMeta(spec, role, name, config, tokenizer, args, (folder, kw), entry)
 
 
 def _hf_state_dict(meta: ModelMeta) -> dict[str, torch.Tensor]:
@@ -254,10 +266,11 @@ def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "a
 
         weights = meta.cache.weights(dt, args.num_layers, convert) if meta.cache else convert()
         weights = weights.to(device=dev, dtype=dt)  # cached weights come on the CPU
-    extra_eos = set(stop_token_ids(tokenizer)) - set(args.eos_token_ids)
+    stops = meta.light["stop_ids"] if meta.light is not None else stop_token_ids(tokenizer)
+    extra_eos = set(stops) - set(args.eos_token_ids)
     if extra_eos:
         args = dataclasses.replace(args, eos_token_ids=tuple(args.eos_token_ids) + tuple(sorted(extra_eos)))
-    inv_freq, scaling = inv_freq_from_config(config)
+    inv_freq, scaling = rope_of(meta.light) if meta.light is not None else inv_freq_from_config(config)
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
     if isinstance(backend, FlashBackend):  # its kernels compile now, not in the first long prompt
         backend.warm_up(args.num_heads, args.num_kv_heads, args.head_dim, dt, dev, windowed=role == "draft")

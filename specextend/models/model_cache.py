@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the layout of an entry changes
 MANIFEST = "manifest.json"
+LIGHT = "light.json"  # beside meta/: the light record (light_meta.py) of a process that never tokenizes
 LOCK_TIMEOUT_S = 3600.0  # longest wait for another process's conversion before converting unshared
 _BAD = (OSError, ValueError, KeyError, TypeError, SafetensorError)  # what a damaged entry raises
 T = TypeVar("T")
@@ -53,9 +54,8 @@ def root() -> Path:
 
 
 def _code_version() -> str:
-    import transformers
-
-    return f"v{FORMAT}-transformers{transformers.__version__}-gguf{version('gguf')}"
+    # the installed version, read without importing transformers (seconds; the draft side need not)
+    return f"v{FORMAT}-transformers{version('transformers')}-gguf{version('gguf')}"
 
 
 def file_sha256(path: Path) -> str:
@@ -182,6 +182,33 @@ class Entry:
     def meta(self, convert: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
         """The cached (config, tokenizer), else `convert()`'s, stored for the next start."""
         return self._get("meta", self.read_meta, convert, self._write_meta)
+
+    # ---------------------------------------------------------------- light record
+
+    def read_light(self) -> Optional[dict]:
+        """The entry's light record (models/light_meta.py), or None when absent, older or damaged."""
+        from specextend.models.light_meta import valid
+
+        try:
+            record = json.loads((self.path / LIGHT).read_text())
+        except (OSError, ValueError):
+            return None
+        return record if valid(record) else None
+
+    def write_light(self, record: dict) -> None:
+        """Publishes the light record atomically (best effort: a disk that refuses costs a later
+        light read its shortcut, not this start)."""
+        tmp = _tmp(self.path / LIGHT)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path / LIGHT)
+        except OSError as e:
+            log.warning("model cache: cannot write %s of %s: %s", LIGHT, self.path, e)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # (a path through a file: nothing was written)
+                pass
 
     # ---------------------------------------------------------------- weights
 

@@ -9,7 +9,6 @@ draft, which lacks them, agrees with it most of the time but not always.
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, Qwen2Config
 
 from specextend.models.args import ModelArgs
 from specextend.models.decoder import LayerWeights, Weights
@@ -58,6 +57,8 @@ def hf_config(preset: str, vocab_size: int | None = None):
         kw["vocab_size"] = vocab_size
     if "rope_theta" in kw:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
+    from transformers import LlamaConfig, Qwen2Config  # (here: importing it takes seconds)
+
     cls = Qwen2Config if arch == "qwen2" else LlamaConfig
     return cls(eos_token_id=[256, 258], bos_token_id=None, pad_token_id=256, **kw)  # byte tokenizer ids
 
