@@ -33,14 +33,16 @@ def check_pair(target, draft) -> None:
                                  "past the target's embedding")
 
 
-def read_pair(config: EngineConfig, light: bool = False) -> tuple[ModelMeta, Optional[ModelMeta]]:
+def read_pair(config: EngineConfig, light: bool = False,
+              light_draft: bool = False) -> tuple[ModelMeta, Optional[ModelMeta]]:
     """Both models' metadata, checked as a pair (no weights loaded); no draft in `ar` mode. `light`:
-    from their model cache entries' light records where they exist (read_meta: no transformers)."""
+    from their model cache entries' light records where they exist (read_meta: no transformers);
+    `light_draft`: the draft's alone (the replica, which tokenizes with the target's tokenizer only)."""
     target = read_meta(config.target, "target", cache=config.model_cache, light=light)
     if not config.uses_draft:
         return target, None
     draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size, cache=config.model_cache,
-                      light=light)
+                      light=light or light_draft)
     check_pair(target, draft)
     return target, draft
 

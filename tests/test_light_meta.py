@@ -51,6 +51,17 @@ def test_the_pair_check_reads_a_light_tokenizer_as_the_full_one(gguf):
         check_pair(light, other)
 
 
+def test_the_replica_reads_the_draft_light_and_the_target_in_full(gguf):
+    from specextend.builder import read_pair
+    from specextend.config import EngineConfig
+
+    cfg = EngineConfig(target=str(gguf), draft=str(gguf))
+    read_pair(cfg)  # (the records written)
+    target, draft = read_pair(cfg, light_draft=True)
+    assert target.light is None and target.hf_config is not None  # it tokenizes with the target's
+    assert draft.light is not None and draft.args == target.args
+
+
 def test_an_older_or_damaged_record_is_not_read(gguf):
     read_meta(str(gguf))
     path = model_cache.Entry.for_file(gguf).path / model_cache.LIGHT

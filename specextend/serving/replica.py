@@ -75,7 +75,8 @@ class SpecExtendReplica:
             self._draft_created_at = time.time()
             self.draft_actor = self._start_draft_actor()
         import_engine_side()
-        metas = read_pair(cfg)  # (the draft's too: its size against the target's, Engine.draft_never_pays)
+        # (the draft's too, from its light record where there is one: its size against the target's)
+        metas = read_pair(cfg, light_draft=True)
         self.target, _ = load_pair(cfg, roles=("target",), metas=metas)
         t_target = time.perf_counter()
         self.tokenizer = self.target.tokenizer
