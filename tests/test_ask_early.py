@@ -28,6 +28,7 @@ def test_early_asks_are_lossless_and_every_token_reaches_the_draft_once_in_order
     ref, out, stats, draft = recorded_run(pair, policy, params, 0.002, lookup_tokens=lookup)
     assert out == ref
     assert stats.asked_steps > 0  # trees that came from a verdict's early ask
+    assert stats.ready_steps > 0  # ready ones among them, verified
     assert stats.asked_steps <= stats.num_steps + stats.unready_steps
     assert_calls_in_order(draft, out, unsent=8)  # an ask takes its number at once; the close after one in flight
     asks = [b for _, _, b in draft.calls if b != TELL_BOUND]

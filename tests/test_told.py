@@ -101,7 +101,7 @@ def assert_calls_in_order(draft, out, unsent: int) -> None:
 
 def engine_for(pair, backend, **kw) -> Engine:
     cfg = EngineConfig(mode="specextend", tree=TREE, tree_policy="adaptive",
-                       **{"retrieval": RetrievalConfig(chunk_size=8, top_k=6, every=2), "lookup_tokens": 0,
+                       **{"retrieval": RetrievalConfig(chunk_size=8, top_k=10, every=2), "lookup_tokens": 0,
                           "draft_overlap": True, "draft_snapshots": False, **kw})
     engine = Engine(cfg, pair[0], backend)
     engine.new_controller = lambda tree: Runs(ladder(tree))
