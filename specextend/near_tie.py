@@ -134,6 +134,12 @@ def settle_overrides(decoder: Decoder, prompt: Sequence[int], reference: Sequenc
     return True, noise, f32
 
 
+def all_within_rounding(overrides: Sequence, tol: float) -> bool:
+    """Every override ([position, gap, steps, token] each: overrides_of) within the tolerance or one
+    rounding step: nothing to settle (within_rounding)."""
+    return all(within_rounding(o[1], o[2], tol) for o in overrides)
+
+
 def overrides_of(result: dict) -> list:
     """A benchmark result's reference overrides ([position, gap, gap in steps, token] each: its
     `reference_override_at`); from an app that reported no positions, its largest gap alone ([None,

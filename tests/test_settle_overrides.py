@@ -78,6 +78,19 @@ def test_within_rounding_measures_nothing_and_float32_or_no_position_settles_not
     assert settle_overrides(bf, PROMPT, REF, [[None, 1.5 * noise, 3.0]], tol=0.0) == (False, None, None)
 
 
+def test_the_serve_suite_reads_overrides_with_the_target_s_token():
+    """The suite's first look (near_tie.all_within_rounding) takes the response's four fields (a
+    three-field unpacking of them had failed on every override)."""
+    from specextend.near_tie import all_within_rounding
+
+    r = dict(reference_overrides=2, reference_max_gap=0.25, reference_max_gap_steps=2.0,
+             reference_override_at=[[4, 0.125, 1.0, 17], [7, 0.25, 2.0, 9]])
+    assert not all_within_rounding(overrides_of(r), 0.125)  # the second: two steps, beyond the tolerance
+    assert all_within_rounding(overrides_of(r)[:1], 0.125) and all_within_rounding([], 0.125)
+    del r["reference_override_at"]
+    assert not all_within_rounding(overrides_of(r), 0.125)  # an older app's largest gap alone
+
+
 def test_overrides_of_a_result_with_and_without_positions():
     assert overrides_of({"reference_overrides": 0, "reference_max_gap": 0.0}) == []
     assert overrides_of({}) == []

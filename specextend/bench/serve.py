@@ -26,7 +26,7 @@ import requests
 import torch
 
 from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, kinds_line, summarize
-from specextend.near_tie import overrides_of, within_rounding
+from specextend.near_tie import all_within_rounding, overrides_of
 from specextend.bench.texts import documents, prompt_ids
 
 GIL = {"switch_interval_ms": 0.05}  # the `-gil` placements' switch interval, replica and draft actor (0.2 ms before
@@ -280,8 +280,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                 refs[key] = ids
                             elif key in refs and not pair.replayed:
                                 same = ids == refs[key]  # served greedy output against served ar's
-                                overrides = overrides_of(r)  # where the reference overrode it: [position, gap, steps]
-                                near = all(within_rounding(g, steps, tie_tolerance()) for _, g, steps in overrides)
+                                overrides = overrides_of(r)  # where the reference overrode it: [position, gap, steps, token]
+                                near = all_within_rounding(overrides, tie_tolerance())
                                 checks.append(dict(pair=pair_name, length=length, doc=doc.name, mode=name,
                                                    identical=same and not overrides, near_tie=same and near,
                                                    overrides=r.get("reference_overrides", 0),
