@@ -13,7 +13,7 @@ from specextend.config import EngineConfig
 from specextend.draft.base import DraftSessionParams
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
-from specextend.models.light_meta import vocab_digest
+from specextend.models.light_meta import same_vocab
 from specextend.models.loader import LoadedModel, ModelMeta, load_model, read_meta
 
 
@@ -24,7 +24,7 @@ class IncompatibleModels(ValueError):
 def check_pair(target, draft) -> None:
     """The draft must speak the target's token ids (LoadedModel or ModelMeta, each with name,
     tokenizer and args)."""
-    if vocab_digest(target.tokenizer) != vocab_digest(draft.tokenizer):  # (a LightTokenizer's is recorded)
+    if not same_vocab(target.tokenizer, draft.tokenizer):  # (a LightTokenizer's: its recorded digest)
         raise IncompatibleModels(f"tokenizer mismatch: draft {draft.name!r} and target {target.name!r} "
                                  "use different vocabularies")
     if draft.args.vocab_size > target.args.vocab_size:

@@ -118,14 +118,14 @@ def start_ask(draft: DraftBackend, lane: Lane, sid: str, step: int, tokens, retr
     return lane.submit(draft.step, *args)
 
 
-def ask_ahead(draft: DraftBackend, lane: Lane, ctl: TreeController, chain, sessions: int, sid: str, step: int,
+def ask_ahead(draft: DraftBackend, lane: Lane, ctl: TreeController, lookup, sessions: int, sid: str, step: int,
               pending: list, retrieval) -> tuple:
     """After a plain or unready step, with early asks (docs/architecture.md, "Adaptive speculation",
-    asks ahead of a run): the next step's rung, chosen now that the step's tokens are known (`chain`:
-    the lookup chain a plain step would verify then); a tree's ask leaves at once with them, as a
-    tree step's verdict's does, so a run's first tree is asked early too. -> (rung, the ask or None,
-    step, pending, retrieval), as the engine carries them on."""
-    ctl.chain_now = chain
+    asks ahead of a run): the next step's rung, chosen now that the step's tokens are known (with
+    the chain a plain step would verify then: `lookup`'s peek, None without one); a tree's ask
+    leaves at once with them, as a tree step's verdict's does, so a run's first tree is asked early
+    too. -> (rung, the ask or None, step, pending, retrieval), as the engine carries them on."""
+    ctl.chain_now = lookup.peek() if lookup is not None else None
     rung = ctl.choose_noted(sessions)
     if rung.plain:
         return rung, None, step, pending, retrieval

@@ -21,9 +21,8 @@ from specextend.controller import AlwaysSpeculate, TreeController
 from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
-from specextend.draft_link import (LANE_BACKLOG, PREPARE_MARGIN_S, TELL_BOUND, DraftLink, Lane,  # noqa: F401
-                                   ask_ahead, draft_weight_ratio, never_pays, prepared_tree, send_prepare,
-                                   settled, start_ask)
+from specextend.draft_link import (LANE_BACKLOG, TELL_BOUND, DraftLink, Lane, ask_ahead, draft_weight_ratio,
+                                   never_pays, prepared_tree, send_prepare, settled, start_ask)
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup, drafted_prefix
 from specextend.models.args import ModelArgs
@@ -267,8 +266,8 @@ class Engine(RequestLimits, DraftLink):
                         ctl.record_unready(rung, draft_s, step_s=time.perf_counter() - t_step,
                                            lookup=len(committed) - 1)
                         if ask_early and not out.ends(committed):  # the next step chosen now: a tree's ask goes
-                            chosen, asked, step, pending, retrieval = ask_ahead(self.draft, lane, ctl, lookup and
-                                lookup.peek(), load.sessions, sid, step, pending, retrieval)  # noqa: E128
+                            chosen, asked, step, pending, retrieval = ask_ahead(
+                                self.draft, lane, ctl, lookup, load.sessions, sid, step, pending, retrieval)
                         stats.probe_steps = ctl.probe_steps
                         stats.decode_s = time.perf_counter() - t1
                         ev = out.emit(committed)
@@ -374,8 +373,8 @@ class Engine(RequestLimits, DraftLink):
                         else:
                             stats.plain_steps += 1
                             if ask_early and not out.ends(committed):  # (as after an unready step)
-                                chosen, asked, step, pending, retrieval = ask_ahead(self.draft, lane, ctl, lookup and
-                                    lookup.peek(), load.sessions, sid, step, pending, retrieval)  # noqa: E128
+                                chosen, asked, step, pending, retrieval = ask_ahead(
+                                    self.draft, lane, ctl, lookup, load.sessions, sid, step, pending, retrieval)
                                 held = held and asked is None
                     clock = stats.clock(kind, t_step)
                     clock.add("step", t_plain - t_step)  # its forward, verdict and commit (plain_step_co)

@@ -59,7 +59,9 @@ def rounding_at(decoder: Decoder, ids: Sequence[int], tokens: Sequence[int] = ()
     from specextend.target import TargetSession
 
     ids = list(ids)
-    if decoder.dtype in (torch.float32, torch.float64):
+    if decoder.dtype in (torch.float32, torch.float64):  # (no noise: a prefill only for logits asked for)
+        if not tokens:
+            return 0.0, []
         logits = TargetSession(decoder, len(ids) + 1, hybrid=True).prefill(ids, chunk).float()
         return 0.0, [float(logits[t]) for t in tokens]
     ref = Decoder(decoder.args, decoder.w.to(dtype=torch.float32), decoder.rope, decoder.backend)

@@ -163,15 +163,15 @@ def read_meta(spec: str, role: str = "target", vocab_size: Optional[int] = None,
 
     try:
         entry = Entry.for_file(Path(folder) / gguf_file, pinned) if cache and gguf_file else None
-        record = entry.read_light() if entry is not None and light else None
-        if record is not None:
+        record = entry.read_light() if entry is not None else None
+        if light and record is not None:
             return ModelMeta(spec, role, name, None, LightTokenizer(record["vocab"]), args_of(record), (folder, kw),
                              entry, record)
         config, tokenizer = entry.meta(convert) if entry else convert()
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load model {spec!r}: {str(e).splitlines()[0]}") from e
     args = ModelArgs.from_hf_config(config)
-    if entry is not None and entry.read_light() is None:
+    if entry is not None and record is None:
         entry.write_light(light_record(args, *inv_freq_from_config(config), stop_token_ids(tokenizer), tokenizer))
     return ModelMeta(spec, role, name, config, tokenizer, args, (folder, kw), entry)
 
