@@ -59,6 +59,8 @@ def config(rows: int, ieee: bool = False) -> dict:
     take small tiles that compile for sm_90 without spilling (benchmarks/triton_aot.py; not timed)."""
     if ieee:
         return dict(bm=16 if rows <= 16 else 32, block_n=32, num_warps=8, num_stages=2)
+    if rows <= 16:  # an AR step: key blocks of 128 (H200, 2026-11-28, below MAX_SPLITS: 9.05 against 10.36 us)
+        return dict(bm=16, block_n=128, num_warps=4, num_stages=3)
     if rows <= 64:
         return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=64, num_warps=4, num_stages=3)
     if rows <= 128:
@@ -67,6 +69,12 @@ def config(rows: int, ieee: bool = False) -> dict:
 
 
 MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only those)
+# At most this many splits per (row block, KV head): the merge (fused_layer.tree_combine) reads the
+# splits' partials in rounds of `sb`, each a memory round trip, so halving S from 64 halves its
+# rounds. With the 1.5B's two KV heads at 16K on an H200 (2026-11-28, benchmarks/decode_attention.py
+# --split): the merge 9.3 -> 6.0 us (AR) and 10.1 -> 6.5 us (8 tokens) for a prefix kernel ~1 us
+# slower; the pair 18.7 -> 15.0 and 21.0 -> 18.6 us a layer.
+MAX_SPLITS = 32
 
 
 def split_chunk(L: int, splits: int, block_n: int, min_chunk: int = MIN_CHUNK) -> int:
@@ -82,10 +90,10 @@ def block_m(rows: int, ieee: bool = False) -> int:
 
 def num_splits(rows: int, num_kv_heads: int, num_sms: int, ieee: bool = False, sessions: int = 1) -> int:
     """Splits per (row block, KV head, session) so that about one program runs per multiprocessor
-    (the sweep above: half as many splits as two per multiprocessor won at 4, 68 and 204 rows);
-    `rows`: one session's folded rows."""
+    (the sweep above: half as many splits as two per multiprocessor won at 4, 68 and 204 rows), at
+    most MAX_SPLITS; `rows`: one session's folded rows."""
     blocks = -(-rows // block_m(rows, ieee)) * num_kv_heads * sessions
-    return max(1, min(64, round(num_sms / blocks)))
+    return max(1, min(MAX_SPLITS, round(num_sms / blocks)))
 
 
 def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * B * T folded rows)

@@ -50,10 +50,11 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
                  out_p: torch.Tensor,  # [G, S, (H/G) * T, D] prefix partials (or [H, T, D]: S = 1)
                  lse_p: torch.Tensor,  # [G, S, (H/G) * T] (or [H, T])
                  scale: float, need_lse: bool = False,
-                 d_chunk: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 d_chunk: int = 0, sb: int = 0, warps: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """-> attention over prefix + tree keys as [T, H * D] (q's dtype) and the merged lse [H, T]
     (float32) if need_lse. d_chunk (a power of two >= 16; 0 = combine_config's) splits the head dim
-    over programs. Twin: tree_merge.tree_attention_merged (its out, transposed)."""
+    over programs; sb, warps (0 = combine_config's): benchmarks/decode_attention.py's sweep.
+    Twin: tree_merge.tree_attention_merged (its out, transposed)."""
     from specextend.attention._triton_kernels import INTERPRETED
     from specextend.models._triton_layer import tree_combine as kernel
 
@@ -67,13 +68,13 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     lse = torch.empty(h, t, dtype=torch.float32, device=q.device) if need_lse else out
     ieee = q.dtype == torch.float32
     c = combine_config(r * t, n, d, s, ieee)
-    dc = d_chunk or c["dc"]
+    dc, sb, warps = d_chunk or c["dc"], sb or c["sb"], warps or c["warps"]
     grid = (-(-r * t // c["bm"]), g, -(-d // dc))
     on = pdl.enabled(q.device)
     kernel[grid](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
                  k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, R=r, N=n, S=s, SP=c["sp"], D=d,
-                 DP=_pow2(d), DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], SB=c["sb"], NEED_LSE=need_lse, IEEE=ieee,
-                 INTERPRET=INTERPRETED, PDL=on, num_warps=c["warps"], **launch_args(on))
+                 DP=_pow2(d), DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], SB=sb, NEED_LSE=need_lse, IEEE=ieee,
+                 INTERPRET=INTERPRETED, PDL=on, num_warps=warps, **launch_args(on))
     return out, (lse if need_lse else None)
 
 
