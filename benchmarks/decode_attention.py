@@ -12,7 +12,7 @@ production configuration, then the merge's splits-per-iteration `sb` and warps, 
 count S around the production one (num_splits), each checked against a float32 reference of the
 whole attention (relative error) and timed as CUDA-graph replays over enough layers' caches to
 pass the L2 (us per layer, median). Floor: K and V read once at the copy bandwidth measured here.
-Table, then JSON on the last line.
+The sweep ends with a table and a JSON line of each case's best; `--json` writes every row.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from typing import Optional
 
 import torch
 
 from specextend.attention.tree_merge import mask_bias
-from specextend.attention.triton_prefix import cache_meta, num_splits, prefix_partials
-import sys
-
+from specextend.attention.triton_prefix import block_m, cache_meta, num_splits, prefix_partials
 from specextend.bench.kernels import copy_bandwidth, graph_us
 from specextend.bench.record import meta
 from specextend.models import fused_layer
@@ -50,7 +50,7 @@ def build(geom: str, L: int, T: int, dev, dt=torch.bfloat16, l2_bytes: int = 60 
     mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))  # a chain: every node sees its ancestors
     bias = mask_bias(mask, R, torch.float32).contiguous()  # [R*T, T]
     return dict(H=H, G=G, D=D, R=R, L=L, T=T, layers=layers, data=data, anchor=anchor, meta=meta, q=q, kt=kt,
-                vt=vt, mask=mask, bias=bias, scale=1 / math.sqrt(D), kv_bytes=2 * G * L * D * 2)
+                vt=vt, bias=bias, scale=1 / math.sqrt(D), kv_bytes=2 * G * L * D * 2)
 
 
 def reference(c, layer: int) -> torch.Tensor:
@@ -65,54 +65,53 @@ def reference(c, layer: int) -> torch.Tensor:
     return out.reshape(G, R, T, D).permute(2, 0, 1, 3).reshape(T, G * R * D)
 
 
-def variant(c, S: int, sb: int = 0, warps: int = 0, bn: int = 0, stages: int = 0):
-    """(run(layer), check error) for S splits, the merge's sb / warps and the prefix kernel's key
-    block / stages (0: production)."""
-    G, R, T, D = c["G"], c["R"], c["T"], c["D"]
-    out_p = torch.empty(G, S, R * T, D, device=c["q"].device, dtype=torch.float32)
-    lse_p = torch.empty(G, S, R * T, device=c["q"].device, dtype=torch.float32)
-    qf = c["q"].view(G, R * T, D)
-
-    def run(layer: int):
-        prefix_partials(qf, c["anchor"], c["meta"], layer, c["scale"], out_p, lse_p, block_n=bn, num_stages=stages)
-        # the merge reads the caches' new-token K/V from scratch, as the forward does
-        return fused_layer.tree_combine(c["q"], c["kt"], c["vt"], c["bias"], out_p, lse_p, c["scale"],
-                                        sb=sb, warps=warps)[0]
-
-    layer = c["layers"] // 2
-    got = run(layer).float()
-    ref = reference(c, layer)
-    err = ((got - ref).norm() / ref.norm()).item()
-    return run, err
-
-
-def parts(c, S: int, bn: int = 0, warps: int = 0, stages: int = 0):
-    """(prefix alone, merge alone) runs: the prefix kernel at block_n / warps / stages (0: production)."""
+def kernels(c, S: int, prefix: Optional[dict] = None, merge: Optional[dict] = None):
+    """(prefix(layer), merge(layer)) over one pair of S-split partial buffers: the prefix kernel with
+    launch parameters `prefix` (block_n, num_warps, num_stages) and the merge with `merge` (sb,
+    warps); those left out are production's."""
     G, R, T, D = c["G"], c["R"], c["T"], c["D"]
     out_p = torch.zeros(G, S, R * T, D, device=c["q"].device, dtype=torch.float32)
     lse_p = torch.zeros(G, S, R * T, device=c["q"].device, dtype=torch.float32)
     qf = c["q"].view(G, R * T, D)
 
-    def prefix(layer: int):
-        prefix_partials(qf, c["anchor"], c["meta"], layer, c["scale"], out_p, lse_p, block_n=bn, num_warps=warps,
-                        num_stages=stages)
+    def run_prefix(layer: int):
+        prefix_partials(qf, c["anchor"], c["meta"], layer, c["scale"], out_p, lse_p, **(prefix or {}))
 
-    def merge(layer: int):
-        fused_layer.tree_combine(c["q"], c["kt"], c["vt"], c["bias"], out_p, lse_p, c["scale"])
-    return prefix, merge
+    def run_merge(layer: int) -> torch.Tensor:  # the new tokens' K/V from scratch, as the forward's
+        return fused_layer.tree_combine(c["q"], c["kt"], c["vt"], c["bias"], out_p, lse_p, c["scale"], **(merge or {}))[0]
+    return run_prefix, run_merge
+
+
+def variant(c, S: int, prefix: Optional[dict] = None, merge: Optional[dict] = None):
+    """(run(layer): the prefix kernel then the merge, its relative error against `reference`)."""
+    run_prefix, run_merge = kernels(c, S, prefix, merge)
+
+    def run(layer: int) -> torch.Tensor:
+        run_prefix(layer)
+        return run_merge(layer)
+
+    layer = c["layers"] // 2
+    got = run(layer).float()
+    ref = reference(c, layer)
+    return run, ((got - ref).norm() / ref.norm()).item()
+
+
+def setup(case: str, bw: float, sms: int):
+    """A case's tensors, its production split count and its floor (K and V read once at the copy's
+    bytes moved, read + write, a second)."""
+    geom, L, T = case.split(":")
+    c = build(geom, int(L), int(T), torch.device("cuda"))
+    return c, num_splits(c["R"] * c["T"], c["G"], sms), c["kv_bytes"] / bw * 1e6
 
 
 def split_sweep(case: str, bw: float, sms: int) -> list[dict]:
     """The prefix kernel alone over its launch parameters, and the merge alone."""
-    geom, L, T = case.split(":")
-    c = build(geom, int(L), int(T), torch.device("cuda"))
-    S0 = num_splits(c["R"] * c["T"], c["G"], sms)
-    floor_us = c["kv_bytes"] / bw * 1e6  # K and V read once, as in sweep
+    c, S0, floor_us = setup(case, bw, sms)
     rows = []
     for S in (S0 // 2, S0):
         for bn, warps, stages in ((0, 0, 0), (32, 4, 3), (128, 4, 3), (64, 8, 3), (64, 4, 2), (64, 4, 4),
                                   (128, 8, 2)):
-            prefix, merge = parts(c, S, bn, warps, stages)
+            prefix, merge = kernels(c, S, dict(block_n=bn, num_warps=warps, num_stages=stages))
             try:
                 us = time_us(c, prefix)
             except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
@@ -140,22 +139,18 @@ def time_us(c, run) -> float:
 def previous(rows: int, G: int, sms: int) -> tuple[int, int, int]:
     """The configuration before 2026-11-28 (S capped at 64, key blocks of 64 for every row count up
     to 64): (S, block_n, stages)."""
-    bm = max(16, 1 << (rows - 1).bit_length()) if rows <= 64 else 128
-    S = max(1, min(64, round(sms / (-(-rows // bm) * G))))
+    S = max(1, min(64, round(sms / (-(-rows // block_m(rows)) * G))))  # (block_m did not change)
     bn, stages = (64, 3) if rows <= 64 else ((64, 4) if rows <= 128 else (128, 3))
     return S, bn, stages
 
 
 def compare(case: str, bw: float, sms: int) -> list[dict]:
     """The production configuration against the previous one, the pair (prefix + merge) a layer."""
-    geom, L, T = case.split(":")
-    c = build(geom, int(L), int(T), torch.device("cuda"))
-    floor_us = c["kv_bytes"] / bw * 1e6
+    c, S_new, floor_us = setup(case, bw, sms)
     rows = []
     S_old, bn_old, st_old = previous(c["R"] * c["T"], c["G"], sms)
-    S_new = num_splits(c["R"] * c["T"], c["G"], sms)
-    for label, args in (("previous", (S_old, 0, 0, bn_old, st_old)), ("production", (S_new,)),
-                        ("previous", (S_old, 0, 0, bn_old, st_old)), ("production", (S_new,))):
+    old = (S_old, dict(block_n=bn_old, num_stages=st_old))
+    for label, args in (("previous", old), ("production", (S_new,)), ("previous", old), ("production", (S_new,))):
         run, err = variant(c, *args)
         us = time_us(c, run)
         rows.append(dict(case=case, variant=label, S=args[0], us=us, floor_us=floor_us, rel_err=err))
@@ -165,15 +160,11 @@ def compare(case: str, bw: float, sms: int) -> list[dict]:
 
 
 def sweep(case: str, bw: float, sms: int) -> list[dict]:
-    geom, L, T = case.split(":")
-    dev = torch.device("cuda")
-    c = build(geom, int(L), int(T), dev)
-    S0 = num_splits(c["R"] * c["T"], c["G"], sms)
-    floor_us = c["kv_bytes"] / bw * 1e6  # K and V read once, at the copy's bytes moved (read + write) a second
+    c, S0, floor_us = setup(case, bw, sms)
     rows = []
 
     def add(label, S, sb=0, warps=0):
-        run, err = variant(c, S, sb, warps)
+        run, err = variant(c, S, merge=dict(sb=sb, warps=warps))
         us = time_us(c, run)
         rows.append(dict(case=case, variant=label, S=S, sb=sb, warps=warps, us=us, floor_us=floor_us,
                          x_floor=us / floor_us, rel_err=err, layers=c["layers"]))
@@ -204,15 +195,13 @@ def main():
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)}: copy {bw / 1e12:.2f} TB/s (read + write), {sms} SMs")
     rows = []
-    if a.split or a.compare:
-        for case in a.cases.split(","):
-            rows += (split_sweep if a.split else compare)(case, bw, sms)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(dict(meta("decode_attention", "cuda", sys.argv), copy_bw=bw, rows=rows), f, indent=1)
-        return
     for case in a.cases.split(","):
-        rows += sweep(case, bw, sms)
+        rows += (split_sweep if a.split else compare if a.compare else sweep)(case, bw, sms)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(meta("decode_attention", "cuda", sys.argv), copy_bw=bw, rows=rows), f, indent=1)
+    if a.split or a.compare:
+        return
     best = {}
     for r in rows:
         if r["rel_err"] < 1e-2 and (r["case"] not in best or r["us"] < best[r["case"]]["us"]):
@@ -221,10 +210,6 @@ def main():
     for case, b in best.items():
         prod = next(r for r in rows if r["case"] == case and r["variant"] == "production")
         print(f"| {case} | {prod['us']:.2f} | {b['us']:.2f} | S={b['S']} sb={b['sb']} w={b['warps']} | {b['floor_us']:.2f} |")
-    out = dict(meta("decode_attention", "cuda", sys.argv), copy_bw=bw, rows=rows)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
     print(json.dumps(dict(best={k: [v["us"], v["S"], v["sb"], v["warps"]] for k, v in best.items()})))
 
 
