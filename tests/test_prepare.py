@@ -4,6 +4,7 @@ process, over the ZeroMQ step channel of a real server on 127.0.0.1, and refused
 every output against plain decoding."""
 
 import time
+from concurrent import futures
 
 import pytest
 
@@ -16,15 +17,20 @@ from test_overlap import concurrently, run
 
 
 class SlowVerdicts:
-    """Forces 'the draft prepares while the target verifies': every verdict takes `delay_s` longer."""
+    """Forces 'the draft prepares while the target verifies': every verdict takes `delay_s` longer,
+    and, given `answers` (the prepares' Futures as sent), waits for the latest answer to be in, as a
+    target slower than any draft would (on a loaded host the answer could come after the verdict,
+    and no prepared tree would be used)."""
 
-    def __init__(self, monkeypatch, delay_s):
+    def __init__(self, monkeypatch, delay_s, answers=None):
         import specextend.engine as engine_mod
 
         original = engine_mod.verify_tree
 
         def slow(*args, **kw):
             time.sleep(delay_s)
+            if answers:
+                futures.wait(answers[-1:], timeout=10.0)
             return original(*args, **kw)
 
         monkeypatch.setattr(engine_mod, "verify_tree", slow)
@@ -38,7 +44,11 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
     with the retrieval selection due (specextend). The output equals plain decoding; prepared trees
     were really used; the draft failing in a prepare falls back as in a step."""
     pair = tiny_models("float64")
-    SlowVerdicts(monkeypatch, 0.02)
+    answers = []
+    # every prepare is answered once the draft has nothing left to grow (not when due: on a loaded
+    # CI host an answer due early held too little, and no prepared tree was used), and every verdict
+    # waits for it: which verdicts hit is then the models', not the host's
+    SlowVerdicts(monkeypatch, 0.02, answers)
     worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
     calls = {"step": 0, "prepare": 0}
 
@@ -51,7 +61,8 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
             calls["prepare"] += 1
             if dies and accepted_tokens:  # the first verdict that goes with a prepare
                 raise DraftError("injected: the draft died in a prepare")
-            return super().prepare(session_id, step, accepted_tokens, retrieval, due_s)
+            answers.append(super().prepare(session_id, step, accepted_tokens, retrieval, 60.0))
+            return answers[-1]
 
     ref, out, stats = run(pair, Counting(worker, Chaos()), mode, draft_prepare=True)
     assert out == ref
