@@ -4,7 +4,7 @@ as a forward runs them (PDL where the device has it), against the bytes floor.
 
   python benchmarks/decode_attention.py                 # the default cases, a sweep each
   python benchmarks/decode_attention.py --cases 1.5b:16384:1 --json out.json
-  python benchmarks/decode_attention.py --compare      # production against the previous configuration
+  python benchmarks/decode_attention.py --compare      # the merge's two ways to read the splits, twice
   python benchmarks/decode_attention.py --split        # the prefix kernel and the merge apart
 
 A case is GEOMETRY:L:T (1.5b, 0.5b, 8b; L committed keys; T new tokens). For each case: the
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from specextend.attention.tree_merge import mask_bias
-from specextend.attention.triton_prefix import block_m, cache_meta, num_splits, prefix_partials
+from specextend.attention.triton_prefix import cache_meta, num_splits, prefix_partials
 from specextend.bench.kernels import copy_bandwidth, graph_us
 from specextend.bench.record import meta
 from specextend.models import fused_layer
@@ -136,25 +136,22 @@ def time_us(c, run) -> float:
     return graph_us(all_layers, reps=10, per_graph=1, warmup=2) / n
 
 
-def previous(rows: int, G: int, sms: int) -> tuple[int, int, int]:
-    """The configuration before 2026-11-28 (S capped at 64, key blocks of 64 for every row count up
-    to 64): (S, block_n, stages)."""
-    S = max(1, min(64, round(sms / (-(-rows // block_m(rows)) * G))))  # (block_m did not change)
-    bn, stages = (64, 3) if rows <= 64 else ((64, 4) if rows <= 128 else (128, 3))
-    return S, bn, stages
+def merges(S: int) -> tuple[tuple[str, dict], ...]:
+    """The merge's two ways to read the S splits' outputs (fused_layer.tree_combine's sb): 8 splits
+    an iteration, or every split in one load."""
+    sp = max(2, 1 << (S - 1).bit_length())
+    return ("8 a round", dict(sb=min(8, sp))), ("one load", dict(sb=sp))
 
 
 def compare(case: str, bw: float, sms: int) -> list[dict]:
-    """The production configuration against the previous one, the pair (prefix + merge) a layer."""
-    c, S_new, floor_us = setup(case, bw, sms)
+    """The merge's two ways (`merges`), twice, the pair (prefix + merge) a layer."""
+    c, S, floor_us = setup(case, bw, sms)
     rows = []
-    S_old, bn_old, st_old = previous(c["R"] * c["T"], c["G"], sms)
-    old = (S_old, dict(block_n=bn_old, num_stages=st_old))
-    for label, args in (("previous", old), ("production", (S_new,)), ("previous", old), ("production", (S_new,))):
-        run, err = variant(c, *args)
+    for label, merge in merges(S) * 2:
+        run, err = variant(c, S, merge=merge)
         us = time_us(c, run)
-        rows.append(dict(case=case, variant=label, S=args[0], us=us, floor_us=floor_us, rel_err=err))
-        print(f"{case:16s} {label:11s} S={args[0]:3d}  {us:7.2f} us  ({us / floor_us:5.2f}x floor {floor_us:5.2f})"
+        rows.append(dict(case=case, variant=label, S=S, us=us, floor_us=floor_us, rel_err=err))
+        print(f"{case:16s} {label:11s} S={S:3d}  {us:7.2f} us  ({us / floor_us:5.2f}x floor {floor_us:5.2f})"
               f"  err {err:.1e}", flush=True)
     return rows
 
@@ -171,7 +168,7 @@ def sweep(case: str, bw: float, sms: int) -> list[dict]:
         print(f"{case:16s} {label:22s} S={S:3d} sb={sb or '-':>3} w={warps or '-':>2}  {us:7.2f} us"
               f"  ({us / floor_us:5.2f}x floor {floor_us:5.2f})  err {err:.1e}", flush=True)
     add("production", S0)
-    for sb in (16, 32, 64):
+    for sb in (8, 16, 32, 64):  # (sb >= the split count: every split in one load)
         if sb <= max(S0, 2):
             add("merge sb", S0, sb)
     for warps in (2, 8):
@@ -188,7 +185,7 @@ def main():
     p.add_argument("--cases", default=DEFAULT_CASES)
     p.add_argument("--json", default="")
     p.add_argument("--split", action="store_true", help="time the prefix kernel and the merge apart")
-    p.add_argument("--compare", action="store_true", help="production against the previous configuration, twice")
+    p.add_argument("--compare", action="store_true", help="the merge 8 splits a round against one load, twice")
     a = p.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)

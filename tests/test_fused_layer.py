@@ -32,11 +32,13 @@ def _gen(seed):
                                                           (4, 1, 5, 9, 24, 2, 16), (8, 8, 3, 70, 16, 1, 0),
                                                           (8, 2, 12, 3, 64, 2, 0), (8, 2, 12, 3, 64, 37, 0)])
 @pytest.mark.parametrize("need_lse", [False, True])
-def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, chunk, need_lse):
+@pytest.mark.parametrize("sb", [0, 64])
+def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, chunk, need_lse, sb):
     """GQA groups, one query, staged keys past one key block (n > 64), a non-power-of-two head dim,
     the head dim in chunks over programs (two of 16, the last one partial), more rows than one row
     block, S partials (some empty: lse -inf; 37 of them, the last 5 empty: four unrolled iterations
-    of 8, the last one partial) or the one-prefix layout [H, T, D]."""
+    of 8, the last one partial; with sb 64, every split in one load) or the one-prefix layout
+    [H, T, D]."""
     gen = _gen(h * 100 + t * 10 + staged)
     r, n = h // g, staged + t
     rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
@@ -57,7 +59,7 @@ def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, sp
     ref, ref_lse = tree_attention_merged(q, k, v, bias, out_p, lse_p, 0.3, need_lse=need_lse)  # [H, T, D]
     if splits > 8:
         out_p[:, -5:] = float("nan")  # the kernel reads no split past the last non-empty one
-    got, lse = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, need_lse, chunk)  # [T, H * D]
+    got, lse = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, need_lse, chunk, sb)  # [T, H * D]
     tol = TOL[dtype]
     torch.testing.assert_close(got.view(t, h, d).transpose(0, 1).float(), ref.float(), atol=tol, rtol=tol)
     if need_lse:
