@@ -7,6 +7,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+SHORT = tl.constexpr(8)  # combine_block: up to this many splits in use, one round of loads (sb >= SP)
 
 
 @triton.jit
@@ -48,7 +49,9 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     split's weight, then the weighted sum of the outputs, SB splits an iteration with no dependence
     between their loads (a running-max fold per split was a chain of S dependent steps: 13.5 us a
     call for the 1.5B's AR step at 16K on an H100, 2026-11-23); with SB >= SP every split's output
-    comes in one load ([SP, BM, DC] registers, one memory round trip). Only splits up to the last non-empty
+    comes in one load ([SP, BM, DC] registers, one memory round trip), or, with SHORT splits or
+    fewer in use, SHORT of them unrolled (the whole tile's predicated loads cost the draft's level at
+    1K keys 9.2-10.0 -> 11.8-12.7 us a layer on an H200). Only splits up to the last non-empty
     one are read: a short cache fills few (prefix_partials' minimum chunk), and the draft's
     retrieval cache of ~1K keys read 64 splits, 14 us a call. Chunks of the head dim multiply the
     programs: each recomputes the tree scores (a small dot) and reads only its columns.
@@ -93,13 +96,19 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
     # pass 2: sum of w_s * out_s, SB independent splits per iteration
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
-    if SB >= SP:  # every split's output in one load (one memory round trip, [SP, BM, DC] in registers)
-        w = tl.exp2(ls - m_safe[:, None])  # [BM, SP]: 0 for the empty splits (lse -inf) and those past S
-        o_ok = (offs_s < n_used)[:, None, None] & io[None, :, :]  # [SP, BM, DC]
-        rows3 = ((g * S + offs_s)[:, None] * M + offs_m[None, :])[:, :, None]  # [SP, BM, 1]
-        o = tl.load(outp_ptr + rows3 * D + offs_c[None, None, :], mask=o_ok, other=0.0).to(tl.float32)
-        acc = tl.sum(tl.trans(w)[:, :, None] * o, 0)  # [BM, DC]
-        l_i = tl.sum(w, 1)
+    if SB >= SP:
+        if n_used <= SHORT:  # a short cache fills few splits (the draft's retrieval cache): one round
+            for j in tl.static_range(SHORT):
+                a_j, w_j = _partial(outp_ptr, lsep_ptr, g, j, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D)
+                acc += a_j
+                l_i += w_j
+        else:  # every split's output in one load (one memory round trip, [SP, BM, DC] in registers)
+            w = tl.exp2(ls - m_safe[:, None])  # [BM, SP]: 0 for the empty splits (lse -inf) and those past S
+            o_ok = (offs_s < n_used)[:, None, None] & io[None, :, :]  # [SP, BM, DC]
+            rows3 = ((g * S + offs_s)[:, None] * M + offs_m[None, :])[:, :, None]  # [SP, BM, 1]
+            o = tl.load(outp_ptr + rows3 * D + offs_c[None, None, :], mask=o_ok, other=0.0).to(tl.float32)
+            acc = tl.sum(tl.trans(w)[:, :, None] * o, 0)  # [BM, DC]
+            l_i = tl.sum(w, 1)
     elif INTERPRET:  # the interpreter's scalars cannot bound a range()
         s0 = 0
         while s0 < n_used:

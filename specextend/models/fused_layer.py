@@ -36,12 +36,12 @@ def _pow2(n: int, lo: int = 16) -> int:
 def combine_config(rows: int, n: int, d: int, s: int, ieee: bool) -> dict:
     """tree_combine's tiles: row blocks of 16 and head-dim chunks of 16, so that even an AR step's
     few rows spread over G * D / 16 programs (the S float32 partials are read at the machine's
-    bandwidth, not a few multiprocessors'), and sb of the S partials per loop iteration, unrolled
-    so that their loads are in flight together. Key blocks of 64 for the tree part (16 for float32's
-    IEEE dots on CUDA cores). Tiles that compile for sm_90 without spilling
-    (benchmarks/triton_aot.py)."""
+    bandwidth, not a few multiprocessors'), and in half precision sb = every split: their outputs
+    in one load (docs/architecture.md, "Kernels"; float32 reads one split an iteration). Key blocks
+    of 64 for the tree part (16 for float32's IEEE dots on CUDA cores). Tiles that compile for sm_90
+    without spilling (benchmarks/triton_aot.py)."""
     bn = 16 if ieee else min(64, _pow2(n))
-    return dict(bm=16, bn=bn, dc=min(32 if ieee else 16, _pow2(d)), sp=_pow2(s, 2), sb=1 if ieee else min(_pow2(s, 2), 8), warps=8 if ieee else 4)
+    return dict(bm=16, bn=bn, dc=min(32 if ieee else 16, _pow2(d)), sp=_pow2(s, 2), sb=1 if ieee else _pow2(s, 2), warps=8 if ieee else 4)
 
 
 def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
