@@ -278,6 +278,8 @@ class SpecExtendReplica:
                         break
                     stats = ev.stats
                     stats.fallback |= fallback
+                    if stats.fallback and engine is self.engine and epoch == self.draft_epoch:
+                        self._draft_failed()  # now, not once the request ends: /health and new requests see it
                     tokens += ev.token_ids
                     if ev.finish_reason is not None:
                         reason = ev.finish_reason
@@ -311,7 +313,8 @@ class SpecExtendReplica:
             if stats is not None:
                 self.metrics.record_request(stats, finish)
                 if stats.fallback and engine is self.engine and epoch == self.draft_epoch:
-                    self._draft_failed()  # (a request that began before the last restore says nothing new)
+                    self._draft_failed()  # (a request that began before the last restore says nothing new;
+                    # one whose last event came before its fallback: noticed here)
 
     # ------------------------------------------------------------------ draft recovery
 
