@@ -3,6 +3,7 @@ prepares the next trees for the likeliest verdicts; a verdict among them takes n
 process, over the ZeroMQ step channel of a real server on 127.0.0.1, and refused over gRPC; float64,
 every output against plain decoding."""
 
+import threading
 import time
 from concurrent import futures
 
@@ -18,9 +19,9 @@ from test_overlap import concurrently, run
 
 class SlowVerdicts:
     """Forces 'the draft prepares while the target verifies': every verdict takes `delay_s` longer,
-    and, given `answers` (the prepares' Futures as sent), waits for the latest answer to be in, as a
-    target slower than any draft would (on a loaded host the answer could come after the verdict,
-    and no prepared tree would be used)."""
+    and, given `answers` (each engine thread's prepares' Futures as sent, `sent`), waits for its
+    latest answer to be in, as a target slower than any draft would (on a loaded host the answer
+    could come after the verdict, and no prepared tree would be used)."""
 
     def __init__(self, monkeypatch, delay_s, answers=None):
         import specextend.engine as engine_mod
@@ -29,11 +30,23 @@ class SlowVerdicts:
 
         def slow(*args, **kw):
             time.sleep(delay_s)
-            if answers:
-                futures.wait(answers[-1:], timeout=10.0)
+            if answers is not None:
+                futures.wait(answers.get(threading.get_ident(), [])[-1:], timeout=10.0)
             return original(*args, **kw)
 
         monkeypatch.setattr(engine_mod, "verify_tree", slow)
+
+
+def sent(answers: dict, future):
+    """Notes a prepare's Future as the calling engine thread's latest (SlowVerdicts) and returns it."""
+    answers.setdefault(threading.get_ident(), []).append(future)
+    return future
+
+
+# A prepare answered once the draft has nothing left to grow (not when due: on a loaded CI host an
+# answer due early held too little, and no prepared tree was used): with every verdict waiting for
+# it (SlowVerdicts), which verdicts hit is the models', not the host's.
+PREPARED_S = 60.0
 
 
 @pytest.mark.parametrize("mode", ["sd", "specextend"])
@@ -44,11 +57,8 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
     with the retrieval selection due (specextend). The output equals plain decoding; prepared trees
     were really used; the draft failing in a prepare falls back as in a step."""
     pair = tiny_models("float64")
-    answers = []
-    # every prepare is answered once the draft has nothing left to grow (not when due: on a loaded
-    # CI host an answer due early held too little, and no prepared tree was used), and every verdict
-    # waits for it: which verdicts hit is then the models', not the host's
-    SlowVerdicts(monkeypatch, 0.02, answers)
+    answers = {}
+    SlowVerdicts(monkeypatch, 0.02, answers)  # (PREPARED_S)
     worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
     calls = {"step": 0, "prepare": 0}
 
@@ -61,8 +71,7 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
             calls["prepare"] += 1
             if dies and accepted_tokens:  # the first verdict that goes with a prepare
                 raise DraftError("injected: the draft died in a prepare")
-            answers.append(super().prepare(session_id, step, accepted_tokens, retrieval, 60.0))
-            return answers[-1]
+            return sent(answers, super().prepare(session_id, step, accepted_tokens, retrieval, PREPARED_S))
 
     ref, out, stats = run(pair, Counting(worker, Chaos()), mode, draft_prepare=True)
     assert out == ref
@@ -87,13 +96,16 @@ def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless
     over gRPC alone there are no prepares (a prepare's answer is not a DraftTree), and the same
     holds with step calls only."""
     pair = tiny_models("float64")
-    SlowVerdicts(monkeypatch, 0.05)  # two sessions and a server on a loaded 2-core host: room to prepare
-    # (at 0.02 s one fresh-clone CI run, beside other work, had no prepared tree used)
+    answers = {}
+    SlowVerdicts(monkeypatch, 0.02, answers)  # (PREPARED_S; one stressed run used no prepared tree without)
     worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
     results, prepares = {}, {}
     with DraftServerThread(worker) as server:
         def one(seed):
             client = GrpcDraftBackend(server.address, transport=transport)
+            prepare = client.prepare
+            client.prepare = lambda sid, step, tokens, retrieval, due_s: sent(
+                answers, prepare(sid, step, tokens, retrieval, PREPARED_S))
             results[seed] = run(pair, client, "specextend", seed=seed, draft_prepare=True, draft_overlap=asks)
             prepares[seed] = client.supports_prepare
             client.shutdown()
@@ -146,10 +158,13 @@ def test_a_prepared_hit_takes_no_ask_and_a_miss_asks_at_its_verdict(tiny_models,
     from test_overlap import TREE, EngineConfig, RetrievalConfig, prompt
 
     pair = tiny_models("float64")
-    SlowVerdicts(monkeypatch, 0.02)
+    answers = {}
+    SlowVerdicts(monkeypatch, 0.02, answers)  # (PREPARED_S)
     used = asked = told = 0
     for params in (SamplingParams(40, ignore_eos=True), SamplingParams(40, ignore_eos=True, temperature=0.9, seed=5)):
         worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
+        worker.prepare = lambda sid, step, tokens, retrieval, due_s, prepare=worker.prepare: sent(
+            answers, prepare(sid, step, tokens, retrieval, PREPARED_S))
         cfg = EngineConfig(mode="specextend", tree=TREE, retrieval=RetrievalConfig(chunk_size=8, top_k=10, every=2),
                            tree_policy=policy, draft_prepare=True, draft_overlap=True)
         ref = Engine(EngineConfig(mode="ar"), pair[0], None).generate(prompt(70, 3), params)[0]
@@ -167,6 +182,5 @@ def test_a_prepared_hit_takes_no_ask_and_a_miss_asks_at_its_verdict(tiny_models,
         asked += stats.asked_steps
         told += stats.told_steps
         worker.shutdown()
-    # (how many verdicts a prepare's answer holds, and in time, depends on timing: over both requests)
     assert used > 0, "no prepared tree was used"
     assert asked > 0 if policy == "fixed" else told > 0
