@@ -30,15 +30,16 @@ def _gen(seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,g,t,staged,d,splits,chunk", [(4, 2, 7, 0, 16, 3, 0), (6, 2, 1, 0, 32, 1, 16),
                                                           (4, 1, 5, 9, 24, 2, 16), (8, 8, 3, 70, 16, 1, 0),
-                                                          (8, 2, 12, 3, 64, 2, 0), (8, 2, 12, 3, 64, 37, 0)])
+                                                          (8, 2, 12, 3, 64, 2, 0), (8, 2, 12, 3, 64, 37, 0),
+                                                          (8, 2, 12, 3, 64, 21, 0)])
 @pytest.mark.parametrize("need_lse", [False, True])
 @pytest.mark.parametrize("sb", [0, 64])
 def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, splits, chunk, need_lse, sb):
     """GQA groups, one query, staged keys past one key block (n > 64), a non-power-of-two head dim,
     the head dim in chunks over programs (two of 16, the last one partial), more rows than one row
     block, S partials (some empty: lse -inf; 37 of them, the last 5 empty: four unrolled iterations
-    of 8, the last one partial; with sb 64, every split in one load) or the one-prefix layout
-    [H, T, D]."""
+    of 8, the last one partial; with sb 64, every split in one load; 21, 16 of them in use: with sb
+    64, two rounds of 8) or the one-prefix layout [H, T, D]."""
     gen = _gen(h * 100 + t * 10 + staged)
     r, n = h // g, staged + t
     rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731

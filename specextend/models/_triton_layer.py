@@ -7,7 +7,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-SHORT = tl.constexpr(8)  # combine_block: up to this many splits in use, one round of loads (sb >= SP)
+ROUND = tl.constexpr(8)  # combine_block with sb >= SP: splits a round where few are in use
+ONE_LOAD_FROM = tl.constexpr(16)  # ... and past this many in use, every split's output in one load
 
 
 @triton.jit
@@ -34,6 +35,31 @@ def _partial(outp_ptr, lsep_ptr, g, s, n_used, offs_m, row_ok, offs_c, c_ok, m_s
 
 
 @triton.jit
+def _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S: tl.constexpr,
+            M: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, DC: tl.constexpr, RB: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """The splits' weighted outputs (acc [BM, DC]) and weights (l_i [BM]) summed RB splits a round,
+    the round's loads independent (in flight together), up to split n_used."""
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DC], tl.float32)
+    if INTERPRET:  # the interpreter's scalars cannot bound a range()
+        s0 = 0
+        while s0 < n_used:
+            for j in tl.static_range(RB):
+                a_j, w_j = _partial(outp_ptr, lsep_ptr, g, s0 + j, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D)
+                acc += a_j
+                l_i += w_j
+            s0 += RB
+    else:
+        for s0 in range(0, n_used, RB):
+            for j in tl.static_range(RB):
+                a_j, w_j = _partial(outp_ptr, lsep_ptr, g, s0 + j, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D)
+                acc += a_j
+                l_i += w_j
+    return acc, l_i
+
+
+@triton.jit
 def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
                  stride_kg, stride_kn, stride_vg, stride_vn,
                  T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
@@ -49,9 +75,10 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     split's weight, then the weighted sum of the outputs, SB splits an iteration with no dependence
     between their loads (a running-max fold per split was a chain of S dependent steps: 13.5 us a
     call for the 1.5B's AR step at 16K on an H100, 2026-11-23); with SB >= SP every split's output
-    comes in one load ([SP, BM, DC] registers, one memory round trip), or, with SHORT splits or
-    fewer in use, SHORT of them unrolled (the whole tile's predicated loads cost the draft's level at
-    1K keys 9.2-10.0 -> 11.8-12.7 us a layer on an H200). Only splits up to the last non-empty
+    comes in one load ([SP, BM, DC] registers, one memory round trip) where more than ONE_LOAD_FROM
+    splits are in use, else rounds of ROUND (the whole tile's predicated loads cost the draft's level
+    at 1K keys, 8 splits in use, 9.2-10.0 -> 11.8-12.7 us a layer on an H200; its working cache,
+    1K keys plus the tokens since the last refresh, fills 9). Only splits up to the last non-empty
     one are read: a short cache fills few (prefix_partials' minimum chunk), and the draft's
     retrieval cache of ~1K keys read 64 splits, 14 us a call. Chunks of the head dim multiply the
     programs: each recomputes the tree scores (a small dot) and reads only its columns.
@@ -93,36 +120,24 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
     m_i = tl.max(ls, 1)  # [BM]
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     n_used = tl.max(tl.max(tl.where(ls > float("-inf"), offs_s[None, :] + 1, 0), 1), 0)  # splits 0..n_used-1
-    # pass 2: sum of w_s * out_s, SB independent splits per iteration
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DC], tl.float32)
-    if SB >= SP:
-        if n_used <= SHORT:  # a short cache fills few splits (the draft's retrieval cache): one round
-            for j in tl.static_range(SHORT):
-                a_j, w_j = _partial(outp_ptr, lsep_ptr, g, j, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D)
-                acc += a_j
-                l_i += w_j
-        else:  # every split's output in one load (one memory round trip, [SP, BM, DC] in registers)
+    # pass 2: sum of w_s * out_s: every split's output in one load, or rounds of independent loads
+    if SB >= SP and SP > ONE_LOAD_FROM:  # (fewer splits: no one-load code at all, a spill at one shape)
+        if n_used > ONE_LOAD_FROM:  # one memory round trip ([SP, BM, DC] in registers)
             w = tl.exp2(ls - m_safe[:, None])  # [BM, SP]: 0 for the empty splits (lse -inf) and those past S
             o_ok = (offs_s < n_used)[:, None, None] & io[None, :, :]  # [SP, BM, DC]
             rows3 = ((g * S + offs_s)[:, None] * M + offs_m[None, :])[:, :, None]  # [SP, BM, 1]
             o = tl.load(outp_ptr + rows3 * D + offs_c[None, None, :], mask=o_ok, other=0.0).to(tl.float32)
             acc = tl.sum(tl.trans(w)[:, :, None] * o, 0)  # [BM, DC]
             l_i = tl.sum(w, 1)
-    elif INTERPRET:  # the interpreter's scalars cannot bound a range()
-        s0 = 0
-        while s0 < n_used:
-            for j in tl.static_range(SB):
-                a_j, w_j = _partial(outp_ptr, lsep_ptr, g, s0 + j, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D)
-                acc += a_j
-                l_i += w_j
-            s0 += SB
+        else:  # a short cache fills few splits (the draft's retrieval cache): the rounds of 8
+            acc, l_i = _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
+                               S, M, D, BLOCK_M, DC, ROUND, INTERPRET)
+    elif SB >= SP:
+        acc, l_i = _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
+                           S, M, D, BLOCK_M, DC, ROUND, INTERPRET)
     else:
-        for s0 in range(0, n_used, SB):
-            for j in tl.static_range(SB):
-                a_j, w_j = _partial(outp_ptr, lsep_ptr, g, s0 + j, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D)
-                acc += a_j
-                l_i += w_j
+        acc, l_i = _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
+                           S, M, D, BLOCK_M, DC, SB, INTERPRET)
     for n0 in range(0, N, BLOCK_N):  # tree keys, masked by the additive bias
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
         key_ok = offs_n < N

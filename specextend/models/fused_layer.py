@@ -37,7 +37,8 @@ def combine_config(rows: int, n: int, d: int, s: int, ieee: bool) -> dict:
     """tree_combine's tiles: row blocks of 16 and head-dim chunks of 16, so that even an AR step's
     few rows spread over G * D / 16 programs (the S float32 partials are read at the machine's
     bandwidth, not a few multiprocessors'), and in half precision sb = every split: their outputs
-    in one load (docs/architecture.md, "Kernels"; float32 reads one split an iteration). Key blocks
+    in one load where more than 16 are in use, else rounds of 8 (docs/architecture.md, "Kernels";
+    float32 reads one split an iteration). Key blocks
     of 64 for the tree part (16 for float32's IEEE dots on CUDA cores). Tiles that compile for sm_90
     without spilling (benchmarks/triton_aot.py)."""
     bn = 16 if ieee else min(64, _pow2(n))
