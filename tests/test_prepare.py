@@ -19,7 +19,7 @@ from test_overlap import concurrently, run
 
 class SlowVerdicts:
     """Forces 'the draft prepares while the target verifies': every verdict takes `delay_s` longer,
-    and, given `answers` (each engine thread's prepares' Futures as sent, `sent`), waits for its
+    and, given `answers` (each engine thread's prepares' Futures, answered_when_grown), waits for its
     latest answer to be in, as a target slower than any draft would (on a loaded host the answer
     could come after the verdict, and no prepared tree would be used)."""
 
@@ -37,16 +37,19 @@ class SlowVerdicts:
         monkeypatch.setattr(engine_mod, "verify_tree", slow)
 
 
-def sent(answers: dict, future):
-    """Notes a prepare's Future as the calling engine thread's latest (SlowVerdicts) and returns it."""
-    answers.setdefault(threading.get_ident(), []).append(future)
-    return future
+def answered_when_grown(backend, answers: dict):
+    """`backend`'s prepares answered once the draft has nothing left to grow (not when due: on a
+    loaded CI host an answer due early held too little, and no prepared tree was used), each Future
+    noted as its engine thread's latest in `answers`: with every verdict waiting for it
+    (SlowVerdicts), which verdicts hit is the models', not the host's. -> backend."""
+    prepare = backend.prepare
 
-
-# A prepare answered once the draft has nothing left to grow (not when due: on a loaded CI host an
-# answer due early held too little, and no prepared tree was used): with every verdict waiting for
-# it (SlowVerdicts), which verdicts hit is the models', not the host's.
-PREPARED_S = 60.0
+    def grown(session_id, step, accepted_tokens, retrieval, due_s):
+        future = prepare(session_id, step, accepted_tokens, retrieval, 60.0)
+        answers.setdefault(threading.get_ident(), []).append(future)
+        return future
+    backend.prepare = grown
+    return backend
 
 
 @pytest.mark.parametrize("mode", ["sd", "specextend"])
@@ -58,7 +61,7 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
     were really used; the draft failing in a prepare falls back as in a step."""
     pair = tiny_models("float64")
     answers = {}
-    SlowVerdicts(monkeypatch, 0.02, answers)  # (PREPARED_S)
+    SlowVerdicts(monkeypatch, 0.02, answers)
     worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
     calls = {"step": 0, "prepare": 0}
 
@@ -71,9 +74,9 @@ def test_prepared_outcomes_are_used_and_lossless(tiny_models, monkeypatch, mode,
             calls["prepare"] += 1
             if dies and accepted_tokens:  # the first verdict that goes with a prepare
                 raise DraftError("injected: the draft died in a prepare")
-            return sent(answers, super().prepare(session_id, step, accepted_tokens, retrieval, PREPARED_S))
+            return super().prepare(session_id, step, accepted_tokens, retrieval, due_s)
 
-    ref, out, stats = run(pair, Counting(worker, Chaos()), mode, draft_prepare=True)
+    ref, out, stats = run(pair, answered_when_grown(Counting(worker, Chaos()), answers), mode, draft_prepare=True)
     assert out == ref
     if dies:
         assert stats.fallback and stats.prepared_steps == 1
@@ -97,15 +100,12 @@ def test_prepares_go_over_the_step_channel_and_concurrent_sessions_stay_lossless
     holds with step calls only."""
     pair = tiny_models("float64")
     answers = {}
-    SlowVerdicts(monkeypatch, 0.02, answers)  # (PREPARED_S; one stressed run used no prepared tree without)
+    SlowVerdicts(monkeypatch, 0.02, answers)  # (one stressed run used no prepared tree without answered_when_grown)
     worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
     results, prepares = {}, {}
     with DraftServerThread(worker) as server:
         def one(seed):
-            client = GrpcDraftBackend(server.address, transport=transport)
-            prepare = client.prepare
-            client.prepare = lambda sid, step, tokens, retrieval, due_s: sent(
-                answers, prepare(sid, step, tokens, retrieval, PREPARED_S))
+            client = answered_when_grown(GrpcDraftBackend(server.address, transport=transport), answers)
             results[seed] = run(pair, client, "specextend", seed=seed, draft_prepare=True, draft_overlap=asks)
             prepares[seed] = client.supports_prepare
             client.shutdown()
@@ -159,12 +159,10 @@ def test_a_prepared_hit_takes_no_ask_and_a_miss_asks_at_its_verdict(tiny_models,
 
     pair = tiny_models("float64")
     answers = {}
-    SlowVerdicts(monkeypatch, 0.02, answers)  # (PREPARED_S)
+    SlowVerdicts(monkeypatch, 0.02, answers)
     used = asked = told = 0
     for params in (SamplingParams(40, ignore_eos=True), SamplingParams(40, ignore_eos=True, temperature=0.9, seed=5)):
-        worker = DraftWorker(pair[1].decoder, overlap=True, prepare=True)
-        worker.prepare = lambda sid, step, tokens, retrieval, due_s, prepare=worker.prepare: sent(
-            answers, prepare(sid, step, tokens, retrieval, PREPARED_S))
+        worker = answered_when_grown(DraftWorker(pair[1].decoder, overlap=True, prepare=True), answers)
         cfg = EngineConfig(mode="specextend", tree=TREE, retrieval=RetrievalConfig(chunk_size=8, top_k=10, every=2),
                            tree_policy=policy, draft_prepare=True, draft_overlap=True)
         ref = Engine(EngineConfig(mode="ar"), pair[0], None).generate(prompt(70, 3), params)[0]
