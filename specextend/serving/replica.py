@@ -278,8 +278,7 @@ class SpecExtendReplica:
                         break
                     stats = ev.stats
                     stats.fallback |= fallback
-                    if stats.fallback and engine is self.engine and epoch == self.draft_epoch:
-                        self._draft_failed()  # now, not once the request ends: /health and new requests see it
+                    self._blame_draft(stats, engine, epoch)  # now, not once the request ends: /health sees it
                     tokens += ev.token_ids
                     if ev.finish_reason is not None:
                         reason = ev.finish_reason
@@ -312,11 +311,15 @@ class SpecExtendReplica:
             pump.stop()
             if stats is not None:
                 self.metrics.record_request(stats, finish)
-                if stats.fallback and engine is self.engine and epoch == self.draft_epoch:
-                    self._draft_failed()  # (a request that began before the last restore says nothing new;
-                    # one whose last event came before its fallback: noticed here)
+                self._blame_draft(stats, engine, epoch)  # (one whose last event came before its fallback)
 
     # ------------------------------------------------------------------ draft recovery
+
+    def _blame_draft(self, stats, engine: Engine, epoch: int) -> None:
+        """A session fell back: its draft failed, unless it was served plainly (`engine`) or began
+        before the last restore (`epoch`), which says nothing new."""
+        if stats.fallback and engine is self.engine and epoch == self.draft_epoch:
+            self._draft_failed()
 
     def _draft_failed(self) -> None:
         if self.draft is None or self._restoring is not None:
