@@ -9,7 +9,8 @@ ingress only speaks HTTP.
 Draft failures: the engine falls back to plain decoding (lossless) and marks stats.fallback. The
 replica then serves new requests with its AR engine (fallback) while it restores the draft in the
 background: it asks the draft actor for its address (which waits through a Ray restart), or
-starts a new draft actor when the old one is dead for good, and reconnects its gRPC client.
+starts a new draft actor when the old one is dead for good, and reconnects its gRPC client
+(draft_recovery.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import uuid
 from typing import AsyncIterator, Optional
 
 import ray
-from ray.exceptions import ActorUnavailableError, TaskCancelledError
 
 from specextend.config import SamplingParams
 from specextend.models import late_work
@@ -32,6 +32,7 @@ from specextend.rpc.auth import new_token
 from specextend.serving import metrics as m
 from specextend.serving.admission import Admission
 from specextend.serving.draft_actor import DraftActor, draft_client
+from specextend.serving.draft_recovery import DRAFT_START_TIMEOUT_S, DraftRecovery
 from specextend.serving.errors import APIError, BadRequestError
 from specextend.serving.protocol import spec_decoding
 from specextend.serving.settings import MODEL_CPUS, AppSettings
@@ -54,12 +55,11 @@ def import_engine_side() -> None:
     from specextend.warmup import warm_long, warm_up
 
 DRAFT_MAX_RESTARTS = 3  # Ray restarts of one draft actor; after that a new actor is started
-DRAFT_START_TIMEOUT_S = 600.0  # loading a draft model (real models on a slow disk take minutes)
 CPU_KV_FRACTION = 0.25  # default KV budget on CPU: this share of the host's memory
 GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory after warm-up
 
 
-class SpecExtendReplica:
+class SpecExtendReplica(DraftRecovery):
     def __init__(self, settings: dict) -> None:
         from specextend.builder import load_pair, read_pair
 
@@ -313,56 +313,7 @@ class SpecExtendReplica:
                 self.metrics.record_request(stats, finish)
                 self._blame_draft(stats, engine, epoch)  # (one whose last event came before its fallback)
 
-    # ------------------------------------------------------------------ draft recovery
-
-    def _blame_draft(self, stats, engine: Engine, epoch: int) -> None:
-        """A session fell back: its draft failed, unless it was served plainly (`engine`) or began
-        before the last restore (`epoch`), which says nothing new."""
-        if stats.fallback and engine is self.engine and epoch == self.draft_epoch:
-            self._draft_failed()
-
-    def _draft_failed(self) -> None:
-        if self.draft is None or self._restoring is not None:
-            return
-        self.draft_ok = False
-        self._restoring = asyncio.get_running_loop().create_task(self._restore_draft())
-
-    async def _restore_draft(self) -> None:
-        """Waits for the draft actor (restarted by Ray, or a new one) and reconnects to it."""
-        delay = 0.5
-        try:
-            while True:
-                try:
-                    address = await asyncio.wait_for(self.draft_actor.address.remote(), DRAFT_START_TIMEOUT_S)
-                except (ActorUnavailableError, TaskCancelledError):  # Ray is restarting it (max_restarts), or
-                    # this call met the kill that restarts it (cancelled, not dead: the next one tells): wait
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, 10.0)
-                    continue
-                except Exception as e:  # noqa: BLE001 - dead for good, or not coming back in time
-                    log.warning("draft actor unavailable (%s); starting a new one", type(e).__name__)
-                    ray.kill(self.draft_actor, no_restart=True)
-                    self.draft_actor = self._start_draft_actor()
-                    continue
-                if address != self.draft.address:
-                    self.draft.reconnect(address)
-                if await asyncio.to_thread(self.draft.health):
-                    log.info("draft restored at %s", address)
-                    self.draft_actor.warmed.remote()  # a restored draft met only its own warm-up
-                    self.draft_epoch += 1
-                    self.draft_ok = True
-                    return
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 10.0)
-        finally:
-            self._restoring = None
-
     # ------------------------------------------------------------------ control
-
-    async def check_health(self) -> None:
-        """Serve's periodic health check: notices a dead idle draft."""
-        if self.draft is not None and self.draft_ok and not await asyncio.to_thread(self.draft.health):
-            self._draft_failed()
 
     async def health(self) -> dict:
         draft = "off" if self.draft is None else ("ok" if self.draft_ok else "restoring")
