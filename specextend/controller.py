@@ -243,9 +243,9 @@ class TreeController:
         # of drafting cheaply, which corrects a wrong prior; then the full tree
         probe = self.rungs[1] if self.priced_by_prior else self.top
         if not self.probe_every:  # (with overlap a probe is a run's first step and one more)
-            self.probe_every = probe_interval(self.step_seconds(probe) + (self.switch_s or 0.0),
-                                              self.step_seconds(best), self.value(probe), self.value(best),
-                                              self.min_probe, self.probe_ratio)
+            self.probe_every = min(probe_interval(self.step_seconds(probe) + (self.switch_s or 0.0),
+                                                  self.step_seconds(best), self.value(probe), self.value(best),
+                                                  self.min_probe, self.probe_ratio), self.max_probe)
         if self.since_probe >= self.probe_every:
             self._probing, self._best, self._probe = True, best, probe
             return probe

@@ -191,6 +191,19 @@ def test_probes_back_off_exponentially_and_come_back():
     assert chosen[-40:] == [RUNGS[-1]] * 40  # a probe found it, and it stayed on the full tree
 
 
+def test_no_probe_interval_exceeds_max_probe():
+    """The interval from measured costs is capped too, not only its doublings: a probe that loses
+    much against a cheap plain step still comes within `max_probe` steps."""
+    hard = dict(zip(RUNGS[1:], PROFILES["useless"]))
+    base = simulate(TreeController(list(RUNGS)), hard, 400)
+    ctl = TreeController(list(RUNGS), max_probe=5)
+    chosen = simulate(ctl, hard, 400)
+    uncapped = [i for i, r in enumerate(base) if r == RUNGS[-1]][1:]  # after the warm-up's
+    probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]][1:]
+    assert uncapped[0] > 5 and probes[0] == 5  # the first interval, capped
+    assert {b - a for a, b in zip(probes, probes[1:])} == {6}  # then 5 steps and the probe, again
+
+
 # ---------------------------------------------------------------------------- lossless, whatever it picks
 class Rigged(TreeController):
     """Switches the tree every step, through every rung, plain included (the worst case for the

@@ -123,13 +123,22 @@ def test_empty_trees_decode_plainly_and_each_step_is_applied_once(tiny_models, m
     assert [b.ready_only for b in draft.bounds] == [miss == "plain" and s > 0 for s, _ in draft.steps]
 
 
-def test_the_adaptive_policy_stops_asking_a_draft_that_is_never_ready(tiny_models):
+def test_the_adaptive_policy_stops_asking_a_draft_that_is_never_ready(tiny_models, monkeypatch):
     target = tiny_models("float64")[0]
-    params = SamplingParams(160, ignore_eos=True)  # room for a probe after going plain (~10 probes of time)
+    params = SamplingParams(160, ignore_eos=True)
     ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(prompt(), params)
     cfg = EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive")
     draft = NeverReady(delay_s=0.005)  # asking costs a round trip and never pays
-    out, _, stats = Engine(cfg, target, draft).generate(prompt(), params)
+    engine = Engine(cfg, target, draft)
+    make = engine.new_controller
+
+    def capped(tree):  # probes at most 16 steps apart: the interval from measured costs is the host's
+        ctl = make(tree)  # (a 5 ms round trip against a fast host's plain step: over 160 steps)
+        ctl.max_probe = 16
+        return ctl
+
+    monkeypatch.setattr(engine, "new_controller", capped)
+    out, _, stats = engine.generate(prompt(), params)
     assert out == ref and stats.num_steps == 0
     assert stats.unready_steps > 0 and stats.plain_steps > 2 * stats.unready_steps
     # a step after plain ones (its call carries their tokens too) waits for a drafted tree: the
