@@ -194,6 +194,9 @@ def never_pays(config: EngineConfig, ratio: float) -> bool:
 class DraftLink:
     config: EngineConfig
     draft: object  # DraftBackend
+    # the draft's open timed against the target's prefill seeds the adaptive policy's prior (tests
+    # turn it off, conftest.py: on a loaded host the two prefills' ratio is the host's, not the pair's)
+    prior_from_prefill = True
 
     def _start_link(self) -> None:
         """The draft calls' threads: the opens (a session's prefill on the draft), and the calls of
@@ -223,7 +226,8 @@ class DraftLink:
         except DraftError as e:
             return self._fall_back(stats, sid, e)
         stats.draft_open_s, stats.target_prefill_s = open_s, target_prefill_s
-        ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
+        if self.prior_from_prefill:
+            ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
         return True
 
     def _fall_back(self, stats: RequestStats, sid: str, err: Exception) -> bool:

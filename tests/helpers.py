@@ -48,13 +48,15 @@ def build_pair(name, backend="eager"):
     return hf, dec
 
 
-def make_engine(pair, mode="sd", draft_backend=None, join_early=None, **kw) -> Engine:
+def make_engine(pair, mode="sd", draft_backend=None, join_early=None, prior_from_prefill=None, **kw) -> Engine:
     """An engine over the pair; every step speculative (tree_policy=fixed) unless `kw` says."""
     target, draft = pair
     backend = None if mode == "ar" else (draft_backend or DraftWorker(draft.decoder))
     engine = Engine(EngineConfig(mode=mode, **{"tree_policy": "fixed", **kw}), target, backend)
     if join_early is not None:  # (tests: False unless asked, conftest.py)
         engine.join_early = join_early
+    if prior_from_prefill is not None:  # (tests: False unless asked, conftest.py)
+        engine.prior_from_prefill = prior_from_prefill
     return engine
 
 

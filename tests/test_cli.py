@@ -31,7 +31,7 @@ def test_generate_json_sd_equals_ar(capsys):
 def test_record_and_replay_trace(capsys, tmp_path):
     trace = tmp_path / "trace.json"
     common = ["--prompt", "abc" * 10, "--max-new-tokens", "30", "--ignore-eos", "--tree-depth", "4"]
-    rec = run_json(capsys, "--record-trace", str(trace), *common)
+    rec = run_json(capsys, "--record-trace", str(trace), "--tree-policy", "fixed", *common)  # (every step a tree)
     saved = json.loads(trace.read_text())
     assert saved["accepted_per_step"] and len(saved["accepted_per_step"]) == rec["num_steps"]
     (tmp_path / "forced.json").write_text(json.dumps({"accepted_per_step": [3]}))

@@ -117,7 +117,8 @@ def test_an_open_that_ends_after_the_request_leaves_no_session(pair, ar_engine):
 def test_the_engine_seeds_its_controller_from_the_drafts_open(tiny_models):
     """A draft whose open takes far longer than the target's prefill: the adaptive session decodes
     plainly while it runs (open_steps; it does not wait), then, seeded with that slow open's price,
-    stays plain (output equals plain decoding); the same draft opening quickly speculates."""
+    stays plain (output equals plain decoding); without that prior (the tests' default, conftest.py)
+    the same pair speculates."""
     import threading
     import time as _time
 
@@ -134,7 +135,8 @@ def test_the_engine_seeds_its_controller_from_the_drafts_open(tiny_models):
             opened.set()
 
     slow = SlowOpen(pair[1].decoder)
-    engine = make_engine(pair, "sd", draft_backend=slow, tree_policy="adaptive", lookup_tokens=0, join_early=True)
+    engine = make_engine(pair, "sd", draft_backend=slow, tree_policy="adaptive", lookup_tokens=0, join_early=True,
+                         prior_from_prefill=True)
     out, stats = [], None
     for ev in engine.stream(prompt, params):
         out += ev.token_ids
