@@ -15,6 +15,7 @@ from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.models.light_meta import same_vocab
 from specextend.models.loader import LoadedModel, ModelMeta, load_model, read_meta
+from specextend.prefix_cache import PrefixCache
 
 
 class IncompatibleModels(ValueError):
@@ -82,6 +83,6 @@ def build_engine(config: EngineConfig) -> Engine:
     if draft is not None:
         backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap,
                               prepare=config.draft_prepare, handover=config.draft_handover,
-                              overlap_rows=config.draft_overlap_rows)
+                              overlap_rows=config.draft_overlap_rows, prefix_cache=PrefixCache.of(config))
         backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
     return Engine(config, target, backend, draft_args=draft.args if draft is not None else None)

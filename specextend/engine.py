@@ -33,6 +33,7 @@ from specextend.snapshot import SNAPSHOT_NODES, DraftFeed
 from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
 from specextend.plain_step import plain_step_co
+from specextend.prefix_cache import PrefixCache
 from specextend.request_limits import RequestLimits
 from specextend.retrieval import launch_scoring
 from specextend.target import TargetSession
@@ -59,6 +60,7 @@ class Engine(RequestLimits, DraftLink):
         self.target = target
         self.draft = draft
         self._costs: Optional[Costs] = None  # the costs the last session that measured them left
+        self.prefix_cache = PrefixCache.of(config)  # recent prompts' K/V ("Prefix caching"; None: off)
         if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         # a draft that can never pay is not opened (docs/architecture.md, "Adaptive speculation")
@@ -119,8 +121,7 @@ class Engine(RequestLimits, DraftLink):
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
-        stats.reference_gaps, stats.reference_steps, stats.reference_positions, stats.reference_chosen = (
-            (None,) * 4 if ref is None else (ref.gaps, ref.steps, ref.positions, ref.chosen))
+        stats.keep_reference(ref)
         out = Emitter(params, self.target.args.eos_token_ids, stats)
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
@@ -149,13 +150,15 @@ class Engine(RequestLimits, DraftLink):
                     draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
             # retrieval is scored from the prefill
-            logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture))
+            logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache))
+            stats.cached_prompt_tokens = target.cached_tokens
             target_prefill_s = time.perf_counter() - t0
             token = next_token(logits, params, gen)
             token = token if ref is None else ref.pick(logits.view(1, -1), 0, token, 0)
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             yield out.emit([token])  # the first token needs nothing from the draft: not its open either
+            target.keep_prompt(prompt_ids, self.prefix_cache)  # (after the first token: off its latency)
             # the draft joins once its open (its prefill) is done: with the adaptive policy the target
             # decodes plainly meanwhile instead of waiting; the fixed policy (every step drafted)
             # waits for it here (docs/architecture.md, "Adaptive speculation")

@@ -82,3 +82,13 @@ class KVCache:
         self.data[:, 0, :, :w] = k
         self.data[:, 1, :, :w] = v
         self.length = w
+
+    def load_prefix(self, kv: torch.Tensor) -> None:
+        """Start an empty cache from kv [layers, 2, G, m, D] (a cached prompt prefix, prefix_cache.py)."""
+        m = kv.shape[3]
+        if self.length:
+            raise ValueError("a prefix goes into an empty cache")
+        if m > self.capacity:
+            raise CacheFull(f"KV cache full: {m} > {self.capacity}")
+        self.data[:, :, :, :m].copy_(kv)
+        self.length = m

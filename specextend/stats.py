@@ -68,6 +68,7 @@ class RequestStats:
     fallback: bool = False
     replayed: bool = False
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of which the prefix cache held (their K/V copied, not forwarded)
     num_generated: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -94,6 +95,12 @@ class RequestStats:
     draft_s: float = 0.0  # time in DraftBackend.step for the trees verified (includes RPC when remote)
     verify_s: float = 0.0
     retrieval_s: float = 0.0  # target side: scoring and selecting chunks (docs/architecture.md, "Cross-model retrieval")
+
+    def keep_reference(self, ref) -> None:
+        """The override lists of `ref` (verify.Reference, or None), filled as the request runs."""
+        if ref is not None:
+            self.reference_gaps, self.reference_steps = ref.gaps, ref.steps
+            self.reference_positions, self.reference_chosen = ref.positions, ref.chosen
 
     def ask_done(self, call, waited_from: float, tree) -> None:
         """A tree step's answer to an early ask (`call`: the lane's future, its times set by

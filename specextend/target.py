@@ -15,6 +15,7 @@ from specextend.config import RetrievalConfig
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 from specextend.models.transfer import to_device
+from specextend.prefix_cache import PrefixCache
 from specextend.draft.base import Retrieval
 from specextend.retrieval import (DeferredRetrieval, chunk_scores, initial_chunks, last_token_probs, select_chunks,
                                   select_chunks_device)
@@ -29,6 +30,7 @@ class TargetSession:
         self.cache = model.new_cache(capacity)
         self.hybrid = hybrid
         self.captured: Optional[Captured] = None
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (prefill_co)
 
     # Each forward comes in two forms: a coroutine (`*_co`) that yields its ForwardCall and gets the
     # forward's result back (the engine's sessions, batched with other sessions' forwards,
@@ -46,14 +48,24 @@ class TargetSession:
         """Chunked causal prefill of the prompt; returns the last position's logits [V]."""
         return self.run(self.prefill_co(prompt_ids, chunk, capture))
 
-    def prefill_co(self, prompt_ids: Sequence[int], chunk: int,
-                   capture: bool = False) -> Generator[ForwardCall, Result, torch.Tensor]:
+    def prefill_co(self, prompt_ids: Sequence[int], chunk: int, capture: bool = False,
+                   prefix: Optional[PrefixCache] = None) -> Generator[ForwardCall, Result, torch.Tensor]:
         """The prefill one chunk per forward (a batched driver runs other sessions' steps between
-        them): the last position's logits [V]."""
+        them): the last position's logits [V]. With `prefix`, the prompt's longest cached run of
+        whole chunks is copied in and the prefill goes on after it (`cached_tokens`)."""
         ids = torch.tensor(list(prompt_ids), device=self.model.device)
-        for lo in range(0, ids.numel(), chunk):
+        if prefix is not None:
+            self.cached_tokens, kv = prefix.lookup(prompt_ids)
+            if kv is not None:
+                self.cache.load_prefix(kv)
+        for lo in range(self.cached_tokens, ids.numel(), chunk):
             logits = yield from self.prefill_chunk_co(ids, lo, chunk, capture)
         return logits
+
+    def keep_prompt(self, prompt_ids: Sequence[int], prefix: Optional[PrefixCache]) -> None:
+        """After the prefill: the prompt's whole chunks into `prefix` (None: no cache)."""
+        if prefix is not None:
+            prefix.store(prompt_ids, self.cache)
 
     def prefill_chunk_co(self, ids: torch.Tensor, lo: int, chunk: int,
                          capture: bool = False) -> Generator[ForwardCall, Result, Optional[torch.Tensor]]:

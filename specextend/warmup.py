@@ -36,6 +36,8 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
     one (its `fallback` says whether the draft answered)."""
     cfg = engine.config
     _, _, stats = engine.generate(prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), speculate=False)
+    if engine.prefix_cache is not None:  # (the requests' prompts, not the warm-up's; `_fixed` engines keep their own)
+        engine.prefix_cache.clear()
     if batch_sessions > 1:
         warm_batches(engine, batch_sessions)
     if cfg.mode == "lookup":  # chains alone: each verify size once

@@ -122,6 +122,29 @@ def test_metrics_gauges_are_current(server):
     assert not internal_kv._internal_kv_exists(key, namespace=m.KV_NAMESPACE)
 
 
+def test_a_shared_document_is_prefilled_once(server):
+    """Prefix caching: a second question over the same document reports the document's whole
+    prefill chunks (32 tokens each here) as cached, in OpenAI's usage field and in /metrics."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+    doc = [(37 * i + 11) % 250 + 3 for i in range(100)]  # token ids no other test sends
+    first = client.completions.create(model=SETTINGS["target"], prompt=doc, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=SETTINGS["target"], prompt=doc + [5, 6, 7, 8, 9], max_tokens=4,
+                                       temperature=0)
+    assert second.usage.prompt_tokens == 105 and second.usage.prompt_tokens_details.cached_tokens == 96
+    deadline = time.time() + 10  # (a replica publishes its metrics when a request ends)
+    while True:
+        text = httpx.get(f"{BASE}/metrics").text
+        hits = [float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("specextend_prefix_cache_hit_tokens_total")]
+        if hits and hits[0] >= 96:
+            break
+        assert time.time() < deadline, "the prefix cache's hits are not in /metrics"
+        time.sleep(0.2)
+
+
 def test_client_errors_and_disconnects_log_no_tracebacks(server):
     """A request's own errors (4xx) and a client that leaves mid-stream are not server errors:
     no ERROR lines, no tracebacks in the ingress's or the replica's logs."""

@@ -41,6 +41,7 @@ from specextend.models.full_graphs import FullStepGraphs
 from specextend.models.graphed import Graphed
 from specextend.models.rope import apply_rope
 from specextend.models.transfer import to_device
+from specextend.prefix_cache import PrefixCache
 from specextend.retrieval import chunk_positions, initial_chunks
 from specextend.tree import reindex_tree, select_best_nodes
 
@@ -92,7 +93,7 @@ class DraftSession(Overlap):
     def __init__(self, model: Decoder, prompt_ids: Sequence[int], params: DraftSessionParams,
                  prefill_chunk: int = 2048, overlap: bool = False, overlap_rows: int = OVERLAP_ROWS,
                  sync_depth: int = SYNC_DEPTH, overlap_levels: int = OVERLAP_LEVELS,
-                 refresh_defer: int = REFRESH_DEFER):
+                 refresh_defer: int = REFRESH_DEFER, prefix: Optional[PrefixCache] = None):
         self.model = model
         self.rows = overlap_rows
         self.levels = overlap_levels  # forwards per background launch (chain.py, Chained)
@@ -120,7 +121,7 @@ class DraftSession(Overlap):
         if overlap and params.lookup_tokens:  # context-lookup chains put into the pool (lookup_chains.py)
             self.chains = LookupChains(prompt_ids, model.args.vocab_size, params.lookup_tokens,
                                        capacity=len(prompt_ids) + params.max_new_tokens + 1)
-        self._prefill(list(prompt_ids), prefill_chunk)
+        self._prefill(list(prompt_ids), prefill_chunk, prefix)
 
     # ----------------------------------------------------------------- caches
     def forward_committed(self, ids: list[int], window: int = 0, rows: int = 0, graphs: bool = True) -> torch.Tensor:
@@ -159,9 +160,22 @@ class DraftSession(Overlap):
             logits = yield from self._forward_committed_co(chunk, rows=CATCH_UP if room >= CATCH_UP else 0)
         return logits
 
-    def _prefill(self, prompt: list[int], chunk: int) -> None:
-        for lo in range(0, len(prompt), chunk):
+    def _prefill(self, prompt: list[int], chunk: int, prefix: Optional[PrefixCache] = None) -> None:
+        """Chunked prefill of both caches; with `prefix`, from the longest cached run of whole chunks
+        (both caches' K/V: the working cache's and the store's pre-RoPE keys), kept for later
+        prompts before retrieval prunes the working cache (docs/architecture.md, "Prefix caching")."""
+        start = 0
+        if prefix is not None:
+            start, kv = prefix.lookup(prompt)
+            if kv is not None:
+                self.work.load_prefix(kv[:, :2])
+                if self.store is not None:
+                    self.store.load_prefix(kv[:, 2:])
+        self.cached_tokens = start
+        for lo in range(start, len(prompt), chunk):
             self.forward_committed(prompt[lo:lo + chunk], window=self.cfg.draft_prefill_window or 0, graphs=False)
+        if prefix is not None:
+            prefix.store(prompt, *((self.work,) if self.store is None else (self.work, self.store)))
         if self.store is not None and len(prompt) > self.cfg.budget_tokens:
             self._rebuild(initial_chunks(len(prompt), self.cfg), self.cfg.chunk_size)
 

@@ -35,6 +35,7 @@ from specextend.draft.jobs import (POLL_S, Close, Job, JobWorker, Open, Prepare,
 from specextend.draft.session import OVERLAP_LEVELS, OVERLAP_ROWS, REFRESH_DEFER, SYNC_DEPTH, DraftSession
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Decoder
+from specextend.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,14 @@ class DraftWorker(JobWorker):
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
                  gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
                  refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = False,
-                 handover: bool = True):
+                 handover: bool = True, prefix_cache: Optional[PrefixCache] = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
         self.max_batch, self.gather_s = max_batch, gather_s
         self.sync_depth = sync_depth
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache  # recent prompts' K/V, for the sessions' prefills (not the warm-up's)
         self.overlap = overlap
         self.overlap_rows = overlap_rows
         self.overlap_levels = overlap_levels
@@ -209,16 +211,16 @@ class DraftWorker(JobWorker):
                 self._dropped_levels += s.dropped_levels
         return None
 
-    def _new_session(self, prompt_ids, params: DraftSessionParams) -> DraftSession:
+    def _new_session(self, prompt_ids, params: DraftSessionParams, prefix: Optional[PrefixCache] = None) -> DraftSession:
         """A session on this worker's model with its drafting settings (prefills the prompt)."""
         return DraftSession(self.model, prompt_ids, params, self.prefill_chunk, overlap=self.overlap,
                             overlap_rows=self.overlap_rows, sync_depth=self.sync_depth,
-                            overlap_levels=self.overlap_levels, refresh_defer=self.refresh_defer)
+                            overlap_levels=self.overlap_levels, refresh_defer=self.refresh_defer, prefix=prefix)
 
     def _open(self, job: Open) -> None:
         if not job.prompt_ids:
             raise DraftError("empty prompt")
-        session = self._new_session(job.prompt_ids, job.params)
+        session = self._new_session(job.prompt_ids, job.params, self.prefix_cache)
         self._sessions[job.session_id] = SessionEntry(session)
 
     def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:

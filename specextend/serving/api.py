@@ -83,7 +83,8 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
 
 def _usage(item: dict) -> p.Usage:
     return p.Usage(prompt_tokens=item["prompt_tokens"], completion_tokens=item["completion_tokens"],
-                   total_tokens=item["prompt_tokens"] + item["completion_tokens"])
+                   total_tokens=item["prompt_tokens"] + item["completion_tokens"],
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=item.get("cached_tokens", 0)))
 
 
 class _Formatter:

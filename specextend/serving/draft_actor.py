@@ -45,6 +45,7 @@ class DraftActor:
         from specextend.builder import load_pair
         from specextend.draft.base import DraftSessionParams
         from specextend.draft.worker import DraftWorker
+        from specextend.prefix_cache import PrefixCache
         from specextend.rpc import DraftServerThread
 
         t0 = time.time()  # wall clock: the replica that created this actor compares it with its own
@@ -57,7 +58,7 @@ class DraftActor:
         self.backend = DraftWorker(self.model.decoder, name=self.model.name, prefill_chunk=config.prefill_chunk,
                                    overlap=config.overlap, prepare=config.draft_prepare,
                                    handover=config.draft_handover,
-                                   overlap_rows=config.draft_overlap_rows)
+                                   overlap_rows=config.draft_overlap_rows, prefix_cache=PrefixCache.of(config))
         # with overlap, the background forwards' graphs are captured now, not on a request's path
         self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
         t2 = time.time()

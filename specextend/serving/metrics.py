@@ -81,6 +81,8 @@ FAMILIES = {
     "specextend_spec_decode_tree_nodes": (
         "histogram", "Draft nodes verified per speculative step (the tree sizes the policy chose).", ()),
     "specextend_prompt_tokens": ("counter", "Prompt tokens prefilled.", ()),
+    "specextend_prefix_cache_hit_tokens": (
+        "counter", "Prompt tokens whose K/V came from the prefix cache (not forwarded).", ()),
     "specextend_generation_tokens": ("counter", "Tokens generated.", ()),
     "specextend_request_success": ("counter", "Finished requests by finish reason.", ("finish_reason",)),
     "specextend_draft_fallbacks": ("counter", "Requests that fell back to plain decoding.", ()),
@@ -170,6 +172,7 @@ class ReplicaMetrics:
     def record_request(self, stats, finish_reason: str | None) -> None:
         """Per-request counters from a RequestStats (finished, stopped or cancelled)."""
         self.inc("specextend_prompt_tokens", stats.prompt_tokens)
+        self.inc("specextend_prefix_cache_hit_tokens", stats.cached_prompt_tokens)
         self.inc("specextend_generation_tokens", stats.num_generated)
         self.inc("specextend_spec_decode_num_drafts", stats.num_steps)
         self.inc("specextend_spec_decode_num_draft_tokens", stats.draft_tokens)

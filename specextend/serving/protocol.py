@@ -163,10 +163,15 @@ class ChatCompletionRequest(SamplingFields):
 
 # ------------------------------------------------------------------ responses
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class StepKind(BaseModel):

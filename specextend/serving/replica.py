@@ -169,11 +169,12 @@ class SpecExtendReplica(DraftRecovery):
             return int(self.settings.kv_cache_memory_gb * 2**30)
         import torch
 
+        prefixes = int(self.engine.config.prefix_cache_gb * 2**30)  # the prefix cache's, beside the sessions'
         if self.target.decoder.device.type == "cuda":
-            return int(torch.cuda.mem_get_info()[0] * GPU_KV_FRACTION)
+            return max(int(torch.cuda.mem_get_info()[0] * GPU_KV_FRACTION) - prefixes, 0)
         import psutil
 
-        return int(psutil.virtual_memory().total * CPU_KV_FRACTION)
+        return max(int(psutil.virtual_memory().total * CPU_KV_FRACTION) - prefixes, 0)
 
     # ------------------------------------------------------------------ requests
 
@@ -298,7 +299,7 @@ class SpecExtendReplica(DraftRecovery):
                 if finish:
                     item["text"] += text.finish()
                     item.update(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids),
-                                speculative_decoding=spec_decoding(stats))
+                                cached_tokens=stats.cached_prompt_tokens, speculative_decoding=spec_decoding(stats))
                     if req.get("return_prompt_ids"):
                         item["prompt_token_ids"] = list(prompt_ids)
                 if item["text"] or item["token_ids"] or finish:

@@ -1,0 +1,132 @@
+"""Prefix caching on the target: the K/V of recent prompts, reused by a later prompt that starts
+with the same tokens (many questions over one long document; docs/architecture.md, "Prefix caching").
+
+Only whole prefill chunks are reused: a prompt is prefilled one `chunk` of tokens per forward
+from position 0, so the K/V of its first k chunks are what the same k chunks of any prompt that
+starts with them compute, forward for forward. A hit copies those k chunks' K/V into the new
+session's cache and the prefill goes on from chunk k, as it would have: the output is the one
+without the cache (bitwise where the forwards run alone), and a prompt's last token is always
+forwarded (its logits and the retrieval's capture come from that forward).
+
+Entries are found by a chain of hashes, one per chunk boundary (the hash of the prompt's first
+k chunks), checked against the entry's tokens (a collision is a miss), and evicted least recently
+used first within `budget_bytes`. Thread-safe (a lock around the index); the K/V of an entry are
+never written after it is stored.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from specextend.kv_cache import KVCache
+
+
+@dataclass
+class Entry:
+    tokens: tuple[int, ...]  # the prefix, a whole number of chunks
+    kv: torch.Tensor  # [layers, 2 * caches, G, len(tokens), D], a copy no session writes
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def boundary_hashes(tokens: Sequence[int], chunk: int, upto: int) -> list[int]:
+    """The hash of tokens[:k * chunk] for k = 1 .. upto // chunk (each chained on the one before)."""
+    out, h = [], 0
+    for lo in range(0, upto - upto % chunk, chunk):
+        h = hash((h, tuple(tokens[lo:lo + chunk])))
+        out.append(h)
+    return out
+
+
+class PrefixCache:
+    def __init__(self, chunk: int, budget_bytes: int):
+        self.chunk = chunk
+        self.budget_bytes = budget_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[int, Entry] = OrderedDict()  # id -> entry, least recently used first
+        self._index: dict[int, list[int]] = {}  # boundary hash -> ids of the entries that hold it
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self.queries = self.hits = 0  # prompt tokens looked up and found (metrics)
+
+    @classmethod
+    def of(cls, config) -> Optional["PrefixCache"]:
+        """An engine's cache (config: EngineConfig), None where prefix_cache_gb is 0."""
+        return cls(config.prefill_chunk, int(config.prefix_cache_gb * 2**30)) if config.prefix_cache_gb else None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, prompt_ids: Sequence[int]) -> tuple[int, Optional[torch.Tensor]]:
+        """The longest cached prefix of whole chunks that leaves the prompt's last token to be
+        forwarded: (its length m, its K/V [layers, 2 * caches, G, m, D]: the caches `store` was
+        given, in order), or (0, None)."""
+        usable = len(prompt_ids) - 1
+        hashes = boundary_hashes(prompt_ids, self.chunk, usable)
+        with self._lock:
+            self.queries += len(prompt_ids)
+            for k in range(len(hashes), 0, -1):
+                m = k * self.chunk
+                for eid in self._index.get(hashes[k - 1], ()):
+                    entry = self._entries[eid]
+                    if entry.tokens[:m] == tuple(prompt_ids[:m]):
+                        self._entries.move_to_end(eid)
+                        self.hits += m
+                        return m, entry.kv[:, :, :, :m]
+        return 0, None
+
+    def store(self, prompt_ids: Sequence[int], *caches: KVCache) -> bool:
+        """Keep a copy of the K/V of the prompt's whole chunks (the caches hold the prefilled
+        prompt: the target's one; the draft's working cache and its pre-RoPE store). Entries the
+        new one extends are dropped; the least recently used go until it fits. False where there is
+        nothing to keep or it cannot fit."""
+        m = len(prompt_ids) - len(prompt_ids) % self.chunk
+        if m == 0 or any(c.length < m for c in caches):
+            return False
+        per_token = sum(c.data[:, :, :, :1].numel() * c.data.element_size() for c in caches)
+        if m * per_token > self.budget_bytes:
+            return False
+        tokens = tuple(prompt_ids[:m])
+        hashes = boundary_hashes(tokens, self.chunk, m)
+        with self._lock:
+            held = self._index.get(hashes[-1], ())
+            if any(self._entries[e].tokens[:m] == tokens for e in held):  # already held (by it or a longer one)
+                for e in held:
+                    self._entries.move_to_end(e)
+                return False
+            for eid in [e for e, entry in self._entries.items() if tokens[:len(entry.tokens)] == entry.tokens]:
+                self._drop(eid)  # a prefix of the new entry: nothing it holds is lost
+            while self._entries and self.nbytes + m * per_token > self.budget_bytes:
+                self._drop(next(iter(self._entries)))
+        kv = torch.cat([c.data[:, :, :, :m] for c in caches], dim=1)  # (outside the lock: a device copy)
+        with self._lock:
+            eid, self._next_id = self._next_id, self._next_id + 1
+            self._entries[eid] = Entry(tokens, kv)
+            self.nbytes += m * per_token
+            for h in hashes:
+                self._index.setdefault(h, []).append(eid)
+            while self.nbytes > self.budget_bytes:  # (another store came in between)
+                self._drop(next(iter(self._entries)))
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            for eid in list(self._entries):
+                self._drop(eid)
+
+    def _drop(self, eid: int) -> None:
+        entry = self._entries.pop(eid)
+        self.nbytes -= entry.nbytes
+        for h in boundary_hashes(entry.tokens, self.chunk, len(entry.tokens)):
+            ids = self._index.get(h)
+            if ids is not None and eid in ids:
+                ids.remove(eid)
+                if not ids:
+                    del self._index[h]
