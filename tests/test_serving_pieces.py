@@ -43,6 +43,15 @@ def test_admission_queue_limit():
     asyncio.run(scenario())
 
 
+def test_the_kv_budget_leaves_room_for_the_prefix_caches():
+    from specextend.serving.replica import kv_budget
+
+    gib = 2**30
+    assert kv_budget(100 * gib, 0.9, 2.0, False) == 88 * gib  # the target's cache only: the draft has its GPU
+    assert kv_budget(100 * gib, 0.9, 2.0, True) == 86 * gib  # the draft's beside it on the same device
+    assert kv_budget(100 * gib, 0.9, 0.0, True) == 90 * gib and kv_budget(gib, 0.25, 2.0, True) == 0
+
+
 def test_metrics_merge_sums_replicas():
     a, b = ReplicaMetrics(use_ray=False), ReplicaMetrics(use_ray=False)
     from specextend.stats import RequestStats

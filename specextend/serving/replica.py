@@ -59,6 +59,13 @@ CPU_KV_FRACTION = 0.25  # default KV budget on CPU: this share of the host's mem
 GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory after warm-up
 
 
+def kv_budget(available: int, fraction: float, prefix_cache_gb: float, draft_shares: bool) -> int:
+    """Admission's KV bytes by default: `fraction` of `available` less the prefix caches' room (the
+    target's, and the draft's where it runs on the same device: docs/architecture.md, "Prefix caching")."""
+    prefixes = int(prefix_cache_gb * 2**30) * (2 if draft_shares else 1)
+    return max(int(available * fraction) - prefixes, 0)
+
+
 class SpecExtendReplica(DraftRecovery):
     def __init__(self, settings: dict) -> None:
         from specextend.builder import load_pair, read_pair
@@ -169,12 +176,12 @@ class SpecExtendReplica(DraftRecovery):
             return int(self.settings.kv_cache_memory_gb * 2**30)
         import torch
 
-        prefixes = int(self.engine.config.prefix_cache_gb * 2**30)  # the prefix cache's, beside the sessions'
+        shared = self.engine.config.uses_draft and self.settings.num_gpus < 1  # the draft on this device too
         if self.target.decoder.device.type == "cuda":
-            return max(int(torch.cuda.mem_get_info()[0] * GPU_KV_FRACTION) - prefixes, 0)
+            return kv_budget(torch.cuda.mem_get_info()[0], GPU_KV_FRACTION, self.engine.config.prefix_cache_gb, shared)
         import psutil
 
-        return max(int(psutil.virtual_memory().total * CPU_KV_FRACTION) - prefixes, 0)
+        return kv_budget(psutil.virtual_memory().total, CPU_KV_FRACTION, self.engine.config.prefix_cache_gb, shared)
 
     # ------------------------------------------------------------------ requests
 
