@@ -123,7 +123,8 @@ def test_a_round_carries_prompt_chunks_within_its_token_budget(tiny_models):
     the sessions already decoding step every round; every output equals its solo run."""
     from specextend.models.batch import forward_batch
 
-    engine = make_engine(tiny_models("float64"), "ar", prefill_chunk=32)
+    # (no prefix cache: the solo runs would leave the long prompts' chunks cached, and the rounds carry none)
+    engine = make_engine(tiny_models("float64"), "ar", prefill_chunk=32, prefix_cache_gb=0)
     rounds = []
 
     def recording(model, calls):

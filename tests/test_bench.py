@@ -240,6 +240,33 @@ def test_signal_suite_has_every_cell_is_lossless_and_really_stresses_the_signal(
     assert {p.name for p in (tmp_path / "signal").glob("*.png")} == {f"cpu-{s}.png" for s in sweeps}
 
 
+def test_prefix_suite_caches_both_sides_and_checks_every_output(tmp_path):
+    """The prefix suite on the tiny pair: three questions over 2,100 document tokens (one whole
+    prefill chunk of 2,048 to reuse), the cache off then on: the later questions' chunk cached on
+    the target and, in `specextend`, on the draft; every output equal to its uncached twin; table,
+    JSON, plot and the results page's section."""
+    from specextend.bench import report
+
+    argv = ["bench", "--suite", "prefix", "--device", "cpu", "--pair", "tiny=2100", "--modes", "ar,specextend",
+            "--new-tokens", "4", "--threads", "1", "--out", str(tmp_path)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(argv) == 0
+    record = json.loads((tmp_path / "prefix" / "cpu.json").read_text())
+    rows, summary = record["rows"], {s["mode"]: s for s in record["summary"]}
+    assert len(rows) == 12 and set(summary) == {"ar", "specextend"}
+    assert all(r["cached_tokens"] == (2048 if r["cache"] and r["question"] > 0 else 0) for r in rows)
+    assert all(r["draft_cached_tokens"] == (2048 if r["mode"] == "specextend" and r["cache"] and r["question"] > 0
+                                            else 0) for r in rows)
+    assert all(s["same_output"] and s["cached_tokens"] == 2048 for s in summary.values())
+    assert "| tiny | 2100 | nodejs | specextend | 2048 / 2048 |" in stdout.getvalue()
+    assert (tmp_path / "prefix" / "cpu-ttft.png").is_file()
+    page = tmp_path / "page.md"
+    page.write_text(f"head\n{report.BEGIN}\n{report.END}\n")
+    report.write_pages(tmp_path, page, tmp_path / "no-readme.md")
+    assert "### prefix: cpu" in page.read_text() and "| tiny | 2100 | nodejs | ar |" in page.read_text()
+
+
 def test_the_recorded_commit_is_the_checkouts_unless_named(monkeypatch):
     """A run names its commit; $SPECEXTEND_COMMIT overrides the checkout's (a tree carried to a GPU
     host may hold stale git metadata: a 2026-11-23 H200 run was labelled with an older commit)."""

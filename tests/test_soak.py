@@ -24,7 +24,8 @@ TARGET, DRAFT = "random:llama-tiny", "random:llama-tiny-draft"
 SETTINGS = dict(target=TARGET, draft=DRAFT, num_gpus=0, dtype="float64", tree_nodes=8, tree_depth=4,
                 tree_topk=2, prefill_chunk=32, retrieval_chunk_size=8, retrieval_top_k=4, retrieval_every=2,
                 max_prompt_tokens=256, max_new_tokens=64, max_concurrent_sessions=64, max_queued_requests=256,
-                max_batch_sessions=16, draft_timeout_s=3)
+                max_batch_sessions=16, draft_timeout_s=3,
+                prefix_cache_gb=0.004)  # a cache bounded at 4 MiB, evicting under load: flat beyond it
 
 
 

@@ -11,6 +11,7 @@ Suites and their defaults (`--pair NAME=L1,L2` and the other flags override them
 | sweep | length sweep | 8B geometry 4K-128K (replayed), real pair 1K-30K | tiny pair, 256-4K |
 | serve | the Serve app over HTTP, one and two GPUs | real pair, 1K-30K | tiny pair, 512 |
 | signal | the cross-model signal late, dropped, repeated; refresh, budget, chunk size | real pair, 16K and 30K | tiny pair, 512 |
+| prefix | questions over one document, the prefix cache off and on: first token, outputs equal | real pair, 4K-30K | real target, 2K |
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SUITES = ("kernels", "e2e", "sweep", "serve", "signal")
+SUITES = ("kernels", "e2e", "sweep", "serve", "signal", "prefix")
 REAL = [1024, 4096, 8192, 16384, 30000]  # the real pair's context is 32K
 LONG = [4096, 8192, 16384, 32768, 65536, 130000]  # "128K": 130,000 document tokens, the question and 128 new fit 131,072
 SMALL = [256, 1024, 4096]
@@ -32,6 +33,7 @@ DEFAULTS = {  # suite -> device kind -> (pairs and lengths, new tokens)
     "serve": {"gpu": ({"real": [1024, 16384, 30000]}, 128), "cpu": ({"tiny": [512]}, 32)},
     "kernels": {"gpu": ({"8b": LONG}, 0), "cpu": ({"tiny": SMALL}, 0)},
     "signal": {"gpu": ({"real": [16384, 30000]}, 256), "cpu": ({"tiny": [512]}, 32)},
+    "prefix": {"gpu": ({"real": [4096, 16384, 30000]}, 32), "cpu": ({"real": [2048]}, 4)},
 }
 DOCS = ["nodejs", "shakespeare", "python"]  # one prompt per kind of text and length
 # On a 2-core CPU a 1K prefill of the real pair takes tens of seconds per mode: one prompt there,
@@ -93,7 +95,7 @@ def _modes(a, suite: str, gpus: int) -> list[str]:
         from specextend.bench.e2e import LABELS
 
         modes = [m for m in a.modes.split(",") if m]
-        known = ["ar", "lookup", "sd", "sd-masked", "specextend"] if suite == "serve" else list(LABELS)
+        known = ["ar", "lookup", "sd", "sd-masked", "specextend"] if suite in ("serve", "prefix") else list(LABELS)
         unknown = [m for m in modes if m not in known]
         if unknown:
             raise ValueError(f"{suite}: unknown modes {unknown}; known: {', '.join(known)}")
@@ -102,6 +104,8 @@ def _modes(a, suite: str, gpus: int) -> list[str]:
         return modes
     if suite == "serve":
         return ["ar", "sd", "specextend"]
+    if suite == "prefix":  # (on the CPU the real draft's prefill would double a long run)
+        return ["ar", "specextend"] if gpus else ["ar"]
     modes = ["ar", "sd", "sd-masked", "specextend"]
     if gpus >= 2:
         modes += ["sd-2gpu", "specextend-2gpu"]
@@ -109,7 +113,7 @@ def _modes(a, suite: str, gpus: int) -> list[str]:
 
 
 def run_suite(a, argv: list[str]) -> int:
-    from specextend.bench import e2e, kernels, plots, record
+    from specextend.bench import e2e, kernels, plots, prefix, record
     from specextend.bench import serve as served
     from specextend.bench.texts import documents
 
@@ -125,6 +129,8 @@ def run_suite(a, argv: list[str]) -> int:
         docs = {name: [d for d in a.docs.split(",") if d] for name in pairs}
     elif a.suite == "signal":
         docs = {name: SIGNAL_DOCS for name in pairs}
+    elif a.suite == "prefix":  # one document: its questions are the point
+        docs = {name: DOCS[:1] for name in pairs}
     else:
         docs = {name: CPU_DOCS.get(name, DOCS) if kind == "cpu" else DOCS for name in pairs}
     for names in docs.values():
@@ -151,18 +157,22 @@ def run_suite(a, argv: list[str]) -> int:
         if unknown:
             raise ValueError(f"unknown pair {sorted(unknown)}; known: {', '.join(e2e.PAIRS)}")
         modes = _modes(a, a.suite, gpus)
-        if a.suite == "serve":
+        if a.suite == "prefix":
+            result = prefix.run(pairs, modes, new_tokens, docs, a.dtype, a.tree_policy, device, progress=progress)
+        elif a.suite == "serve":
             result = served.run(pairs, modes, new_tokens, docs, a.port, progress=progress, tree_policy=a.tree_policy,
                                 app_args=a.app_args, only=a.placements.split(",") if a.placements else None)
         else:
             result = e2e.run(pairs, modes, new_tokens, docs, a.dtype, a.tree_policy, device, progress=progress)
-        table = e2e.table(result)
+        table = (prefix.table if a.suite == "prefix" else e2e.table)(result)
     result["meta"] = meta
     path = record.write(a.out, result)
     stem = path.with_suffix("")
     title = f"{a.suite}, {result['meta']['device']}"
     if a.suite == "signal":
         pngs = plots.sweep_plots(result["summary"], stem, title)
+    elif a.suite == "prefix":
+        pngs = prefix.plot(result["summary"], stem, title)
     elif a.suite == "kernels":
         pngs = plots.step_time_plot(result["rows"], stem, f"{title}, {result['pair']} pair")
     else:

@@ -89,7 +89,8 @@ def load_models(pair: Pair, dtype: str, tree_policy: str, device: str, draft_dev
     (sharing the target's weights where it can), and one more on each of `draft_devices`."""
     gpus = torch.cuda.device_count() if device != "cpu" else 0
     dev0 = "cuda:0" if gpus else "cpu"
-    base = EngineConfig(target=pair.target, draft=pair.draft, dtype=dtype, device=dev0, tree_policy=tree_policy)
+    base = EngineConfig(target=pair.target, draft=pair.draft, dtype=dtype, device=dev0, tree_policy=tree_policy,
+                        prefix_cache_gb=0)  # (every request prefills its whole prompt: the prefix suite measures the cache)
     target_meta, draft_meta = read_pair(base)
     target = load_model(target_meta, "target", dtype, dev0, execution=base.execution)
     vocab = target.args.vocab_size

@@ -247,8 +247,10 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                 spread = ([p for i, p in enumerate(placements()) if i == 0 or (only and p[0] in only and p[0] in ALONE)]
                           if alone else [p for p in placements() if (not only or p[0] in only) and p[0] not in ALONE])
                 for where, gpus, overlap, extra in spread:
+                    # (every request prefills its whole prompt: the prefix cache has its own suite)
                     args = dict(target=pair.target, draft=pair.draft, num_gpus=gpus, tree_policy=tree_policy,
-                                draft_overlap=overlap, benchmark_references=True) | by_mode[mode] | extra | (app_args or {})
+                                draft_overlap=overlap, benchmark_references=True,
+                                prefix_cache_gb=0) | by_mode[mode] | extra | (app_args or {})
                     if pair.replayed and not alone:
                         args["replay_accept_length"] = REPLAY_ACCEPT
                     t0 = time.perf_counter()
