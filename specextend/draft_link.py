@@ -193,14 +193,23 @@ def never_pays(config: EngineConfig, ratio: float) -> bool:
 
 class DraftLink:
     config: EngineConfig
+    target: object  # LoadedModel
     draft: object  # DraftBackend
     # the draft's open timed against the target's prefill seeds the adaptive policy's prior (tests
     # turn it off, conftest.py: on a loaded host the two prefills' ratio is the host's, not the pair's)
     prior_from_prefill = True
 
-    def _start_link(self) -> None:
-        """The draft calls' threads: the opens (a session's prefill on the draft), and the calls of
-        every session's lane and its close; the sessions whose draft close has not run yet."""
+    def _start_link(self, draft_args: Optional[ModelArgs]) -> None:
+        """Whether the draft is opened at all: a draft that can never pay is not (docs/architecture.md,
+        "Adaptive speculation"); the draft calls' threads: the opens (a session's prefill on the
+        draft), and the calls of every session's lane and its close; the sessions whose draft close
+        has not run yet."""
+        self.draft_weight_ratio = draft_weight_ratio(self.target.args, draft_args)
+        self.draft_never_pays = never_pays(self.config, self.draft_weight_ratio)
+        if self.draft_never_pays:
+            log.warning("the draft multiplies by %.1fx the target's weights a forward: no draft tree can pay, "
+                        "so requests decode without it (context lookup %s; tree_policy=fixed drafts anyway)",
+                        self.draft_weight_ratio, "on" if self.config.lookup_tokens else "off")
         self._openers: Executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
         self._tells: Executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-tell")
         self._unclosed: dict[str, threading.Event] = {}  # set once the close has run (or the open failed)

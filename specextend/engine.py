@@ -6,7 +6,6 @@ DraftError switches the request to plain decoding on the target, which stays los
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from concurrent.futures import Future
@@ -21,8 +20,8 @@ from specextend.controller import AlwaysSpeculate, TreeController
 from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
-from specextend.draft_link import (LANE_BACKLOG, TELL_BOUND, DraftLink, Lane, ask_ahead, draft_weight_ratio,
-                                   never_pays, prepared_tree, send_prepare, settled, start_ask)
+from specextend.draft_link import (LANE_BACKLOG, TELL_BOUND, DraftLink, Lane, ask_ahead, prepared_tree, send_prepare,
+                                   settled, start_ask)
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup, drafted_prefix
 from specextend.models.args import ModelArgs
@@ -38,8 +37,6 @@ from specextend.request_limits import RequestLimits
 from specextend.retrieval import launch_scoring
 from specextend.target import TargetSession
 from specextend.verify import Reference, verify_tree
-
-log = logging.getLogger(__name__)
 
 # With snapshots every call asks for the pool's best SNAPSHOT_NODES nodes at once ("Pool snapshots")
 SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
@@ -63,14 +60,7 @@ class Engine(RequestLimits, DraftLink):
         self.prefix_cache = PrefixCache.of(config)  # recent prompts' K/V ("Prefix caching"; None: off)
         if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
-        # a draft that can never pay is not opened (docs/architecture.md, "Adaptive speculation")
-        self.draft_weight_ratio = draft_weight_ratio(target.args, draft_args)
-        self.draft_never_pays = never_pays(config, self.draft_weight_ratio)
-        if self.draft_never_pays:
-            log.warning("the draft multiplies by %.1fx the target's weights a forward: no draft tree can pay, "
-                        "so requests decode without it (context lookup %s; tree_policy=fixed drafts anyway)",
-                        self.draft_weight_ratio, "on" if config.lookup_tokens else "off")
-        self._start_link()
+        self._start_link(draft_args)
 
     def new_controller(self, tree: TreeConfig) -> TreeController:
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
