@@ -30,6 +30,7 @@ from specextend.kv_cache import KVCache
 class Entry:
     tokens: tuple[int, ...]  # the prefix, a whole number of chunks
     kv: torch.Tensor  # [layers, 2 * caches, G, len(tokens), D], a copy no session writes
+    hashes: list[int]  # boundary_hashes(tokens): the index's keys for it
 
     @property
     def nbytes(self) -> int:
@@ -68,15 +69,15 @@ class PrefixCache:
         """The longest cached prefix of whole chunks that leaves the prompt's last token to be
         forwarded: (its length m, its K/V [layers, 2 * caches, G, m, D]: the caches `store` was
         given, in order), or (0, None)."""
-        usable = len(prompt_ids) - 1
-        hashes = boundary_hashes(prompt_ids, self.chunk, usable)
+        hashes = boundary_hashes(prompt_ids, self.chunk, len(prompt_ids) - 1)
+        want = tuple(prompt_ids[:len(hashes) * self.chunk])
         with self._lock:
             self.queries += len(prompt_ids)
             for k in range(len(hashes), 0, -1):
                 m = k * self.chunk
-                for eid in self._index.get(hashes[k - 1], ()):
+                for eid in self._index.get(hashes[k - 1], ()):  # (the hash found it; the tokens decide)
                     entry = self._entries[eid]
-                    if entry.tokens[:m] == tuple(prompt_ids[:m]):
+                    if entry.tokens[:m] == want[:m]:
                         self._entries.move_to_end(eid)
                         self.hits += m
                         return m, entry.kv[:, :, :, :m]
@@ -96,19 +97,21 @@ class PrefixCache:
         tokens = tuple(prompt_ids[:m])
         hashes = boundary_hashes(tokens, self.chunk, m)
         with self._lock:
-            held = self._index.get(hashes[-1], ())
-            if any(self._entries[e].tokens[:m] == tokens for e in held):  # already held (by it or a longer one)
+            held = [e for e in self._index.get(hashes[-1], ()) if self._entries[e].tokens[:m] == tokens]
+            if held:  # already held (by an entry of these tokens or a longer one)
                 for e in held:
                     self._entries.move_to_end(e)
                 return False
-            for eid in [e for e, entry in self._entries.items() if tokens[:len(entry.tokens)] == entry.tokens]:
-                self._drop(eid)  # a prefix of the new entry: nothing it holds is lost
+            for eid in [e for e, entry in self._entries.items()  # prefixes of the new entry (by hash, then
+                        if len(entry.hashes) <= len(hashes) and entry.hashes[-1] == hashes[len(entry.hashes) - 1]
+                        and tokens[:len(entry.tokens)] == entry.tokens]:  # by tokens): nothing they hold is lost
+                self._drop(eid)
             while self._entries and self.nbytes + m * per_token > self.budget_bytes:
                 self._drop(next(iter(self._entries)))
         kv = torch.cat([c.data[:, :, :, :m] for c in caches], dim=1)  # (outside the lock: a device copy)
         with self._lock:
             eid, self._next_id = self._next_id, self._next_id + 1
-            self._entries[eid] = Entry(tokens, kv)
+            self._entries[eid] = Entry(tokens, kv, hashes)
             self.nbytes += m * per_token
             for h in hashes:
                 self._index.setdefault(h, []).append(eid)
@@ -124,7 +127,7 @@ class PrefixCache:
     def _drop(self, eid: int) -> None:
         entry = self._entries.pop(eid)
         self.nbytes -= entry.nbytes
-        for h in boundary_hashes(entry.tokens, self.chunk, len(entry.tokens)):
+        for h in entry.hashes:
             ids = self._index.get(h)
             if ids is not None and eid in ids:
                 ids.remove(eid)
