@@ -52,6 +52,25 @@ def test_the_kv_budget_leaves_room_for_the_prefix_caches():
     assert kv_budget(100 * gib, 0.9, 0.0, True) == 90 * gib and kv_budget(gib, 0.25, 2.0, True) == 0
 
 
+def test_a_publish_that_fails_waits_for_the_next_period(monkeypatch, caplog):
+    """A request's end publishes the replica's metrics on an executor whose future nobody reads: a
+    failure there (the GCS unreachable) must not surface as "Future exception was never retrieved"."""
+    import logging
+
+    from specextend.serving import metrics as m
+
+    def unreachable(key, text):
+        raise ConnectionError("GCS unreachable")
+
+    monkeypatch.setattr(m, "publish", unreachable)
+    monkeypatch.setattr(m, "unpublish", lambda key: None)
+    publisher = m.Publisher("replica-1", ReplicaMetrics(use_ray=False), every_s=3600)
+    with caplog.at_level(logging.DEBUG, logger=m.__name__):
+        publisher.publish()  # (no exception)
+    assert "GCS unreachable" in caplog.text
+    publisher.stop()
+
+
 def test_metrics_merge_sums_replicas():
     a, b = ReplicaMetrics(use_ray=False), ReplicaMetrics(use_ray=False)
     from specextend.stats import RequestStats

@@ -15,6 +15,7 @@ died without unpublishing (killed): it is left out and deleted.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import Iterable, Sequence
@@ -25,6 +26,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from specextend.models import late_work
+
+log = logging.getLogger(__name__)
 
 KV_PREFIX = "specextend:metrics:"
 KV_NAMESPACE = "specextend"
@@ -235,14 +238,17 @@ class Publisher:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
-            try:
-                self.publish()
-            except Exception:  # noqa: BLE001 - the GCS is briefly unreachable: next period
-                pass
+            self.publish()
 
     def publish(self) -> None:
-        if not self._stop.is_set():
+        """Now (a request ended), or from the loop; a failure (the GCS briefly unreachable, or no
+        Ray at all: a replica built in process) waits for the next period, logged at debug level."""
+        if self._stop.is_set():
+            return
+        try:
             publish(self.key, self.metrics.exposition())
+        except Exception as e:  # noqa: BLE001
+            log.debug("metrics not published (%s); next period", e)
 
     def stop(self) -> None:
         self._stop.set()
