@@ -34,16 +34,16 @@ def check_pair(target, draft) -> None:
                                  "past the target's embedding")
 
 
-def read_pair(config: EngineConfig, light: bool = False,
-              light_draft: bool = False) -> tuple[ModelMeta, Optional[ModelMeta]]:
+def read_pair(config: EngineConfig, light: tuple[str, ...] = ()) -> tuple[ModelMeta, Optional[ModelMeta]]:
     """Both models' metadata, checked as a pair (no weights loaded); no draft in `ar` mode. `light`:
-    from their model cache entries' light records where they exist (read_meta: no transformers);
-    `light_draft`: the draft's alone (the replica, which tokenizes with the target's tokenizer only)."""
-    target = read_meta(config.target, "target", cache=config.model_cache, light=light)
+    the roles read from their model cache entries' light records where they exist (read_meta: no
+    transformers): the draft's alone in the replica, which tokenizes with the target's tokenizer
+    only; both in the draft actor, which never tokenizes."""
+    target = read_meta(config.target, "target", cache=config.model_cache, light="target" in light)
     if not config.uses_draft:
         return target, None
     draft = read_meta(config.draft, "draft", vocab_size=target.args.vocab_size, cache=config.model_cache,
-                      light=light or light_draft)
+                      light="draft" in light)
     check_pair(target, draft)
     return target, draft
 
@@ -61,11 +61,11 @@ def _load(meta: ModelMeta, config: EngineConfig, **kw) -> LoadedModel:
 
 
 def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft"),
-              metas: Optional[tuple[ModelMeta, Optional[ModelMeta]]] = None, light: bool = False,
+              metas: Optional[tuple[ModelMeta, Optional[ModelMeta]]] = None, light: tuple[str, ...] = (),
               ) -> tuple[Optional[LoadedModel], Optional[LoadedModel]]:
     """Checks the pair, then loads the weights of the `roles` asked for (None for the others);
-    `metas`: read_pair's result, if the caller has it already; `light`: read_pair's (a process that
-    never tokenizes: its model's tokenizer is then a LightTokenizer)."""
+    `metas`: read_pair's result, if the caller has it already; `light`: read_pair's (the roles of a
+    process that never tokenizes with them: their tokenizers are then LightTokenizers)."""
     target_meta, draft_meta = metas if metas is not None else read_pair(config, light)
     target = _load(target_meta, config) if "target" in roles else None
     draft = None

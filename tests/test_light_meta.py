@@ -57,7 +57,7 @@ def test_the_replica_reads_the_draft_light_and_the_target_in_full(gguf):
 
     cfg = EngineConfig(target=str(gguf), draft=str(gguf))
     read_pair(cfg)  # (the records written)
-    target, draft = read_pair(cfg, light_draft=True)
+    target, draft = read_pair(cfg, light=("draft",))
     assert target.light is None and target.hf_config is not None  # it tokenizes with the target's
     assert draft.light is not None and draft.args == target.args
 
@@ -78,7 +78,7 @@ import sys
 from specextend.builder import load_pair
 from specextend.config import EngineConfig
 gguf = sys.argv[1]
-_, draft = load_pair(EngineConfig(target=gguf, draft=gguf, dtype="float32", device="cpu"), roles=("draft",), light=True)
+_, draft = load_pair(EngineConfig(target=gguf, draft=gguf, dtype="float32", device="cpu"), roles=("draft",), light=("target", "draft"))
 print("LOADED", draft.args.num_layers, "transformers" in sys.modules)
 """
 

@@ -51,7 +51,7 @@ class DraftActor:
         t0 = time.time()  # wall clock: the replica that created this actor compares it with its own
         # checks the pair (tokenizers, vocabularies) before loading the draft's weights; a random
         # tiny draft is built as the correlated copy of the (deterministic) tiny target
-        _, self.model = load_pair(config, roles=("draft",), light=True)  # (no transformers: light_meta.py)
+        _, self.model = load_pair(config, roles=("draft",), light=("target", "draft"))  # (no transformers: light_meta.py)
         t1 = time.time()
         if switch_interval_ms is not None:  # (the worker lowers it to its own with overlap only where unset)
             sys.setswitchinterval(switch_interval_ms / 1e3)

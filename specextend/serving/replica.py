@@ -82,7 +82,7 @@ class SpecExtendReplica(DraftRecovery):
             self._draft_created_at = time.time()
             self.draft_actor = self._start_draft_actor()
         import_engine_side()
-        metas = read_pair(cfg, light_draft=True)  # (the draft's from its light record: its size, its vocabulary)
+        metas = read_pair(cfg, light=("draft",))  # (the draft's from its light record: its size, its vocabulary)
         self.target, _ = load_pair(cfg, roles=("target",), metas=metas)
         t_target = time.perf_counter()
         self.tokenizer = self.target.tokenizer
