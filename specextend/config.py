@@ -157,8 +157,9 @@ class EngineConfig:
                         json_schema_extra=_only("cli"))
     prefill_chunk: int = Field(2048, ge=16, description="prompt tokens per prefill forward")
     prefix_cache_gb: float = Field(
-        2.0, ge=0, description="memory for the K/V of recent prompts, reused whole chunks at a time by a later "
-                               "prompt that starts with the same tokens (0: off; taken from the served KV budget)")
+        2.0, ge=0, description="most memory for the K/V of recent prompts, reused whole chunks at a time by a "
+                               "later prompt that starts with the same tokens (0: off; served, the target's holds "
+                               "only what admitted sessions leave of the KV budget)")
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="longest prompt (default: the target's context)")
     model_cache: bool = Field(
         True, description="keep GGUF models converted (config, tokenizer, weights per dtype) under "

@@ -10,8 +10,9 @@ forwarded (its logits and the retrieval's capture come from that forward).
 
 Entries are found by a chain of hashes, one per chunk boundary (the hash of the prompt's first
 k chunks), checked against the entry's tokens (a collision is a miss), and evicted least recently
-used first within `budget_bytes`. Thread-safe (a lock around the index); the K/V of an entry are
-never written after it is stored.
+used first within `budget_bytes` and, in the served app, within the KV memory that admitted
+sessions leave free (`room`; admission `shrink`s it for a session that needs more). Thread-safe
+(a lock around the index); the K/V of an entry are never written after it is stored.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -56,6 +57,7 @@ class PrefixCache:
         self._next_id = 0
         self._lock = threading.Lock()
         self.queries = self.hits = 0  # prompt tokens looked up and found (metrics)
+        self.room: Optional[Callable[[], int]] = None  # bytes it may hold now besides the budget (None: all of it)
 
     @classmethod
     def of(cls, config) -> Optional["PrefixCache"]:
@@ -92,7 +94,8 @@ class PrefixCache:
         if m == 0 or any(c.length < m for c in caches):
             return False
         per_token = sum(c.data[:, :, :, :1].numel() * c.data.element_size() for c in caches)
-        if m * per_token > self.budget_bytes:
+        limit = self.budget_bytes if self.room is None else min(self.budget_bytes, self.room())
+        if m * per_token > limit:
             return False
         tokens = tuple(prompt_ids[:m])
         hashes = boundary_hashes(tokens, self.chunk, m)
@@ -106,7 +109,7 @@ class PrefixCache:
                         if len(entry.hashes) <= len(hashes) and entry.hashes[-1] == hashes[len(entry.hashes) - 1]
                         and tokens[:len(entry.tokens)] == entry.tokens]:  # by tokens): nothing they hold is lost
                 self._drop(eid)
-            while self._entries and self.nbytes + m * per_token > self.budget_bytes:
+            while self._entries and self.nbytes + m * per_token > limit:
                 self._drop(next(iter(self._entries)))
         kv = torch.cat([c.data[:, :, :, :m] for c in caches], dim=1)  # (outside the lock: a device copy)
         with self._lock:
@@ -118,6 +121,13 @@ class PrefixCache:
             while self.nbytes > self.budget_bytes:  # (another store came in between)
                 self._drop(next(iter(self._entries)))
         return True
+
+    def shrink(self, limit: int) -> None:
+        """Drops the least recently used entries until at most `limit` bytes are held (admission:
+        a session needs the rest)."""
+        with self._lock:
+            while self._entries and self.nbytes > max(limit, 0):
+                self._drop(next(iter(self._entries)))
 
     def clear(self) -> None:
         with self._lock:

@@ -47,9 +47,34 @@ def test_the_kv_budget_leaves_room_for_the_prefix_caches():
     from specextend.serving.replica import kv_budget
 
     gib = 2**30
-    assert kv_budget(100 * gib, 0.9, 2.0, False) == 88 * gib  # the target's cache only: the draft has its GPU
-    assert kv_budget(100 * gib, 0.9, 2.0, True) == 86 * gib  # the draft's beside it on the same device
+    assert kv_budget(100 * gib, 0.9, 2.0, False) == 90 * gib  # the draft on its own GPU (the target's cache:
+    assert kv_budget(100 * gib, 0.9, 2.0, True) == 88 * gib  # in the budget); the draft's on the same device
     assert kv_budget(100 * gib, 0.9, 0.0, True) == 90 * gib and kv_budget(gib, 0.25, 2.0, True) == 0
+
+
+def test_the_prefix_cache_holds_what_admitted_sessions_leave_free():
+    """Admission shrinks the target's prefix cache to what the admitted sessions leave of the
+    budget, and a store keeps within it."""
+    import torch
+
+    from specextend.kv_cache import KVCache
+    from specextend.prefix_cache import PrefixCache
+
+    def filled(tokens):
+        cache = KVCache(1, 1, 1, 64, torch.float32)  # 8 bytes a token (k and v)
+        cache.advance(len(tokens))
+        return cache
+
+    prefixes = PrefixCache(4, 1 << 20)
+    adm = Admission(4, 4, 100, prefixes)
+    for k in range(3):
+        assert prefixes.store([k] * 4, filled([k] * 4))  # 32 bytes each: 96 of the 100
+    asyncio.run(adm.acquire(40))  # a session needs 40: the cache keeps at most 60, its newest entry
+    assert len(prefixes) == 1 and prefixes.nbytes == 32 and prefixes.lookup([2] * 5)[0] == 4
+    assert prefixes.store([7] * 4, filled([7] * 4)) and prefixes.nbytes == 32  # room 60: one entry
+    assert not prefixes.store([9] * 8, filled([9] * 8))  # 64 bytes: more than the room
+    adm.release(40)
+    assert prefixes.store([9] * 8, filled([9] * 8)) and prefixes.nbytes == 96
 
 
 def test_a_publish_that_fails_waits_for_the_next_period(monkeypatch, caplog):

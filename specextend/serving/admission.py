@@ -1,5 +1,7 @@
 """Admission control of one replica: at most `max_sessions` active sessions whose reserved KV
 bytes fit `budget_bytes`, then a FIFO queue of at most `max_queued` waiting requests, then 429.
+The target's prefix cache holds what the sessions leave free of the budget: admitting a session
+shrinks it to the rest (docs/architecture.md, "Prefix caching").
 
 Runs on the replica's event loop only (no locks). A request that can never fit the budget is a
 400, not a wait.
@@ -16,7 +18,10 @@ MIB = 1 << 20
 
 
 class Admission:
-    def __init__(self, max_sessions: int, max_queued: int, budget_bytes: int) -> None:
+    def __init__(self, max_sessions: int, max_queued: int, budget_bytes: int, prefixes=None) -> None:
+        self.prefixes = prefixes  # a PrefixCache, or None
+        if prefixes is not None:  # (read on the engine's thread: a racy int read, shrunk again at admissions)
+            prefixes.room = lambda: self.budget_bytes - self.reserved
         self.max_sessions = max_sessions
         self.max_queued = max_queued
         self.budget_bytes = budget_bytes
@@ -34,6 +39,8 @@ class Admission:
     def _admit(self, need: int) -> None:
         self.active += 1
         self.reserved += need
+        if self.prefixes is not None:
+            self.prefixes.shrink(self.budget_bytes - self.reserved)
 
     async def acquire(self, need: int) -> None:
         """Waits for a session slot with `need` KV bytes; QueueFullError if the queue is full."""

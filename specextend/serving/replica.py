@@ -60,10 +60,10 @@ GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory af
 
 
 def kv_budget(available: int, fraction: float, prefix_cache_gb: float, draft_shares: bool) -> int:
-    """Admission's KV bytes by default: `fraction` of `available` less the prefix caches' room (the
-    target's, and the draft's where it runs on the same device: docs/architecture.md, "Prefix caching")."""
-    prefixes = int(prefix_cache_gb * 2**30) * (2 if draft_shares else 1)
-    return max(int(available * fraction) - prefixes, 0)
+    """Admission's KV bytes by default: `fraction` of `available`, less the draft's prefix cache
+    where the draft runs on the same device (the target's lives in the budget, in what the sessions
+    leave free: Admission; docs/architecture.md, "Prefix caching")."""
+    return max(int(available * fraction) - (int(prefix_cache_gb * 2**30) if draft_shares else 0), 0)
 
 
 class SpecExtendReplica(DraftRecovery):
@@ -106,7 +106,8 @@ class SpecExtendReplica(DraftRecovery):
         late_work.mark_ready(lambda kind: self.metrics.inc("specextend_late_work", kind=kind))
         if self.draft_actor is not None:
             self.draft_actor.warmed.remote()  # its own late work is logged from now on
-        self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget())
+        self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget(),
+                                   self.engine.prefix_cache)
         self.draft_ok = (self.draft is not None and not warm.fallback) or cfg.mode == "lookup"
         # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
         self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions, max_tokens=s.max_batch_tokens,
