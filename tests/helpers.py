@@ -151,3 +151,29 @@ def speculated(create, ref, tries=5):
         if out.model_extra["speculative_decoding"]["num_steps"] >= 1:
             break
     return out
+
+
+def openai_client(base: str, api_key: str = "unused", timeout: float = 120):
+    """The official `openai` client of a served app at `base` (no retries: a test sees every failure)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+def chat_ids(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream_ids(stream):
+    """(token ids, text, last chunk with a finish_reason, usage) of an openai stream."""
+    ids, text, last, usage = [], "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            ids += getattr(choice, "token_ids", None) or []
+            text += choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            if choice.finish_reason:
+                last = chunk
+    return ids, text, last, usage

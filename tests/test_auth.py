@@ -13,7 +13,7 @@ from specextend.serving import auth
 from specextend.serving import protocol as p
 from specextend.serving.settings import AppSettings
 
-from helpers import free_port, served_app
+from helpers import free_port, openai_client, served_app
 
 KEY = "sk-test-" + "7f3a9c" * 6  # what a client is given
 MISSING = auth.error_body(auth.MISSING)
@@ -143,7 +143,7 @@ def _ray_logs_contain(*needles: str) -> list[str]:
 
 @pytest.mark.serve
 def test_served_app_requires_the_key(served):
-    from openai import AuthenticationError, OpenAI
+    from openai import AuthenticationError
 
     assert httpx.get(f"{BASE}/health", timeout=30).status_code == 200
     metrics = httpx.get(f"{BASE}/metrics", timeout=30)
@@ -157,11 +157,11 @@ def test_served_app_requires_the_key(served):
     r = httpx.post(f"{BASE}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
-    wrong = OpenAI(base_url=f"{BASE}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    wrong = openai_client(BASE, "sk-wrong", timeout=60)
     with pytest.raises(AuthenticationError) as e:
         wrong.models.list()
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
-    client = OpenAI(base_url=f"{BASE}/v1", api_key=KEY, max_retries=0, timeout=120)
+    client = openai_client(BASE, KEY)
     assert [m.id for m in client.models.list().data] == [TARGET]
     out = client.completions.create(model=TARGET, prompt="The quick brown fox", max_tokens=16, temperature=0,
                                     extra_body={"ignore_eos": True})

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specextend.config import EngineConfig, SamplingParams
 
-from helpers import SERVE_DRAFT, SERVE_PROMPT, SERVE_SETTINGS, SERVE_TARGET, app_fixture, speculated
+from helpers import (SERVE_DRAFT, SERVE_PROMPT, SERVE_SETTINGS, SERVE_TARGET, app_fixture, chat_ids, openai_client,
+                     speculated, stream_ids)
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -57,28 +58,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def chat_ids(tokenizer, messages):
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def stream_ids(stream):
-    """(token ids, text, last chunk with a finish_reason, usage) of an openai stream."""
-    ids, text, last, usage = [], "", None, None
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            ids += getattr(choice, "token_ids", None) or []
-            text += choice.text if hasattr(choice, "text") else (choice.delta.content or "")
-            if choice.finish_reason:
-                last = chunk
-    return ids, text, last, usage
+    return openai_client(BASE)
 
 
 # ------------------------------------------------------------------ the served app

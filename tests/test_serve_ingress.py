@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from helpers import SERVE_PROMPT as PROMPT, SERVE_SETTINGS as SETTINGS, app_fixture
+from helpers import SERVE_PROMPT as PROMPT, SERVE_SETTINGS as SETTINGS, app_fixture, openai_client
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -125,9 +125,7 @@ def test_metrics_gauges_are_current(server):
 def test_a_shared_document_is_prefilled_once(server):
     """Prefix caching: a second question over the same document reports the document's whole
     prefill chunks (32 tokens each here) as cached, in OpenAI's usage field and in /metrics."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(BASE)
     doc = [(37 * i + 11) % 250 + 3 for i in range(100)]  # token ids no other test sends
     first = client.completions.create(model=SETTINGS["target"], prompt=doc, max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0

@@ -9,7 +9,7 @@ import pytest
 
 from specextend.config import EngineConfig, SamplingParams
 
-from helpers import SERVE_SETTINGS, SERVE_TARGET, app_fixture
+from helpers import SERVE_SETTINGS, SERVE_TARGET, app_fixture, openai_client
 
 SETTINGS = {k: v for k, v in SERVE_SETTINGS.items() if k not in ("draft", "draft_overlap")}
 SETTINGS.update(mode="lookup", lookup_tokens=6)
@@ -37,11 +37,9 @@ def greedy():
 
 
 def test_lookup_mode_serves_greedy_output_with_its_chains(server, greedy):
-    from openai import OpenAI
-
     health = httpx.get(f"{BASE}/health").json()
     assert health["ready"] is True and health["draft"] == "off"  # no draft actor was started
-    client = OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(BASE)
     ids = greedy.tokenizer.encode(PROMPT)
     ref = greedy(ids, 40)
     out = client.completions.create(model=SERVE_TARGET, prompt=PROMPT, max_tokens=40, temperature=0,
