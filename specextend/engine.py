@@ -148,7 +148,6 @@ class Engine(RequestLimits, DraftLink):
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             yield out.emit([token])  # the first token needs nothing from the draft: not its open either
-            target.keep_prompt(prompt_ids, self.prefix_cache)  # (after the first token: off its latency)
             # the draft joins once its open (its prefill) is done: with the adaptive policy the target
             # decodes plainly meanwhile instead of waiting; the fixed policy (every step drafted)
             # waits for it here (docs/architecture.md, "Adaptive speculation")

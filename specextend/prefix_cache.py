@@ -13,13 +13,18 @@ k chunks), checked against the entry's tokens (a collision is a miss), and evict
 used first within `budget_bytes` and, in the served app, within the KV memory that admitted
 sessions leave free (`room`; admission `shrink`s it for a session that needs more). Thread-safe
 (a lock around the index); the K/V of an entry are never written after it is stored.
+
+Prompts that arrive together share too: a session about to prefill whole chunks that no entry
+holds `promise`s them, and a session whose prompt starts with chunks promised by another waits
+for that prefill (`awaited`) instead of computing them as well, then looks up again.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -36,6 +41,14 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass(eq=False)
+class Promise:
+    """The whole chunks a session's prefill will store (PrefixCache.promise)."""
+    tokens: tuple[int, ...]  # the prompt's whole chunks
+    hashes: list[int]  # the boundaries past what the cache held when it began
+    done: Future = field(default_factory=Future)  # set once they are stored, or the prefill ended without
 
 
 def boundary_hashes(tokens: Sequence[int], chunk: int, upto: int) -> list[int]:
@@ -58,6 +71,7 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.queries = self.hits = 0  # prompt tokens looked up and found (metrics)
         self.room: Optional[Callable[[], int]] = None  # bytes it may hold now besides the budget (None: all of it)
+        self._promised: dict[int, list[Promise]] = {}  # boundary hash -> prefills under way that will store it
 
     @classmethod
     def of(cls, config) -> Optional["PrefixCache"]:
@@ -75,15 +89,60 @@ class PrefixCache:
         want = tuple(prompt_ids[:len(hashes) * self.chunk])
         with self._lock:
             self.queries += len(prompt_ids)
-            for k in range(len(hashes), 0, -1):
-                m = k * self.chunk
-                for eid in self._index.get(hashes[k - 1], ()):  # (the hash found it; the tokens decide)
-                    entry = self._entries[eid]
-                    if entry.tokens[:m] == want[:m]:
-                        self._entries.move_to_end(eid)
-                        self.hits += m
-                        return m, entry.kv[:, :, :, :m]
+            m, eid = self._hit(hashes, want)
+            if not m:
+                return 0, None
+            self._entries.move_to_end(eid)
+            self.hits += m
+            return m, self._entries[eid].kv[:, :, :, :m]
+
+    def _hit(self, hashes: list[int], want: tuple[int, ...]) -> tuple[int, Optional[int]]:
+        """(the longest held prefix of `want` in tokens, the entry holding it) for want's boundary
+        `hashes`; (0, None) where none is held. Under the lock."""
+        for k in range(len(hashes), 0, -1):
+            m = k * self.chunk
+            for eid in self._index.get(hashes[k - 1], ()):  # (the hash found it; the tokens decide)
+                if self._entries[eid].tokens[:m] == want[:m]:
+                    return m, eid
         return 0, None
+
+    def awaited(self, prompt_ids: Sequence[int]) -> Optional[Future]:
+        """A prefill under way (another session's promise) that will store more of this prompt's
+        whole chunks than the cache holds now, the longest: its future, else None."""
+        hashes = boundary_hashes(prompt_ids, self.chunk, len(prompt_ids) - 1)
+        want = tuple(prompt_ids[:len(hashes) * self.chunk])
+        with self._lock:
+            held = self._hit(hashes, want)[0] // self.chunk
+            for k in range(len(hashes), held, -1):
+                for p in self._promised.get(hashes[k - 1], ()):
+                    if p.tokens[:k * self.chunk] == want[:k * self.chunk]:
+                        return p.done
+        return None
+
+    def promise(self, prompt_ids: Sequence[int], start: int) -> Optional[Promise]:
+        """Registers the whole chunks past `start` (what the cache held) that this prefill will
+        store, for sessions whose prompts start with them to wait for (`awaited`); None where there
+        are none. `fulfil` it once stored, or if the prefill ends without."""
+        m = len(prompt_ids) - len(prompt_ids) % self.chunk
+        if m <= start:
+            return None
+        hashes = boundary_hashes(prompt_ids, self.chunk, m)
+        p = Promise(tuple(prompt_ids[:m]), hashes[start // self.chunk:])
+        with self._lock:
+            for h in p.hashes:
+                self._promised.setdefault(h, []).append(p)
+        return p
+
+    def fulfil(self, p: Promise) -> None:
+        with self._lock:
+            for h in p.hashes:
+                waiting = self._promised.get(h)
+                if waiting is not None and p in waiting:
+                    waiting.remove(p)
+                    if not waiting:
+                        del self._promised[h]
+        if not p.done.done():
+            p.done.set_result(None)
 
     def store(self, prompt_ids: Sequence[int], *caches: KVCache) -> bool:
         """Keep a copy of the K/V of the prompt's whole chunks (the caches hold the prefilled

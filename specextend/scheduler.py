@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 class DraftCall:
     """A call to the draft backend: its value (or exception) goes back into the session. Either
     `fn`, to be called, or `future`, a call already under way (the draft session's opening, its
-    prefill: rounds never wait for it, and it holds no thread of the batcher's pool)."""
+    prefill; or another session's prefill of the same prompt chunks, target.prefill_co): rounds
+    never wait for it, and it holds no thread of the batcher's pool."""
 
     fn: Optional[Callable[[], Any]] = None
     future: Optional[Future] = None
@@ -76,16 +77,22 @@ class Load:
 def metered(co: Generator, load: Load, record: Callable[[int, Span], None]) -> Generator:
     """Runs a forward coroutine (target.py's `*_co`), timing each of its forwards:
     record(rows, span), those of the whole forward when the driver shared and timed it. On CUDA
-    the span is the device's time between events around the forward (timing.py)."""
+    the span is the device's time between events around the forward (timing.py). Its other calls
+    (a prefill waiting for another session's: DraftCall) pass through untimed."""
     try:
         call = next(co)
         while True:
+            if not isinstance(call, ForwardCall):
+                call = co.send((yield call))
+                continue
             watch = Stopwatch(call.ids)
             result = yield call
             record(*load.forward(call.ids.shape[0], watch.stop()))
             call = co.send(result)
     except StopIteration as stop:
         return stop.value
+    finally:
+        co.close()  # (closed with its session: its own `finally`s run now, e.g. a prefill's promise)
 
 
 def drive_alone(co: Generator, model: Decoder) -> Iterator[Any]:

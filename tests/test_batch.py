@@ -80,9 +80,9 @@ def _prompt(n, seed):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_batched(engine, requests, max_batch=8):
+def run_batched(engine, requests, max_batch=8, **batcher):
     """Every request through one Batcher on its own thread -> (tokens, finish) per request, batcher."""
-    b = Batcher(engine.target.decoder, max_batch)
+    b = Batcher(engine.target.decoder, max_batch, **batcher)
     outs = [[] for _ in requests]
     ends: dict = {}
     all_done = threading.Event()

@@ -135,3 +135,70 @@ def test_the_drafts_prefill_reuses_its_cache_and_drafts_the_same_trees(tiny_mode
     assert workers[0].prefix_cache.hits == 64 and len(workers[0].prefix_cache) == 1
     for w in workers:
         w.shutdown()
+
+
+# ------------------------------------------------------------------ prompts that arrive together
+
+def test_a_promised_prefill_is_waited_for_then_found():
+    cache = PrefixCache(CHUNK, 1 << 20)
+    doc = list(range(10, 22))  # 12 tokens: three whole chunks
+    held = doc[:4]
+    cache.store(held, filled(held))
+    p = cache.promise(doc, 4)  # a prefill from the cached chunk on will store chunks 2 and 3
+    assert p.hashes and cache.promise(doc, 12) is None  # (nothing past 12 to promise)
+    assert cache.awaited(doc + [1]) is p.done and cache.awaited(doc[:9] + [0, 0, 0]) is p.done
+    assert cache.awaited(doc[:5]) is None  # what it can use (one chunk) is held already
+    assert cache.awaited([0] + doc) is None
+    cache.store(doc, filled(doc))
+    cache.fulfil(p)
+    assert p.done.done() and cache.awaited(doc + [1]) is None and cache.lookup(doc + [1])[0] == 12
+    failed = cache.promise([5] * 8, 0)
+    cache.fulfil(failed)  # a prefill that ended without storing: the waiters look up, and miss
+    assert failed.done.done() and cache.awaited([5] * 9) is None and cache.lookup([5] * 9)[0] == 0
+
+
+QUESTIONS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+
+
+def test_prompts_arriving_together_prefill_their_shared_chunks_once(tiny_models):
+    """Batched sessions over one document: one prefills it, the others wait for its chunks and
+    prefill only their own tails; every output equals its solo run without the cache."""
+    from specextend.models.batch import forward_batch
+
+    from test_batch import run_batched
+
+    pair = tiny_models("float64")
+    kw = dict(prefill_chunk=16, tree=TreeConfig(8, 4, 2), lookup_tokens=0,
+              retrieval=RetrievalConfig(chunk_size=8, top_k=4, every=2))
+    params = SamplingParams(16, ignore_eos=True)
+    alone = [make_engine(pair, "specextend", prefix_cache_gb=0, **kw).generate(DOC + q, params)[0] for q in QUESTIONS]
+    rows = []
+
+    def recording(model, calls):
+        rows.extend(c.ids.shape[0] for c in calls if c.prompt)
+        return forward_batch(model, calls)
+
+    engine = make_engine(pair, "specextend", **kw)
+    got, _ = run_batched(engine, [(DOC + q, params, {}) for q in QUESTIONS], forward=recording)
+    assert [g[0] for g in got] == alone
+    assert sorted(g[2].cached_prompt_tokens for g in got) == [0, 64, 64, 64]
+    assert sum(rows) == sum(len(DOC) + len(q) for q in QUESTIONS) - 3 * 64  # the document's 4 chunks once
+
+
+def test_a_waited_for_prefill_that_ends_early_leaves_the_waiter_to_prefill_itself(tiny_models):
+    from specextend.scheduler import DraftCall, drive_alone
+
+    pair = tiny_models("float64")
+    params = SamplingParams(12, ignore_eos=True)
+    alone = make_engine(pair, "ar", prefix_cache_gb=0, prefill_chunk=16).generate(DOC + [1], params)[0]
+    engine = make_engine(pair, "ar", prefill_chunk=16)
+    with torch.inference_mode():  # (as the drivers run sessions)
+        leader, waiter = engine.session(DOC + [2], params), engine.session(DOC + [1], params)
+        assert next(leader).prompt  # its first chunk's forward: it promised the document's chunks
+        wait = next(waiter)
+        assert isinstance(wait, DraftCall) and not wait.future.done()
+        leader.close()  # (a client gone mid-prefill)
+        assert wait.future.done()
+        out = [t for ev in drive_alone(waiter, engine.target.decoder) for t in ev.token_ids]
+    assert out == alone
+    assert len(engine.prefix_cache) == 1  # the waiter's prompt, kept
