@@ -135,12 +135,7 @@ class PrefixCache:
 
     def fulfil(self, p: Promise) -> None:
         with self._lock:
-            for h in p.hashes:
-                waiting = self._promised.get(h)
-                if waiting is not None and p in waiting:
-                    waiting.remove(p)
-                    if not waiting:
-                        del self._promised[h]
+            _unlist(self._promised, p.hashes, p)
         if not p.done.done():
             p.done.set_result(None)
 
@@ -196,9 +191,14 @@ class PrefixCache:
     def _drop(self, eid: int) -> None:
         entry = self._entries.pop(eid)
         self.nbytes -= entry.nbytes
-        for h in entry.hashes:
-            ids = self._index.get(h)
-            if ids is not None and eid in ids:
-                ids.remove(eid)
-                if not ids:
-                    del self._index[h]
+        _unlist(self._index, entry.hashes, eid)
+
+
+def _unlist(table: dict, keys: list, item) -> None:
+    """Removes `item` from the list under each of `keys` in `table` (and the lists left empty)."""
+    for key in keys:
+        items = table.get(key)
+        if items is not None and item in items:
+            items.remove(item)
+            if not items:
+                del table[key]
