@@ -48,6 +48,7 @@ class Promise:
     """The whole chunks a session's prefill will store (PrefixCache.promise)."""
     tokens: tuple[int, ...]  # the prompt's whole chunks
     hashes: list[int]  # the boundaries past what the cache held when it began
+    first: int  # chunks the cache held when it began
     done: Future = field(default_factory=Future)  # set once they are stored, or the prefill ended without
 
 
@@ -108,14 +109,16 @@ class PrefixCache:
 
     def awaited(self, prompt_ids: Sequence[int]) -> Optional[Future]:
         """A prefill under way (another session's promise) that will store more of this prompt's
-        whole chunks than the cache holds now, the longest: its future, else None."""
+        whole chunks than the cache holds now, the longest: its future, else None. Only one whose
+        chunks this prompt shares at least half of: waiting for the whole of a long prefill to
+        reuse a chunk or two of it would take longer than computing them."""
         hashes = boundary_hashes(prompt_ids, self.chunk, len(prompt_ids) - 1)
         want = tuple(prompt_ids[:len(hashes) * self.chunk])
         with self._lock:
             held = self._hit(hashes, want)[0] // self.chunk
             for k in range(len(hashes), held, -1):
                 for p in self._promised.get(hashes[k - 1], ()):
-                    if p.tokens[:k * self.chunk] == want[:k * self.chunk]:
+                    if 2 * (k - p.first) >= len(p.hashes) and p.tokens[:k * self.chunk] == want[:k * self.chunk]:
                         return p.done
         return None
 
@@ -127,7 +130,7 @@ class PrefixCache:
         if m <= start:
             return None
         hashes = boundary_hashes(prompt_ids, self.chunk, m)
-        p = Promise(tuple(prompt_ids[:m]), hashes[start // self.chunk:])
+        p = Promise(tuple(prompt_ids[:m]), hashes[start // self.chunk:], start // self.chunk)
         with self._lock:
             for h in p.hashes:
                 self._promised.setdefault(h, []).append(p)

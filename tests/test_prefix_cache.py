@@ -155,6 +155,9 @@ def test_a_promised_prefill_is_waited_for_then_found():
     failed = cache.promise([5] * 8, 0)
     cache.fulfil(failed)  # a prefill that ended without storing: the waiters look up, and miss
     assert failed.done.done() and cache.awaited([5] * 9) is None and cache.lookup([5] * 9)[0] == 0
+    long = list(range(100, 124))  # six chunks promised: a prompt sharing three waits, one sharing one does not
+    p = cache.promise(long, 0)
+    assert cache.awaited(long[:4] + [0] * 8) is None and cache.awaited(long[:12] + [0]) is p.done
 
 
 QUESTIONS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
