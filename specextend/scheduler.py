@@ -82,7 +82,7 @@ def metered(co: Generator, load: Load, record: Callable[[int, Span], None]) -> G
     try:
         call = next(co)
         while True:
-            if not isinstance(call, ForwardCall):
+            if isinstance(call, DraftCall):
                 call = co.send((yield call))
                 continue
             watch = Stopwatch(call.ids)
