@@ -41,7 +41,7 @@ class TargetSession:
         try:
             call = next(co)
             while True:
-                call = co.send(call.run(self.model) if isinstance(call, ForwardCall) else call.result())
+                call = co.send(call.result() if isinstance(call, DraftCall) else call.run(self.model))
         except StopIteration as stop:
             return stop.value
 
