@@ -90,11 +90,16 @@ def recorded_run(pair, policy, params, delay_s, **kw):
 
 def assert_calls_in_order(draft, out, unsent: int) -> None:
     """One call per step number, in order; each committed token sent once and in order, all but at
-    most `unsent` of them; the session's close after every call."""
+    most `unsent` of them; the session's close after every call. Only the last call may carry
+    tokens past the output's end: the last step's committed tokens beyond max_tokens' cut (with
+    snapshots every step's tokens go at once; a loaded host's timing decides whether the last push
+    finds a call in flight and is held, or goes)."""
     steps = [s for s, _, _ in draft.calls]
     assert steps == list(range(len(steps)))
     sent = [t for _, tokens, _ in draft.calls for t in tokens]
-    assert sent == out[:len(sent)] and len(sent) >= len(out) - unsent
+    assert sent[:len(out)] == out[:len(sent)] and len(sent) >= len(out) - unsent
+    if len(sent) > len(out):  # (the last call's, only)
+        assert len(sent) - len(draft.calls[-1][1]) < len(out)
     kinds = [k for k, _ in draft.events]
     assert kinds[-1] == "close" and kinds.count("close") == 1
 
