@@ -97,6 +97,14 @@ class PrefixCache:
             self.hits += m
             return m, self._entries[eid].kv[:, :, :, :m]
 
+    def load(self, prompt_ids: Sequence[int], *caches: KVCache) -> int:
+        """`lookup`, and the hit's K/V into the empty `caches` (the ones `store` was given, in order:
+        each takes its 2 of the entry's 2 * caches K/V planes); the tokens loaded (0: none)."""
+        m, kv = self.lookup(prompt_ids)
+        for i, cache in enumerate(caches if kv is not None else ()):
+            cache.load_prefix(kv[:, 2 * i:2 * i + 2])
+        return m
+
     def _hit(self, hashes: list[int], want: tuple[int, ...]) -> tuple[int, Optional[int]]:
         """(the longest held prefix of `want` in tokens, the entry holding it) for want's boundary
         `hashes`; (0, None) where none is held. Under the lock."""

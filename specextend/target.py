@@ -62,9 +62,7 @@ class TargetSession:
         if prefix is not None:
             while (wait := prefix.awaited(prompt_ids)) is not None:
                 yield DraftCall(future=wait)
-            self.cached_tokens, kv = prefix.lookup(prompt_ids)
-            if kv is not None:
-                self.cache.load_prefix(kv)
+            self.cached_tokens = prefix.load(prompt_ids, self.cache)
             promise = prefix.promise(prompt_ids, self.cached_tokens)
         try:
             for lo in range(self.cached_tokens, ids.numel(), chunk):

@@ -164,18 +164,12 @@ class DraftSession(Overlap):
         """Chunked prefill of both caches; with `prefix`, from the longest cached run of whole chunks
         (both caches' K/V: the working cache's and the store's pre-RoPE keys), kept for later
         prompts before retrieval prunes the working cache (docs/architecture.md, "Prefix caching")."""
-        start = 0
-        if prefix is not None:
-            start, kv = prefix.lookup(prompt)
-            if kv is not None:
-                self.work.load_prefix(kv[:, :2])
-                if self.store is not None:
-                    self.store.load_prefix(kv[:, 2:])
-        self.cached_tokens = start
+        caches = (self.work,) if self.store is None else (self.work, self.store)
+        start = prefix.load(prompt, *caches) if prefix is not None else 0
         for lo in range(start, len(prompt), chunk):
             self.forward_committed(prompt[lo:lo + chunk], window=self.cfg.draft_prefill_window or 0, graphs=False)
         if prefix is not None:
-            prefix.store(prompt, *((self.work,) if self.store is None else (self.work, self.store)))
+            prefix.store(prompt, *caches)
         if self.store is not None and len(prompt) > self.cfg.budget_tokens:
             self._rebuild(initial_chunks(len(prompt), self.cfg), self.cfg.chunk_size)
 
