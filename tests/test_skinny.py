@@ -187,32 +187,3 @@ def test_streamed_k_slices_cover_k_in_whole_steps():
     for k, split, bk in ((896, 1, 128), (4864, 4, 256), (200, 3, 32), (8960, 6, 128)):
         ks, ksp, s = skinny.k_slice("res", 4, k, skinny.Tile(16, split, bk=bk))
         assert ks % bk == 0 and ks == ksp and ks * s >= k > ks * (s - 1) and s <= split
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile", LOOP_TILES, ids=lambda c: f"bn{c.bn}-s{c.split}-bk{c.bk}")
-def test_float8_weights_equal_their_dequantized_twin(dtype, tile):
-    """Weight-only float8 (the draft's option): the streamed kernel reading e4m3 weights and a
-    scale per row equals the torch ops on the dequantized weights, in all three uses; the
-    quantization itself stays within e4m3's rounding of each row's largest weight."""
-    gen = torch.Generator().manual_seed(7 + tile.bn + tile.split)
-    t, k, n = 5, 200, 40
-    x = _rnd(gen, t, k, dtype=dtype) * 3
-    nw = 1 + 0.5 * _rnd(gen, k, dtype=dtype)
-    w = _rnd(gen, 2 * n, k, dtype=dtype) * 0.1
-    b = _rnd(gen, n, dtype=dtype)
-    w8, scale = skinny.quantize_rows(w)  # [2n, k] e4m3, [2n]
-    deq = skinny.dequantize_rows(w8, scale, torch.float32)
-    assert w8.dtype == skinny.FP8 and scale.dtype == torch.float32
-    assert ((deq - w.float()).abs() <= w.float().abs().amax(1, keepdim=True) / 16).all()  # 3 mantissa bits
-    top8, top_s = w8[:n].contiguous(), scale[:n].contiguous()
-    got = skinny.norm_linear(x, nw, 1e-6, top8, b, tile, scale=top_s)
-    ref = skinny.reference(x.float(), nw.float(), 1e-6, deq[:n], b.float())
-    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    got = skinny.norm_glu(x, nw, 1e-6, w8, tile, scale=scale)
-    ref = skinny.reference(x.float(), nw.float(), 1e-6, deq, glu=True)
-    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    y = _rnd(gen, t, n, dtype=dtype)
-    ref = skinny.reference(x.float(), None, 0.0, deq[:n], residual=y.float())
-    assert skinny.linear_residual_(y, x, top8, tile, scale=top_s) is y
-    torch.testing.assert_close(y.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])

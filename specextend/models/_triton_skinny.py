@@ -131,23 +131,18 @@ def _epilogue(acc, acc2, bias, dst, io, BIAS: tl.constexpr, GLU: tl.constexpr, R
 
 
 @triton.jit
-def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, s_ptr, eps, T,
+def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
                 K: tl.constexpr, N: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                 GLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                 BT: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, BK: tl.constexpr,
-                SPLIT: tl.constexpr, STAGES: tl.constexpr, BKX: tl.constexpr, PDL: tl.constexpr,
-                WQ: tl.constexpr = False):
+                SPLIT: tl.constexpr, STAGES: tl.constexpr, BKX: tl.constexpr, PDL: tl.constexpr):
     """skinny_linear with the weight slice streamed: program (pid, pk) loops over its K columns
     [pk * KS, +KS) (KS a multiple of BK) BK at a time, the loads of the next STAGES - 1 steps in
     flight while one multiplies (software pipelining), so a program needs no register budget for
     its slice and K is split only to spread a narrow output over more multiprocessors (the
     whole-slice kernel above split the 0.5B draft's gate/up 14 ways to fit its registers, and
     paid the partials' round trip). The same maths, epilogue and split-K reduction as
-    skinny_linear; without a split the norm's statistics come from the x tiles the loop reads.
-
-    WQ: w holds float8 (e4m3) weights, each row scaled by s [N or 2N] float32 (w_row = w8_row *
-    s_row): half the bytes streamed; each tile is widened to x's dtype in registers and the
-    accumulators are scaled per column after the loop (the scale is linear: split partials too)."""
+    skinny_linear; without a split the norm's statistics come from the x tiles the loop reads."""
     pid = tl.program_id(0)
     pk = tl.program_id(1)
     offs_t = tl.arange(0, BT)  # [BT]
@@ -170,8 +165,6 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, s_ptr, eps,
         wk = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK]
         xk = tl.load(x_ptr + offs_t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                      other=0.0)  # [BT, BK]
-        if WQ:
-            wk = wk.to(xk.dtype)
         if NORM:
             xf = xk.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
@@ -183,16 +176,10 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, s_ptr, eps,
             acc += tl.dot(xk, tl.trans(wk))
         if GLU:
             uk = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK] up rows
-            if WQ:
-                uk = uk.to(xk.dtype)
             if IEEE:
                 acc2 += tl.dot(xk, tl.trans(uk), input_precision="ieee")
             else:
                 acc2 += tl.dot(xk, tl.trans(uk))
-    if WQ:
-        acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]  # [BT, BN] the rows' scales
-        if GLU:
-            acc2 = acc2 * tl.load(s_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
     if NORM:
         if SPLIT > 1:  # this program saw only its K range: the whole row's sum of squares
             ss = _row_sumsq(x_ptr, offs_t, t_ok, K, BT, BKX)  # [BT]

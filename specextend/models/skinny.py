@@ -110,14 +110,13 @@ def pdl(device: torch.device) -> bool:
     return pdl_mod.enabled(device)
 
 
-def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None, scale: Optional[torch.Tensor] = None):
+def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None):
     from specextend.models import _triton_skinny as kernels
 
     t, k = x.shape
     assert x.is_contiguous() and w.is_contiguous() and y.is_contiguous() and t <= MAX_ROWS
     kind = "glu" if glu else ("res" if nw is None and b is None else "qkv")
-    c = tile or (streamed_tile(n, k, 32) if scale is not None else default_tile(kind, t, n, k))
-    assert scale is None or c.bk, "float8 weights: the streamed kernel only"
+    c = tile or default_tile(kind, t, n, k)
     ks, ksp, split = k_slice(kind, t, k, c)
     bt, tiles = _pow2(t), -(-n // c.bn)
     dummy = w  # an unused pointer argument
@@ -131,8 +130,7 @@ def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None, 
                  IEEE=x.dtype == torch.float32, BT=bt, BN=c.bn, KS=ks, SPLIT=split, BKX=min(256, _pow2(k)), PDL=on,
                  num_warps=c.warps, **launch_args(on))
     if c.bk:
-        kernels.skinny_loop[(tiles, split)](*args[:7], scale if scale is not None else dummy, *args[7:], BK=c.bk,
-                                            STAGES=c.stages, WQ=scale is not None, **flags)
+        kernels.skinny_loop[(tiles, split)](*args, BK=c.bk, STAGES=c.stages, **flags)
     else:
         kernels.skinny_linear[(tiles, split)](*args, KSP=ksp, **flags)
     return y
@@ -141,46 +139,25 @@ def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None, 
 def norm_linear(x: torch.Tensor,  # [T, K]
                 nw: Optional[torch.Tensor], eps: float,  # [K] RMSNorm weight (None: no norm)
                 w: torch.Tensor,  # [N, K]
-                b: Optional[torch.Tensor] = None, tile: Optional[Tile] = None,  # [N]
-                scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # [N] float32: w is float8 (quantize_rows)
+                b: Optional[torch.Tensor] = None, tile: Optional[Tile] = None) -> torch.Tensor:  # [N]
     """-> rms_norm(x) @ w.T + b [T, N]."""
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    return _launch(x, nw, w, b, y, eps, w.shape[0], False, False, tile, scale)
+    return _launch(x, nw, w, b, y, eps, w.shape[0], False, False, tile)
 
 
 def norm_glu(x: torch.Tensor, nw: torch.Tensor, eps: float,
-             w: torch.Tensor,  # [2I, K]: gate rows, then up rows
-             tile: Optional[Tile] = None, scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # [2I]
+             w: torch.Tensor, tile: Optional[Tile] = None) -> torch.Tensor:  # [2I, K]: gate rows, then up rows
     """-> silu(rms_norm(x) @ gate.T) * (rms_norm(x) @ up.T) [T, I]."""
     i = w.shape[0] // 2
     y = torch.empty(x.shape[0], i, dtype=x.dtype, device=x.device)
-    return _launch(x, nw, w, None, y, eps, i, True, False, tile, scale)
+    return _launch(x, nw, w, None, y, eps, i, True, False, tile)
 
 
 def linear_residual_(x: torch.Tensor,  # [T, N], updated in place
                      a: torch.Tensor,  # [T, K]
-                     w: torch.Tensor,  # [N, K]
-                     tile: Optional[Tile] = None, scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # [N]
+                     w: torch.Tensor, tile: Optional[Tile] = None) -> torch.Tensor:  # [N, K]
     """x += a @ w.T; returns x."""
-    return _launch(a, None, w, None, x, 0.0, w.shape[0], False, True, tile, scale)
-
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
-
-
-def quantize_rows(w: torch.Tensor  # [N, K]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] float8 e4m3, [N] float32
-    """Weight-only float8 with one scale per row (output column): w ~ w8 * scale[:, None]. For the
-    draft only: its weights decide what is proposed, never what is emitted (the target verifies)."""
-    amax = w.float().abs().amax(dim=1).clamp(min=1e-12)  # [N]
-    scale = amax / FP8_MAX
-    return (w.float() / scale[:, None]).to(FP8), scale.contiguous()
-
-
-def dequantize_rows(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """quantize_rows' inverse (up to its rounding): [N, K] in `dtype` (the float8 kernels' twin's weights)."""
-    return (w8.float() * scale[:, None]).to(dtype)
+    return _launch(a, None, w, None, x, 0.0, w.shape[0], False, True, tile)
 
 
 def reference(x, nw, eps, w, b=None, glu: bool = False, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
