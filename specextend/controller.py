@@ -54,6 +54,12 @@ SLOW_DRAFT = 3.0
 # that met one asks once more (PROBE_RETRIES) before it counts as done
 WARM_TRIES = 4
 PROBE_RETRIES = 1
+# A session started from carried costs warms up on the full tree (one step measures the text's
+# acceptance for every rung) only where that tree, fully accepted, would beat a plain step by this
+# much: where it could win little, a tree ten plain steps long is a poor bet on a short request
+# (the tiny pair on 2 CPUs: three such trees took a 128-token request to 0.6x `ar`); the probes, spaced
+# by what they could win (costs.probe_interval), find out instead
+WARM_MARGIN = 1.25
 SWITCH_ALPHA = 0.1  # with overlap, the newest step's weight in the ready share and the switch's averages
 #                     (runs of unready answers come in clusters: a faster average leaves trees that pay)
 
@@ -222,15 +228,17 @@ class TreeController:
         unsteady = self.overlap and not self.steady  # (overlap) no tree after a tree verified yet
         if self._warm and (self.spec_steps == 0 or unsteady) and self.unready_steps < WARM_TRIES:  # the costs are
             # known: one full tree measures this
-            if self._top_may_pay():  # text's acceptance, every rung's at once
+            if self._top_may_pay(WARM_MARGIN):  # text's acceptance, every rung's at once
                 return self.top
             # carried costs say no tree can pay: warm up as a cold session does, whose smallest tree
             # re-measures the draft cheaply (the way back, were the costs to have changed)
             self._warm = False
         if not self._warm:
             tries = self.unready_steps < WARM_TRIES  # an overlapping draft with nothing ready measures nothing
-            if self.spec_steps == 0 and self.draft_ratio is None and tries:
+            if self.spec_steps == 0 and self.draft_ratio is None and not self.primed and tries:
                 return self.rungs[1]  # the smallest tree first: what a level of drafting costs, cheaply
+                # (carried costs know it already: a primed session whose costs say no tree can pay
+                # starts plain, and its probes, the smallest tree, are the way back)
             if not self.plain_steps:
                 return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)
             if (self.spec_steps < self.warmup or unsteady) and self._top_may_pay() and tries:
@@ -241,11 +249,17 @@ class TreeController:
             return best
         # while only the prior prices the draft, the probe is the smallest tree: it measures a level
         # of drafting cheaply, which corrects a wrong prior; then the full tree
-        probe = self.rungs[1] if self.priced_by_prior else self.top
+        # (after the prior: the largest rung that could beat the best fully accepted, which measures
+        # every rung inside it; where none could, the smallest, which re-measures the draft, is the
+        # way back should the costs change)
+        probe = self.rungs[1] if self.priced_by_prior else self._probe_rung(best)
         if not self.probe_every:  # (with overlap a probe is a run's first step and one more)
+            # (what the probe could win bounds how often it is worth trying, once the draft is
+            # measured: a prior's price is a guess that the probe is there to correct)
+            gain = None if self.priced_by_prior else self.best_case_rate(probe) / max(self.value(best), 1e-12) - 1.0
             self.probe_every = min(probe_interval(self.step_seconds(probe) + (self.switch_s or 0.0),
                                                   self.step_seconds(best), self.value(probe), self.value(best),
-                                                  self.min_probe, self.probe_ratio), self.max_probe)
+                                                  self.min_probe, self.probe_ratio, gain), self.max_probe)
         if self.since_probe >= self.probe_every:
             self._probing, self._best, self._probe = True, best, probe
             return probe
@@ -257,23 +271,34 @@ class TreeController:
         if not (self.draft.known and self.plain_forward is not None):
             return None
         return Costs(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
-                     self.extra_plain)
+                     self.extra_plain, self.since_probe, self.probe_every)
 
     def start_from(self, costs: Costs) -> None:
         """Start from an earlier session's costs: no smallest tree and plain step to measure them,
         the first step the full tree (it measures this text's acceptance for every rung at once)
-        where it may pay; where the costs say no tree can, the cold warm-up (its smallest tree is
-        how a draft whose costs changed gets tried again). This session's own forwards and waits
-        join the lines at their rates."""
+        where it could win `WARM_MARGIN` fully accepted; else the best rung, and the probe schedule
+        carried on from where the last session left it (its probes, spaced by what they could win,
+        are how a draft whose costs changed gets tried again). This session's own forwards and
+        waits join the lines at their rates."""
         self.forward, self.draft = copy.deepcopy(costs.forward), copy.deepcopy(costs.draft)
         self.plain_forward, self.extra_spec, self.extra_plain = costs.plain_forward, costs.extra_spec, costs.extra_plain
+        self.since_probe, self.probe_every = costs.since_probe, min(costs.probe_every, self.max_probe)
         self.primed = self._warm = True
 
-    def _top_may_pay(self) -> bool:
-        """Whether the largest tree could beat a plain step if every level were accepted: when not
-        (a draft far slower than the target), warming up on it would only cost time."""
-        best_case = (1.0 + self.top.depth) / max(self._verified_seconds(self.top), 1e-9)
-        return best_case > self.rate(PLAIN)
+    def _probe_rung(self, best: Rung) -> Rung:
+        """The largest rung whose best case (every level accepted) beats `best`; else the smallest tree."""
+        bar = self.value(best)
+        return next((r for r in reversed(self.rungs[1:]) if self.best_case_rate(r) > bar), self.rungs[1])
+
+    def best_case_rate(self, rung: Rung) -> float:
+        """Tokens per second of a step of `rung` were every level of its tree accepted: an upper bound."""
+        return (1.0 + rung.depth) / max(self._verified_seconds(rung), 1e-9)
+
+    def _top_may_pay(self, margin: float = 1.0) -> bool:
+        """Whether the largest tree could beat a plain step (by `margin`) if every level were
+        accepted: when not (a draft far slower than the target), warming up on it would only cost
+        time."""
+        return self.best_case_rate(self.top) > margin * self.rate(PLAIN)
 
     def record_forward(self, rows: int, seconds) -> None:
         """A target forward that carried this session's call: all its `rows` (every session's, when

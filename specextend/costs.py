@@ -3,6 +3,7 @@ speculation"): a cost line fitted online, and the costs a finished session leave
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -65,14 +66,25 @@ def run_rate(tokens: float, seconds: float, ready: float, switch_tokens: float, 
 
 
 def probe_interval(t_probe: float, t_best: float, rate_probe: float, rate_best: float, min_probe: int,
-                   ratio: float) -> int:
+                   ratio: float, gain: Optional[float] = None) -> int:
     """Steps between probes so that they lose about 1/`ratio` of the time: a probe loses its time
     (`t_probe`) less the time its predicted tokens take at the best rung's rate; the best step takes
     `t_best`. A probe that drafts on the target's path loses most of its time (the 0.5B draft beside
     the 1.5B on one GPU: ~30 steps apart); a ready tree from an overlapping draft, little (every few
-    steps), so that its trees are measured again."""
+    steps), so that its trees are measured again.
+
+    `gain`: the most the probed rung could beat the best by, as a share of the best's rate (its
+    rate were every level accepted, over the best's, less 1). A probe can reveal at most that much a
+    step, so probes are also at least `lost / (gain * t_best)` steps apart: exploring never costs
+    more than it could win (a draft that could pay 5% at best, probed with trees ten plain steps
+    long, is probed every ~200 steps, not every ~20). With no gain possible, `sys.maxsize`."""
     lost = t_probe * max(1.0 - rate_probe / max(rate_best, 1e-12), 0.0)
-    return max(min_probe, int(ratio * lost / max(t_best, 1e-9) + 0.5))
+    steps = ratio * lost / max(t_best, 1e-9)
+    if gain is not None:
+        if gain <= 0:
+            return sys.maxsize
+        steps = max(steps, lost / (gain * max(t_best, 1e-9)))
+    return max(min_probe, int(steps + 0.5))
 
 
 @dataclass(frozen=True)
@@ -86,3 +98,8 @@ class Costs:
     plain_forward: float
     extra_spec: Optional[float]
     extra_plain: Optional[float]
+    # the probe schedule goes on across sessions: steps since the last probe and the interval, so
+    # that requests shorter than the interval still probe now and then (the way back for a draft
+    # whose costs changed: sessions that never probe would carry the same costs for good)
+    since_probe: int = 0
+    probe_every: int = 0

@@ -101,15 +101,36 @@ def test_the_prefills_forwards_are_not_the_first_steps():
     assert ctl.plain_forward == pytest.approx(0.002) and ctl.extra_plain == pytest.approx(0.0001)
 
 
-def test_carried_costs_that_say_no_tree_pays_warm_up_as_a_cold_session():
+def test_carried_costs_that_say_no_tree_pays_start_plain_and_probe_the_smallest_tree_rarely():
     """Costs from a session whose draft cost as much as several target forwards: the next session
-    still starts with the smallest tree (the cheap probe that would find a draft grown faster), not
-    plain for good; the first decision uses the carried costs."""
+    starts plain (no warm-up tree: one would cost several plain steps and could win nothing), and
+    the way back, should the draft have grown faster, is the smallest tree as a probe, `max_probe`
+    steps apart (no rung could beat a plain step even fully accepted: costs.probe_interval), the
+    schedule going on from where the last session left it."""
     from test_controller import FIXED
 
     slow = TreeController(list(RUNGS))
     simulate(slow, dict(zip(RUNGS[1:], PROFILES["easy"])), 12, level=50 * FIXED)
-    new = TreeController(list(RUNGS))
+    new = TreeController(list(RUNGS), max_probe=40)
     new.start_from(slow.costs())
-    chosen = simulate(new, dict(zip(RUNGS[1:], PROFILES["easy"])), 6, level=50 * FIXED)
-    assert new.primed and chosen[0] == RUNGS[1] and all(r.plain for r in chosen[1:])
+    chosen = simulate(new, dict(zip(RUNGS[1:], PROFILES["easy"])), 130, level=50 * FIXED)
+    trees = [i for i, r in enumerate(chosen) if not r.plain]
+    assert new.primed and all(chosen[i] == RUNGS[1] for i in trees)
+    assert trees[0] <= 40 and {b - a for a, b in zip(trees, trees[1:])} == {41}  # (the schedule carried on)
+
+
+def test_the_probe_schedule_goes_on_across_short_sessions():
+    """Sessions shorter than the probe interval still probe now and then: each starts where the
+    last left the schedule (Costs.since_probe), so a draft too slow to pay is tried again every
+    `max_probe` steps of the engine's traffic, not never (each session would carry the same costs)."""
+    from test_controller import FIXED
+
+    prev = TreeController(list(RUNGS))
+    simulate(prev, dict(zip(RUNGS[1:], PROFILES["easy"])), 12, level=50 * FIXED)
+    trees = 0
+    for _ in range(8):  # 8 sessions of 25 steps, max_probe 40: 200 steps
+        new = TreeController(list(RUNGS), max_probe=40)
+        new.start_from(prev.costs())
+        trees += sum(not r.plain for r in simulate(new, dict(zip(RUNGS[1:], PROFILES["easy"])), 25, level=50 * FIXED))
+        prev = new
+    assert 4 <= trees <= 5  # one every 41 steps

@@ -218,19 +218,33 @@ def test_a_draft_whose_prefill_says_it_cannot_pay_is_not_tried_until_a_late_chea
     assert fast.choose() == RUNGS[1] and fast.draft_ratio is None
 
 
-def test_after_the_cheap_probe_the_full_tree_probes_at_an_interval_from_measured_costs():
+def test_a_draft_measured_too_slow_for_any_tree_is_probed_only_every_max_probe_steps():
     """A draft slower than its prior said (3.5 plain forwards a level; it costs 12): after the
-    smallest-tree probe, the next probe is the full tree, after enough steps that it costs a tenth
-    of the time at the measured price (not the cheap probe's interval doubled: that interval came
-    from the prior's price, and the full tree would cost far more than a tenth)."""
+    smallest-tree probe has measured it, no rung could beat a plain step even with every level
+    accepted, so a probe could win nothing: the next probes are the smallest tree again (the way
+    back, were the draft to get faster), `max_probe` steps apart, not the full tree at a tenth of
+    the time (which lost 10% of a request to trees that could never pay)."""
     ctl = TreeController(list(RUNGS))
     ctl.seed_draft(3.5)
     level = 12 * (FIXED + ROW)  # a draft level costs 12 plain forwards
     chosen = simulate(ctl, dict.fromkeys(RUNGS[1:], 0.0), 4000, level=level)
     probes = [(i, r) for i, r in enumerate(chosen) if not r.plain]
-    assert probes[0][1] == RUNGS[1] and probes[1][1] == RUNGS[-1]
-    top_cost = FIXED + ROW * (RUNGS[-1].nodes + 1) + level * RUNGS[-1].depth
-    gap = probes[1][0] - probes[0][0]
-    assert gap >= 0.9 * 10 * top_cost / (FIXED + ROW)  # the probes-cost-a-tenth rule at the measured price
+    assert all(r == RUNGS[1] for _, r in probes) and len(probes) == 4
+    assert {b[0] - a[0] for a, b in zip(probes, probes[1:])} == {ctl.max_probe + 1}
     spent = sum(FIXED + ROW * (r.nodes + 1) + (level * r.depth if not r.plain else 0) for r in chosen)
-    assert len(probes) * top_cost < 0.15 * spent
+    tree_cost = FIXED + ROW * (RUNGS[1].nodes + 1) + level * RUNGS[1].depth
+    assert len(probes) * tree_cost < 0.05 * spent  # the 0.95x goal
+
+
+def test_probes_are_spaced_by_what_they_could_win():
+    """costs.probe_interval: a probe that could win only a little (its rung, fully accepted, 5%
+    above the best) comes at least lost / (5% of a best step) steps apart, beyond the
+    probes-cost-a-tenth rule; one that could win nothing, never (the caller caps it at max_probe)."""
+    from specextend.costs import probe_interval
+
+    t_probe, t_best = 10e-3, 1e-3  # a probe ten plain steps long, predicted to yield as much as one
+    tenth = probe_interval(t_probe, t_best, 100.0, 1000.0, 4, 10.0)
+    assert tenth == 90  # 10 x the 9 ms it loses over a 1 ms step
+    assert probe_interval(t_probe, t_best, 100.0, 1000.0, 4, 10.0, gain=0.05) == 180  # 9 ms / 0.05 ms
+    assert probe_interval(t_probe, t_best, 100.0, 1000.0, 4, 10.0, gain=2.0) == tenth  # a big win: the tenth rule
+    assert probe_interval(t_probe, t_best, 100.0, 1000.0, 4, 10.0, gain=0.0) > 10 ** 9
