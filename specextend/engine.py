@@ -23,7 +23,7 @@ from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, 
 from specextend.draft_link import (LANE_BACKLOG, TELL_BOUND, DraftLink, Lane, ask_ahead, prepared_tree, send_prepare,
                                    settled, start_ask)
 from specextend.emit import Emitter, StepEvent
-from specextend.lookup import ContextIndex, RequestLookup, drafted_prefix
+from specextend.lookup import ContextIndex, LookupGate, RequestLookup, drafted_prefix
 from specextend.models.args import ModelArgs
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
@@ -57,6 +57,7 @@ class Engine(RequestLimits, DraftLink):
         self.target = target
         self.draft = draft
         self._costs: Optional[Costs] = None  # the costs the last session that measured them left
+        self._gate: Optional[LookupGate] = None  # ... and its context lookup's gate (lookup.LookupGate)
         self.prefix_cache = PrefixCache.of(config)  # recent prompts' K/V ("Prefix caching"; None: off)
         if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
@@ -129,6 +130,7 @@ class Engine(RequestLimits, DraftLink):
         if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
             ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
         timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
+        lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
         try:
             t0 = time.perf_counter()
             snap = (use_draft and cfg.overlap and cfg.overlap_miss == "plain" and cfg.draft_snapshots
@@ -156,13 +158,13 @@ class Engine(RequestLimits, DraftLink):
                 opening_pending = False
             else:
                 opening_pending = opening is not None
-            lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
             # mode lookup: the chains are the only drafts, every step a plain or lookup step
             if ((use_draft or (speculate and (cfg.mode == "lookup" or self.draft_never_pays)))
                     and cfg.lookup_tokens and replay is None):
                 index = ContextIndex(list(prompt_ids) + [token], self.target.args.vocab_size,
                                      capacity=len(prompt_ids) + params.max_new_tokens + 1)
-                lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward)  # chains where they pay
+                lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward,  # chains where they pay,
+                                       gate=self._gate.carried() if self.carry_costs and self._gate else None)
             retrieving = use_draft and cfg.retrieval.enabled
             retrieval = self._retrieval(target, -1, stats) if retrieving else None  # first tree: scored chunks
             stats.retrieval_refreshes += retrieval is not None
@@ -379,6 +381,8 @@ class Engine(RequestLimits, DraftLink):
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None
             self._costs = costs or self._costs
+            if lookup is not None and self.carry_costs:  # the gate's rates, for the next request to start from
+                self._gate = lookup.gate
             told = lane.tail  # the session's last call in flight, if any
             if feed is not None and feed.pending() is not None:
                 told = feed.pending()

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+SHORT_EXTEND = 8  # tokens up to which ContextIndex.extend runs in Python ints (a step's; a prompt's: numpy)
 NGRAMS = (3, 2, 1)  # n-gram orders tried, longest first (benchmarks/lookup_offline.py: the unigram
 # fallback's chains added 8-12% tokens a step on prose and docs, little on code: LookupGate decides)
 
@@ -53,6 +54,9 @@ class ContextIndex:
             return
         lo, hi = self.length, self.length + len(tokens)
         self._grow(hi)
+        if hi - lo <= SHORT_EXTEND:
+            self._extend_short(tokens, lo, hi)
+            return
         self.ids[lo:hi] = np.asarray(tokens, dtype=np.int64)
         for n, keys in self.keys.items():
             start = max(0, lo - n + 1)  # first n-gram that ends among the new tokens
@@ -71,6 +75,26 @@ class ContextIndex:
                 else:
                     for i in range(a, b):
                         latest[int(keys[i])] = i
+        self.length = hi
+
+    def _extend_short(self, tokens: Sequence[int], lo: int, hi: int) -> None:
+        """extend for a step's few tokens in Python ints: the same keys and dict entries, without
+        numpy's per-call cost (about 20 us a token in numpy for three orders, most of a lookup
+        step's bookkeeping; twin: the numpy path, tests/test_lookup.py)."""
+        ids, bits = self.ids, self.bits
+        for i, t in enumerate(tokens):
+            ids[lo + i] = int(t)
+        base = max(0, lo - max(self.ns, default=1) + 1)
+        window = [int(x) for x in ids[base:hi]]  # the tokens the new n-grams read
+        for n, keys in self.keys.items():
+            for s in range(max(0, lo - n + 1), hi - n + 1):  # n-grams that end among the new tokens
+                k = 0
+                for t in window[s - base:s - base + n]:
+                    k = (k << bits) | t
+                keys[s] = k
+            latest = self.latest[n]
+            for i in range(max(0, lo - n), hi - n):  # the n-grams no longer last join the dict, in order
+                latest[int(keys[i])] = i
         self.length = hi
 
     def continuation(self, max_tokens: int) -> list[int]:
@@ -167,6 +191,13 @@ class LookupGate:
         # seconds of a step beyond its forward (the host's work, the device idle), for steps that
         # verified a chain and for plain steps (averages; None until measured: observe_host)
         self.host: dict[bool, Optional[float]] = {True: None, False: None}
+
+    def carried(self) -> "LookupGate":
+        """A copy to start the engine's next request from (its hit rates, runs and host costs; the
+        next text's chains correct the rates at no cost: a skipped chain still teaches the gate)."""
+        out = LookupGate(self.alpha, self.hit_prior, self.run_prior)
+        out.hit, out.run, out.host = dict(self.hit), dict(self.run), dict(self.host)
+        return out
 
     def gain(self, n: int) -> float:
         return self.hit.get(n, self.hit_prior) * self.run.get(n, self.run_prior)

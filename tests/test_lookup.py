@@ -26,6 +26,30 @@ def test_index_equals_scan_as_tokens_arrive(seed):
         assert idx.ids[:idx.length].tolist() == ids
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_short_extends_equal_the_numpy_path(seed):
+    """ContextIndex.extend of a step's few tokens (Python ints, up to SHORT_EXTEND) leaves the same
+    ids, keys and latest-start dicts as its numpy twin, the path of longer extends."""
+    from specextend import lookup
+
+    rng = random.Random(seed)
+    vocab = rng.choice([5, 50, 151936])
+    ids = [rng.randrange(min(vocab, 7)) for _ in range(rng.randrange(0, 30))]
+    fast, slow = ContextIndex(ids, vocab, capacity=4), ContextIndex(ids, vocab, capacity=4)
+    for _ in range(25):
+        new = [rng.randrange(min(vocab, 7)) for _ in range(rng.randrange(1, lookup.SHORT_EXTEND + 1))]
+        fast.extend(new)
+        short, lookup.SHORT_EXTEND = lookup.SHORT_EXTEND, 0  # the numpy path
+        try:
+            slow.extend(new)
+        finally:
+            lookup.SHORT_EXTEND = short
+        n = fast.length
+        assert n == slow.length and fast.ids[:n].tolist() == slow.ids[:n].tolist()
+        assert all(fast.keys[k][:n].tolist() == slow.keys[k][:n].tolist() for k in fast.ns)
+        assert fast.latest == slow.latest
+
+
 def test_continuation_copies_what_followed_the_latest_longest_match():
     # "1 2 3 4 5" then later "9 2 3 7" then the context ends with "... 1 2 3": the 3-gram 1 2 3 wins
     ids = [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8, 1, 2, 3]

@@ -165,3 +165,23 @@ def test_mode_lookup_alone_equals_autoregressive_and_uses_its_chains(pair, oracl
 def test_mode_lookup_needs_chains():
     with pytest.raises(ValueError, match="lookup_tokens"):
         EngineConfig(mode="lookup", lookup_tokens=0)
+
+
+def test_the_gate_learnt_by_one_request_starts_the_next(pair, ar_engine):
+    """The lookup gate's rates carry over to the engine's next request (as the costs do): on a
+    prompt whose chains the tiny random target never follows, the first request verifies chains
+    until its gate has learnt that they miss; the next, identical request starts from what it
+    learnt and verifies fewer. With carry_costs off both verify as many. Outputs equal `ar`'s."""
+    target, _ = pair
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    looping = [5, 9, 13, 7] * 30  # every n-gram repeats: a chain at every step
+    ref = ar_engine.generate(looping, params)[0]
+    counts = {}
+    for carry in (True, False):
+        engine = Engine(EngineConfig(mode="lookup", lookup_tokens=8), target)
+        engine.carry_costs = carry
+        runs = [engine.generate(looping, params) for _ in range(2)]
+        assert all(out == ref for out, _, _ in runs)
+        counts[carry] = [st.lookup_steps for _, _, st in runs]
+    assert counts[False][0] == counts[False][1] == counts[True][0] > 0
+    assert counts[True][1] < counts[True][0]
