@@ -76,14 +76,16 @@ def run_regime(name: str, reps: int, length: int, new_tokens: int, device: str =
     worker = DraftWorker(draft.decoder)
     prompt = prompt_ids(target.tokenizer, documents([doc])[0], length)
     configs = {"ar": Engine(replace(base, mode="ar"), target, None)}
+    args = draft.args  # as the app and the CLI pass it: a draft that can never pay is not opened
     for n, d in TREES:
         configs[f"fixed {n}x{d}"] = Engine(replace(base, tree=TreeConfig(nodes=n, depth=d), tree_policy="fixed"),
-                                           target, worker)
+                                           target, worker, draft_args=args)
     # adaptive may choose any tree of the grid: its bound is the largest
-    configs["adaptive"] = Engine(replace(base, tree=TreeConfig(nodes=32, depth=6), tree_policy="adaptive"), target, worker)
+    configs["adaptive"] = Engine(replace(base, tree=TreeConfig(nodes=32, depth=6), tree_policy="adaptive"), target,
+                                 worker, draft_args=args)
     # the same with every request warming up alone (no costs carried from the engine's last request)
     configs["adaptive cold"] = Engine(replace(base, tree=TreeConfig(nodes=32, depth=6), tree_policy="adaptive"),
-                                      target, worker)
+                                      target, worker, draft_args=args)
     configs["adaptive cold"].carry_costs = False
     rates: dict[str, list[float]] = {k: [] for k in configs}
     infos: dict[str, dict] = {}
