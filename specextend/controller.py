@@ -39,9 +39,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
+from specextend.controller_record import PROBE_RETRIES, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
 from specextend.costs import Costs, LinearCost, probe_interval, run_rate
 from specextend.ladder import PLAIN, Rung
-from specextend.timing import seconds_of
 
 # draft prefill / target prefill from which the session starts plain (TreeController.seed_draft): at
 # 1 a draft level costs about a target forward and no tree can pay; the margin covers what the
@@ -51,21 +51,18 @@ SLOW_DRAFT = 3.0
 
 # With overlap, a tree step may find nothing ready (record_unready): the warm-up's trees are asked
 # up to this many times in all before the session decides without their measurements, and a probe
-# that met one asks once more (PROBE_RETRIES) before it counts as done
+# that met one asks once more (controller_record.PROBE_RETRIES) before it counts as done
 WARM_TRIES = 4
-PROBE_RETRIES = 1
 # A session started from carried costs warms up on the full tree (one step measures the text's
 # acceptance for every rung) only where that tree, fully accepted, would beat a plain step by this
 # much: where it could win little, a tree ten plain steps long is a poor bet on a short request
 # (the tiny pair on 2 CPUs: three such trees took a 128-token request to 0.6x `ar`); the probes, spaced
 # by what they could win (costs.probe_interval), find out instead
 WARM_MARGIN = 1.25
-SWITCH_ALPHA = 0.1  # with overlap, the newest step's weight in the ready share and the switch's averages
-#                     (runs of unready answers come in clusters: a faster average leaves trees that pay)
 
 
 @dataclass
-class TreeController:
+class TreeController(Recording):
     rungs: list[Rung]  # ladder(): plain first, the session's tree last
     warmup: int = 2  # speculative steps before the first decision: the smallest tree, then (after a plain
     # step) the largest if it may pay
@@ -106,6 +103,7 @@ class TreeController:
     _probing: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
     _probe: Optional[Rung] = None  # the probe's rung
+    _probe_by_prior: bool = False  # ... chosen while the prior priced the draft (seed_draft)
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
     _rows: int = 0  # ... and their rows
     last_forward_s: float = 0.0  # the last recorded step's forward seconds (its split, stats.step_done)
@@ -261,7 +259,7 @@ class TreeController:
                                                   self.step_seconds(best), self.value(probe), self.value(best),
                                                   self.min_probe, self.probe_ratio, gain), self.max_probe)
         if self.since_probe >= self.probe_every:
-            self._probing, self._best, self._probe = True, best, probe
+            self._probing, self._best, self._probe, self._probe_by_prior = True, best, probe, self.priced_by_prior
             return probe
         return best
 
@@ -299,123 +297,6 @@ class TreeController:
         accepted: when not (a draft far slower than the target), warming up on it would only cost
         time."""
         return self.best_case_rate(self.top) > margin * self.rate(PLAIN)
-
-    def record_forward(self, rows: int, seconds) -> None:
-        """A target forward that carried this session's call: all its `rows` (every session's, when
-        shared) and its duration, in seconds or as a timing.Span (on a GPU, the device's time,
-        read once the step has read the forward's output: `_settle`)."""
-        self._pending.append((rows, seconds))
-
-    def _settle(self) -> None:
-        """The recorded forwards' durations into the cost line (and the step's forward time)."""
-        for rows, span in self._pending:
-            seconds = seconds_of(span)
-            self.forward.add(rows, seconds)
-            self._forward_s += seconds
-            self._rows += rows
-        self._pending.clear()
-
-    def _average(self, old: Optional[float], new: float, alpha: Optional[float] = None) -> float:
-        a = self.alpha if alpha is None else alpha
-        return new if old is None else (1 - a) * old + a * new
-
-    @property
-    def _ready_alpha(self) -> float:
-        return SWITCH_ALPHA if self.overlap else self.alpha
-
-    def record_plain(self, step_s: Optional[float] = None, lookup: int = 0) -> None:
-        """A plain step; `step_s`: its wall time, when the driver measured it; `lookup`: the tokens a
-        context-lookup chain added to it."""
-        self._settle()
-        self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
-        if step_s is not None:
-            self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
-        if self._forward_s and self.sessions <= 1:  # a chain's rows beyond the first cost the line's slope
-            one = self._forward_s - self.forward.line()[1] * max(self._rows - 1, 0)  # (chain_now prices them)
-            self.plain_forward = self._average(self.plain_forward, max(one, 0.0))
-        self._end_step()
-        self.plain_steps += 1
-        self.since_probe += 1
-        self.in_run = self.asking = False
-
-    def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None,
-                    lookup: int = 0) -> None:
-        """A speculative step of `rung`: the wait for its tree (None when the draft first caught up
-        on plain steps' tokens: a one-off of switching, not what a speculative step costs),
-        prefix_accepts' counts, and the step's wall time when the driver measured it (the first
-        speculative step's is not used: it carries one-off costs); `lookup`: the accepted tokens
-        that only a context-lookup chain proposed."""
-        self._settle()
-        self.asking = True
-        if self.overlap and not self.in_run:  # a run's first tree: its own averages, not the run's
-            self._switched(1.0 + accepts.get(rung, 0) + lookup, step_s)
-            self.spec_steps += 1
-            self.since_probe += 1
-            self.in_run = True  # (a probe goes on: its next tree measures the run)
-            return
-        self.lookup_spec = (1 - self.alpha) * self.lookup_spec + self.alpha * lookup
-        if draft_s is not None:
-            self.draft.add(rung.depth, draft_s)
-            if step_s is not None and self.spec_steps:
-                self.extra_spec = self._average(self.extra_spec, max(step_s - self._forward_s - draft_s, 0.0))
-        self._end_step()
-        now = self.spec_steps + self.plain_steps
-        for r, n in accepts.items():
-            old = self.accepted.get(r, 0.0)
-            w = 1 - (1 - self.alpha) ** (now - self.measured_at.get(r, -10**6))  # 1 when never measured
-            self.accepted[r], self.measured_at[r] = (1 - w) * old + w * n, now
-        self.ready = self._average(self.ready, 1.0, self._ready_alpha)
-        self.spec_steps += 1
-        self.since_probe += 1
-        self.in_run, self.steady = True, self.steady or self.overlap
-        if self._probing:
-            self._end_probe(rung)
-
-    def record_unready(self, rung: Rung, draft_s: Optional[float], step_s: Optional[float] = None,
-                       lookup: int = 0) -> None:
-        """A step that asked for a tree of `rung` and got none (an overlapping draft with nothing
-        ready; the step decoded plainly, `lookup` tokens from a chain): the ready share falls; the
-        acceptance averages stay (nothing was verified: an empty answer says nothing about how much
-        of a tree the target would take). A probe that met one asks again on the next step, once."""
-        self._settle()
-        self.asking = True
-        if self.overlap and not self.in_run:  # a run's first ask: the switch's cost
-            self._switched(1.0 + lookup, step_s)
-        else:
-            self.ready = self._average(self.ready, 0.0, self._ready_alpha)
-            self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
-            if draft_s is not None:
-                self.draft.add(rung.depth, draft_s)
-            if step_s is not None:
-                self.extra_plain = self._average(self.extra_plain,
-                                                 max(step_s - self._forward_s - (draft_s or 0.0), 0.0))
-            self._end_step()
-        self.in_run = False
-        self.unready_steps += 1
-        self.since_probe += 1
-        if self._probing:
-            self._probe_misses += 1
-            if self._probe_misses > PROBE_RETRIES:
-                self._end_probe(rung)
-
-    def _switched(self, tokens: float, step_s: Optional[float]) -> None:
-        """(overlap) A run's first tree step: its tokens and wall seconds into the switch's averages
-        (a step without its wall time, its forwards)."""
-        seconds = step_s if step_s is not None else self._forward_s
-        self.switch_tokens = self._average(self.switch_tokens, tokens, SWITCH_ALPHA)
-        self.switch_s = self._average(self.switch_s, seconds, SWITCH_ALPHA)
-        self._end_step()
-
-    def _end_probe(self, rung: Rung) -> None:
-        self._probing, self._probe_misses = False, 0
-        self.probe_steps += 1
-        self.since_probe = 0
-        moved_up = self.rungs.index(self.best()) > self.rungs.index(self._best)
-        # a prior-priced probe (the smallest tree) is followed by full-tree probes: their
-        # interval is worked out anew from the costs just measured, not doubled from its own
-        again = moved_up or rung != self.top
-        self.probe_every = 0 if again else min(2 * self.probe_every, self.max_probe)
-
 
 class AlwaysSpeculate(TreeController):
     """tree_policy=fixed: every step the session's tree (the controller's interface, no decisions)."""
