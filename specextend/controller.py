@@ -228,8 +228,8 @@ class TreeController(Recording):
             # known: one full tree measures this
             if self._top_may_pay(WARM_MARGIN):  # text's acceptance, every rung's at once
                 return self.top
-            # carried costs say no tree can pay: warm up as a cold session does, whose smallest tree
-            # re-measures the draft cheaply (the way back, were the costs to have changed)
+            # carried costs say the full tree could win little: no warm-up tree; the best rung, and
+            # the probes (spaced by what they could win) are the way back, were the costs to change
             self._warm = False
         if not self._warm:
             tries = self.unready_steps < WARM_TRIES  # an overlapping draft with nothing ready measures nothing
@@ -297,6 +297,7 @@ class TreeController(Recording):
         accepted: when not (a draft far slower than the target), warming up on it would only cost
         time."""
         return self.best_case_rate(self.top) > margin * self.rate(PLAIN)
+
 
 class AlwaysSpeculate(TreeController):
     """tree_policy=fixed: every step the session's tree (the controller's interface, no decisions)."""
