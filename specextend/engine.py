@@ -63,6 +63,10 @@ class Engine(RequestLimits, DraftLink):
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._start_link(draft_args)
 
+    def forget_text(self) -> None:
+        """Forgets what earlier texts taught (the carried lookup gate), not the costs: after a warm-up."""
+        self._gate = None
+
     def new_controller(self, tree: TreeConfig) -> TreeController:
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
         policy = TreeController if self.config.tree_policy == "adaptive" else AlwaysSpeculate
@@ -381,8 +385,7 @@ class Engine(RequestLimits, DraftLink):
         finally:
             costs = ctl.costs() if use_draft and self.carry_costs else None
             self._costs = costs or self._costs
-            if lookup is not None and self.carry_costs:  # the gate's rates, for the next request to start from
-                self._gate = lookup.gate
+            self._gate = lookup.gate if lookup is not None and self.carry_costs else self._gate  # (the next request's)
             told = lane.tail  # the session's last call in flight, if any
             if feed is not None and feed.pending() is not None:
                 told = feed.pending()

@@ -168,6 +168,7 @@ class SpecExtendReplica(DraftRecovery):
                 warm_long(self.engine, ids)  # what only a long prompt meets (warmup.py)
         else:
             _, _, stats = self.engine.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        self.engine.forget_text()  # (a synthetic text: what its chains did says nothing of the traffic's)
         if stats.fallback:
             log.warning("warm-up fell back to plain decoding: the draft is not reachable")
         return stats
