@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--suite", choices=SUITES, help="the suite to run")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when present")
     p.add_argument("--pair", action="append", default=[], metavar="NAME=L1,L2",
-                   help="a model pair and its input lengths (tiny, real, 8b; kernels also qwen); repeatable")
+                   help="a model pair and its input lengths (tiny, real, 8b, 8b-1b; kernels also qwen); repeatable")
     p.add_argument("--modes", help="comma-separated (e2e/sweep: ar, sd, sd-masked, specextend, hf, hf-assisted, "
                                    "sd-2gpu, specextend-2gpu; serve: ar, sd, sd-masked, specextend)")
     p.add_argument("--new-tokens", type=int, help="tokens generated per request")

@@ -50,6 +50,7 @@ PAIRS = {
     "tiny": Pair("random:llama-tiny", "random:llama-tiny-draft", False),  # correlated random pair (presets.py)
     "real": Pair("default", "default", False),  # Qwen2.5-Coder 1.5B + 0.5B (fetch.py)
     "8b": Pair("random:llama-3.1-8b", "random:llama-68m", True),
+    "8b-1b": Pair("random:llama-3.1-8b", "random:llama-3.2-1b", True),  # the 1B-geometry draft (16 layers)
 }
 # EngineConfig fields of each speculative or plain mode of our engine. Each mode states its retrieval:
 # a config built in one mode and replaced into another keeps the first mode's resolved defaults.
