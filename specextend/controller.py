@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from specextend.controller_record import PROBE_RETRIES, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
-from specextend.costs import Costs, LinearCost, probe_interval, run_rate
+from specextend.costs import RUN_STEPS, Costs, LinearCost, probe_interval, run_rate
 from specextend.ladder import PLAIN, Rung
 
 # draft prefill / target prefill from which the session starts plain (TreeController.seed_draft): at
@@ -59,7 +59,10 @@ WARM_TRIES = 4
 # (the tiny pair on 2 CPUs: three such trees took a 128-token request to 0.6x `ar`); the probes, spaced
 # by what they could win (costs.probe_interval), find out instead
 WARM_MARGIN = 1.25
-
+# (overlap) first asks in a row that found no tree (began no run) from which a switch is priced as
+# taking that many more asks (TreeController.value): fewer come in clusters where runs pay (half of the
+# first asks failing: six in a row one time in 64)
+DOUBT_MISSES = 6
 
 @dataclass
 class TreeController(Recording):
@@ -96,6 +99,7 @@ class TreeController(Recording):
     steady: bool = False  # (overlap) a tree step that continued a run has been verified
     switch_tokens: Optional[float] = None  # (overlap) a run's first tree step: tokens (average) ...
     switch_s: Optional[float] = None  # ... and wall seconds (average)
+    switch_misses: int = 0  # ... and how many of them in a row found no tree ready (began no run)
     unready_steps: int = 0  # tree steps asked that got none (decoded plainly: record_unready)
     _probe_misses: int = 0  # unready answers to the probe under way
     primed: bool = False  # started from carried Costs
@@ -156,11 +160,18 @@ class TreeController(Recording):
     def value(self, rung: Rung) -> float:
         """Predicted tokens per second of choosing `rung` now: its rate, except with overlap, where
         trees come in runs and each run's first step costs what the switch's averages say
-        (`costs.run_rate`)."""
+        (`costs.run_rate`): from a plain step one switch spread over RUN_STEPS, while trees are
+        asked none. Where the last `switch_misses` first asks in a row found no tree (each decoded
+        plainly and left the next ask a first one again), DOUBT_MISSES or more, a run is taken to
+        begin after 1 + switch_misses more of them: a switch costs its averages that many times
+        over, spread over RUN_STEPS, so that a draft whose runs never begin (a random pair's, whose
+        pool never holds a plain step's token) is left within some ten asks."""
         if rung.plain or not self.overlap or self.switch_s is None:
             return self.rate(rung)
         t = self.step_seconds(rung)
-        return run_rate(self.rate(rung) * t, t, self.ready, self.switch_tokens, self.switch_s, self.asking)
+        k = 1 + self.switch_misses if self.switch_misses >= DOUBT_MISSES else 1
+        steps = None if self.asking and k == 1 else RUN_STEPS
+        return run_rate(self.rate(rung) * t, t, self.ready, k * self.switch_tokens, k * self.switch_s, steps)
 
     def best(self) -> Rung:
         """The rung of the highest predicted tokens per second (the smaller one on a tie)."""

@@ -65,7 +65,7 @@ class Recording:
         self._settle()
         self.asking = True
         if self.overlap and not self.in_run:  # a run's first tree: its own averages, not the run's
-            self._switched(1.0 + accepts.get(rung, 0) + lookup, step_s)
+            self._switched(1.0 + accepts.get(rung, 0) + lookup, step_s, began=True)
             self.spec_steps += 1
             self.since_probe += 1
             self.in_run = True  # (a probe goes on: its next tree measures the run)
@@ -96,8 +96,8 @@ class Recording:
         of a tree the target would take). A probe that met one asks again on the next step, once."""
         self._settle()
         self.asking = True
-        if self.overlap and not self.in_run:  # a run's first ask: the switch's cost
-            self._switched(1.0 + lookup, step_s)
+        if self.overlap and not self.in_run:  # a run's first ask, which began none: the switch's cost
+            self._switched(1.0 + lookup, step_s, began=False)
         else:
             self.ready = self._average(self.ready, 0.0, self._ready_alpha)
             self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
@@ -115,10 +115,12 @@ class Recording:
             if self._probe_misses > PROBE_RETRIES:
                 self._end_probe(rung)
 
-    def _switched(self, tokens: float, step_s: Optional[float]) -> None:
-        """(overlap) A run's first tree step: its tokens and wall seconds into the switch's averages
-        (a step without its wall time, its forwards)."""
+    def _switched(self, tokens: float, step_s: Optional[float], began: bool) -> None:
+        """(overlap) A run's first ask: its tokens and wall seconds into the switch's averages (a step
+        without its wall time, its forwards), and whether a tree came (the run `began`) into the
+        misses in a row."""
         seconds = step_s if step_s is not None else self._forward_s
+        self.switch_misses = 0 if began else self.switch_misses + 1
         self.switch_tokens = self._average(self.switch_tokens, tokens, SWITCH_ALPHA)
         self.switch_s = self._average(self.switch_s, seconds, SWITCH_ALPHA)
         self._end_step()

@@ -51,16 +51,16 @@ class LinearCost:
 
 
 def run_rate(tokens: float, seconds: float, ready: float, switch_tokens: float, switch_s: float,
-             asking: bool) -> float:
+             steps: Optional[int]) -> float:
     """Tokens per second of a tree rung whose steps inside a run yield `tokens` in `seconds` (the
     ready and unready answers mixed by the `ready` share) where each unready answer ends the run and
     the next tree begins one, at `switch_tokens` in `switch_s` (docs/architecture.md, "Adaptive
-    speculation"). From a plain step (`asking` false) one more first step, spread over RUN_STEPS
-    steps; while trees are asked, the rate over 1 - STAY_MARGIN (leaving costs a switch later)."""
+    speculation"). From outside a run one more first step, spread over `steps` steps; inside one
+    (`steps` None), the rate over 1 - STAY_MARGIN (leaving costs a switch later)."""
     f = 1.0 - ready  # first steps per step inside a run
     tokens, seconds = tokens + f * switch_tokens, seconds + f * switch_s
-    if not asking:
-        n = RUN_STEPS - 1
+    if steps is not None:
+        n = steps - 1
         return (switch_tokens + n * tokens) / max(switch_s + n * seconds, 1e-9)
     return tokens / max(seconds, 1e-9) / (1 - STAY_MARGIN)
 

@@ -145,3 +145,23 @@ def test_a_tree_after_plain_steps_pays_for_beginning_a_run():
     steady_tokens, steady_s = ctl.rate(top) * ctl.step_seconds(top), ctl.step_seconds(top)
     n = RUN_STEPS - 1
     assert fresh == pytest.approx((2.0 + n * steady_tokens) / (0.0075 + n * steady_s))
+
+
+def test_a_draft_whose_runs_never_begin_is_left():
+    """With overlap every ask after a plain or an unready step is a run's first: where none of them
+    finds a tree ready (the served 8B geometry's random pair on two H200s, 2026-11-29: 252 of 256
+    steps asked, none ready, 0.83x `ar`), the share of runs that begin prices the switch, and the
+    policy decodes plainly but for probes; a tree that came once and then never again does not
+    keep it asking."""
+    plain = (1 + PLAIN_LOOKUP) / PLAIN_S / 1e3
+    top = RUNGS[-1]
+    for accepted in (1, 2, 3):
+        ctl = TreeController(list(RUNGS), overlap=True)
+        took = {q: min(accepted, q.depth) for q in RUNGS[1:]}
+        for wait, step_s in ((3.6e-3, 7.4e-3), (1.0e-3, 4.8e-3)):  # a run that began, then ...
+            ctl.record_forward(top.nodes + 1, 2.8e-3)
+            ctl.record_spec(top, wait, took, step_s=step_s)
+        rate, kinds = run_steps(ctl, ready=0.0, first_ready=0.0, first_wait=1.0e-3)  # ... no tree ever again
+        assert kinds[-150:].count("u") < 0.1 * 150, (accepted, kinds)
+        assert rate > 0.9 * plain
+        assert ctl.switch_misses > 0

@@ -270,7 +270,8 @@ def run(pairs: dict[str, list[int]], modes: list[str], new_tokens: int, docs: di
                                 first = one_request(url, model, prompt, 16)
                                 late_first = late_work(url)
                                 progress(f"served {name}: first request (untimed) {first['decode_tokens_per_s']:.1f} "
-                                         f"decode tok/s, TTFT {first['ttft_s']:.3f} s, late work {late_first}")
+                                         f"decode tok/s, TTFT {first['ttft_s']:.3f} s, late work {late_first}"
+                                         + kinds_line(first))  # (its steps: the costs the next requests start from)
                                 warm = True
                             key = (pair_name, length, doc.name)
                             # every app decodes served ar's text: its outputs part from ar's only at
