@@ -149,7 +149,7 @@ def test_a_tree_after_plain_steps_pays_for_beginning_a_run():
 
 def test_a_draft_whose_runs_never_begin_is_left():
     """With overlap every ask after a plain or an unready step is a run's first: where none of them
-    finds a tree ready (the served 8B geometry's random pair on two H200s, 2026-11-29: 252 of 256
+    finds a tree ready (the served 8B geometry's random pair on two H200s, 2026-11-28: 252 of 256
     steps asked, none ready, 0.83x `ar`), the share of runs that begin prices the switch, and the
     policy decodes plainly but for probes; a tree that came once and then never again does not
     keep it asking."""
