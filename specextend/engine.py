@@ -41,7 +41,6 @@ from specextend.verify import Reference, verify_tree
 # With snapshots every call asks for the pool's best SNAPSHOT_NODES nodes at once ("Pool snapshots")
 SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 
-
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
 
@@ -58,6 +57,7 @@ class Engine(RequestLimits, DraftLink):
         self.draft = draft
         self._costs: Optional[Costs] = None  # the costs the last session that measured them left
         self._gate: Optional[LookupGate] = None  # ... and its context lookup's gate (lookup.LookupGate)
+        self._first_tree = True  # the first tree after start-up: its wait carries one-off costs, not recorded
         self.prefix_cache = PrefixCache.of(config)  # recent prompts' K/V ("Prefix caching"; None: off)
         if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
@@ -333,7 +333,8 @@ class Engine(RequestLimits, DraftLink):
                                     prepared=not applied, refreshed=refreshed)
                     if lookup is not None:
                         lookup.commit(committed, verdict.accept_length - len(own))
-                    ctl.record_spec(rung, None if caught_up else draft_s,
+                    one_off, self._first_tree = self._first_tree, False  # (docs: "Adaptive speculation")
+                    ctl.record_spec(rung, None if caught_up or one_off else draft_s,
                                     prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
                                     step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps

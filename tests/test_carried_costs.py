@@ -134,3 +134,30 @@ def test_the_probe_schedule_goes_on_across_short_sessions():
         trees += sum(not r.plain for r in simulate(new, dict(zip(RUNGS[1:], PROFILES["easy"])), 25, level=50 * FIXED))
         prev = new
     assert 4 <= trees <= 5  # one every 41 steps
+
+
+def test_an_engines_first_tree_does_not_price_the_draft(tiny_models):
+    """The first tree an engine verifies after start-up waits for one-off costs (on the served 8B
+    geometry, two H200s, 2026-11-28: 34 ms against 3): that wait stays out of the draft's cost line,
+    which the carried costs hand to every later session (it had priced every tree out)."""
+    target, draft = tiny_models("float64")
+    prompt, params = [(7 * i + 3) % 200 for i in range(40)], SamplingParams(40, ignore_eos=True)
+    ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(prompt, params)
+
+    class SlowFirstStep(DraftWorker):
+        calls = 0
+
+        def step(self, *a, **kw):
+            SlowFirstStep.calls += 1
+            if SlowFirstStep.calls == 1:
+                import time
+
+                time.sleep(0.5)
+            return super().step(*a, **kw)
+
+    worker = SlowFirstStep(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    assert engine.generate(prompt, params)[0] == ref
+    assert SlowFirstStep.calls >= 2 and engine._costs is not None
+    assert engine._costs.draft(TREE.depth) < 0.25  # (with the first wait: at least 0.5 s x 0.1 weight ... x depth)
+    worker.shutdown()
