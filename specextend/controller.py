@@ -64,6 +64,7 @@ WARM_MARGIN = 1.25
 # first asks failing: six in a row one time in 64)
 DOUBT_MISSES = 6
 
+
 @dataclass
 class TreeController(Recording):
     rungs: list[Rung]  # ladder(): plain first, the session's tree last
