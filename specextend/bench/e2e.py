@@ -51,6 +51,10 @@ PAIRS = {
     "real": Pair("default", "default", False),  # Qwen2.5-Coder 1.5B + 0.5B (fetch.py)
     "8b": Pair("random:llama-3.1-8b", "random:llama-68m", True),
     "8b-1b": Pair("random:llama-3.1-8b", "random:llama-3.2-1b", True),  # the 1B-geometry draft (16 layers)
+    # successor weights (presets.successor_weights): drafts as confident as a real one's, plain and
+    # bonus tokens the draft ranks first or second, as a real pair's are (what overlap depends on)
+    "8b-succ": Pair("random:llama-3.1-8b-succ", "random:llama-68m-succ", True),
+    "8b-1b-succ": Pair("random:llama-3.1-8b-succ", "random:llama-3.2-1b-succ", True),
 }
 # EngineConfig fields of each speculative or plain mode of our engine. Each mode states its retrieval:
 # a config built in one mode and replaced into another keeps the first mode's resolved defaults.

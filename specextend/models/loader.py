@@ -258,6 +258,8 @@ def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "a
             weights = presets.tiny_draft_weights(target_weights, dt, dev)
         elif preset == "llama-tiny":
             weights = presets.tiny_target_weights(args, dt, dev)
+        elif presets.successor_of(preset):
+            weights = presets.successor_weights(args, dt, dev)
         else:
             weights = presets.random_weights(args, presets.SEED, dt, dev)
     else:

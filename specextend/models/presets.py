@@ -4,6 +4,11 @@ The tiny pair: `llama-tiny` (target) and `llama-tiny-draft`, a *correlated* copy
 (its first layers plus small noise, sharing embeddings and head) so that acceptance is substantial
 and every acceptance length occurs (docs/architecture.md, "Losslessness in finite precision"). The target's later layers are scaled down so the
 draft, which lacks them, agrees with it most of the time but not always.
+
+`<preset>-succ` (any other preset): the geometry with *successor* weights (`successor_weights`): every
+such model ranks the same few tokens first after each token, with a real draft's confidence, so
+that a replayed pair's drafts, plain steps and bonus tokens behave as a real pair's do
+(docs/architecture.md, "Models").
 """
 
 from __future__ import annotations
@@ -42,19 +47,34 @@ TINY_DRAFT = "llama-tiny-draft"
 TINY_DRAFT_LAYERS = 2
 TINY_LATE_LAYER_SCALE = 0.35  # output projections of the target's layers the draft lacks
 TINY_DRAFT_NOISE = 0.004  # relative to each weight matrix's std
-PRESET_NAMES = tuple(PRESETS) + (TINY_DRAFT,)
+SUCCESSOR = "-succ"  # preset suffix: successor weights
+PRESET_NAMES = tuple(PRESETS) + (TINY_DRAFT,) + tuple(p + SUCCESSOR for p in PRESETS if p != "llama-tiny")
 SEED = 1234
+# successor weights: the logit (above a flat tail of about one per token) of each token's k-th
+# successor, and the scale of every layer's output projections (the layers barely move the stream)
+SUCC_LOGITS = (14.0, 12.0, 11.0, 10.0)
+SUCC_LAYER_SCALE = 0.0005
+
+
+def successor_of(preset: str) -> str | None:
+    """The base preset of a `-succ` name, else None."""
+    base = preset[:-len(SUCCESSOR)] if preset.endswith(SUCCESSOR) else None
+    return base if base in PRESETS and base != "llama-tiny" else None
 
 
 def hf_config(preset: str, vocab_size: int | None = None):
+    succ = successor_of(preset)
     if preset == TINY_DRAFT:
         preset = "llama-tiny"
+    preset = succ or preset
     if preset not in PRESETS:
         raise ValueError(f"unknown random preset {preset!r}; known: {', '.join(PRESET_NAMES)}")
     kw = dict(PRESETS[preset])
     arch = kw.pop("arch")
     if vocab_size is not None:
         kw["vocab_size"] = vocab_size
+    if succ:
+        kw["tie_word_embeddings"] = False  # (successor_weights: the head is its own tensor)
     if "rope_theta" in kw:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
     from transformers import LlamaConfig, Qwen2Config  # (here: importing it takes seconds)
@@ -87,6 +107,26 @@ def random_weights(args: ModelArgs, seed: int, dtype: torch.dtype, device, embed
     embed = rnd(args.vocab_size, e, std=embed_std)
     head = embed if args.tie_word_embeddings else rnd(args.vocab_size, e)
     return Weights(embed=embed, layers=layers, norm=ones(e), lm_head=head)
+
+
+def successor_weights(args: ModelArgs, dtype, device, seed: int = SEED) -> Weights:
+    """Random weights whose greedy next token is a fixed function of the current one, the same for
+    every model of any geometry and seed (with the same vocabulary): row v of the head is the sum of
+    c_k * embed[perm_k[v]] over a few seeded permutations, so the current token x's embedding (the
+    layers' outputs are scaled down to a small share of the stream) scores v = perm_k^-1(x) about
+    SUCC_LOGITS[k] above the flat rest of the vocabulary (noise of std SUCC_LOGITS / sqrt(E)). A
+    draft's probabilities then fall as a real one's do (about 0.7, 0.1, 0.04, 0.01 for its first
+    four and the rest spread thin), its second choice now and then swapped with its first where E
+    is small. Speed is the preset's: same shapes, weights of normal magnitudes."""
+    e = args.hidden_size
+    w = random_weights(args, seed, dtype, device, layer_scales=[SUCC_LAYER_SCALE] * args.num_layers)
+    gen = torch.Generator().manual_seed(SEED + 2)  # not `seed`: every model gets the same successors
+    head = torch.zeros(args.vocab_size, e, dtype=torch.float32, device=device)  # [V, E]
+    for logit in SUCC_LOGITS:
+        perm = torch.randperm(args.vocab_size, generator=gen).to(device)  # [V]
+        head.add_(w.embed[perm].float(), alpha=logit / (0.02 * e))  # h . embed[x] = 0.02 E for RMS-normed h
+    w.lm_head = head.to(dtype)
+    return w
 
 
 def tiny_target_weights(args: ModelArgs, dtype, device) -> Weights:
