@@ -11,7 +11,9 @@ and never below 0.95x `ar`. Regimes on the CPU by default: the tiny pair on tech
 prose, the tiny pair with acceptance replayed at 1.2, 2, 3 and 5 draft tokens a step (1.2 cycles
 1,1,1,1,2), and a useless draft (the tiny target with a random 68M draft: one draft forward costs
 far more than a target step and accepts nothing). On a GPU (`--device cuda`, bf16): the
-Llama-3.1-8B geometry with the 68M draft, acceptance replayed at the same rates.
+Llama-3.1-8B geometry with the 68M draft, both with successor weights (models/presets.py: drafts
+shaped like a real one's, whose trees can reach the replayed lengths), acceptance replayed at the
+same rates.
 
   python benchmarks/regimes.py --reps 5 --new-tokens 48
 """
@@ -49,7 +51,8 @@ REGIMES = {
     "useless draft": ("random:llama-tiny", "random:llama-68m", "nodejs", None),
 }
 # on a GPU: the Llama-3.1-8B geometry (random weights) with the 68M draft, acceptance replayed
-GPU_REGIMES = {f"8b replayed {k}": ("random:llama-3.1-8b", "random:llama-68m", "nodejs", v) for k, v in REPLAYS.items()}
+GPU_REGIMES = {f"8b replayed {k}": ("random:llama-3.1-8b-succ", "random:llama-68m-succ", "nodejs", v)
+               for k, v in REPLAYS.items()}  # successor weights: trees as deep as a real draft's
 
 
 def decode_rate(engine: Engine, prompt: list[int], new_tokens: int, replay) -> tuple[float, list[int], dict]:
