@@ -29,7 +29,7 @@ LONG = [4096, 8192, 16384, 32768, 65536, 130000]  # "128K": 130,000 document tok
 SMALL = [256, 1024, 4096]
 DEFAULTS = {  # suite -> device kind -> (pairs and lengths, new tokens)
     "e2e": {"gpu": ({"real": REAL}, 128), "cpu": ({"tiny": [1024], "real": [1024]}, 16)},
-    "sweep": {"gpu": ({"8b": LONG, "real": REAL}, 128), "cpu": ({"tiny": SMALL}, 32)},
+    "sweep": {"gpu": ({"8b-succ": LONG, "real": REAL}, 128), "cpu": ({"tiny": SMALL}, 32)},  # (successor weights: presets.py)
     "serve": {"gpu": ({"real": [1024, 16384, 30000]}, 128), "cpu": ({"tiny": [512]}, 32)},
     "kernels": {"gpu": ({"8b": LONG}, 0), "cpu": ({"tiny": SMALL}, 0)},
     "signal": {"gpu": ({"real": [16384, 30000]}, 256), "cpu": ({"tiny": [512]}, 32)},
