@@ -84,8 +84,10 @@ def hf_config(preset: str, vocab_size: int | None = None):
 
 
 def random_weights(args: ModelArgs, seed: int, dtype: torch.dtype, device, embed_std: float = 0.02,
-                   layer_scales: list[float] | None = None) -> Weights:
-    """Seeded normal weights, generated directly on `device` in float32 then cast."""
+                   layer_scales: list[float] | None = None, head: bool = True) -> Weights:
+    """Seeded normal weights, generated directly on `device` in float32 then cast. `head` False: an
+    untied head is not drawn (the caller builds its own; it is the generator's last draw, so every
+    other weight is the same) and the embedding stands in for it."""
     gen = torch.Generator(device=device).manual_seed(seed)
     e, i, d = args.hidden_size, args.intermediate_size, args.head_dim
     h, g = args.num_heads, args.num_kv_heads
@@ -105,8 +107,8 @@ def random_weights(args: ModelArgs, seed: int, dtype: torch.dtype, device, embed
             k_norm=ones(d) if args.qk_norm else None, gate_up=rnd(2 * i, e), down=rnd(e, i, std=0.02 * s),
             input_norm=ones(e), post_norm=ones(e)))
     embed = rnd(args.vocab_size, e, std=embed_std)
-    head = embed if args.tie_word_embeddings else rnd(args.vocab_size, e)
-    return Weights(embed=embed, layers=layers, norm=ones(e), lm_head=head)
+    lm_head = embed if args.tie_word_embeddings or not head else rnd(args.vocab_size, e)
+    return Weights(embed=embed, layers=layers, norm=ones(e), lm_head=lm_head)
 
 
 def successor_weights(args: ModelArgs, dtype, device, seed: int = SEED) -> Weights:
@@ -119,7 +121,7 @@ def successor_weights(args: ModelArgs, dtype, device, seed: int = SEED) -> Weigh
     first four with the 68M geometry and a 128K vocabulary, the rest spread thin), its first two
     now and then swapped where E is small (2% of tokens for the 68M, E = 768). Speed is the preset's: same shapes, weights of normal magnitudes."""
     e = args.hidden_size
-    w = random_weights(args, seed, dtype, device, layer_scales=[SUCC_LAYER_SCALE] * args.num_layers)
+    w = random_weights(args, seed, dtype, device, layer_scales=[SUCC_LAYER_SCALE] * args.num_layers, head=False)
     gen = torch.Generator().manual_seed(SEED + 2)  # not `seed`: every model gets the same successors
     head = torch.zeros(args.vocab_size, e, dtype=torch.float32, device=device)  # [V, E]
     for logit in SUCC_LOGITS:
