@@ -52,6 +52,11 @@ def _secret_input(value: Any) -> Any:
     return SecretStr(str(value) if isinstance(value, int) and not isinstance(value, bool) else "")
 
 
+def _on_off(value: Any) -> Any:
+    """A switch that also has "auto": true and false are "on" and "off"."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 def header_token(value: str) -> bool:
     """A value that fits `Authorization: Bearer <value>` as it is."""
     return 0 < len(value) <= 1024 and all("!" <= c <= "~" for c in value)
@@ -136,11 +141,12 @@ class EngineConfig:
         True, description="with draft_tell: a tree step's verdict goes to the draft as soon as it is known and "
                           "the answer (the next tree) is read when the next step needs it, so that the round trip "
                           "overlaps the step's commit and bookkeeping (false: the next step asks; benchmarks' A/B)")
-    draft_snapshots: bool = Field(
-        False, description="with draft_overlap: every step's tokens go to the draft at once and each answer is "
-                           "a snapshot of its pool's best nodes; a tree step walks the latest snapshot to its own "
-                           "position instead of calling the draft (off: measured slower on two H200s, the "
-                           "snapshots too thin; ignored where draft_prepare is on)")
+    draft_snapshots: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = Field(
+        "auto", description="with draft_overlap: every step's tokens go to the draft at once and each answer is "
+                            "a snapshot of its pool's best nodes; a tree step walks the latest snapshot to its own "
+                            "position instead of calling the draft (auto: while at least half of a request's trees "
+                            "come from snapshots, tried again every 8th request after one where they did not; "
+                            "ignored where draft_prepare is on)")
     draft_overlap_rows: int = Field(
         8, ge=1, le=32, description="with draft_overlap: pool nodes each background forward of the draft takes "
                                     "(a small draft streams its weights whatever the row count)")

@@ -19,7 +19,7 @@ from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, TreeController
 from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
-from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree, Retrieval, TreeBound
+from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree
 from specextend.draft_link import (LANE_BACKLOG, TELL_BOUND, DraftLink, Lane, ask_ahead, prepared_tree, send_prepare,
                                    settled, start_ask)
 from specextend.emit import Emitter, StepEvent
@@ -28,7 +28,7 @@ from specextend.models.args import ModelArgs
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
-from specextend.snapshot import SNAPSHOT_NODES, DraftFeed
+from specextend.snapshot import SNAPSHOT_BOUND, SNAPSHOT_NODES, DraftFeed, SnapshotChoice
 from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
 from specextend.plain_step import plain_step_co
@@ -37,9 +37,6 @@ from specextend.request_limits import RequestLimits
 from specextend.retrieval import launch_scoring
 from specextend.target import TargetSession
 from specextend.verify import Reference, verify_tree
-
-# With snapshots every call asks for the pool's best SNAPSHOT_NODES nodes at once ("Pool snapshots")
-SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)
 
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
@@ -58,14 +55,17 @@ class Engine(RequestLimits, DraftLink):
         self._costs: Optional[Costs] = None  # the costs the last session that measured them left
         self._gate: Optional[LookupGate] = None  # ... and its context lookup's gate (lookup.LookupGate)
         self._first_tree = True  # the first tree after start-up: its wait carries one-off costs, not recorded
+        self.snapshots = SnapshotChoice(config.draft_snapshots)  # per request: walk snapshots or ask ("Pool snapshots")
         self.prefix_cache = PrefixCache.of(config)  # recent prompts' K/V ("Prefix caching"; None: off)
         if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._start_link(draft_args)
 
     def forget_text(self) -> None:
-        """Forgets what earlier texts taught (the carried lookup gate), not the costs: after a warm-up."""
+        """Forgets what earlier texts taught (the carried lookup gate, whether snapshots held), not
+        the costs: after a warm-up."""
         self._gate = None
+        self.snapshots = SnapshotChoice(self.config.draft_snapshots)
 
     def new_controller(self, tree: TreeConfig) -> TreeController:
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
@@ -135,10 +135,11 @@ class Engine(RequestLimits, DraftLink):
             ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
         timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
         lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
+        snap = False  # this request walks the draft's snapshots (SnapshotChoice)
         try:
             t0 = time.perf_counter()
-            snap = (use_draft and cfg.overlap and cfg.overlap_miss == "plain" and cfg.draft_snapshots
-                    and not cfg.draft_prepare)  # (prepared outcomes are the other way to skip the call)
+            snap = (use_draft and cfg.overlap and cfg.overlap_miss == "plain" and not cfg.draft_prepare
+                    and self.snapshots.use())  # (prepared outcomes are the other way to skip the call)
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 # (with snapshots its answers are SNAPSHOT_NODES nodes: the session's tree allows them)
                 draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
@@ -170,7 +171,7 @@ class Engine(RequestLimits, DraftLink):
                 lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward,  # chains where they pay,
                                        gate=self._gate.carried() if self.carry_costs and self._gate else None)
             retrieving = use_draft and cfg.retrieval.enabled
-            retrieval = self._retrieval(target, -1, stats) if retrieving else None  # first tree: scored chunks
+            retrieval = target.timed_selection(-1, cfg.retrieval, stats) if retrieving else None  # first tree: scored chunks
             stats.retrieval_refreshes += retrieval is not None
             step, committed = 0, [token]
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
@@ -189,8 +190,8 @@ class Engine(RequestLimits, DraftLink):
             # answer: no call on a step's path ("Pool snapshots")
             if snap:
                 tell = ask_early = False
-                feed = DraftFeed(lambda n, toks, retr: self._tells.submit(self.draft.step, sid, n, toks, retr,
-                                                                          SNAPSHOT_BOUND), len(prompt_ids))
+                feed = DraftFeed(lambda n, toks, retr: start_ask(self.draft, lane, sid, n, toks, retr, SNAPSHOT_BOUND),
+                                 len(prompt_ids))  # (one call in flight: the lane is idle, begun on this thread)
                 feed.commit([token], retrieval)
                 pending, retrieval = [], None
             verify_ema = 0.0  # seconds from a prepare's issue to the verdict it prepares for
@@ -221,8 +222,8 @@ class Engine(RequestLimits, DraftLink):
                         ts = time.perf_counter()
                         tree, applied = None, True  # applied: this step's call carries the verdict
                         from_ask = asked is not None  # (then the lane's last call)
-                        if not from_ask:  # this step's call goes after the lane's
-                            yield from settled(lane.tail)
+                        if not from_ask and feed is None:  # this step's call goes after the lane's (the
+                            yield from settled(lane.tail)  # feed's own call in flight there is not waited for)
                         if feed is not None:  # the latest snapshot, walked to here: no call
                             tree = yield from feed.tree_co(step, rung.nodes, stats)
                         elif from_ask:  # asked at the last verdict (its step number taken then)
@@ -317,7 +318,7 @@ class Engine(RequestLimits, DraftLink):
                     target.commit(verdict.accepted)
                     clock("commit")
                     row = verdict.accepted[-1] + 1 if verdict.accepted else 0
-                    fresh = self._retrieval(target, row, stats) if refresh else None
+                    fresh = target.timed_selection(row, cfg.retrieval, stats) if refresh else None
                     clock("retrieval")
                     stats.retrieval_refreshes += fresh is not None
                     # (a step that made no call keeps a selection not yet sent)
@@ -387,15 +388,11 @@ class Engine(RequestLimits, DraftLink):
             costs = ctl.costs() if use_draft and self.carry_costs else None
             self._costs = costs or self._costs
             self._gate = lookup.gate if lookup is not None and self.carry_costs else self._gate  # (the next request's)
+            if snap and use_draft:
+                self.snapshots.record(stats.num_steps + stats.unready_steps, stats.snapshot_trees)
             told = lane.tail  # the session's last call in flight, if any
             if feed is not None and feed.pending() is not None:
                 told = feed.pending()
             if opening is not None:  # once the open has finished (now, or later if still running), and
                 # after a tell still in flight (a step must not reach the draft after its session's close)
                 opening.add_done_callback(partial(self._close_after, sid, told))
-
-    def _retrieval(self, target: TargetSession, row: int, stats: RequestStats) -> Optional[Retrieval]:
-        t0 = time.perf_counter()  # (its host work: on a GPU the ids are read by the call that carries them)
-        selection = target.selection(row, self.config.retrieval)
-        stats.retrieval_s += time.perf_counter() - t0
-        return selection

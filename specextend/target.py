@@ -6,6 +6,7 @@ root of the next draft tree (or the next autoregressive input).
 
 from __future__ import annotations
 
+import time
 from typing import Generator, Optional, Sequence, TypeVar, Union
 
 import torch
@@ -126,6 +127,14 @@ class TargetSession:
             self.cache.advance(len(keep))  # tokens, a first-child path): already in place, no gather
             return
         self.cache.commit(to_device(keep, torch.long, self.model.device))
+
+    def timed_selection(self, row: int, cfg: RetrievalConfig, stats) -> Optional[Union[Retrieval, DeferredRetrieval]]:
+        """`selection`, its host time added to `stats.retrieval_s` (on a GPU the ids are read by the
+        call that carries them)."""
+        t0 = time.perf_counter()
+        out = self.selection(row, cfg)
+        stats.retrieval_s += time.perf_counter() - t0
+        return out
 
     def selection(self, row: int, cfg: RetrievalConfig,
                   lazy: Optional[bool] = None) -> Optional[Union[Retrieval, DeferredRetrieval]]:

@@ -149,16 +149,16 @@ def test_an_early_ask_leaves_before_the_retrieval_scoring_and_the_selection_goes
     but the last, whatever the next steps are."""
     from helpers import make_engine
     from specextend.draft_link import Lane
-    from specextend.engine import Engine
+    from specextend.target import TargetSession
 
     params = SamplingParams(40, ignore_eos=True)
     ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
     import specextend.engine as eng
 
     events = []  # on the engine's thread, in order: tree verdicts, calls queued on the lane, scorings
-    submit, score, verify = Lane.submit, Engine._retrieval, eng.verify_tree
+    submit, score, verify = Lane.submit, TargetSession.timed_selection, eng.verify_tree
     monkeypatch.setattr(Lane, "submit", lambda self, *a: events.append("lane") or submit(self, *a))
-    monkeypatch.setattr(Engine, "_retrieval", lambda self, *a: events.append("score") or score(self, *a))
+    monkeypatch.setattr(TargetSession, "timed_selection", lambda self, *a: events.append("score") or score(self, *a))
     monkeypatch.setattr(eng, "verify_tree", lambda *a: events.append("verdict") or verify(*a))
     worker = DraftWorker(pair[1].decoder, overlap=True)
     draft = _Selections(worker)

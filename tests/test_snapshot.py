@@ -16,9 +16,8 @@ import pytest
 from specextend.config import SamplingParams
 from specextend.draft.base import DraftBackend, DraftError, DraftTree
 from specextend.draft.worker import DraftWorker
-from specextend.engine import SNAPSHOT_BOUND
 from specextend.ladder import ladder
-from specextend.snapshot import DraftFeed, subtree_at, subtree_at_scan
+from specextend.snapshot import MIN_TREES, PROBE_EVERY, SNAPSHOT_BOUND, DraftFeed, SnapshotChoice, subtree_at, subtree_at_scan
 
 from test_told import Recorder, Runs, TreesOnly, assert_calls_in_order, engine_for, prompt, recorded_run
 
@@ -126,6 +125,7 @@ class Oracle(DraftBackend):
         self.answer, self.prompt_len, self.depth, self.delay_s = answer, prompt_len, depth, delay_s
         self.seen = {}
         self.calls = []
+        self.bounds = []  # each call's TreeBound
 
     def open(self, session_id, prompt_ids, params):
         self.seen[session_id] = len(prompt_ids)
@@ -133,6 +133,7 @@ class Oracle(DraftBackend):
     def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
         time.sleep(self.delay_s)
         self.calls.append((step, tuple(accepted_tokens)))
+        self.bounds.append(bound)
         self.seen[session_id] += len(accepted_tokens)
         i = self.seen[session_id] - self.prompt_len  # the answer's tokens the target has committed
         nxt = self.answer[i:i + self.depth]
@@ -141,10 +142,24 @@ class Oracle(DraftBackend):
             parent = 2 * k - 2 if k else -1  # the path's previous node
             tokens += [tok, (tok + 1) % 256]  # the right token, then a wrong sibling
             parents += [parent, parent]
-        return DraftTree(step, tuple(tokens), tuple(parents), ready=True)
+        return DraftTree(step, tuple(self.wrong(tokens)), tuple(parents), ready=True)
+
+    def wrong(self, tokens):
+        return tokens
 
     def close(self, session_id):
         self.seen.pop(session_id, None)
+
+
+class Misleading(Oracle):
+    """Its paths never hold the target's next token, and it answers after the target's next step
+    (slower than a CPU step of the tiny pair): no snapshot is walked past a verdict, every tree waits."""
+
+    def __init__(self, answer, prompt_len, depth=12):
+        super().__init__(answer, prompt_len, depth, delay_s=0.03)
+
+    def wrong(self, tokens):
+        return [(t + 2) % 256 for t in tokens]
 
 
 def test_a_tree_step_walks_the_latest_snapshot_without_a_call(pair):
@@ -179,3 +194,47 @@ def test_a_draft_failing_on_a_snapshot_call_leaves_plain_decoding(pair):
     worker.shutdown()
     assert out == ref and stats.fallback
     assert max(s for s, _, _ in draft.calls) <= 2  # nothing sent after the failure surfaced
+
+
+def test_the_snapshot_choice_keeps_what_held_and_probes_after_a_miss():
+    assert SnapshotChoice("on").use() and not SnapshotChoice("off").use()
+    off = SnapshotChoice("off")
+    off.record(100, 100)  # a fixed setting learns nothing
+    assert not off.use()
+    with pytest.raises(ValueError):
+        SnapshotChoice("sometimes")
+    c = SnapshotChoice("auto")
+    assert c.use()  # starts on
+    c.record(MIN_TREES - 1, 0)  # too few trees to decide
+    assert c.use()
+    c.record(20, 9)  # under half of them walked: off ...
+    assert [c.use() for _ in range(2 * PROBE_EVERY)] == ([False] * (PROBE_EVERY - 1) + [True]) * 2  # ... but probed
+    c.record(20, 10)  # a probe in which they held: on again
+    assert all(c.use() for _ in range(PROBE_EVERY + 1))
+
+
+@pytest.mark.parametrize("draft_cls, holds", [(Oracle, True), (Misleading, False)])
+def test_auto_snapshots_stay_on_where_they_hold_and_give_way_to_early_asks_where_not(pair, draft_cls, holds):
+    """draft_snapshots=auto (the default): the first request walks snapshots; one where under half
+    of the trees came from them makes the next request ask early instead. Lossless either way."""
+    from helpers import make_engine
+
+    params = SamplingParams(40, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    draft = draft_cls(ref, len(prompt()), depth=64)  # (deep: a snapshot verdicts old still holds the path)
+    engine = engine_for(pair, draft, draft_snapshots="auto")
+    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    out1, _, first = engine.generate(prompt(), params)
+    calls = len(draft.bounds)
+    assert calls and all(b == SNAPSHOT_BOUND for b in draft.bounds)  # every call a snapshot's
+    trees = first.num_steps + first.unready_steps  # tree steps (an unready one: no tree at hand)
+    assert trees >= MIN_TREES  # enough to decide
+    assert (2 * first.snapshot_trees >= trees) == holds
+    out2, _, second = engine.generate(prompt(), params)
+    assert out1 == out2 == ref
+    assert engine.snapshots.holds == holds
+    later = draft.bounds[calls:]
+    assert later and all((b == SNAPSHOT_BOUND) == holds for b in later)
+    assert (second.snapshot_trees > 0) == holds
+    if not holds:
+        assert second.asked_steps > 0  # early asks instead
