@@ -171,7 +171,7 @@ class Engine(RequestLimits, DraftLink):
                 lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward,  # chains where they pay,
                                        gate=self._gate.carried() if self.carry_costs and self._gate else None)
             retrieving = use_draft and cfg.retrieval.enabled
-            retrieval = target.timed_selection(-1, cfg.retrieval, stats) if retrieving else None  # first tree: scored chunks
+            retrieval = target.timed_selection(-1, cfg.retrieval, stats) if retrieving else None  # (prefill's chunks)
             stats.retrieval_refreshes += retrieval is not None
             step, committed = 0, [token]
             pending = [token]  # committed tokens the draft has not seen yet (it catches up lazily)
@@ -255,10 +255,10 @@ class Engine(RequestLimits, DraftLink):
                         stats.unready_steps += 1
                         stats.unready_wait_s += draft_s
                         stats.unready_split.append((draft_s, tree.server_s, tree.queued_s))
-                        stats.unready_refreshes += retrieval is not None and not from_ask  # (this call carried it)
+                        stats.unready_refreshes += retrieval is not None and not from_ask and feed is None  # (its call)
                         committed = pending = yield from plain_step_co(target, committed[-1], params, gen, timed,
                                                                         lookup, stats, reference=ref)
-                        step, retrieval = step + (not from_ask), (retrieval if from_ask else None)
+                        step, retrieval = step + (not from_ask), (retrieval if from_ask or feed is not None else None)
                         if feed is not None:
                             feed.push(committed)
                             pending = []
@@ -318,16 +318,16 @@ class Engine(RequestLimits, DraftLink):
                     target.commit(verdict.accepted)
                     clock("commit")
                     row = verdict.accepted[-1] + 1 if verdict.accepted else 0
+                    prev = retrieval  # (with snapshots: scored in this forward's shadow, it goes with this verdict)
                     fresh = target.timed_selection(row, cfg.retrieval, stats) if refresh else None
                     clock("retrieval")
                     stats.retrieval_refreshes += fresh is not None
                     # (a step that made no call keeps a selection not yet sent)
                     retrieval = fresh if fresh is not None else (retrieval if from_ask else None)
                     stats.verify_s += time.perf_counter() - ts
-                    if feed is not None:  # the verdict to the draft at once
-                        launch_scoring(retrieval)
-                        feed.push(committed, retrieval)
-                        pending, retrieval = [], None
+                    if feed is not None:  # the verdict to the draft at once; a selection made at this step
+                        feed.push(committed, prev)  # is scored in the next forward's shadow, sent after it
+                        pending, retrieval = [], fresh
                     own = drafted_prefix(verdict.accepted, drafted)  # the path inside the draft's nodes
                     stats.lookup_accepted += verdict.accept_length - len(own)
                     stats.tree_step(verdict.accept_length, target.cache.length, drafted, len(tokens), tree, draft_s,

@@ -238,3 +238,48 @@ def test_auto_snapshots_stay_on_where_they_hold_and_give_way_to_early_asks_where
     assert (second.snapshot_trees > 0) == holds
     if not holds:
         assert second.asked_steps > 0  # early asks instead
+
+
+class _OracleSelections(Oracle):
+    """Also records each call's retrieval selection."""
+
+    def __init__(self, answer, prompt_len):
+        super().__init__(answer, prompt_len, depth=64)
+        self.selections = []
+
+    def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
+        self.selections.append(retrieval)
+        return super().step(session_id, step, accepted_tokens, retrieval, bound)
+
+
+def test_with_snapshots_a_selection_goes_with_the_verdict_after_the_one_it_was_made_at(pair, monkeypatch):
+    """A retrieval selection made at a verdict is scored in the next forward's shadow and sent with
+    the verdict after it (or a later one: a newer selection supersedes one not yet sent while a
+    call is in flight), not launched on its own verdict's path; each sent once, in the order made
+    (docs/architecture.md, "Pool snapshots")."""
+    from helpers import make_engine
+    from specextend.config import RetrievalConfig
+    from specextend.target import TargetSession
+
+    events = []  # ("made", selection) at each verdict, ("push", selection) for each verdict's push
+    made, push = TargetSession.timed_selection, DraftFeed.push
+    monkeypatch.setattr(TargetSession, "timed_selection",
+                        lambda self, *a: (lambda r: events.append(("made", r)) or r)(made(self, *a)))
+    monkeypatch.setattr(DraftFeed, "push",
+                        lambda self, tokens, retrieval=None, send=True: events.append(("push", retrieval))
+                        or push(self, tokens, retrieval, send))
+    params = SamplingParams(40, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    draft = _OracleSelections(ref, len(prompt()))
+    engine = engine_for(pair, draft, draft_snapshots="on", retrieval=RetrievalConfig(chunk_size=8, top_k=6, every=1))
+    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    assert out == ref and stats.snapshot_trees > 3 and stats.retrieval_refreshes > 3
+    order = [r for kind, r in events if kind == "made" and r is not None]
+    for i, (kind, r) in enumerate(events):
+        if kind == "push" and r is not None:
+            last = [x for k, x in events[:i] if k == "made"][-1]
+            assert r is not last  # not the selection made at this very verdict
+    sent = [r for r in draft.selections if r is not None]
+    assert sent[0] is order[0] and len(sent) >= 3  # the prefill's with the first call, then later ones
+    assert all(order.index(a) < order.index(b) for a, b in zip(sent, sent[1:]))  # in order, each once
