@@ -262,7 +262,7 @@ class Engine(RequestLimits, DraftLink):
                         if feed is not None:
                             feed.push(committed)
                             pending = []
-                        ctl.record_unready(rung, draft_s, step_s=time.perf_counter() - t_step,
+                        ctl.record_unready(rung, draft_s, step_s=load.wall(t_step),
                                            lookup=len(committed) - 1)
                         if ask_early and not out.ends(committed):  # the next step chosen now: a tree's ask goes
                             chosen, asked, step, pending, retrieval = ask_ahead(
@@ -337,7 +337,7 @@ class Engine(RequestLimits, DraftLink):
                     one_off, self._first_tree = self._first_tree, False  # (docs: "Adaptive speculation")
                     ctl.record_spec(rung, None if caught_up or one_off else draft_s,
                                     prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
-                                    step_s=time.perf_counter() - t_step, lookup=verdict.accept_length - len(own))
+                                    step_s=load.wall(t_step), lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps
                     kind, split = "tree", (draft_s, ctl.last_forward_s)  # (the step's wait, its forward)
                 else:
@@ -364,7 +364,7 @@ class Engine(RequestLimits, DraftLink):
                             else "lookup" if stats.lookup_steps > chains else "plain")
                     split = (0.0, 0.0)
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
-                        ctl.record_plain(step_s=time.perf_counter() - t_step, lookup=len(committed) - 1)
+                        ctl.record_plain(step_s=load.wall(t_step), lookup=len(committed) - 1)
                         split = (0.0, ctl.last_forward_s)
                     if use_draft:
                         pending = [] if feed is not None else pending + committed

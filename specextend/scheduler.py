@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -64,6 +65,14 @@ class Load:
     sessions: int = 1  # calls that shared the forward
     rows: int = 0  # rows of the forward, every call's
     span: Optional[Span] = None  # its duration (timing.Span); None once taken, or when the driver does not time it
+    others_wait_s: float = 0.0  # rounds' waits for other sessions' draft steps since `wall` last took them
+
+    def wall(self, t0: float) -> float:
+        """A step's wall time since perf_counter `t0`, less the waits for other sessions' draft
+        steps that rounds made it share: what its own choice cost (docs/architecture.md, "Adaptive
+        speculation", under load). Takes those waits."""
+        out, self.others_wait_s = time.perf_counter() - t0 - self.others_wait_s, 0.0
+        return max(out, 0.0)
 
     def forward(self, rows: int, span: Span) -> tuple[int, Span]:
         """The forward just run for this session: (rows, span) of the whole shared forward when
@@ -242,7 +251,9 @@ class Batcher:
         if len(issued) == 1:  # one draft step: called on this thread, which would wait for it anyway
             e = issued[0]  # (two thread hand-offs fewer on the step's critical path)
             fn, e.draft_fn = e.draft_fn, None
+            t0 = time.perf_counter()
             e.future = _called(fn)
+            self._charge_others([e], time.perf_counter() - t0)
             self._advance(e)
         else:
             for e in issued:
@@ -253,7 +264,9 @@ class Batcher:
         # the draft steps issued this round: wait for them so their verifications join this forward
         waited = [e.future for e in step_futures if not e.opening_call]
         if waited:
+            t0 = time.perf_counter()
             wait(waited)
+            self._charge_others([e for e in step_futures if not e.opening_call], time.perf_counter() - t0)
             for e in step_futures:
                 if e.future.done():
                     self._advance(e)
@@ -299,6 +312,14 @@ class Batcher:
             if e.call.prompt:
                 rows, chunks = rows + n, chunks + 1
         return out
+
+    def _charge_others(self, askers: list[_Entry], seconds: float) -> None:
+        """The round waited `seconds` for `askers`' draft steps: every other session's step shared
+        that wait, which its own choice did not cause (Load.wall)."""
+        mine = {id(e) for e in askers}
+        for e in self._sessions:
+            if e.load is not None and id(e) not in mine:
+                e.load.others_wait_s += seconds
 
     @staticmethod
     def _tell_loads(group: list[_Entry], span: Span) -> None:

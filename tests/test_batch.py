@@ -64,6 +64,7 @@ def test_forward_batch_equals_each(arch):
 
 # ---------------------------------------------------------------------------- the batched engine
 import threading  # noqa: E402
+import time  # noqa: E402
 
 from specextend.config import RetrievalConfig, SamplingParams, TreeConfig  # noqa: E402
 from specextend.draft.base import DraftError  # noqa: E402
@@ -315,3 +316,34 @@ def test_a_failed_round_ends_its_sessions_and_the_batcher_goes_on(tiny_models, m
     assert done.wait(30) and ends["second"] is None  # the thread still serves
     b.shutdown()
     thread.join(10)
+
+
+def test_load_wall_takes_the_waits_for_other_sessions_draft_steps():
+    from specextend.scheduler import Load
+
+    load = Load()
+    load.others_wait_s = 0.03
+    t0 = time.perf_counter() - 0.05
+    assert 0.015 < load.wall(t0) < 0.05 and load.others_wait_s == 0.0  # taken once
+    assert load.wall(time.perf_counter() + 1.0) == 0.0  # never negative
+
+
+def test_a_round_charges_its_draft_wait_to_the_sessions_that_did_not_ask(tiny_models):
+    """Under load a plain session's step shares the round's wait for another session's draft step;
+    its Load keeps that wait apart (Load.wall), so that its policy does not see plain steps as
+    costly as trees because others speculate (docs/architecture.md, "Adaptive speculation")."""
+    from specextend.scheduler import Load
+
+    pair = tiny_models("float64")
+    engine = make_engine(pair, "sd", draft_backend=ChaosDraft(DraftWorker(pair[1].decoder), Chaos(latency_s=0.02)))
+    asker, plain = Load(), Load()
+    taken = []  # what the asking session's steps took: its own waits are not others'
+    wall = asker.wall
+    asker.wall = lambda t0: taken.append(asker.others_wait_s) or wall(t0)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    got, _ = run_batched(engine, [(_prompt(30, 1), params, {"load": asker}),
+                                  (_prompt(30, 2), params, {"load": plain, "speculate": False})])
+    trees = got[0][2].num_steps
+    assert trees >= 2
+    assert plain.others_wait_s >= 0.9 * 0.02 * trees  # (never taken: a plain request records no steps)
+    assert taken and max(taken) < 0.01
