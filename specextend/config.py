@@ -145,8 +145,9 @@ class EngineConfig:
         "auto", description="with draft_overlap: every step's tokens go to the draft at once and each answer is "
                             "a snapshot of its pool's best nodes; a tree step walks the latest snapshot to its own "
                             "position instead of calling the draft (auto: while at least half of a request's trees "
-                            "come from snapshots, tried again every 8th request after one where they did not; "
-                            "ignored where draft_prepare is on)")
+                            "come from snapshots, tried again every 8th request after one where they did not, and "
+                            "given up within a request where under a quarter of 16 or more do; ignored where "
+                            "draft_prepare is on)")
     draft_overlap_rows: int = Field(
         8, ge=1, le=32, description="with draft_overlap: pool nodes each background forward of the draft takes "
                                     "(a small draft streams its weights whatever the row count)")

@@ -134,8 +134,7 @@ class Engine(RequestLimits, DraftLink):
         if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
             ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
         timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
-        lookup = None  # the request's tokens, for continuations copied from them ("Context lookup")
-        snap = False  # this request walks the draft's snapshots (SnapshotChoice)
+        lookup, snap = None, False  # the request's tokens ("Context lookup"); it walks snapshots (SnapshotChoice)
         try:
             t0 = time.perf_counter()
             snap = (use_draft and cfg.overlap and cfg.overlap_miss == "plain" and not cfg.draft_prepare
@@ -186,10 +185,8 @@ class Engine(RequestLimits, DraftLink):
             # a tree step's verdict goes to the draft once known, its answer read by the next step: the
             # round trip overlaps the commit, books and emit ("Pool snapshots", early asks; ask_ahead)
             ask_early = tell and cfg.draft_ask_early
-            # with snapshots every step's tokens go to the draft at once, a tree walked from the latest
-            # answer: no call on a step's path ("Pool snapshots")
-            if snap:
-                tell = ask_early = False
+            if snap:  # every step's tokens to the draft at once, trees walked from its answers ("Pool snapshots")
+                asks, tell, ask_early = (tell, ask_early), False, False  # (back where snapshots give way)
                 feed = DraftFeed(lambda n, toks, retr: start_ask(self.draft, lane, sid, n, toks, retr, SNAPSHOT_BOUND),
                                  len(prompt_ids))  # (one call in flight: the lane is idle, begun on this thread)
                 feed.commit([token], retrieval)
@@ -206,6 +203,9 @@ class Engine(RequestLimits, DraftLink):
                         feed.send()
                 if feed is not None and feed.error is not None:  # a call failed: plain decoding from here
                     use_draft, feed = self._fall_back(stats, sid, feed.error), None
+                if feed is not None and self.snapshots.gives_up(stats):  # early asks from here ("Pool snapshots")
+                    (pending, unsent, step, asked), feed, (tell, ask_early) = feed.handover(), None, asks
+                    retrieval = retrieval if retrieval is not None else unsent
                 if use_draft and chosen is not None:  # (at the step before: ask_ahead)
                     rung = chosen
                 elif use_draft and not opening_pending:

@@ -32,6 +32,8 @@ SNAPSHOT_BOUND = TreeBound(nodes=SNAPSHOT_NODES, ready_only=True)  # every call'
 HOLD_SHARE = 0.5  # auto: snapshots stay on while at least this share of a request's trees came from them
 MIN_TREES = 8  # auto: a request with fewer tree steps decides nothing
 PROBE_EVERY = 8  # auto: with snapshots off, every PROBE_EVERY-th request tries them again
+GIVE_UP_TREES, GIVE_UP_SHARE = 16, 0.25  # auto: a request whose first 16+ tree steps took under a
+# quarter of their trees from snapshots asks early for the rest
 
 
 class SnapshotChoice:
@@ -64,6 +66,13 @@ class SnapshotChoice:
             self._skipped = 0
             return True
         return False
+
+    def gives_up(self, stats) -> bool:
+        """auto: whether the request under way (its RequestStats) stops walking snapshots now, their
+        failure being clear (`GIVE_UP_SHARE` of `GIVE_UP_TREES` or more tree steps), and asks early
+        for the rest of it (DraftFeed.handover)."""
+        trees = stats.num_steps + stats.unready_steps
+        return self.setting == "auto" and trees >= GIVE_UP_TREES and stats.snapshot_trees < GIVE_UP_SHARE * trees
 
     def record(self, tree_steps: int, snapshot_trees: int) -> None:
         """A request that used snapshots has ended: `tree_steps` verified trees, `snapshot_trees`
@@ -155,6 +164,7 @@ class DraftFeed:
         self.retrieval = None  # the newest selection not yet sent
         self.snapshot: Optional[Snapshot] = None
         self.inflight: Optional[tuple[Future, int]] = None  # (call, length its answer is rooted at)
+        self.last: Optional[Future] = None  # the latest call started
         self._log: list[int] = []  # every token committed since the feed began
         self._base = length
 
@@ -187,7 +197,7 @@ class DraftFeed:
         if self.poll() or not self.unsent or self.error is not None:
             return None
         fut = self.send_fn(self.calls, self.unsent, self.retrieval)
-        self.calls += 1
+        self.calls, self.last = self.calls + 1, fut
         self.inflight = (fut, self.length)
         self.unsent, self.retrieval = [], None
         return fut
@@ -221,6 +231,15 @@ class DraftFeed:
         if s is None or self.error is not None:
             return None
         return subtree_at(s.tokens, s.parents, self._log[s.length - self._base:], n)
+
+    def handover(self) -> tuple[list[int], object, int, Optional[Future]]:
+        """Snapshots given up mid-request: (the committed tokens not yet sent, the newest selection
+        not yet sent, the step number of the next call, and where every committed token was sent,
+        the last call, whose answer is the tree for here: an early ask's). The feed is then dropped;
+        its call in flight, if any, is the session lane's (start_ask): the calls after it wait for it."""
+        out = (self.unsent, self.retrieval, self.calls, None if self.unsent else self.last)
+        self.unsent, self.retrieval = [], None
+        return out
 
     def current(self) -> Optional[Future]:
         """The call in flight if its answer will be rooted at the current position (nothing

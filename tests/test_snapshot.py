@@ -17,7 +17,7 @@ from specextend.config import SamplingParams
 from specextend.draft.base import DraftBackend, DraftError, DraftTree
 from specextend.draft.worker import DraftWorker
 from specextend.ladder import ladder
-from specextend.snapshot import MIN_TREES, PROBE_EVERY, SNAPSHOT_BOUND, DraftFeed, SnapshotChoice, subtree_at, subtree_at_scan
+from specextend.snapshot import GIVE_UP_TREES, MIN_TREES, PROBE_EVERY, SNAPSHOT_BOUND, DraftFeed, SnapshotChoice, subtree_at, subtree_at_scan
 
 from test_told import Recorder, Runs, TreesOnly, assert_calls_in_order, engine_for, prompt, recorded_run
 
@@ -219,17 +219,23 @@ def test_auto_snapshots_stay_on_where_they_hold_and_give_way_to_early_asks_where
     of the trees came from them makes the next request ask early instead. Lossless either way."""
     from helpers import make_engine
 
-    params = SamplingParams(40, ignore_eos=True)
+    params = SamplingParams(64, ignore_eos=True)
     ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
     draft = draft_cls(ref, len(prompt()), depth=64)  # (deep: a snapshot verdicts old still holds the path)
     engine = engine_for(pair, draft, draft_snapshots="auto")
     engine.new_controller = lambda tree: TreesOnly(ladder(tree))
     out1, _, first = engine.generate(prompt(), params)
     calls = len(draft.bounds)
-    assert calls and all(b == SNAPSHOT_BOUND for b in draft.bounds)  # every call a snapshot's
+    snapped = [b == SNAPSHOT_BOUND for b in draft.bounds]
     trees = first.num_steps + first.unready_steps  # tree steps (an unready one: no tree at hand)
-    assert trees >= MIN_TREES  # enough to decide
+    assert trees >= (MIN_TREES if holds else GIVE_UP_TREES)  # enough to decide (and to give up within it)
     assert (2 * first.snapshot_trees >= trees) == holds
+    if holds:
+        assert calls and all(snapped)  # every call a snapshot's
+    else:  # given up within the request: snapshot calls, then asks (calls in order, numbered on)
+        k = snapped.index(False)
+        assert k > 0 and not any(snapped[k:]) and first.asked_steps > 0
+        assert [s for s, _ in draft.calls] == list(range(calls))
     out2, _, second = engine.generate(prompt(), params)
     assert out1 == out2 == ref
     assert engine.snapshots.holds == holds
@@ -283,3 +289,23 @@ def test_with_snapshots_a_selection_goes_with_the_verdict_after_the_one_it_was_m
     sent = [r for r in draft.selections if r is not None]
     assert sent[0] is order[0] and len(sent) >= 3  # the prefill's with the first call, then later ones
     assert all(order.index(a) < order.index(b) for a, b in zip(sent, sent[1:]))  # in order, each once
+
+
+@pytest.mark.parametrize("retrieval_every", [1, 4])
+def test_a_request_that_gives_snapshots_up_midway_stays_lossless_when_sampling(pair, retrieval_every):
+    """The hand-over from snapshots to early asks within a request (DraftFeed.handover): sampled
+    output equal to `ar`'s with the same seed, the calls numbered on in order."""
+    from helpers import make_engine
+    from specextend.config import RetrievalConfig
+
+    params = SamplingParams(64, ignore_eos=True, temperature=0.8, seed=11)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    draft = Misleading(ref, len(prompt()))
+    engine = engine_for(pair, draft, draft_snapshots="auto",
+                        retrieval=RetrievalConfig(chunk_size=8, top_k=6, every=retrieval_every))
+    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    out, _, stats = engine.generate(prompt(), params)
+    assert out == ref
+    snapped = [b == SNAPSHOT_BOUND for b in draft.bounds]
+    assert snapped[0] and not snapped[-1] and stats.asked_steps > 0
+    assert [s for s, _ in draft.calls] == list(range(len(draft.calls)))
