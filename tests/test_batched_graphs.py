@@ -135,6 +135,47 @@ def test_batched_forward_equals_each(capture):
     assert graphs.forwards == graphs.batched_forwards == 6
 
 
+def test_a_round_like_an_earlier_one_reuses_its_batched_mask():
+    """forward_batch builds a round's mask once per combination of the calls' sizes and masks: a
+    second round of plain steps (or of the same cached tree shapes) launches nothing for it and
+    leaves the plan's mask buffer as it is; a new combination builds its own. Outputs as each alone."""
+    from specextend.tree import ancestor_mask_cached
+
+    dec = decoder_on("llama3", DEVICE, torch.float32)
+    graphs, ref_graphs = FullStepGraphs(dec, capture=False), FullStepGraphs(dec, capture=False)
+    sessions = _sessions(dec, [20, 45, 9], seed=3)
+
+    def decode(cache, i, step):
+        return ForwardCall(torch.tensor([5 + step + i], device=DEVICE), torch.tensor([cache.length], device=DEVICE),
+                           cache, CAUSAL)
+
+    def trees(caches, step):  # every session the same cached tree shape (a lookup chain's)
+        par = [-1, 0, 1]
+        return [ForwardCall((torch.arange(4, device=DEVICE) * 5 + i + step) % dec.args.vocab_size,
+                            c.length + torch.tensor([0, 1, 2, 3], device=DEVICE), c,
+                            ancestor_mask_cached(par, DEVICE)) for i, c in enumerate(caches)]
+
+    seen = []
+    for step in range(3):
+        for make in (decode, None):
+            mine = ([make(cb, i, step) for i, (cb, _) in enumerate(sessions)] if make else
+                    trees([cb for cb, _ in sessions], step))
+            twin = ([make(ce, i, step) for i, (_, ce) in enumerate(sessions)] if make else
+                    trees([ce for _, ce in sessions], step))
+            got = graphs.forward_batch(mine)
+            for (lg, _), c in zip(got, twin):
+                lr, _ = ref_graphs.forward(c.ids, c.positions, c.cache, c.mask, c.opts)
+                torch.testing.assert_close(lg, lr, atol=1e-4, rtol=1e-4)
+            plan = next(p for k, p in graphs.plans.items() if k.sessions == 4 and k.t == 4 * mine[0].ids.shape[0])
+            seen.append(plan.mask_src)
+            for c, t in zip(mine, twin):
+                n = c.ids.shape[0]
+                for cache in (c.cache, t.cache):
+                    cache.commit(torch.arange(n, device=DEVICE))
+    assert len(graphs._batch_masks) == 2  # one per combination met
+    assert seen[0] is seen[2] is seen[4] and seen[1] is seen[3] is seen[5] and seen[0] is not seen[1]
+
+
 def test_forward_batch_merges_shapes():
     """models/batch.forward_batch with full-step graphs: decode tokens, trees and a short causal
     chunk of five sessions run as one forward (each padded to the largest), a forward with a store

@@ -26,6 +26,7 @@ committed keys); padding is dropped from the outputs, so a few graphs serve ever
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -40,6 +41,7 @@ from specextend.models.transfer import copy_from_host, to_device
 
 MAX_BATCH_SESSIONS = 32  # sessions in one batched forward (more: several forwards)
 MAX_BATCH_ROWS = 512  # tokens in one batched forward, all its sessions together
+BATCH_MASKS = 256  # batched forwards' masks kept, by the calls' sizes and masks (FullStepGraphs._batch_mask)
 EMPTY_META = [0, 0, 1, 0]  # a padding session's cache: no committed keys (triton_prefix.cache_meta)
 
 
@@ -88,6 +90,7 @@ class FullStepGraphs(StepGraphs):
         # captured when met)
         self.batch_shapes: Optional[frozenset] = None
         self.batched_forwards = 0  # forwards that carried several sessions
+        self._batch_masks: OrderedDict = OrderedDict()  # key -> (mask, the calls' masks it came from)
 
     def _run(self, p: _Plan, cache: KVCache, L: int) -> None:
         self._set_meta(p, cache, L)
@@ -177,25 +180,23 @@ class FullStepGraphs(StepGraphs):
             check_room(ti, c.cache, c.opts)
         key = self._batch_key(t, nb, st)
         dev = m.device
-        mask = torch.zeros(nb * t, nb * (st + t), dtype=torch.bool, device=dev)  # [rows, staged keys + new keys]
-        mask[:, nb * st:] = torch.eye(nb * t, dtype=torch.bool, device=dev)  # padding rows: only themselves
-        for i, (c, ti) in enumerate(zip(calls, sizes)):
-            own = torch.ones(ti, ti, dtype=torch.bool, device=dev).tril() if isinstance(c.mask, str) else c.mask
-            lo = i * t
-            mask[lo:lo + ti, i * st:(i + 1) * st] = own[:, :st]  # [ti, S] its staged keys
-            mask[lo:lo + ti, nb * st + lo:nb * st + lo + ti] = own[:, st:]  # [ti, ti] its new keys
+        mask = self._batch_mask(calls, sizes, nb, t, st)  # [rows, staged keys + new keys]
         starts = [sum(sizes[:i]) for i in range(n)]
-        src = to_device([s0 + min(r, ti - 1) for s0, ti in zip(starts, sizes) for r in range(t)], torch.long, dev)
+        src = None if min(sizes) == t else to_device(  # [n * t] each padding row a copy of its last token
+            [s0 + min(r, ti - 1) for s0, ti in zip(starts, sizes) for r in range(t)], torch.long, dev)
         with self.lock:
             self.forwards += 1
             self.batched_forwards += 1
             p = self._plan(key, calls[0].cache)
-            p.ids[:n * t].copy_(torch.cat([c.ids for c in calls]).index_select(0, src), non_blocking=True)
-            p.pos[:n * t].copy_(torch.cat([c.positions for c in calls]).index_select(0, src), non_blocking=True)
+            ids, pos = torch.cat([c.ids for c in calls]), torch.cat([c.positions for c in calls])  # [sum t_i]
+            p.ids[:n * t].copy_(ids if src is None else ids.index_select(0, src), non_blocking=True)
+            p.pos[:n * t].copy_(pos if src is None else pos.index_select(0, src), non_blocking=True)
             if nb > n:  # valid ids and positions (any) for the padding sessions
                 p.ids[n * t:].zero_()
                 p.pos[n * t:].zero_()
-            p.mask.copy_(mask, non_blocking=True)
+            if p.mask_src is not mask:  # (a round like the last one: its mask is in place)
+                p.mask.copy_(mask, non_blocking=True)
+                p.mask_src = mask
             if st:
                 for i, c in enumerate(calls):  # the staged tree keys of earlier levels
                     p.scratch[:, :, :, i * st:(i + 1) * st].copy_(c.cache.staged(0, st))
@@ -214,6 +215,31 @@ class FullStepGraphs(StepGraphs):
                                    lse=p.cap_lse[:, lo:lo + ti].to(torch.float32, copy=True))
                 out.append((logits[lo:lo + ti], cap))
             return out
+
+    def _batch_mask(self, calls: list, sizes: list[int], nb: int, t: int, st: int) -> torch.Tensor:
+        """forward_batch's mask [nb * t, nb * (st + t)]: each session's rows see its own staged keys
+        and new keys through its call's mask, padding rows only themselves. Built once per
+        combination of the calls' sizes and masks (a causal one, or a tree's mask tensor, which its
+        users never write: tree.ancestor_mask_cached) and kept, the most recent `BATCH_MASKS`, so a
+        round like an earlier one (every round of plain steps) launches nothing for it; each entry
+        holds its source masks, whose ids stay theirs while it lives."""
+        mkey = (nb, t, st) + tuple((ti, None if isinstance(c.mask, str) else id(c.mask)) for c, ti in zip(calls, sizes))
+        hit = self._batch_masks.get(mkey)
+        if hit is not None:
+            self._batch_masks.move_to_end(mkey)
+            return hit[0]
+        dev = self.model.device
+        mask = torch.zeros(nb * t, nb * (st + t), dtype=torch.bool, device=dev)  # [rows, staged keys + new keys]
+        mask[:, nb * st:] = torch.eye(nb * t, dtype=torch.bool, device=dev)  # padding rows: only themselves
+        for i, (c, ti) in enumerate(zip(calls, sizes)):
+            own = torch.ones(ti, ti, dtype=torch.bool, device=dev).tril() if isinstance(c.mask, str) else c.mask
+            lo = i * t
+            mask[lo:lo + ti, i * st:(i + 1) * st] = own[:, :st]  # [ti, S] its staged keys
+            mask[lo:lo + ti, nb * st + lo:nb * st + lo + ti] = own[:, st:]  # [ti, ti] its new keys
+        self._batch_masks[mkey] = (mask, [c.mask for c in calls])
+        if len(self._batch_masks) > BATCH_MASKS:
+            self._batch_masks.popitem(last=False)
+        return mask
 
     def _body(self, p: _Plan, steps: range | None = None) -> None:
         n = self.model.args.num_layers
