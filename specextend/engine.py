@@ -259,9 +259,9 @@ class Engine(RequestLimits, DraftLink):
                         committed = pending = yield from plain_step_co(target, committed[-1], params, gen, timed,
                                                                         lookup, stats, reference=ref)
                         step, retrieval = step + (not from_ask), (retrieval if from_ask or feed is not None else None)
-                        if feed is not None:
-                            feed.push(committed)
-                            pending = []
+                        if feed is not None:  # (with a selection held since the last verdict)
+                            feed.push(committed, retrieval)
+                            pending, retrieval = [], None
                         ctl.record_unready(rung, draft_s, step_s=load.wall(t_step),
                                            lookup=len(committed) - 1)
                         if ask_early and not out.ends(committed):  # the next step chosen now: a tree's ask goes
@@ -358,8 +358,9 @@ class Engine(RequestLimits, DraftLink):
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats,
                                                          send, ref, scoring)
                     t_plain = time.perf_counter()
-                    if feed is not None:
-                        feed.push(committed, send=not opening_pending)
+                    if feed is not None:  # (with a selection held, scored in this forward's shadow)
+                        feed.push(committed, retrieval, send=not opening_pending)
+                        retrieval = None
                     kind = ("open" if use_draft and opening_pending
                             else "lookup" if stats.lookup_steps > chains else "plain")
                     split = (0.0, 0.0)

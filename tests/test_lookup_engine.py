@@ -115,7 +115,7 @@ def test_lookup_with_an_overlapping_draft(pair, oracle):
     worker = DraftWorker(draft.decoder, overlap=True)
     try:
         cfg = EngineConfig(mode="specextend", tree=TreeConfig(8, 4, 3), retrieval=RETRIEVAL, tree_policy="fixed",
-                           draft_overlap=True, lookup_tokens=8)
+                           draft_overlap=True, draft_snapshots="off", lookup_tokens=8)
         out, _, stats = Engine(cfg, target, worker).generate(prompt(70), params)
     finally:
         worker.shutdown()

@@ -113,7 +113,9 @@ def test_snapshot_trees_are_lossless_and_every_token_reaches_the_draft_once_in_o
     ref, out, stats, draft = recorded_run(pair, policy, params, 0.004, lookup_tokens=lookup, draft_snapshots=True)
     assert out == ref
     assert stats.num_steps + stats.unready_steps > 0  # trees asked
-    assert_calls_in_order(draft, out, unsent=8)  # one call at a time
+    # one call at a time, every token sent once and in order, but those committed while the last call
+    # was in flight (a loaded host's calls may outlast many steps: no bound on how many)
+    assert_calls_in_order(draft, out, unsent=len(out) - 1)
     assert all(b == SNAPSHOT_BOUND for _, _, b in draft.calls)
 
 
@@ -258,7 +260,8 @@ class _OracleSelections(Oracle):
         return super().step(session_id, step, accepted_tokens, retrieval, bound)
 
 
-def test_with_snapshots_a_selection_goes_with_the_verdict_after_the_one_it_was_made_at(pair, monkeypatch):
+@pytest.mark.parametrize("policy", [TreesOnly, Runs])
+def test_with_snapshots_a_selection_goes_with_the_verdict_after_the_one_it_was_made_at(pair, policy, monkeypatch):
     """A retrieval selection made at a verdict is scored in the next forward's shadow and sent with
     the verdict after it (or a later one: a newer selection supersedes one not yet sent while a
     call is in flight), not launched on its own verdict's path; each sent once, in the order made
@@ -278,16 +281,18 @@ def test_with_snapshots_a_selection_goes_with_the_verdict_after_the_one_it_was_m
     ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
     draft = _OracleSelections(ref, len(prompt()))
     engine = engine_for(pair, draft, draft_snapshots="on", retrieval=RetrievalConfig(chunk_size=8, top_k=6, every=1))
-    engine.new_controller = lambda tree: TreesOnly(ladder(tree))
+    engine.new_controller = lambda tree: policy(ladder(tree))
     out, _, stats = engine.generate(prompt(), params)
     assert out == ref and stats.snapshot_trees > 3 and stats.retrieval_refreshes > 3
     order = [r for kind, r in events if kind == "made" and r is not None]
-    for i, (kind, r) in enumerate(events):
-        if kind == "push" and r is not None:
-            last = [x for k, x in events[:i] if k == "made"][-1]
-            assert r is not last  # not the selection made at this very verdict
+    pushed = [r for kind, r in events if kind == "push" and r is not None]
+    assert pushed == order[1:len(pushed) + 1] and len(pushed) >= len(order) - 2  # each handed to the feed
+    # once, in order, by the next push whatever its step (the prefill's went with the feed's start)
+    for (k0, made_here), (k1, r) in zip(events, events[1:]):
+        if k0 == "made" and k1 == "push":  # a verdict's own push
+            assert r is None or r is not made_here  # never the selection made at this very verdict
     sent = [r for r in draft.selections if r is not None]
-    assert sent[0] is order[0] and len(sent) >= 3  # the prefill's with the first call, then later ones
+    assert sent[0] is order[0]  # the prefill's with the first call (later ones: newer supersede older in flight)
     assert all(order.index(a) < order.index(b) for a, b in zip(sent, sent[1:]))  # in order, each once
 
 
