@@ -54,7 +54,7 @@ def _secret_input(value: Any) -> Any:
 
 def _on_off(value: Any) -> Any:
     """A switch that also has "auto": true and false are "on" and "off"."""
-    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    return ("on" if value else "off") if isinstance(value, bool) else value
 
 
 def header_token(value: str) -> bool:

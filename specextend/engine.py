@@ -390,7 +390,7 @@ class Engine(RequestLimits, DraftLink):
             self._costs = costs or self._costs
             self._gate = lookup.gate if lookup is not None and self.carry_costs else self._gate  # (the next request's)
             if snap and use_draft:
-                self.snapshots.record(stats.num_steps + stats.unready_steps, stats.snapshot_trees)
+                self.snapshots.record(stats)
             told = lane.tail  # the session's last call in flight, if any
             if feed is not None and feed.pending() is not None:
                 told = feed.pending()

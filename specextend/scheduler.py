@@ -262,11 +262,11 @@ class Batcher:
                 e.future.add_done_callback(self._notify)
         step_futures = [e for e in self._sessions if e.future is not None and not e.future.done() and e.call is None]
         # the draft steps issued this round: wait for them so their verifications join this forward
-        waited = [e.future for e in step_futures if not e.opening_call]
-        if waited:
+        askers = [e for e in step_futures if not e.opening_call]
+        if askers:
             t0 = time.perf_counter()
-            wait(waited)
-            self._charge_others([e for e in step_futures if not e.opening_call], time.perf_counter() - t0)
+            wait([e.future for e in askers])
+            self._charge_others(askers, time.perf_counter() - t0)
             for e in step_futures:
                 if e.future.done():
                     self._advance(e)

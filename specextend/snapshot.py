@@ -45,8 +45,8 @@ class SnapshotChoice:
     early asks' speed). So a request that used them and made at least `MIN_TREES` tree steps,
     fewer than `HOLD_SHARE` of them from a snapshot, turns them off for the requests after it (one
     that met enough turns them back on), and with them off every `PROBE_EVERY`-th request tries
-    them again. Starts on. Decided once a request, carried like the policy's costs: a request's
-    own protocol never changes midway."""
+    them again. Starts on. Decided when a request starts, carried like the policy's costs; within
+    a request the only change is giving snapshots up where their failure is clear (`gives_up`)."""
 
     def __init__(self, setting: str = "auto", probe_every: int = PROBE_EVERY) -> None:
         if setting not in ("auto", "on", "off"):
@@ -71,15 +71,21 @@ class SnapshotChoice:
         """auto: whether the request under way (its RequestStats) stops walking snapshots now, their
         failure being clear (`GIVE_UP_SHARE` of `GIVE_UP_TREES` or more tree steps), and asks early
         for the rest of it (DraftFeed.handover)."""
-        trees = stats.num_steps + stats.unready_steps
+        trees = _tree_steps(stats)
         return self.setting == "auto" and trees >= GIVE_UP_TREES and stats.snapshot_trees < GIVE_UP_SHARE * trees
 
-    def record(self, tree_steps: int, snapshot_trees: int) -> None:
-        """A request that used snapshots has ended: `tree_steps` verified trees, `snapshot_trees`
-        of them walked from a snapshot."""
-        if self.setting == "auto" and tree_steps >= MIN_TREES:
-            self.holds = snapshot_trees >= HOLD_SHARE * tree_steps
+    def record(self, stats) -> None:
+        """A request that used snapshots has ended (its RequestStats: tree steps, verified or
+        unready, and `snapshot_trees` of them walked from a snapshot)."""
+        trees = _tree_steps(stats)
+        if self.setting == "auto" and trees >= MIN_TREES:
+            self.holds = stats.snapshot_trees >= HOLD_SHARE * trees
             self._skipped = 0
+
+
+def _tree_steps(stats) -> int:
+    """A request's tree steps so far: verified, or unready (no tree at hand)."""
+    return stats.num_steps + stats.unready_steps
 
 
 @dataclass(frozen=True)

@@ -199,19 +199,24 @@ def test_a_draft_failing_on_a_snapshot_call_leaves_plain_decoding(pair):
 
 
 def test_the_snapshot_choice_keeps_what_held_and_probes_after_a_miss():
+    from types import SimpleNamespace
+
+    def ended(trees, walked):  # a request's RequestStats, as far as the choice reads them
+        return SimpleNamespace(num_steps=trees - 1, unready_steps=1, snapshot_trees=walked)
+
     assert SnapshotChoice("on").use() and not SnapshotChoice("off").use()
     off = SnapshotChoice("off")
-    off.record(100, 100)  # a fixed setting learns nothing
+    off.record(ended(100, 100))  # a fixed setting learns nothing
     assert not off.use()
     with pytest.raises(ValueError):
         SnapshotChoice("sometimes")
     c = SnapshotChoice("auto")
     assert c.use()  # starts on
-    c.record(MIN_TREES - 1, 0)  # too few trees to decide
+    c.record(ended(MIN_TREES - 1, 0))  # too few trees to decide
     assert c.use()
-    c.record(20, 9)  # under half of them walked: off ...
+    c.record(ended(20, 9))  # under half of them walked: off ...
     assert [c.use() for _ in range(2 * PROBE_EVERY)] == ([False] * (PROBE_EVERY - 1) + [True]) * 2  # ... but probed
-    c.record(20, 10)  # a probe in which they held: on again
+    c.record(ended(20, 10))  # a probe in which they held: on again
     assert all(c.use() for _ in range(PROBE_EVERY + 1))
 
 
