@@ -110,7 +110,7 @@ class _Formatter:
 
     def chunk(self, text: str, ids: Optional[list[int]], last: Optional[dict], role: bool = False) -> p.Response:
         finish = last.get("finish_reason") if last else None
-        prompt_ids = last["prompt_token_ids"] if finish and self.token_ids else None
+        prompt_ids = last.get("prompt_token_ids") if last and self.token_ids else None  # (the first item's)
         choice = self._choice(text, ids, finish, True, None if self.chat else prompt_ids)
         if role:
             choice.delta = p.DeltaMessage(role="assistant", content="")
@@ -122,7 +122,7 @@ class _Formatter:
         last = items[-1]
         text = "".join(i["text"] for i in items)
         ids = [t for i in items for t in i["token_ids"]]
-        prompt_ids = last["prompt_token_ids"] if self.token_ids else None
+        prompt_ids = items[0]["prompt_token_ids"] if self.token_ids else None
         choice = self._choice(text, ids, last["finish_reason"], False, None if self.chat else prompt_ids)
         return p.Response(id=self.rid, object="chat.completion" if self.chat else "text_completion",
                           model=self.model, choices=[choice], usage=_usage(last),

@@ -227,9 +227,10 @@ class SpecExtendReplica(DraftRecovery):
         return spec
 
     async def generate(self, req: dict) -> AsyncIterator[dict]:
-        """Serve streaming method. Yields {text, token_ids, finish_reason}; the last item (with a
-        finish_reason) adds prompt_tokens, completion_tokens, speculative_decoding (and
-        prompt_token_ids if req["return_prompt_ids"]). A request refused before it starts (4xx)
+        """Serve streaming method. Yields {text, token_ids, finish_reason}; the first item adds
+        prompt_token_ids if req["return_prompt_ids"] (as vLLM's first chunk does: known at the
+        start, so a long prompt's ids never delay the last tokens), the last (with a finish_reason)
+        prompt_tokens, completion_tokens and speculative_decoding. A request refused before it starts (4xx)
         yields one item {"error": ...} instead (serving/errors.py)."""
         t_arrival = time.perf_counter()
         try:
@@ -309,8 +310,8 @@ class SpecExtendReplica(DraftRecovery):
                     item["text"] += text.finish()
                     item.update(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids),
                                 cached_tokens=stats.cached_prompt_tokens, speculative_decoding=spec_decoding(stats))
-                    if req.get("return_prompt_ids"):
-                        item["prompt_token_ids"] = list(prompt_ids)
+                if sent is None and req.get("return_prompt_ids"):
+                    item["prompt_token_ids"] = list(prompt_ids)
                 if item["text"] or item["token_ids"] or finish:
                     yield item
                     sent = loop.time()
