@@ -158,6 +158,11 @@ class EngineConfig:
     execution: Literal["auto", "eager", "graphs"] = Field(
         "auto", description="decode-time forwards: graphs (CUDA graphs + Triton kernels), eager, or auto "
                             "(graphs on CUDA)")
+    plain_ahead: bool = Field(
+        True, description="a greedy request that decodes plainly throughout (mode ar, or speculation off, with no "
+                          "context lookup) queues each forward with its input token still on the device, before the "
+                          "host reads the token before it, so that the host's work per token overlaps the device's "
+                          "(false: each token is read before the next forward; the slow twin)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
     device: str = Field("auto", min_length=1, description="auto, cpu, cuda or cuda:N",

@@ -1,8 +1,6 @@
 """The decode loop: prefill, then draft -> verify -> commit steps (or plain autoregressive steps).
-
 The target drives. The draft is reached only through DraftBackend (in-process or gRPC); any
-DraftError switches the request to plain decoding on the target, which stays lossless.
-"""
+DraftError switches the request to plain decoding on the target, which stays lossless."""
 
 from __future__ import annotations
 
@@ -31,6 +29,7 @@ from specextend.sampling import make_generator, next_token
 from specextend.snapshot import SNAPSHOT_BOUND, SNAPSHOT_NODES, DraftFeed, SnapshotChoice
 from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
+from specextend.plain_ahead import plain_ahead_co
 from specextend.plain_step import plain_step_co
 from specextend.prefix_cache import PrefixCache
 from specextend.request_limits import RequestLimits
@@ -99,8 +98,7 @@ class Engine(RequestLimits, DraftLink):
 
         `replay` (acceptance replay, not lossless) forces each step's accepted length, cycled;
         `replay_bonus="draft"`: its bonus token is the draft's second choice (verify.verify_tree).
-        Each prefill chunk is its own forward, so a batched driver runs other sessions' steps
-        between chunks instead of stalling them for a long prompt.
+        Each prefill chunk is its own forward (a batched driver runs other sessions' steps between).
         `speculate=False` decodes plainly (no draft session); `max_tree_nodes` bounds this request's
         trees (per-request control). `load` is where a batching driver tells the session's policy
         about the forwards it shares (scheduler.Load). `reference` (benchmarks, greedy): the tokens to
@@ -169,6 +167,8 @@ class Engine(RequestLimits, DraftLink):
                                      capacity=len(prompt_ids) + params.max_new_tokens + 1)
                 lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward,  # chains where they pay,
                                        gate=self._gate.carried() if self.carry_costs and self._gate else None)
+            if cfg.plain_ahead and not use_draft and lookup is None and params.greedy and ref is None:
+                return (yield from plain_ahead_co(target, token, out, stats, t1))  # ("Plain steps ahead")
             retrieving = use_draft and cfg.retrieval.enabled
             retrieval = target.timed_selection(-1, cfg.retrieval, stats) if retrieving else None  # (prefill's chunks)
             stats.retrieval_refreshes += retrieval is not None
