@@ -26,6 +26,7 @@ import json
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -131,6 +132,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tree-policy", default="fixed", choices=["fixed", "adaptive"])
+    p.add_argument("--plain-ahead", default="on", choices=["on", "off", "both"],
+                   help="ar: plain steps queued a token ahead (on), the twin that reads each token first (off), or "
+                        "both in turn on the same engine (rows `ar` and `ar-twin`)")
+    p.add_argument("--graph-batch-only", action="store_true",
+                   help="only the plan that batches the target through the full-step graphs (and, alone, the step graphs)")
     a = p.parse_args(argv)
     rows = []
     bw = copy_bandwidth(torch.device(a.device)) if a.device != "cpu" else 0.0  # no ceiling on the CPU
@@ -143,33 +149,37 @@ def main(argv=None) -> int:
         graphed = isinstance(engine.target.decoder.graphs, FullStepGraphs)
         sessions = [int(x) for x in a.sessions.split(",")]
         warm_up(engine, list(range(1, 65)), max(sessions))  # as a served replica starts: every shape captured
-        for length in lengths:
-            for n in sessions:
-                # (target batch, draft batch, the draft's gather wait, the target's batch through graphs)
-                plans = [(1, 1, 0.0, False), (n, 1 if mode == "ar" else 8, 0.0, False)]
-                if graphed:
-                    plans.append((n, plans[-1][1], 0.0, True))
-                if mode != "ar":
-                    plans.append((n, 8, GATHER_S, graphed))
-                    if graphed:  # the draft's steps one at a time, each through its tree graphs
-                        plans.append((n, 1, 0.0, True))
-                got = []
-                for mb, db, gs, gb in plans:  # each plan's shapes captured first (a short run), then timed
-                    run(engine, n, mb, 16, 4, replay, db, gs, gb)
-                    got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb))
-                top = ceiling(engine, n, length, a.new_tokens, bw) if mode == "ar" else 0.0
-                for r in got:
-                    rows.append(dict(mode=mode, prompt_len=length, replayed=replay is not None, tree_policy=a.tree_policy,
-                                     ceiling_tokens_per_s=top, **r))
-                cells = [f"{r['decode_tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
-                         + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "")
-                         + f", fwd {r['forward_ms']:.1f}/{r['round_ms']:.1f} ms)" for r in got]
-                best = max(r["decode_tokens_per_s"] for r in got)
-                print(f"{mode:10s} L {length:6d} sessions {n:2d}: "
-                      + "  ".join(f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}: {c}"
-                                  for (mb, db, gs, gb), c in zip(plans, cells))
-                      + f"  -> {best / max(got[0]['decode_tokens_per_s'], 1e-9):.2f}x"
-                      + (f", {best / top:.0%} of the {top:.0f} tok/s ceiling" if top else ""), flush=True)
+        aheads = {"on": [True], "off": [False], "both": [True, False]}[a.plain_ahead] if mode == "ar" else [True]
+        for length, n, ahead in ((x, y, z) for x in lengths for y in sessions for z in aheads):
+            engine.config = replace(engine.config, plain_ahead=ahead)  # (interleaved: the same engine)
+            label = mode if ahead else f"{mode}-twin"
+            # (target batch, draft batch, the draft's gather wait, the target's batch through graphs)
+            plans = [(1, 1, 0.0, False), (n, 1 if mode == "ar" else 8, 0.0, False)]
+            if graphed:
+                plans.append((n, plans[-1][1], 0.0, True))
+            if mode != "ar":
+                plans.append((n, 8, GATHER_S, graphed))
+                if graphed:  # the draft's steps one at a time, each through its tree graphs
+                    plans.append((n, 1, 0.0, True))
+            if a.graph_batch_only:
+                plans = [pl for pl in plans if pl[3]] or plans[-1:]
+            got = []
+            for mb, db, gs, gb in plans:  # each plan's shapes captured first (a short run), then timed
+                run(engine, n, mb, 16, 4, replay, db, gs, gb)
+                got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb))
+            top = ceiling(engine, n, length, a.new_tokens, bw) if mode == "ar" else 0.0
+            for r in got:
+                rows.append(dict(mode=label, plain_ahead=ahead, prompt_len=length, replayed=replay is not None, tree_policy=a.tree_policy,
+                                 ceiling_tokens_per_s=top, **r))
+            cells = [f"{r['decode_tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
+                     + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "")
+                     + f", fwd {r['forward_ms']:.1f}/{r['round_ms']:.1f} ms)" for r in got]
+            best = max(r["decode_tokens_per_s"] for r in got)
+            print(f"{label:10s} L {length:6d} sessions {n:2d}: "
+                  + "  ".join(f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}: {c}"
+                              for (mb, db, gs, gb), c in zip(plans, cells))
+                  + f"  -> {best / max(got[0]['decode_tokens_per_s'], 1e-9):.2f}x"
+                  + (f", {best / top:.0%} of the {top:.0f} tok/s ceiling" if top else ""), flush=True)
     commit = record.commit()
     device = a.device if a.device == "cpu" else torch.cuda.get_device_name()
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(),
