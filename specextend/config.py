@@ -159,7 +159,7 @@ class EngineConfig:
         "auto", description="decode-time forwards: graphs (CUDA graphs + Triton kernels), eager, or auto "
                             "(graphs on CUDA)")
     plain_ahead: bool = Field(
-        True, description="a greedy request that decodes plainly throughout (mode ar, or speculation off, with no "
+        True, description="a request that decodes plainly throughout (mode ar, or speculation off, with no "
                           "context lookup) queues each forward with its input token still on the device, before the "
                           "host reads the token before it, so that the host's work per token overlaps the device's "
                           "(false: each token is read before the next forward; the slow twin)")

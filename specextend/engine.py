@@ -167,8 +167,8 @@ class Engine(RequestLimits, DraftLink):
                                      capacity=len(prompt_ids) + params.max_new_tokens + 1)
                 lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward,  # chains where they pay,
                                        gate=self._gate.carried() if self.carry_costs and self._gate else None)
-            if cfg.plain_ahead and not use_draft and lookup is None and params.greedy and ref is None:
-                return (yield from plain_ahead_co(target, token, out, stats, t1))  # ("Plain steps ahead")
+            if cfg.plain_ahead and not use_draft and lookup is None and ref is None:  # ("Plain steps ahead")
+                return (yield from plain_ahead_co(target, token, out, stats, t1, gen))
             retrieving = use_draft and cfg.retrieval.enabled
             retrieval = target.timed_selection(-1, cfg.retrieval, stats) if retrieving else None  # (prefill's chunks)
             stats.retrieval_refreshes += retrieval is not None

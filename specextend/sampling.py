@@ -1,12 +1,15 @@
 """Turning target logits into tokens: greedy, or temperature / top-k / top-p sampling with the
 request's own seeded generator. One uniform draw per emitted token, so a speculative run and an
-autoregressive run with the same seed consume the generator identically."""
+autoregressive run with the same seed consume the generator identically. `next_token` returns a
+host int; `next_token_tensor` the same token as a device tensor without waiting for the device
+(plain steps ahead, docs/architecture.md: "Plain steps ahead"): `next_token` is its twin."""
 
 from __future__ import annotations
 
 import torch
 
 from specextend.config import SamplingParams
+from specextend.models.transfer import to_device
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -57,3 +60,19 @@ def next_token(logits_row: torch.Tensor, params: SamplingParams, generator: torc
     if params.greedy:
         return int(torch.argmax(logits_row).item())
     return sample_row(target_probs(logits_row[None], params)[0], generator)
+
+
+def next_token_tensor(logits_row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """logits_row [V] -> the token of next_token(logits_row, params, generator), as a [1] int64
+    tensor on the logits' device, computed without synchronising: the uniform is drawn on the host
+    (it does not depend on the logits) and uploaded; the inverse-CDF search, and sample_row's walk
+    back from a zero-probability boundary token, run on the device."""
+    if params.greedy:
+        return torch.argmax(logits_row).view(1)
+    probs = target_probs(logits_row[None], params)[0]  # [V]
+    u = to_device(torch.rand((1,), generator=generator, dtype=torch.float64), torch.float64, probs.device)  # [1]
+    cdf = probs.to(torch.float64).cumsum(0)  # [V]
+    idx = torch.searchsorted(cdf, u * cdf[-1:]).clamp_(max=probs.shape[0] - 1)  # [1]
+    positions = torch.arange(probs.shape[0], device=probs.device)  # [V]
+    nonzero_at_or_before = torch.where(probs > 0, positions, 0).cummax(0).values  # [V]: 0 where none
+    return nonzero_at_or_before[idx]  # [1]

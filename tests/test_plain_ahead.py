@@ -11,6 +11,8 @@ import torch
 from specextend.config import SamplingParams
 from specextend.emit import StepEvent
 from specextend.models.batch import ForwardCall
+from specextend.sampling import next_token, next_token_tensor
+from specextend.scheduler import DraftCall
 
 from helpers import make_engine
 from test_batch import run_batched
@@ -31,6 +33,8 @@ def _trace(engine, prompt, params, **kw):
             if isinstance(item, ForwardCall):
                 order.append("F" if not item.prompt else "P")
                 send = item.run(engine.target.decoder)
+            elif isinstance(item, DraftCall):
+                send = item.result()
             elif isinstance(item, StepEvent):
                 order.append("E")
                 tokens += item.token_ids
@@ -64,21 +68,52 @@ def test_a_stop_token_ends_it_where_the_twin_ends(pair):
     assert got[2].count("F") == want[2].count("F") + 1  # the one forward queued on the stop token
 
 
-def test_sampling_lookup_and_references_keep_the_twin(pair):
-    """Only greedy requests with every step plain go ahead: a sampled one, and a speculative engine's
-    request (its lookup and draft), read each token first, as before."""
-    ahead = make_engine(pair, "ar")
-    sampled = _trace(ahead, _prompt(20, 3), SamplingParams(max_new_tokens=5, temperature=0.8, seed=7))
-    assert sampled[2] == "E" + "FE" * 4
+def test_sampled_requests_go_ahead_with_the_twins_tokens(pair):
+    """A sampled request goes ahead too: its uniforms drawn on the host in the twin's order, the
+    inverse-CDF sample on the device (sampling.next_token_tensor)."""
+    ahead, twin = make_engine(pair, "ar"), make_engine(pair, "ar", plain_ahead=False)
+    for kw in (dict(temperature=0.8, seed=7), dict(temperature=1.3, top_k=5, top_p=0.9, seed=8)):
+        params = SamplingParams(max_new_tokens=9, ignore_eos=True, **kw)
+        got, want = _trace(ahead, _prompt(20, 3), params), _trace(twin, _prompt(20, 3), params)
+        assert got[:2] == want[:2] and got[2] == "EF" + "FE" * 7 + "E" and want[2] == "E" + "FE" * 8
+
+
+def test_speculative_engines_go_ahead_only_where_speculation_is_off(pair):
+    """A speculative engine's requests read each token first (their lookup and draft need it),
+    except a request with speculation off (no lookup, no draft)."""
     spec = make_engine(pair, "specextend", tree_policy="adaptive")
-    off = _trace(spec, _prompt(20, 3), SamplingParams(max_new_tokens=5, ignore_eos=True), speculate=False)
-    assert off[2] == "EF" + "FE" * 3 + "E"  # speculation off for the request: no lookup, no draft
-    assert off[0] == _trace(ahead, _prompt(20, 3), SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    off = _trace(spec, _prompt(20, 3), params, speculate=False)
+    assert off[2] == "EF" + "FE" * 3 + "E"
+    assert off[0] == _trace(make_engine(pair, "ar", plain_ahead=False), _prompt(20, 3), params)[0]
+    on = _trace(spec, _prompt(20, 3), params)
+    assert "FF" not in on[2] and on[0] == off[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_next_token_tensor_equals_next_token(dtype):
+    """The device path's token and generator use equal the host path's, over random rows, vocabulary
+    sizes and sampling settings (greedy, temperatures, top-k and top-p zeroing tokens)."""
+    settings = [dict(), dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=0.9, top_p=0.8),
+                dict(temperature=1.3, top_k=20, top_p=0.6), dict(temperature=1e-8), dict(temperature=2.0, top_k=1)]
+    rows = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        vocab = (97, 1000)[trial % 2]
+        logits = (torch.randn(vocab, generator=rows, dtype=torch.float64) * (1 + trial % 5)).to(dtype)
+        if trial % 3 == 0:
+            logits[:vocab // 3] = float("-inf")  # leading tokens that can never be drawn
+        for i, kw in enumerate(settings):
+            params = SamplingParams(max_new_tokens=1, **kw)
+            g1, g2 = torch.Generator().manual_seed(trial * 10 + i), torch.Generator().manual_seed(trial * 10 + i)
+            got = next_token_tensor(logits, params, g1)
+            assert got.shape == (1,) and got.dtype == torch.int64
+            assert int(got) == next_token(logits, params, g2), (trial, kw)
+            assert torch.rand((), generator=g1) == torch.rand((), generator=g2)  # the same draws used
 
 
 def test_batched_sessions_ahead_equal_the_twin_alone(pair):
-    """Sessions of different lengths through one Batcher, greedy (ahead) and sampled (the twin), a
-    stop token among them: each equals its own run alone with plain_ahead=false."""
+    """Sessions of different lengths through one Batcher, greedy and sampled, a stop token among
+    them: each equals its own run alone with plain_ahead=false."""
     ahead, twin = make_engine(pair, "ar", prefill_chunk=64), make_engine(pair, "ar", prefill_chunk=64, plain_ahead=False)
     reqs = []
     for i, n in enumerate([3, 30, 150, 70, 9]):
