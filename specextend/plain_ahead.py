@@ -1,4 +1,4 @@
-"""Plain greedy decoding with each forward queued one token ahead of the host (docs/architecture.md,
+"""Plain decoding with each forward queued one token ahead of the host (docs/architecture.md,
 "Plain steps ahead").
 
 A request that decodes plainly from its first token to its last (mode ar, or speculation off for
@@ -34,7 +34,7 @@ from specextend.target import TargetSession
 
 
 class _Queued:
-    """A token whose forward's argmax is queued on the device: its host copy and the event after it."""
+    """A token being chosen on the device (after its forward): its host copy and the event after it."""
 
     __slots__ = ("device", "host", "event")
 
@@ -45,7 +45,7 @@ class _Queued:
 
     def read(self) -> int:
         if self.event is not None:
-            self.event.synchronize()  # this forward's argmax and copy, not the forward queued after it
+            self.event.synchronize()  # the token's choice and copy, not the forward queued after it
         return int(self.host[0])
 
 

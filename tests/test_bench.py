@@ -334,3 +334,25 @@ def test_the_longest_sweep_prompt_and_its_new_tokens_fit_the_8b_context(doc):
     question = len(("\n\n" + doc.question).encode())
     assert LONG[-1] == 130_000 and new_tokens == 128
     assert LONG[-1] + question + new_tokens <= PRESETS["llama-3.1-8b"]["max_position_embeddings"]
+
+
+def test_the_serve_clients_lines_are_whole_whatever_the_reads():
+    """bench/serve._lines (the served suite's stream reader, linear in the bytes where requests'
+    iter_lines re-splits a long line at every read): every line whole and in order however the
+    bytes arrive (a line across reads, several in one read, a last one with no newline, a long one)."""
+    from specextend.bench.serve import _lines
+
+    class Response:
+        def __init__(self, reads):
+            self.reads = reads
+
+        def iter_content(self, chunk_size=None):
+            assert chunk_size is None  # whatever has arrived: a fixed size would hold the tokens back
+            return iter(self.reads)
+
+    reads = [b"data: {\"a\"", b": 1}\n\ndata: [1, ", b"2]\n", b"\n", b"data: [DONE]", b"\n\nlast"]
+    assert list(_lines(Response(reads))) == [b'data: {"a": 1}', b"", b"data: [1, 2]", b"", b"data: [DONE]", b"",
+                                             b"last"]
+    text = b"data: " + b"1, " * 400_000  # 1.2 MB: a 130K-token prompt's ids, read 512 bytes at a time
+    pieces = [text[i:i + 512] for i in range(0, len(text), 512)] + [b"\n\n"]
+    assert list(_lines(Response(pieces))) == [text, b""]
