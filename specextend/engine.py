@@ -291,8 +291,9 @@ class Engine(RequestLimits, DraftLink):
                     scored = refresh and cfg.retrieval.select == "attention"
                     clock("graft")
                     logits = yield from timed(target.verify_co(committed[-1], tokens, parents, capture=scored))
+                    clock("verify")  # (queued: from here the device runs it)
                     launch_scoring(retrieval)  # a selection not yet scored: in this forward's shadow
-                    clock("verify")
+                    clock("scoring")
                     if prepare and use_draft:  # queued: the draft prepares the next trees while it runs
                         t_prep = time.perf_counter()
                         prepared, late_ema = send_prepare(self.draft, lane if ask_early else None, sid, step,

@@ -177,7 +177,7 @@ def test_each_kind_of_step_splits_its_time_into_wait_forward_and_host(tiny_model
     assert f"tree {tree[0]} x " in line and "(wait " in line and ", forward " in line and ", host " in line
     # the phases split each kind's wall time (stats.PhaseClock): they add up to it, the tree's wait is its wait
     phases = st.phases
-    assert list(phases["tree"]) == ["wait", "graft", "verify", "verdict", "ask", "commit", "retrieval", "books"]
+    assert list(phases["tree"]) == ["wait", "graft", "verify", "scoring", "verdict", "ask", "commit", "retrieval", "books"]
     assert list(phases["plain"]) == ["step", "books"]
     for kind, sums in (("tree", tree), ("plain", plain)):
         assert sum(phases[kind].values()) == pytest.approx(sums[2], rel=1e-2)
