@@ -29,7 +29,7 @@ from specextend.sampling import make_generator, next_token
 from specextend.snapshot import SNAPSHOT_BOUND, SNAPSHOT_NODES, DraftFeed, SnapshotChoice
 from specextend.stats import RequestStats
 from specextend.scheduler import DraftCall, Load, drive_alone, metered
-from specextend.plain_ahead import plain_ahead_co
+from specextend.plain_ahead import plain_ahead_co, plain_run_co, run_length
 from specextend.plain_step import plain_step_co
 from specextend.prefix_cache import PrefixCache
 from specextend.request_limits import RequestLimits
@@ -42,8 +42,7 @@ Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  #
 
 class Engine(RequestLimits, DraftLink):
     carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
-    # adaptive policy: a session decodes plainly until its draft's open (prefill) is done, instead
-    # of waiting for it after the first token (docs/architecture.md, "Adaptive speculation")
+    # adaptive policy: plain steps until the draft's open (prefill) is done ("Adaptive speculation")
     join_early = True
 
     def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None,
@@ -142,8 +141,7 @@ class Engine(RequestLimits, DraftLink):
                 draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
                 opening = self._open_draft(sid, prompt_ids, DraftSessionParams(
                     draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
-            capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # the first
-            # retrieval is scored from the prefill
+            capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # (1st selection)
             logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache))
             stats.cached_prompt_tokens = target.cached_tokens
             target_prefill_s = time.perf_counter() - t0
@@ -152,9 +150,8 @@ class Engine(RequestLimits, DraftLink):
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             yield out.emit([token])  # the first token needs nothing from the draft: not its open either
-            # the draft joins once its open (its prefill) is done: with the adaptive policy the target
-            # decodes plainly meanwhile instead of waiting; the fixed policy (every step drafted)
-            # waits for it here (docs/architecture.md, "Adaptive speculation")
+            # the draft joins once its open (its prefill) is done: with the adaptive policy the target decodes
+            # plainly meanwhile; the fixed policy waits for it here (docs/architecture.md, "Adaptive speculation")
             if opening is not None and out.finish is None and (cfg.tree_policy != "adaptive" or not self.join_early):
                 use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
                 opening_pending = False
@@ -179,11 +176,9 @@ class Engine(RequestLimits, DraftLink):
             refresh_due = cfg.retrieval.every  # the verification (1-based) of the next retrieval selection
             prepared: Optional[Future] = None  # the draft's trees for the verdicts of the tree being verified
             ready: Optional[DraftTree] = None  # the next tree, found among them at the verdict (with early asks)
-            # an overlapping draft is told each plain step's tokens while the next forward runs: its pool
-            # follows them, the next tree can be ready (docs/architecture.md, "Overlapped drafting")
+            # an overlapping draft is told each plain step's tokens while the next forward runs ("Overlapped drafting")
             tell = use_draft and cfg.overlap and ready_only and cfg.draft_tell
-            # a tree step's verdict goes to the draft once known, its answer read by the next step: the
-            # round trip overlaps the commit, books and emit ("Pool snapshots", early asks; ask_ahead)
+            # a tree step's verdict goes to the draft once known, its answer read by the next step (ask_ahead)
             ask_early = tell and cfg.draft_ask_early
             if snap:  # every step's tokens to the draft at once, trees walked from its answers ("Pool snapshots")
                 asks, tell, ask_early = (tell, ask_early), False, False  # (back where snapshots give way)
@@ -343,6 +338,11 @@ class Engine(RequestLimits, DraftLink):
                     kind, split = "tree", (draft_s, ctl.last_forward_s)  # (the step's wait, its forward)
                 else:
                     asked = ready = None  # (an ask in flight: a tell after all, its answer unused)
+                    if (cfg.plain_ahead and use_draft and not (tell or opening_pending) and feed is None and ref is None
+                            and (k := run_length(ctl, out, stats))):  # a run of plain steps ahead ("Plain steps ahead")
+                        committed = yield from plain_run_co(target, committed[-1], out, stats, t1, gen, k, ctl, lookup)
+                        pending, t_back = pending + committed, time.perf_counter()
+                        continue
                     # the tokens so far go to the draft once this step's forward is queued (the
                     # call's host work while the device runs: start_ask), after the lane's calls, unwaited
                     send, scoring = None, retrieval  # (scoring: launched once this step's forward is queued)

@@ -25,7 +25,9 @@ from typing import Generator, Optional
 import torch
 
 from specextend.attention.backends import CAUSAL
+from specextend.controller import TreeController
 from specextend.emit import Emitter, StepEvent
+from specextend.lookup import RequestLookup
 from specextend.models.batch import ForwardCall
 from specextend.models.transfer import record_event, to_device, to_host
 from specextend.sampling import next_token_tensor
@@ -50,33 +52,72 @@ class _Queued:
 
 
 def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: RequestStats, t1: float,
-                   gen: torch.Generator) -> Generator[object, object, None]:
-    """Decodes from the emitted first token `first` to the request's end; yields each forward
-    (ForwardCall, answered with its result) and each token's StepEvent. `t1`: when decoding began
-    (perf_counter, for stats.decode_s); `gen`: the request's generator (sampling)."""
+                   gen: torch.Generator, limit: Optional[int] = None) -> Generator[object, object, list[int]]:
+    """Decodes from `first`, the last committed token (emitted, not yet in the cache), to the
+    request's end, or `limit` tokens (a run: plain_run_co); yields each forward (ForwardCall,
+    answered with its result) and each token's StepEvent; returns the tokens emitted. `t1`: when
+    decoding began (perf_counter, for stats.decode_s); `gen`: the request's generator (sampling).
+    The cache's invariant holds at the end: every token in it but the last emitted."""
     dev = target.model.device
     queued: Optional[_Queued] = None  # the token whose forward is queued, not yet read
     ids = to_device([first], torch.long, dev)  # [1] the next forward's input
-    t_step = time.perf_counter()
+    emitted: list[int] = []
+    forwards, t_step = 0, time.perf_counter()
     while out.finish is None:
-        # tokens emitted once `queued` is read: a forward past max_new_tokens would be wasted for sure
-        if stats.num_generated + (queued is not None) < out.params.max_new_tokens:
+        # tokens emitted once `queued` is read: a forward past max_new_tokens (or the run) would be wasted
+        if (stats.num_generated + (queued is not None) < out.params.max_new_tokens
+                and (limit is None or forwards < limit)):
             positions = to_device([target.cache.length], torch.long, dev)  # [1]
             logits, _ = yield ForwardCall(ids, positions, target.cache, CAUSAL)  # logits [1, V]
             target.cache.advance(1)
+            forwards += 1
             ahead: Optional[_Queued] = _Queued(next_token_tensor(logits[0], out.params, gen))
             ids = ahead.device
         else:
             ahead = None
-        if queued is None:  # (the first forward: nothing to read yet)
+        if queued is None:  # the first forward (nothing to read yet), or the run's end
+            if ahead is None:
+                break
             queued = ahead
             continue
         token = queued.read()
         queued = ahead
         now = time.perf_counter()
         ev: StepEvent = out.emit([token])
+        emitted += ev.token_ids
         stats.clock("plain", t_step).add("step", now - t_step)  # from the last token read to this one
         stats.decode_s = time.perf_counter() - t1
         stats.step_done("plain", len(ev.token_ids), time.perf_counter() - t_step)
         yield ev
         t_step = time.perf_counter()
+    return emitted
+
+
+RUN_TOKENS = 8  # a run's most tokens: a context lookup chain that became worth verifying waits at most that
+
+
+def run_length(ctl: TreeController, out: Emitter, stats: RequestStats) -> int:
+    """Tokens a run of plain steps ahead may take now, in a speculative request whose policy chose
+    a plain step (0: none, a step as usual): while no context lookup chain is worth verifying here,
+    up to RUN_TOKENS, never past the policy's next probe (its way back to trees) or the request's
+    end, and at least 2 (one token gains nothing)."""
+    if (ctl.chain_now is not None and ctl.chain_now[0]) or ctl.probe_every <= ctl.since_probe:
+        return 0
+    k = min(RUN_TOKENS, ctl.probe_every - ctl.since_probe, out.params.max_new_tokens - stats.num_generated)
+    return k if k >= 2 else 0
+
+
+def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float,
+                 gen: torch.Generator, k: int, ctl: TreeController,
+                 lookup: Optional[RequestLookup]) -> Generator[object, object, list[int]]:
+    """A run of `k` plain steps ahead (run_length) from the last committed token `last`: the tokens
+    emitted, each counted as a plain step by the policy (its probe schedule), the request's stats
+    and the context lookup's index. The draft hears of them with the next tree step's call, as of
+    any plain step's (the run is taken only without tells)."""
+    tokens = yield from plain_ahead_co(target, last, out, stats, t1, gen, limit=k)
+    for _ in tokens:  # (no forward timed: the policy keeps its plain step's measured cost)
+        ctl.record_plain()
+    stats.plain_steps += len(tokens)
+    if lookup is not None:
+        lookup.commit(tokens, 0)
+    return tokens

@@ -8,8 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend.config import SamplingParams
-from specextend.emit import StepEvent
+from specextend.config import SamplingParams, TreeConfig
+from specextend.controller import TreeController
+from specextend.emit import Emitter, StepEvent
+from specextend.ladder import PLAIN, ladder
+from specextend.plain_ahead import RUN_TOKENS, run_length
+from specextend.stats import RequestStats
 from specextend.models.batch import ForwardCall
 from specextend.sampling import next_token, next_token_tensor
 from specextend.scheduler import DraftCall
@@ -24,14 +28,15 @@ def _prompt(n, seed):
 
 @torch.inference_mode()
 def _trace(engine, prompt, params, **kw):
-    """Drives a session by hand: (tokens, finish, the sequence of 'F' (a forward) and 'E' (an event))."""
+    """Drives a session by hand: (tokens, finish, the sequence of 'F' (a one-token forward), 'V' (a
+    verification's) and 'E' (an event))."""
     co, send, order, tokens, finish = engine.session(prompt, params, **kw), None, [], [], None
     try:
         while True:
             item = co.send(send)
             send = None
             if isinstance(item, ForwardCall):
-                order.append("F" if not item.prompt else "P")
+                order.append("P" if item.prompt else "F" if item.ids.shape[0] == 1 else "V")  # V: a tree's
                 send = item.run(engine.target.decoder)
             elif isinstance(item, DraftCall):
                 send = item.result()
@@ -126,3 +131,53 @@ def test_batched_sessions_ahead_equal_the_twin_alone(pair):
     for (tokens, finish, _), (ref, ref_finish, _) in zip(got, alone):
         assert tokens == ref and finish == ref_finish
     assert got[1][1] == "stop" and b.max_calls == 4
+
+
+class _ProbeEvery(TreeController):
+    """Plain steps, and a tree every 5th step (a probe): the plain steps between are runs ahead."""
+
+    def choose(self, sessions=1):
+        self.begin_step()
+        self.probe_every = 5
+        if self.since_probe >= self.probe_every:
+            self.since_probe = 0
+            return self.top
+        return PLAIN
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_speculative_requests_plain_steps_run_ahead_between_its_trees(pair, ar_engine, sampled):
+    """Where the policy takes plain steps with no context lookup chain worth verifying, they run
+    ahead up to the next probe (plain_ahead.run_length); the probes' trees come as due, and the
+    output is plain decoding's, greedy or sampled; with plain_ahead=false the same steps read each
+    token first."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, **({"temperature": 0.9, "seed": 5} if sampled else {}))
+    want = ar_engine.generate(_prompt(50, 4), params)[0]
+    traces = {}
+    for ahead in (True, False):
+        engine = make_engine(pair, "specextend", tree_policy="adaptive", lookup_tokens=0, plain_ahead=ahead)
+        engine.new_controller = lambda tree: _ProbeEvery(ladder(tree))
+        tokens, finish, order = _trace(engine, _prompt(50, 4), params)
+        assert tokens == want and finish == "length"
+        traces[ahead] = order
+    assert "FF" in traces[True] and "FF" not in traces[False]  # a run: the next forward before the token
+    assert traces[True].count("F") == traces[False].count("F")  # the same forwards, none wasted
+    assert traces[True].count("V") == traces[False].count("V") >= 5  # the probes' trees, as due
+
+
+def test_run_length_stops_at_chains_probes_and_the_end():
+    ctl = _ProbeEvery(ladder(TreeConfig(8, 3, 2)))
+    out = Emitter(SamplingParams(max_new_tokens=100), [], RequestStats())
+    ctl.probe_every, ctl.since_probe = 20, 0
+    assert run_length(ctl, out, out.stats) == RUN_TOKENS
+    ctl.chain_now = (3, 1.5)  # a lookup chain worth verifying now: a step as usual
+    assert run_length(ctl, out, out.stats) == 0
+    ctl.chain_now = (0, 0.0)
+    ctl.since_probe = 17  # the probe in 3 steps
+    assert run_length(ctl, out, out.stats) == 3
+    ctl.since_probe = 19  # in 1: a run of one gains nothing
+    assert run_length(ctl, out, out.stats) == 0
+    ctl.since_probe, out.stats.num_generated = 0, 96  # 4 tokens left
+    assert run_length(ctl, out, out.stats) == 4
+    ctl.probe_every = 0  # no probe schedule yet (warm-up): no run
+    assert run_length(ctl, out, out.stats) == 0
