@@ -341,8 +341,8 @@ class Engine(RequestLimits, DraftLink):
                     if (cfg.plain_ahead and use_draft and not (tell or opening_pending) and feed is None and ref is None
                             and (k := run_length(ctl, out, stats))):  # a run of plain steps ahead ("Plain steps ahead")
                         committed = yield from plain_run_co(target, committed[-1], out, stats, t1, gen, k, ctl, lookup)
-                        pending, t_back = pending + committed, time.perf_counter()
-                        continue
+                        pending, t_back, load.others_wait_s = pending + committed, time.perf_counter(), 0.0
+                        continue  # (waits shared during the run are not the next step's: Load.wall)
                     # the tokens so far go to the draft once this step's forward is queued (the
                     # call's host work while the device runs: start_ask), after the lane's calls, unwaited
                     send, scoring = None, retrieval  # (scoring: launched once this step's forward is queued)
