@@ -181,3 +181,27 @@ def test_run_length_stops_at_chains_probes_and_the_end():
     assert run_length(ctl, out, out.stats) == 4
     ctl.probe_every = 0  # no probe schedule yet (warm-up): no run
     assert run_length(ctl, out, out.stats) == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the device path: pinned copies, events, graph inputs"))])
+def test_a_built_engine_ahead_equals_the_twin_alone_and_batched(device):
+    """An engine as the CLI and the app build it; on a GPU with CUDA graphs, the token fed from
+    the device into the graph's input buffer and read through a pinned copy and an event: greedy and
+    sampled sessions ahead, alone and batched, equal the twin's run alone."""
+    from dataclasses import replace
+
+    from specextend.builder import build_engine
+    from specextend.config import EngineConfig
+
+    engine = build_engine(EngineConfig(target="random:llama-tiny", draft="random:llama-tiny-draft", mode="ar",
+                                       device=device, dtype="float32", prefill_chunk=64))
+    reqs = [(_prompt(n, 20 + i), SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                                **({"temperature": 0.8, "seed": i} if i % 2 else {})), {})
+            for i, n in enumerate([5, 70, 130, 33])]
+    engine.config = replace(engine.config, plain_ahead=False)
+    twin = [engine.generate(p, params)[0] for p, params, _ in reqs]
+    engine.config = replace(engine.config, plain_ahead=True)
+    assert [engine.generate(p, params)[0] for p, params, _ in reqs] == twin
+    got, _ = run_batched(engine, reqs, max_batch=4)
+    assert [tokens for tokens, _, _ in got] == twin
