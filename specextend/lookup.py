@@ -272,6 +272,28 @@ class RequestLookup:
         self._step = (n, chain, used)
         return (out_t, out_p, new) if used else (list(tokens), list(parents), 0)
 
+    def commit_run(self, emitted: Sequence[int]) -> None:
+        """A run of plain steps (plain_ahead.plain_run_co) emitted `emitted`, asking for no chain:
+        each token teaches the gate what the chain a plain step would have skipped there (if any)
+        would have given, as such a step's commit does, and extends the index."""
+        for tok in emitted:
+            n, chain = self.index.match(self.max_tokens)
+            if chain:
+                self.gate.observe_skipped(n, int(tok) == int(chain[0]))
+            self.index.extend([tok])
+
+    def could_pay(self) -> bool:
+        """Whether a chain could be worth verifying alone now, of any order, by its gate's rates and
+        the cost line: a one-node chain of each, the cheapest. False: a run of plain steps forgoes
+        nothing (any chain found in it would be skipped); its commit_run teaches the gate on."""
+        return any(self._pays(n, 1, alone=True) for n in self.index.ns)
+
+    @property
+    def priced(self) -> bool:
+        """Whether the gate has measured a plain step's host work (a plain step's commit teaches it):
+        runs of plain steps, which teach it nothing of that, wait for it."""
+        return self.gate.host[False] is not None
+
     def commit(self, emitted: Sequence[int], from_chain: int, step_s: Optional[float] = None) -> None:
         """The step emitted `emitted` (committed order), `from_chain` of them accepted only because
         the chain proposed them; `step_s`: a step without a tree's wall time, which teaches the gate

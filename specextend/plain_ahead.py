@@ -93,17 +93,23 @@ def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: Reque
     return emitted
 
 
-RUN_TOKENS = 8  # a run's most tokens: a context lookup chain that became worth verifying waits at most that
+RUN_TOKENS = 8  # a run's most tokens: a gate that learns chains pay again waits at most that
 
 
-def run_length(ctl: TreeController, out: Emitter, stats: RequestStats) -> int:
-    """Tokens a run of plain steps ahead may take now, in a speculative request whose policy chose
-    a plain step (0: none, a step as usual): while no context lookup chain is worth verifying here,
-    up to RUN_TOKENS, never past the policy's next probe (its way back to trees) or the request's
-    end, and at least 2 (one token gains nothing)."""
-    if (ctl.chain_now is not None and ctl.chain_now[0]) or ctl.probe_every <= ctl.since_probe:
+def run_length(ctl: TreeController, out: Emitter, stats: RequestStats, lookup: Optional[RequestLookup] = None,
+               speculative: bool = True) -> int:
+    """Tokens a run of plain steps ahead may take now, at a plain step (0: none, a step as usual):
+    where the request's context `lookup` (if any) would verify no chain found in the run
+    (RequestLookup.could_pay: a chain appears at any token, so "none here" is not enough), once its
+    gate has measured a plain step's host work (RequestLookup.priced); up to RUN_TOKENS, never past
+    the request's end, at least 2 (one token gains nothing); in a `speculative` request (its policy
+    chose the plain step) never past the policy's next probe, its way back to trees."""
+    if lookup is not None and (not lookup.priced or lookup.could_pay()):  # (priced: a plain step's host
+        return 0  # work measured first, which a run does not teach the gate)
+    if speculative and ctl.probe_every <= ctl.since_probe:
         return 0
-    k = min(RUN_TOKENS, ctl.probe_every - ctl.since_probe, out.params.max_new_tokens - stats.num_generated)
+    to_probe = ctl.probe_every - ctl.since_probe if speculative else RUN_TOKENS
+    k = min(RUN_TOKENS, to_probe, out.params.max_new_tokens - stats.num_generated)
     return k if k >= 2 else 0
 
 
@@ -112,12 +118,12 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
                  lookup: Optional[RequestLookup]) -> Generator[object, object, list[int]]:
     """A run of `k` plain steps ahead (run_length) from the last committed token `last`: the tokens
     emitted, each counted as a plain step by the policy (its probe schedule), the request's stats
-    and the context lookup's index. The draft hears of them with the next tree step's call, as of
+    and the context lookup (RequestLookup.commit_run). The draft hears of them with the next tree step's call, as of
     any plain step's (the run is taken only without tells)."""
     tokens = yield from plain_ahead_co(target, last, out, stats, t1, gen, limit=k)
     for _ in tokens:  # (no forward timed: the policy keeps its plain step's measured cost)
         ctl.record_plain()
     stats.plain_steps += len(tokens)
-    if lookup is not None:
-        lookup.commit(tokens, 0)
+    if lookup is not None:  # (each token teaches the gate what the chain skipped there would have given)
+        lookup.commit_run(tokens)
     return tokens

@@ -195,3 +195,37 @@ def test_index_of_a_long_prompt_equals_its_twin():
     for t in ids[450:]:
         assert idx.match(6) == idx.match_vectorised(6) and idx.match(6)[0] > 0
         idx.extend([t])
+
+
+def test_a_run_teaches_the_gate_as_plain_steps_that_skip_their_chains_do():
+    """RequestLookup.commit_run (a run of plain steps ahead): the index and the gate's hit rates
+    end as after one plain step per token whose chain the gate skipped (chain(), then commit)."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(6) for _ in range(60)]  # a small vocabulary: chains everywhere, some hit
+    tokens = [rng.randrange(6) for _ in range(40)]
+
+    class Skip(LookupGate):
+        def use(self, *a, **k):
+            return False
+
+    run, steps = (RequestLookup(ContextIndex(prompt, 6), 4, cost=lambda rows: 1e-3, gate=Skip()) for _ in range(2))
+    run.commit_run(tokens)
+    for tok in tokens:
+        assert steps.chain() == []  # skipped: a plain step
+        steps.commit([tok], 0)
+    assert run.gate.hit == steps.gate.hit and run.gate.hit
+    assert run.index.ids[:run.index.length].tolist() == steps.index.ids[:steps.index.length].tolist() == prompt + tokens
+    assert not run.priced  # (a run measures no host work)
+
+
+def test_could_pay_asks_the_gate_for_the_cheapest_chain_of_each_order():
+    """RequestLookup.could_pay (runs of plain steps forgo chains only where none could pay): a
+    one-node chain of some order worth its row by the gate's rates, whether or not one is found
+    here; with rows costing as much as a plain step, a chain pays where its expected gain is 1."""
+    look = RequestLookup(ContextIndex([1, 2, 3], 8), 4, cost=lambda rows: 1e-3 * rows)  # (no chain here)
+    assert look.could_pay()  # the prior: half of the chains hit, 2 tokens each -> gain 1
+    for n in look.index.ns:
+        look.gate.hit[n] = 0.1  # gain 0.2 < 1
+    assert not look.could_pay()
+    look.gate.hit[look.index.ns[-1]] = 0.9  # one order that pays
+    assert look.could_pay()

@@ -165,22 +165,39 @@ def test_a_speculative_requests_plain_steps_run_ahead_between_its_trees(pair, ar
     assert traces[True].count("V") == traces[False].count("V") >= 5  # the probes' trees, as due
 
 
+class _Lookup:
+    """What run_length asks of a request's lookup."""
+
+    pays, priced = False, True
+
+    def could_pay(self):
+        return self.pays
+
+
 def test_run_length_stops_at_chains_probes_and_the_end():
-    ctl = _ProbeEvery(ladder(TreeConfig(8, 3, 2)))
+    ctl, lookup = _ProbeEvery(ladder(TreeConfig(8, 3, 2))), _Lookup()
     out = Emitter(SamplingParams(max_new_tokens=100), [], RequestStats())
     ctl.probe_every, ctl.since_probe = 20, 0
-    assert run_length(ctl, out, out.stats) == RUN_TOKENS
-    ctl.chain_now = (3, 1.5)  # a lookup chain worth verifying now: a step as usual
-    assert run_length(ctl, out, out.stats) == 0
-    ctl.chain_now = (0, 0.0)
+    assert run_length(ctl, out, out.stats, lookup) == run_length(ctl, out, out.stats) == RUN_TOKENS
+    lookup.pays = True  # a chain could be worth verifying: steps as usual
+    assert run_length(ctl, out, out.stats, lookup) == 0
+    lookup.pays, lookup.priced = False, False  # the gate has not measured a plain step's host work
+    assert run_length(ctl, out, out.stats, lookup) == 0
+    lookup.priced = True
     ctl.since_probe = 17  # the probe in 3 steps
-    assert run_length(ctl, out, out.stats) == 3
+    assert run_length(ctl, out, out.stats, lookup) == 3
     ctl.since_probe = 19  # in 1: a run of one gains nothing
-    assert run_length(ctl, out, out.stats) == 0
+    assert run_length(ctl, out, out.stats, lookup) == 0
     ctl.since_probe, out.stats.num_generated = 0, 96  # 4 tokens left
-    assert run_length(ctl, out, out.stats) == 4
+    assert run_length(ctl, out, out.stats, lookup) == 4
     ctl.probe_every = 0  # no probe schedule yet (warm-up): no run
-    assert run_length(ctl, out, out.stats) == 0
+    assert run_length(ctl, out, out.stats, lookup) == 0
+    # without a draft (mode lookup, a draft that can never pay or failed): no probe schedule to keep
+    out.stats.num_generated = 0
+    assert run_length(ctl, out, out.stats, lookup, speculative=False) == RUN_TOKENS
+    assert run_length(ctl, out, out.stats, None, speculative=False) == RUN_TOKENS
+    lookup.pays = True
+    assert run_length(ctl, out, out.stats, lookup, speculative=False) == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -205,3 +222,22 @@ def test_a_built_engine_ahead_equals_the_twin_alone_and_batched(device):
     assert [engine.generate(p, params)[0] for p, params, _ in reqs] == twin
     got, _ = run_batched(engine, reqs, max_batch=4)
     assert [tokens for tokens, _, _ in got] == twin
+
+
+@pytest.mark.parametrize("chains_pay", [False, True])
+def test_lookup_only_requests_run_ahead_where_no_chain_pays(pair, ar_engine, monkeypatch, chains_pay):
+    """Mode lookup (no draft): where the context lookup's gate takes no chain, plain steps run
+    ahead; where it takes every chain found, those steps verify chains as before; plain
+    decoding's output either way, with a prompt that repeats itself (chains to find)."""
+    from specextend.lookup import LookupGate
+
+    monkeypatch.setattr(LookupGate, "use", lambda self, *a, **k: chains_pay)
+    prompt = _prompt(40, 6) * 3
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    want = ar_engine.generate(prompt, params)[0]
+    tokens, finish, order = _trace(make_engine(pair, "lookup"), prompt, params)
+    assert tokens == want and finish == "length"
+    if chains_pay:
+        assert "V" in order  # chains verified
+    else:
+        assert "V" not in order and order.count("FF") >= 3 and order.count("F") == len(want) - 1
