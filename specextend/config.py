@@ -162,7 +162,8 @@ class EngineConfig:
         True, description="a request that decodes plainly throughout (mode ar, or speculation off, with no "
                           "context lookup) queues each forward with its input token still on the device, before the "
                           "host reads the token before it, so that the host's work per token overlaps the device's; "
-                          "a speculative request's plain steps do so in runs between the adaptive policy's probes "
+                          "a speculative request's plain steps do so in runs between the adaptive policy's probes, "
+                          "where no context lookup chain could pay "
                           "(false: each token is read before the next forward; the slow twin)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")

@@ -74,7 +74,8 @@ def test_completion_equals_greedy(client, reference):
     ids = reference.tokenizer.encode(PROMPT)
     ref = reference(ids, 24)
     out = speculated(lambda: client.completions.create(model=TARGET, prompt=PROMPT, max_tokens=24, temperature=0,
-                                                       extra_body={"return_token_ids": True, "ignore_eos": True}), ref)
+                                                       extra_body={"return_token_ids": True, "ignore_eos": True}), ref,
+                      tries=10)  # (the app's first requests: on a loaded CPU five verified no tree once, 2026-11-29)
     choice = out.choices[0]
     assert choice.token_ids == ref and choice.prompt_token_ids == ids
     assert choice.finish_reason == "length"
