@@ -20,16 +20,14 @@ plain_ahead=false), which reads each token before the next forward; tests compar
 from __future__ import annotations
 
 import time
-from typing import Generator, Optional
+from typing import Generator, Optional, Union
 
 import torch
 
-from specextend.attention.backends import CAUSAL
 from specextend.controller import TreeController
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import RequestLookup
-from specextend.models.batch import ForwardCall
-from specextend.models.transfer import record_event, to_device, to_host
+from specextend.models.transfer import record_event, to_host
 from specextend.sampling import next_token_tensor
 from specextend.stats import RequestStats
 from specextend.target import TargetSession
@@ -58,20 +56,17 @@ def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: Reque
     answered with its result) and each token's StepEvent; returns the tokens emitted. `t1`: when
     decoding began (perf_counter, for stats.decode_s); `gen`: the request's generator (sampling).
     The cache's invariant holds at the end: every token in it but the last emitted."""
-    dev = target.model.device
     queued: Optional[_Queued] = None  # the token whose forward is queued, not yet read
-    ids = to_device([first], torch.long, dev)  # [1] the next forward's input
+    ids: Union[int, torch.Tensor] = first  # the next forward's input: then a [1] tensor on the device
     emitted: list[int] = []
     forwards, t_step = 0, time.perf_counter()
     while out.finish is None:
         # tokens emitted once `queued` is read: a forward past max_new_tokens (or the run) would be wasted
         if (stats.num_generated + (queued is not None) < out.params.max_new_tokens
                 and (limit is None or forwards < limit)):
-            positions = to_device([target.cache.length], torch.long, dev)  # [1]
-            logits, _ = yield ForwardCall(ids, positions, target.cache, CAUSAL)  # logits [1, V]
-            target.cache.advance(1)
+            logits = yield from target.decode_co(ids)  # [V]
             forwards += 1
-            ahead: Optional[_Queued] = _Queued(next_token_tensor(logits[0], out.params, gen))
+            ahead: Optional[_Queued] = _Queued(next_token_tensor(logits, out.params, gen))
             ids = ahead.device
         else:
             ahead = None

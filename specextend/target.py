@@ -99,9 +99,15 @@ class TargetSession:
         """Autoregressive step: forward the last committed token; returns its logits [V]."""
         return self.run(self.decode_co(token))
 
-    def decode_co(self, token: int) -> Generator[ForwardCall, Result, torch.Tensor]:
-        both = to_device([token, self.cache.length], torch.long, self.model.device)  # one copy: id, position
-        logits, _ = yield ForwardCall(both[:1], both[1:], self.cache, CAUSAL)
+    def decode_co(self, token: Union[int, torch.Tensor]) -> Generator[ForwardCall, Result, torch.Tensor]:
+        """`token`: a host id, or a [1] int64 tensor on the model's device, still being computed
+        there (plain steps ahead: the forward copies it into its input where the device reaches it)."""
+        if isinstance(token, torch.Tensor):
+            ids, positions = token, to_device([self.cache.length], torch.long, self.model.device)  # [1], [1]
+        else:
+            both = to_device([token, self.cache.length], torch.long, self.model.device)  # one copy: id, position
+            ids, positions = both[:1], both[1:]
+        logits, _ = yield ForwardCall(ids, positions, self.cache, CAUSAL)
         self.cache.advance(1)
         return logits[0]
 
