@@ -276,11 +276,10 @@ class RequestLookup:
         """A run of plain steps (plain_ahead.plain_run_co) emitted `emitted`, asking for no chain:
         each token teaches the gate what the chain a plain step would have skipped there (if any)
         would have given, as such a step's commit does, and extends the index."""
-        for tok in emitted:
+        for tok in emitted:  # each as a plain step whose chain (if any) was skipped: chain(), then commit
             n, chain = self.index.match(self.max_tokens)
-            if chain:
-                self.gate.observe_skipped(n, int(tok) == int(chain[0]))
-            self.index.extend([tok])
+            self._step, self._rows = ((n, chain, False) if chain else None), 0  # (no host work to learn)
+            self.commit([tok], 0)
 
     def could_pay(self) -> bool:
         """Whether a chain could be worth verifying alone now, of any order, by its gate's rates and
