@@ -104,24 +104,6 @@ def test_prompt_token_ids_and_eos(client, reference):
     assert out.choices[0].finish_reason == ("length" if len(ref) == 64 else "stop")
 
 
-def test_streamed_prompt_token_ids_come_first(client, reference):
-    """With return_token_ids a stream's prompt ids come in its first chunk (as vLLM's do), not with
-    its last tokens: a long prompt's ids do not delay the end of the stream."""
-    ids = reference.tokenizer.encode(PROMPT)
-    messages = [{"role": "user", "content": "Hi there!"}]
-    for chat in (False, True):
-        kw = dict(model=TARGET, max_tokens=12, temperature=0, stream=True,
-                  extra_body={"return_token_ids": True, "ignore_eos": True})
-        stream = (client.chat.completions.create(messages=messages, **kw) if chat
-                  else client.completions.create(prompt=ids, **kw))
-        chunks = [c for c in stream if c.choices and (getattr(c.choices[0], "token_ids", None) or c.choices[0].finish_reason)]
-        got = [(c.model_extra.get("prompt_token_ids") if chat else c.choices[0].model_extra.get("prompt_token_ids"))
-               for c in chunks]
-        want = chat_ids(reference.tokenizer, messages) if chat else ids
-        assert len(chunks) >= 2 and got[0] == want and not any(got[1:])
-        assert chunks[-1].choices[0].finish_reason == "length"
-
-
 def test_chat_equals_greedy(client, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
     ids = chat_ids(reference.tokenizer, messages)

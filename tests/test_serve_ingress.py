@@ -1,6 +1,7 @@
 """The served app's ingress and operations, end to end (tiny pair on CPU, real Ray Serve, real
 HTTP): body limits and read timeouts, tokenising off the event loop, prompts refused before the
-replica, current gauges, quiet logs. The generation paths are test_serve.py's."""
+replica, current gauges, quiet logs, the stream's framing of prompt ids. The generation paths are
+test_serve.py's."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from helpers import SERVE_PROMPT as PROMPT, SERVE_SETTINGS as SETTINGS, app_fixture, openai_client
+from helpers import SERVE_PROMPT as PROMPT, SERVE_SETTINGS as SETTINGS, SERVE_TARGET, app_fixture, chat_ids, openai_client
 
 pytestmark = [pytest.mark.serve, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 PORT, BASE, server = app_fixture(SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The served target's tokenizer."""
+    from specextend.models.loader import load_model
+
+    return load_model(SERVE_TARGET, dtype="float32").tokenizer
 
 
 def test_head_health(server):
@@ -169,3 +178,22 @@ def test_client_errors_and_disconnects_log_no_tracebacks(server):
     bad = [line for line in new.splitlines() if line.startswith("ERROR") or "Traceback" in line
            or "ExceptionGroup" in line]
     assert not bad, "\n".join(bad[:10])
+
+
+def test_streamed_prompt_token_ids_come_first(server, tokenizer):
+    """With return_token_ids a stream's prompt ids come in its first chunk (as vLLM's do), not with
+    its last tokens: a long prompt's ids do not delay the end of the stream."""
+    client = openai_client(BASE)
+    ids = tokenizer.encode(PROMPT)
+    messages = [{"role": "user", "content": "Hi there!"}]
+    for chat in (False, True):
+        kw = dict(model=SERVE_TARGET, max_tokens=12, temperature=0, stream=True,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+        stream = (client.chat.completions.create(messages=messages, **kw) if chat
+                  else client.completions.create(prompt=ids, **kw))
+        chunks = [c for c in stream if c.choices and (getattr(c.choices[0], "token_ids", None) or c.choices[0].finish_reason)]
+        got = [(c.model_extra.get("prompt_token_ids") if chat else c.choices[0].model_extra.get("prompt_token_ids"))
+               for c in chunks]
+        want = chat_ids(tokenizer, messages) if chat else ids
+        assert len(chunks) >= 2 and got[0] == want and not any(got[1:])
+        assert chunks[-1].choices[0].finish_reason == "length"
