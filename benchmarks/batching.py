@@ -141,6 +141,13 @@ def main(argv=None) -> int:
     rows = []
     bw = copy_bandwidth(torch.device(a.device)) if a.device != "cpu" else 0.0  # no ceiling on the CPU
     lengths = [int(x) for x in a.prompt_len.split(",")]
+    commit = record.commit()
+    device = a.device if a.device == "cpu" else torch.cuda.get_device_name()
+    meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(),
+                command="python benchmarks/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                threads=torch.get_num_threads(), copy_bandwidth=bw)
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"batching-{a.device}{'-adaptive' if a.tree_policy == 'adaptive' else ''}.json"
     for mode in a.modes.split(","):
         cfg = EngineConfig(target=a.target, draft=a.draft, mode=mode, device=a.device, dtype=a.dtype,
                            tree_policy=a.tree_policy)
@@ -180,14 +187,7 @@ def main(argv=None) -> int:
                               for (mb, db, gs, gb), c in zip(plans, cells))
                   + f"  -> {best / max(got[0]['decode_tokens_per_s'], 1e-9):.2f}x"
                   + (f", {best / top:.0%} of the {top:.0f} tok/s ceiling" if top else ""), flush=True)
-    commit = record.commit()
-    device = a.device if a.device == "cpu" else torch.cuda.get_device_name()
-    meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(),
-                command="python benchmarks/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                threads=torch.get_num_threads(), copy_bandwidth=bw)
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"batching-{a.device}{'-adaptive' if a.tree_policy == 'adaptive' else ''}.json"
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+            path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")  # a cut run keeps its rows
     print(f"wrote {path}")
     return 0
 

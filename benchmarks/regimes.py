@@ -138,7 +138,6 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     names = a.regimes.split(",") if a.regimes else list(REGIMES if a.device == "cpu" else GPU_REGIMES)
-    rows = [run_regime(name, a.reps, a.length, a.new_tokens, a.device) for name in names]
     commit = record.commit()
     device = "cpu" if a.device == "cpu" else torch.cuda.get_device_name()
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(), cores=os.cpu_count(),
@@ -146,7 +145,10 @@ def main(argv=None) -> int:
                 command="python benchmarks/regimes.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / ("regimes-cpu.json" if a.device == "cpu" else f"regimes-{record.slug(record.device_name(a.device))}.json")
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    rows = []
+    for name in names:  # the file after every regime: a run cut by its time limit keeps what finished
+        rows.append(run_regime(name, a.reps, a.length, a.new_tokens, a.device))
+        path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {path}")
     return 0
 
