@@ -257,7 +257,7 @@ class Engine(RequestLimits, DraftLink):
                         if feed is not None:  # (with a selection held since the last verdict)
                             feed.push(committed, retrieval)
                             pending, retrieval = [], None
-                        ctl.record_unready(rung, draft_s, step_s=load.wall(t_step),
+                        ctl.record_unready(rung, draft_s - load.take_shared(), step_s=load.wall(t_step),
                                            lookup=len(committed) - 1)
                         if ask_early and not out.ends(committed):  # the next step chosen now: a tree's ask goes
                             chosen, asked, step, pending, retrieval = ask_ahead(
@@ -331,7 +331,7 @@ class Engine(RequestLimits, DraftLink):
                     if lookup is not None:
                         lookup.commit(committed, verdict.accept_length - len(own))
                     one_off, self._first_tree = self._first_tree, False  # (docs: "Adaptive speculation")
-                    ctl.record_spec(rung, None if caught_up or one_off else draft_s,
+                    ctl.record_spec(rung, None if caught_up or one_off else draft_s - load.take_shared(),
                                     prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
                                     step_s=load.wall(t_step), lookup=verdict.accept_length - len(own))
                     stats.probe_steps = ctl.probe_steps

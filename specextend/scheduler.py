@@ -66,12 +66,19 @@ class Load:
     rows: int = 0  # rows of the forward, every call's
     span: Optional[Span] = None  # its duration (timing.Span); None once taken, or when the driver does not time it
     others_wait_s: float = 0.0  # rounds' waits for other sessions' draft steps since `wall` last took them
+    shared_s: float = 0.0  # of its last draft wait, the part that the round's other askers' steps shared
+
+    def take_shared(self) -> float:
+        """Takes `shared_s` (Batcher._share; `wall` drops it): a draft step's price to the policy is
+        its share of the round's draft wait, as a forward's fixed cost is shared."""
+        out, self.shared_s = self.shared_s, 0.0
+        return out
 
     def wall(self, t0: float) -> float:
         """A step's wall time since perf_counter `t0`, less the waits for other sessions' draft
         steps that rounds made it share: what its own choice cost (docs/architecture.md, "Adaptive
         speculation", under load). Takes those waits."""
-        out, self.others_wait_s = time.perf_counter() - t0 - self.others_wait_s, 0.0
+        out, self.others_wait_s, self.shared_s = time.perf_counter() - t0 - self.others_wait_s, 0.0, 0.0
         return max(out, 0.0)
 
     def forward(self, rows: int, span: Span) -> tuple[int, Span]:
@@ -267,6 +274,7 @@ class Batcher:
             t0 = time.perf_counter()
             wait([e.future for e in askers])
             self._charge_others(askers, time.perf_counter() - t0)
+            self._share(askers, time.perf_counter() - t0)
             for e in step_futures:
                 if e.future.done():
                     self._advance(e)
@@ -320,6 +328,15 @@ class Batcher:
         for e in self._sessions:
             if e.load is not None and id(e) not in mine:
                 e.load.others_wait_s += seconds
+
+    @staticmethod
+    def _share(askers: list[_Entry], seconds: float) -> None:
+        """`askers` waited `seconds` together for their draft steps (batched on the draft worker, or
+        one after another there): each is charged its share, the rest counted as others' wait."""
+        for e in askers:
+            if e.load is not None:
+                rest = seconds * (len(askers) - 1) / len(askers)
+                e.load.shared_s, e.load.others_wait_s = rest, e.load.others_wait_s + rest
 
     @staticmethod
     def _tell_loads(group: list[_Entry], span: Span) -> None:

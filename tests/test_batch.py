@@ -328,6 +328,23 @@ def test_load_wall_takes_the_waits_for_other_sessions_draft_steps():
     assert load.wall(time.perf_counter() + 1.0) == 0.0  # never negative
 
 
+def test_sessions_that_wait_together_for_their_draft_steps_are_each_charged_a_share():
+    """Three sessions' draft steps waited for in one round (batched on the draft worker): each
+    session's step is priced at a third of the wait (Load.take_shared), the rest kept apart as
+    others' wait (Load.wall), as a shared forward's fixed cost is split (docs/architecture.md,
+    "Adaptive speculation")."""
+    from types import SimpleNamespace
+
+    from specextend.scheduler import Batcher, Load
+
+    loads = [Load(), Load(), Load()]
+    Batcher._share([SimpleNamespace(load=x) for x in loads] + [SimpleNamespace(load=None)], 0.04)
+    assert [x.shared_s for x in loads] == pytest.approx([0.03] * 3)  # four askers: three quarters others'
+    assert loads[0].take_shared() == pytest.approx(0.03) and loads[0].take_shared() == 0.0  # taken once
+    t0 = time.perf_counter() - 0.05
+    assert 0.005 < loads[1].wall(t0) < 0.03 and loads[1].shared_s == 0.0  # a step's wall drops what it did not take
+
+
 def test_a_round_charges_its_draft_wait_to_the_sessions_that_did_not_ask(tiny_models):
     """Under load a plain session's step shares the round's wait for another session's draft step;
     its Load keeps that wait apart (Load.wall), so that its policy does not see plain steps as

@@ -14,23 +14,25 @@ from specextend.ladder import PLAIN, Rung, ladder, prefix_accepts
 
 
 TREE = TreeConfig(16, 6, 4)
-RUNGS = ladder(TREE)  # plain, 4 nodes, 8 (3 and 4 levels), 16 (3 and 6 levels)
+RUNGS = ladder(TREE)  # plain, 4 nodes (3 and 4 levels), 8 and 16 (3 and 6 levels)
 
 
 def test_ladder():
-    """Sizes doubling from 4, each at most 1 + log2(n) levels deep, the session's tree at its depth,
-    and each size that goes deeper than 3 levels also 3 levels deep (half the drafting)."""
-    assert RUNGS == [PLAIN, Rung(4, 3), Rung(8, 3), Rung(8, 4), Rung(16, 3), Rung(16, 6)]
+    """Sizes doubling from 4, each as deep as the session's tree (n nodes reach n levels at most),
+    the session's tree at its depth, and each size that goes deeper than 3 levels also 3 levels
+    deep (half the drafting)."""
+    assert RUNGS == [PLAIN, Rung(4, 3), Rung(4, 4), Rung(8, 3), Rung(8, 6), Rung(16, 3), Rung(16, 6)]
     assert ladder(TreeConfig(12, 3, 2)) == [PLAIN, Rung(4, 3), Rung(8, 3), Rung(12, 3)]
-    assert ladder(TreeConfig(2, 4, 2)) == [PLAIN, Rung(2, 4)]  # 2 nodes reach 2 levels at most
-    assert ladder(TreeConfig(32, 6, 4))[-3:] == [Rung(16, 5), Rung(32, 3), Rung(32, 6)]
+    assert ladder(TreeConfig(2, 4, 2)) == [PLAIN, Rung(2, 4)]  # the session's tree as configured
+    assert ladder(TreeConfig(32, 6, 4))[-4:] == [Rung(16, 3), Rung(16, 6), Rung(32, 3), Rung(32, 6)]
+    assert ladder(TreeConfig(16, 4, 4))[1:5] == [Rung(4, 3), Rung(4, 4), Rung(8, 3), Rung(8, 4)]
 
 
 def test_a_rung_never_measured_is_estimated_from_one_inside_it():
     """The fallback estimate is a rung with no more nodes and no more depth (a lower bound): the
-    16-node 3-level rung takes the 8-node 3-level one's, not the 8-node 4-level one's."""
+    16-node 3-level rung takes the 8-node 3-level one's, not the 8-node 6-level one's."""
     ctl = TreeController(list(RUNGS))
-    ctl.accepted = {Rung(8, 3): 1.5, Rung(8, 4): 2.5}
+    ctl.accepted = {Rung(8, 3): 1.5, Rung(8, 6): 2.5}
     assert ctl.expected_accepted(Rung(16, 3)) == 1.5 and ctl.expected_accepted(Rung(16, 6)) == 2.5
 
 
@@ -90,13 +92,14 @@ def simulate(ctl, accepted, steps, sessions=1, level=LEVEL):
     return chosen
 
 
-PROFILES = {  # accepted draft tokens per step of the trees (nodes x levels) 4x3, 8x3, 8x4, 16x3, 16x6
-    "easy": (2.2, 2.9, 3.2, 3.0, 4.8),  # deep paths: the full tree
-    "wide": (1.6, 2.0, 2.05, 2.7, 2.8),  # many short candidates: 16 nodes, 3 levels
-    "deep8": (1.6, 2.0, 2.6, 2.1, 2.7),
-    "medium": (1.6, 2.2, 2.2, 2.3, 2.4),
-    "hard": (0.8, 0.9, 1.0, 1.0, 1.1),
-    "useless": (0.05, 0.05, 0.05, 0.06, 0.06),
+PROFILES = {  # accepted draft tokens per step of the trees (nodes x levels) 4x3, 4x4, 8x3, 8x6, 16x3, 16x6
+    "easy": (2.2, 2.6, 2.9, 3.6, 3.0, 4.8),  # deep paths: the full tree
+    "wide": (1.6, 1.65, 2.0, 2.05, 2.7, 2.8),  # many short candidates: 16 nodes, 3 levels
+    "deep8": (1.6, 1.9, 2.0, 2.6, 2.1, 2.7),
+    "deep4": (1.6, 2.2, 1.9, 2.3, 2.0, 2.4),  # one sure path: a narrow deep tree
+    "medium": (1.6, 1.65, 2.2, 2.2, 2.3, 2.4),
+    "hard": (0.8, 0.85, 0.9, 1.0, 1.0, 1.1),
+    "useless": (0.05, 0.05, 0.05, 0.05, 0.06, 0.06),
 }
 
 

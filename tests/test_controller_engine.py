@@ -22,7 +22,8 @@ class Rigged(TreeController):
     def choose(self, sessions=1):
         self.heard.append(sessions)
         steps = self.spec_steps + self.plain_steps + self.unready_steps
-        return self.rungs[(5 * steps + 1) % len(self.rungs)]  # 5: prime to 4 and 6
+        trees = self.rungs[1:]
+        return trees[(steps // 2) % len(trees)] if steps % 2 == 0 else self.rungs[0]  # plain every other step
 
     def record_forward(self, rows, seconds):
         self.rows.append(rows)

@@ -38,7 +38,9 @@ def test_the_policy_notes_what_it_expected_of_each_kind_of_step_beside_what_they
 
     pair = tiny_models("float64")
     engine = make_engine(pair, "sd", tree=TreeConfig(8, 4, 3), tree_policy="adaptive", lookup_tokens=0)
-    _, _, stats = engine.generate(list(range(3, 90)), SamplingParams(40, ignore_eos=True))
+    # acceptance replayed at 3: trees after trees, which measure the draft (a tree after plain steps
+    # does not), so that the policy's predictions begin whatever the random pair accepts
+    _, _, stats = engine.generate(list(range(3, 90)), SamplingParams(40, ignore_eos=True), replay=[3])
     means = stats.predicted_tok_per_s
     assert means and set(means) <= {"tree", "plain"} and all(v > 0 for v in means.values())
     assert sum(n for _, n in stats.predicted.values()) <= stats.num_steps + stats.plain_steps + stats.unready_steps

@@ -63,7 +63,7 @@ def test_the_warm_up_runs_each_size_at_its_deepest_and_every_depth_once():
     from specextend.ladder import Rung, ladder
     from specextend.warmup import _covering
 
-    assert _covering(ladder(TreeConfig(16, 6, 4))[1:]) == [Rung(4, 3), Rung(8, 4), Rung(16, 6)]
+    assert _covering(ladder(TreeConfig(16, 6, 4))[1:]) == [Rung(4, 4), Rung(8, 6), Rung(16, 6), Rung(4, 3)]
     assert _covering([Rung(8, 3), Rung(8, 4), Rung(16, 5)]) == [Rung(8, 4), Rung(16, 5), Rung(8, 3)]
 
 
