@@ -74,7 +74,8 @@ class TreeController(Recording):
     probe_ratio: float = 10.0  # ... and this many times the time a probe loses against the best choice
     max_probe: int = 1024
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
-    forward: LinearCost = field(default_factory=LinearCost)  # target forward seconds vs rows
+    forward: LinearCost = field(default_factory=LinearCost)  # target forward seconds vs rows, the steps'
+    prefill: LinearCost = field(default_factory=LinearCost)  # ... the prefill's chunks: the steps' prior
     draft: LinearCost = field(default_factory=lambda: LinearCost(proportional=True))  # wait vs depth
     accepted: dict = field(default_factory=dict)  # Rung -> average accepted draft tokens
     measured_at: dict = field(default_factory=dict)  # Rung -> the step it was last measured
@@ -116,6 +117,7 @@ class TreeController(Recording):
     _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span) not yet in the line
 
     def __post_init__(self) -> None:
+        self.forward.prior = self.prefill
         if self.overlap and self.draft.proportional and not self.draft.known:
             self.draft = LinearCost()  # a ready tree's wait is the answer's way, not its depth's drafting
 
@@ -291,6 +293,7 @@ class TreeController(Recording):
         are how a draft whose costs changed gets tried again). This session's own forwards and
         waits join the lines at their rates."""
         self.forward, self.draft = copy.deepcopy(costs.forward), copy.deepcopy(costs.draft)
+        self.forward.prior = self.prefill  # (this session's prefill)
         self.plain_forward, self.extra_spec, self.extra_plain = costs.plain_forward, costs.extra_spec, costs.extra_plain
         self.since_probe, self.probe_every = costs.since_probe, min(costs.probe_every, self.max_probe)
         self.primed = self._warm = True

@@ -16,10 +16,12 @@ STAY_MARGIN = 0.05  # ... and trees asked lately are left only for a plain rate 
 class LinearCost:
     """cost(x) = a + b x: least squares over exponentially weighted (x, y) points (the newest
     weighs `alpha`). While the points seen lately are too alike in x to tell a slope, it keeps the
-    last slope it could tell; before any, b = 0 (flat) or, `proportional`, a = 0."""
+    last slope it could tell; before any, the `prior` line's slope (where it has one: another
+    kind of point, e.g. the prefill's chunks for the decode steps' forwards), else b = 0 (flat) or,
+    `proportional`, a = 0. Before any point, the prior's line."""
 
-    def __init__(self, alpha: float = 0.1, proportional: bool = False) -> None:
-        self.alpha, self.proportional = alpha, proportional
+    def __init__(self, alpha: float = 0.1, proportional: bool = False, prior: Optional["LinearCost"] = None) -> None:
+        self.alpha, self.proportional, self.prior = alpha, proportional, prior
         self.sums = [0.0] * 5  # weighted sums of 1, x, x^2, y, x y
         self.slope: Optional[float] = None  # the last slope the points could tell
 
@@ -37,12 +39,16 @@ class LinearCost:
             self.slope = max((sxy / w - mx * my) / var, 0.0)
 
     def line(self) -> tuple[float, float]:
-        """(a, b); (0, 0) before any point."""
+        """(a, b); before any point the prior's, else (0, 0)."""
         w, sx, _, sy, _ = self.sums
         if not w:
-            return 0.0, 0.0
+            return self.prior.line() if self.prior is not None else (0.0, 0.0)
         mx, my = sx / w, sy / w
-        b = self.slope if self.slope is not None else (my / mx if self.proportional and mx else 0.0)
+        b = self.slope
+        if b is None and self.prior is not None:
+            b = self.prior.slope
+        if b is None:
+            b = my / mx if self.proportional and mx else 0.0
         return max(my - b * mx, 0.0), b
 
     def __call__(self, x: float) -> float:

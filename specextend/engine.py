@@ -130,7 +130,7 @@ class Engine(RequestLimits, DraftLink):
         stats.predicted = ctl.predicted  # (filled as it chooses)
         if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
             ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
-        timed = partial(metered, load=load, record=ctl.record_forward)  # every forward feeds ctl's cost line
+        timed = partial(metered, load=load, record=ctl.record_forward)  # every step's forward feeds ctl's cost line
         lookup, snap = None, False  # the request's tokens ("Context lookup"); it walks snapshots (SnapshotChoice)
         try:
             t0 = time.perf_counter()
@@ -142,7 +142,8 @@ class Engine(RequestLimits, DraftLink):
                 opening = self._open_draft(sid, prompt_ids, DraftSessionParams(
                     draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # (1st selection)
-            logits = yield from timed(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache))
+            logits = yield from metered(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache), load,
+                                        ctl.record_prefill)  # (the prefill's own cost line)
             stats.cached_prompt_tokens = target.cached_tokens
             target_prefill_s = time.perf_counter() - t0
             token = next_token(logits, params, gen)

@@ -29,6 +29,10 @@ class Rigged(TreeController):
         self.rows.append(rows)
         super().record_forward(rows, seconds)
 
+    def record_prefill(self, rows, seconds):
+        self.rows.append(rows)
+        super().record_prefill(rows, seconds)
+
 
 def _rig(engine, monkeypatch):
     """The engine's sessions get Rigged controllers (listed, with what each heard of the batch)."""
