@@ -137,7 +137,13 @@ def main(argv=None) -> int:
                         "both in turn on the same engine (rows `ar` and `ar-twin`)")
     p.add_argument("--graph-batch-only", action="store_true",
                    help="only the plan that batches the target through the full-step graphs (and, alone, the step graphs)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads on the CPU (0: torch's): 1 as in a served replica, whose actor "
+                        "Ray starts with OMP_NUM_THREADS=1; with more, a thread's team of threads that another "
+                        "thread's torch work left behind (the warm-up's) slowed the batcher's forwards 3.5x")
     a = p.parse_args(argv)
+    if a.device == "cpu" and a.threads:
+        torch.set_num_threads(a.threads)
     rows = []
     bw = copy_bandwidth(torch.device(a.device)) if a.device != "cpu" else 0.0  # no ceiling on the CPU
     lengths = [int(x) for x in a.prompt_len.split(",")]
