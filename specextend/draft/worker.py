@@ -50,9 +50,6 @@ MAX_BATCH = 8
 GATHER_S = 0.001
 # Verdicts a prepare answers trees for (docs/architecture.md, "Prepared outcomes")
 OUTCOMES = 16
-# On the CPU, the worker thread's intra-op threads (OpenMP's count is per thread): a second team of
-# threads beside the target's thread's oversubscribes the cores (0: torch's default)
-CPU_THREADS = 1
 
 
 @dataclass
@@ -100,8 +97,6 @@ class DraftWorker(JobWorker):
         # the thread's current device is the model's (CUDA graphs and streams are per device)
         if self.model.device.type == "cuda":
             torch.cuda.set_device(self.model.device)
-        elif CPU_THREADS:  # docs/architecture.md, "Draft side": one CPU, one team of threads
-            torch.set_num_threads(CPU_THREADS)  # (OpenMP's count is this thread's own)
 
     def _background(self) -> bool:
         """Launch one background forward of the next session with drafting left to do (round
