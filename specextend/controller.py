@@ -114,7 +114,7 @@ class TreeController(Recording):
     _rows: int = 0  # ... and their rows
     last_forward_s: float = 0.0  # the last recorded step's forward seconds (its split, stats.step_done)
     predicted: dict = field(default_factory=dict)  # "tree"/"plain" -> [sum of predicted tokens/s, steps]
-    _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span) not yet in the line
+    _pending: list = field(default_factory=list)  # (rows, seconds or timing.Span, its line) not yet in it
 
     def __post_init__(self) -> None:
         self.forward.prior = self.prefill

@@ -36,11 +36,11 @@ SHALLOW = 3  # levels of each size's shallow rung
 def ladder(tree: TreeConfig, smallest: int = 4) -> list[Rung]:
     """[plain, 4, 8, 16, ... nodes, the session's tree]: each smaller size as deep as the session's
     tree (n nodes reach n levels at most), the session's tree at its own depth, and, where that is
-    deeper than SHALLOW, the same size SHALLOW levels deep just before it (half the drafting: on an H100 the 8B geometry's 32 nodes x 3 levels
-    beat 32 x 6 by 9% with acceptance replayed at 3, 2026-11-24). Every size goes deep: a narrow deep
-    tree is the best one where the draft's chain is long and sure (acceptance replayed at 5 on an
-    H200, 2026-11-29: 8 x 6 at 1.31x 8 x 3, and the ladder's old 8 x 4 bound adaptive to 0.91x of
-    it). Ordered by nodes, then depth."""
+    deeper than SHALLOW, the same size SHALLOW levels deep just before it (half the drafting: on an
+    H100 the 8B geometry's 32 nodes x 3 levels beat 32 x 6 by 9% with acceptance replayed at 3,
+    2026-11-24). Every size goes deep: a narrow deep tree is the best one where the draft's chain
+    is long and sure (acceptance replayed at 5 on an H200, 2026-11-29: 8 x 6 at 1.31x 8 x 3, and
+    the ladder's old 8 x 4 bound adaptive to 0.91x of it). Ordered by nodes, then depth."""
     sizes, n = [], smallest
     while n < tree.nodes:
         sizes.append(Rung(n, min(tree.depth, n)))

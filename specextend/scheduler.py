@@ -273,8 +273,9 @@ class Batcher:
         if askers:
             t0 = time.perf_counter()
             wait([e.future for e in askers])
-            self._charge_others(askers, time.perf_counter() - t0)
-            self._share(askers, time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            self._charge_others(askers, waited)
+            self._share(askers, waited)
             for e in step_futures:
                 if e.future.done():
                     self._advance(e)
@@ -333,9 +334,9 @@ class Batcher:
     def _share(askers: list[_Entry], seconds: float) -> None:
         """`askers` waited `seconds` together for their draft steps (batched on the draft worker, or
         one after another there): each is charged its share, the rest counted as others' wait."""
+        rest = seconds * (len(askers) - 1) / len(askers)
         for e in askers:
             if e.load is not None:
-                rest = seconds * (len(askers) - 1) / len(askers)
                 e.load.shared_s, e.load.others_wait_s = rest, e.load.others_wait_s + rest
 
     @staticmethod
