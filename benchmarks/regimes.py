@@ -133,9 +133,12 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--length", type=int, default=1024, help="prompt tokens (document part)")
     p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (0: torch's): 1 as in a served replica (Ray starts its actors with "
+                        "OMP_NUM_THREADS=1); with torch's two, the tiny pair's `ar` ran 1.55x slower in process "
+                        "beside the draft worker's thread (docs/architecture.md, \"Draft side\")")
     a = p.parse_args(argv)
-    if a.threads:
+    if a.threads and a.device == "cpu":
         torch.set_num_threads(a.threads)
     names = a.regimes.split(",") if a.regimes else list(REGIMES if a.device == "cpu" else GPU_REGIMES)
     commit = record.commit()
