@@ -37,7 +37,7 @@ class Oracle:
     prompt_len = 0
 
     def __init__(self, ids, vocab_size, ns=(3, 2), capacity=0):
-        self.length, self.vocab = len(ids), vocab_size
+        self.length, self.vocab, self.ns = len(ids), vocab_size, ns  # (ns: RequestLookup.could_pay's orders)
         self.rng = random.Random(self.length)
 
     def extend(self, tokens):
