@@ -69,7 +69,7 @@ class Load:
     shared_s: float = 0.0  # of its last draft wait, the part that the round's other askers' steps shared
 
     def take_shared(self) -> float:
-        """Takes `shared_s` (Batcher._share; `wall` drops it): a draft step's price to the policy is
+        """Takes `shared_s` (Batcher._charge; `wall` drops it): a draft step's price to the policy is
         its share of the round's draft wait, as a forward's fixed cost is shared."""
         out, self.shared_s = self.shared_s, 0.0
         return out
@@ -260,7 +260,7 @@ class Batcher:
             fn, e.draft_fn = e.draft_fn, None
             t0 = time.perf_counter()
             e.future = _called(fn)
-            self._charge_others([e], time.perf_counter() - t0)
+            self._charge(self._sessions, [e], time.perf_counter() - t0)
             self._advance(e)
         else:
             for e in issued:
@@ -273,9 +273,7 @@ class Batcher:
         if askers:
             t0 = time.perf_counter()
             wait([e.future for e in askers])
-            waited = time.perf_counter() - t0
-            self._charge_others(askers, waited)
-            self._share(askers, waited)
+            self._charge(self._sessions, askers, time.perf_counter() - t0)
             for e in step_futures:
                 if e.future.done():
                     self._advance(e)
@@ -322,22 +320,19 @@ class Batcher:
                 rows, chunks = rows + n, chunks + 1
         return out
 
-    def _charge_others(self, askers: list[_Entry], seconds: float) -> None:
-        """The round waited `seconds` for `askers`' draft steps: every other session's step shared
-        that wait, which its own choice did not cause (Load.wall)."""
-        mine = {id(e) for e in askers}
-        for e in self._sessions:
-            if e.load is not None and id(e) not in mine:
-                e.load.others_wait_s += seconds
-
     @staticmethod
-    def _share(askers: list[_Entry], seconds: float) -> None:
-        """`askers` waited `seconds` together for their draft steps (batched on the draft worker, or
-        one after another there): each is charged its share, the rest counted as others' wait."""
+    def _charge(sessions: list[_Entry], askers: list[_Entry], seconds: float) -> None:
+        """The round waited `seconds` for `askers`' draft steps (batched on the draft worker, or one
+        after another there): every other session's step shared that wait, which its own choice did
+        not cause (Load.wall), and each asker is charged its share, the rest counted as others' wait
+        (Load.take_shared)."""
+        mine = {id(e) for e in askers}
         rest = seconds * (len(askers) - 1) / len(askers)
-        for e in askers:
-            if e.load is not None:
+        for e in sessions:
+            if e.load is not None and id(e) in mine:
                 e.load.shared_s, e.load.others_wait_s = rest, e.load.others_wait_s + rest
+            elif e.load is not None:
+                e.load.others_wait_s += seconds
 
     @staticmethod
     def _tell_loads(group: list[_Entry], span: Span) -> None:

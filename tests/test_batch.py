@@ -338,7 +338,8 @@ def test_sessions_that_wait_together_for_their_draft_steps_are_each_charged_a_sh
     from specextend.scheduler import Batcher, Load
 
     loads = [Load(), Load(), Load()]
-    Batcher._share([SimpleNamespace(load=x) for x in loads] + [SimpleNamespace(load=None)], 0.04)
+    askers = [SimpleNamespace(load=x) for x in loads] + [SimpleNamespace(load=None)]
+    Batcher._charge(askers, askers, 0.04)
     assert [x.shared_s for x in loads] == pytest.approx([0.03] * 3)  # four askers: three quarters others'
     assert loads[0].take_shared() == pytest.approx(0.03) and loads[0].take_shared() == 0.0  # taken once
     t0 = time.perf_counter() - 0.05
