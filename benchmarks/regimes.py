@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (0: torch's): 1 as in a served replica (Ray starts its actors with "
-                        "OMP_NUM_THREADS=1); with torch's two, the tiny pair's `ar` ran 1.55x slower in process "
+                        "OMP_NUM_THREADS=1); with torch's two, the tiny pair's `ar` ran about 1.5x slower in process "
                         "beside the draft worker's thread (docs/architecture.md, \"Draft side\")")
     a = p.parse_args(argv)
     if a.threads and a.device == "cpu":
