@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--pair", action="append", default=[], metavar="NAME=L1,L2",
                    help="a model pair and its input lengths (tiny, real, 8b, 8b-1b; kernels also qwen); repeatable")
     p.add_argument("--modes", help="comma-separated (e2e/sweep: ar, sd, sd-masked, specextend, hf, hf-assisted, "
-                                   "sd-2gpu, specextend-2gpu; serve: ar, sd, sd-masked, specextend)")
+                                   "sd-2gpu, specextend-2gpu, sd-overlap, specextend-overlap; serve: ar, sd, sd-masked, specextend)")
     p.add_argument("--new-tokens", type=int, help="tokens generated per request")
     p.add_argument("--docs", help="documents, one prompt each per length (default nodejs,shakespeare,python: "
                                   "docs, prose, code; on the CPU the real pair takes nodejs only)")

@@ -5,7 +5,8 @@ Modes (`MODES`): `ar` our plain decoding, the honest baseline; `sd` tree specula
 modern server runs it (HTA verification, the draft's full cache); `sd-masked` the same with plain
 masked verification (the SpecExtend paper's baseline); `specextend` (HTA + retrieval). With two
 GPUs, `sd-2gpu` and `specextend-2gpu` put the draft on the second GPU, drafting while the target
-verifies. `hf` and `hf-assisted` are transformers `generate` without and with assisted generation
+verifies; `sd-overlap` and `specextend-overlap` overlap the same way with the draft on the target's
+GPU (its own CUDA stream: docs/architecture.md, "Overlapped drafting"). `hf` and `hf-assisted` are transformers `generate` without and with assisted generation
 on the same weights and device (bench/hf.py), the external anchor.
 
 Pairs with random weights cannot accept anything real: their speculative modes replay the
@@ -74,6 +75,8 @@ LABELS = {
     "specextend": "specextend: HTA + retrieval",
     "sd-2gpu": "sd on two GPUs (draft on its own, overlapped)",
     "specextend-2gpu": "specextend on two GPUs (draft on its own, overlapped)",
+    "sd-overlap": "sd on one GPU, overlapped (the draft on its own stream)",
+    "specextend-overlap": "specextend on one GPU, overlapped (the draft on its own stream)",
     "hf": "transformers generate",
     "hf-assisted": "transformers assisted generation",
 }
@@ -115,13 +118,14 @@ def _engines(pair: Pair, modes: list[str], dtype: str, tree_policy: str, device:
         if mode in HF_MODES:
             continue
         two = mode.endswith("-2gpu")
-        cfg = replace(base, **MODES[mode.removesuffix("-2gpu")], draft_overlap=two)
+        overlap = two or mode.endswith("-overlap")
+        cfg = replace(base, **MODES[mode.removesuffix("-2gpu").removesuffix("-overlap")], draft_overlap=overlap)
         backend = None
         if cfg.uses_draft:
             model = draft
             if two:
                 model = drafts["cuda:1"]
-            backend = DraftWorker(model.decoder, prefill_chunk=cfg.prefill_chunk, overlap=two)  # warmed on first use
+            backend = DraftWorker(model.decoder, prefill_chunk=cfg.prefill_chunk, overlap=overlap)  # warmed on first use
             workers.append(backend)
         engines[mode] = Engine(cfg, target, backend)
     wanted = [m for m in modes if m in HF_MODES and not (m == "hf-assisted" and pair.replayed)]

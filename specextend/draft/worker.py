@@ -91,12 +91,19 @@ class DraftWorker(JobWorker):
         self._sessions: dict[str, SessionEntry] = {}  # the worker thread's only
         self._pending: OrderedDict[str, None] = OrderedDict()  # sessions with drafting left to do
         self._flying: Optional[DraftSession] = None  # the session whose background forward is in flight
+        self.stream: Optional[torch.cuda.Stream] = None  # the thread's own (CUDA; _setup)
         super().__init__(name)
 
     def _setup(self) -> None:
-        # the thread's current device is the model's (CUDA graphs and streams are per device)
+        # the thread's current device is the model's (CUDA graphs and streams are per device), and its
+        # current stream one of its own: on the target's GPU, the draft's kernels then run beside the
+        # target's instead of queueing behind them on the legacy default stream (docs/architecture.md,
+        # "Overlapped drafting", one GPU). Everything the thread queues goes there (current streams are
+        # per thread); what crosses to the target is host data, or read after an event (retrieval.py).
         if self.model.device.type == "cuda":
             torch.cuda.set_device(self.model.device)
+            self.stream = torch.cuda.Stream(self.model.device)
+            torch.cuda.set_stream(self.stream)
 
     def _background(self) -> bool:
         """Launch one background forward of the next session with drafting left to do (round
