@@ -140,6 +140,8 @@ def warm_up(engine: Engine, prompt: list[int], warm: set, replay: Optional[list[
         engine.generate(prompt[:64], SamplingParams(max_new_tokens=8, ignore_eos=True), replay=replay)
         if engine.target.decoder.graphs is not None:  # every shape's graphs, before the timed runs
             warmup.warm_up(engine, prompt[:64])
+            if engine.config.uses_draft:  # and what only a long prompt meets, as a served replica does
+                warmup.warm_long(engine, prompt[:64])
         warm.add(id(engine))
 
 
