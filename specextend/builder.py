@@ -7,6 +7,7 @@ loads the weights that process needs (the replica the target's, the draft actor 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from specextend.config import EngineConfig
@@ -77,8 +78,12 @@ def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft")
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    """In-process engine: both models in this process."""
+    """In-process engine: both models in this process. Unset, `draft_overlap` is on where the
+    models are on a GPU: the draft's thread queues on its own stream there, its kernels beside the
+    target's (docs/architecture.md, "Overlapped drafting", one GPU); off on the CPU."""
     target, draft = load_pair(config)
+    if config.draft_overlap is None and draft is not None:
+        config = replace(config, draft_overlap=draft.decoder.device.type == "cuda")
     backend = None
     if draft is not None:
         backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap,

@@ -120,7 +120,7 @@ class EngineConfig:
                                 "steps, with probes); fixed: every step speculative")
     draft_overlap: Optional[bool] = Field(
         None, description="the draft keeps drafting while the target verifies (default: on when the draft "
-                          "has its own GPU)")
+                          "has a GPU: its own, or in process the target's, on a CUDA stream of its own)")
     overlap_miss: Literal["plain", "draft"] = Field(
         "plain", description="with draft_overlap, a step whose tree the draft has not ready: plain decodes one "
                              "token on the target while the draft catches up; draft waits for the draft to draft one")

@@ -78,3 +78,20 @@ def test_overlap_beside_the_target_on_its_device_decodes_what_the_target_does(de
     finally:
         engine.draft.shutdown()
     assert verified > 0 and ready > 0  # the pool answered some steps
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("asked", [None, False, True])
+def test_an_in_process_engine_overlaps_by_default_on_a_gpu_only(device, asked):
+    """Unset, overlap is on where the draft shares the target's GPU (its own stream) and off on the
+    CPU, where its thread would take the target's cores; set, as set."""
+    from specextend.builder import build_engine
+    from specextend.config import EngineConfig
+
+    engine = build_engine(EngineConfig(target="random:llama-tiny", draft="random:llama-tiny-draft", mode="sd",
+                                       device=device, dtype="float32", draft_overlap=asked))
+    try:
+        want = (device == "cuda") if asked is None else asked
+        assert engine.config.overlap is want and engine.draft.overlap is want
+    finally:
+        engine.draft.shutdown()
