@@ -84,10 +84,15 @@ def build_engine(config: EngineConfig) -> Engine:
     target, draft = load_pair(config)
     if config.draft_overlap is None and draft is not None:
         config = replace(config, draft_overlap=draft.decoder.device.type == "cuda")
-    backend = None
-    if draft is not None:
-        backend = DraftWorker(draft.decoder, prefill_chunk=config.prefill_chunk, overlap=config.overlap,
-                              prepare=config.draft_prepare, handover=config.draft_handover,
-                              overlap_rows=config.draft_overlap_rows, prefix_cache=PrefixCache.of(config))
-        backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
+    backend = draft_worker(config, draft) if draft is not None else None
     return Engine(config, target, backend, draft_args=draft.args if draft is not None else None)
+
+
+def draft_worker(config: EngineConfig, draft: LoadedModel) -> DraftWorker:
+    """The draft's worker as `config` says (in process, in the replica, in the draft actor), warmed
+    up: with overlap, its background forwards' graphs are captured now, not on a request's path."""
+    worker = DraftWorker(draft.decoder, name=draft.name, prefill_chunk=config.prefill_chunk, overlap=config.overlap,
+                         prepare=config.draft_prepare, handover=config.draft_handover,
+                         overlap_rows=config.draft_overlap_rows, prefix_cache=PrefixCache.of(config))
+    worker.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
+    return worker

@@ -241,6 +241,10 @@ class ServingConfig:
         "channel) waits for the interpreter lock while another thread's Python holds it (default: the "
         "interpreter's, 5 ms; the draft's 0.2 ms with overlap)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
+    draft_in_replica: Optional[bool] = Field(
+        None, description="the draft in the target replica's process (a worker thread on a CUDA stream of its own, "
+                          "its kernels beside the target's; no actor, no RPC) instead of a draft actor (default: "
+                          "where the two share one GPU, 0 < num_gpus < 1)")
     step_transport: Literal["zmq", "grpc"] = Field(
         "zmq", description="how the target sends each step to its draft: zmq (the ZeroMQ step channel, with "
                            "gRPC as its fallback) or grpc (one StepStream per session)")
@@ -284,13 +288,17 @@ class AppConfig:
 
     def __post_init__(self) -> None:
         # the served app places the models by num_gpus; the draft overlaps when it has a GPU of its own
-        # (num_gpus >= 1): sharing one, its background forwards would slow the target's verification
-        engine, gpu = self.engine, self.serving.num_gpus > 0
+        # (num_gpus >= 1); sharing one, the draft runs in the replica's process on a stream of its own, its
+        # kernels beside the target's, and overlaps there too (docs/architecture.md, "Overlapped drafting")
+        engine, serving, gpus = self.engine, self.serving, self.serving.num_gpus
+        if serving.draft_in_replica is None:
+            serving = replace(serving, draft_in_replica=0 < gpus < 1 and engine.uses_draft)
+            object.__setattr__(self, "serving", serving)
         changes = {}
         if engine.device == "auto":
-            changes["device"] = "cuda" if gpu else "cpu"
+            changes["device"] = "cuda" if gpus > 0 else "cpu"
         if engine.draft_overlap is None:
-            changes["draft_overlap"] = self.serving.num_gpus >= 1 and engine.uses_draft
+            changes["draft_overlap"] = engine.uses_draft and (gpus >= 1 or (gpus > 0 and serving.draft_in_replica))
         if changes:
             object.__setattr__(self, "engine", replace(engine, **changes))
 

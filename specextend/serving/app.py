@@ -1,4 +1,5 @@
-"""The Serve application graph: OpenAIIngress -> SpecExtend (target replica + its draft actor)."""
+"""The Serve application graph: OpenAIIngress -> SpecExtend (target replica + its draft actor, or the draft
+in the replica where the two share one GPU)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ CONTROL_HEADROOM = 8  # ongoing-request slots beyond the sessions and queue: hea
 
 def replica_options(s: AppSettings) -> dict[str, Any]:
     """One placement group per replica: bundle 0 the target (the replica itself), bundle 1 the
-    draft actor, packed on one node. Every bundle has a CPU, or the child actor never schedules."""
-    bundle = {"CPU": MODEL_CPUS, **({"GPU": s.num_gpus} if s.num_gpus else {})}
+    draft actor, packed on one node; one bundle where the draft runs in the replica (with the
+    draft's share of the GPU). Every bundle has a CPU, or the child actor never schedules."""
+    gpus = s.replica_gpus
+    bundle = {"CPU": MODEL_CPUS, **({"GPU": gpus} if gpus else {})}
     return dict(
         name=REPLICA_DEPLOYMENT,
-        ray_actor_options={"num_cpus": MODEL_CPUS, "num_gpus": s.num_gpus},
-        placement_group_bundles=[dict(bundle) for _ in range(2 if s.uses_draft else 1)],
+        ray_actor_options={"num_cpus": MODEL_CPUS, "num_gpus": gpus},
+        placement_group_bundles=[dict(bundle) for _ in range(2 if s.uses_draft and not s.draft_here else 1)],
         placement_group_strategy="STRICT_PACK",
         # Admission (sessions, queue, KV memory) is the replica's own, answering 429 in OpenAI's
         # JSON; Serve's router gets room for 4x that so its back-pressure (a plain-text 503 from

@@ -42,10 +42,7 @@ def draft_client(settings: AppSettings, address: str, token: str):
 class DraftActor:
     def __init__(self, config: EngineConfig, token: str, step_transport: str = "zmq",
                  switch_interval_ms: Optional[float] = None) -> None:
-        from specextend.builder import load_pair
-        from specextend.draft.base import DraftSessionParams
-        from specextend.draft.worker import DraftWorker
-        from specextend.prefix_cache import PrefixCache
+        from specextend.builder import draft_worker, load_pair
         from specextend.rpc import DraftServerThread
 
         t0 = time.time()  # wall clock: the replica that created this actor compares it with its own
@@ -55,12 +52,7 @@ class DraftActor:
         t1 = time.time()
         if switch_interval_ms is not None:  # (the worker lowers it to its own with overlap only where unset)
             sys.setswitchinterval(switch_interval_ms / 1e3)
-        self.backend = DraftWorker(self.model.decoder, name=self.model.name, prefill_chunk=config.prefill_chunk,
-                                   overlap=config.overlap, prepare=config.draft_prepare,
-                                   handover=config.draft_handover,
-                                   overlap_rows=config.draft_overlap_rows, prefix_cache=PrefixCache.of(config))
-        # with overlap, the background forwards' graphs are captured now, not on a request's path
-        self.backend.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
+        self.backend = draft_worker(config, self.model)  # (warmed up)
         t2 = time.time()
         self.server = DraftServerThread(self.backend, host=LOOPBACK, port=0, model=self.model.name, token=token,
                                         step_channel="ipc" if step_transport == "zmq" else None)

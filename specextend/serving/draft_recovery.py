@@ -31,9 +31,18 @@ class DraftRecovery:
         self._restoring = asyncio.get_running_loop().create_task(self._restore_draft())
 
     async def _restore_draft(self) -> None:
-        """Waits for the draft actor (restarted by Ray, or a new one) and reconnects to it."""
+        """Waits for the draft actor (restarted by Ray, or a new one) and reconnects to it. A draft in
+        the replica's process has nothing to restart: alive, it serves again; its thread dead, the
+        replica decodes plainly from then on."""
         delay = 0.5
         try:
+            if self.draft_actor is None:
+                if await asyncio.to_thread(self.draft.health):
+                    self.draft_epoch += 1
+                    self.draft_ok = True
+                else:
+                    log.error("the draft's worker in this replica has stopped: plain decoding from now on")
+                return
             while True:
                 try:
                     address = await asyncio.wait_for(self.draft_actor.address.remote(), DRAFT_START_TIMEOUT_S)

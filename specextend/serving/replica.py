@@ -1,6 +1,7 @@
 """The SpecExtend Serve replica: it IS the target actor (docs/architecture.md, "Deployment").
 
-It loads the target, starts its draft actor on bundle 1 of its own placement group, and runs
+It loads the target, starts its draft actor on bundle 1 of its own placement group (or, where the
+two share one GPU, runs the draft's worker in its own process: `draft_in_replica`), and runs
 Engine.stream for each request. The engine is synchronous torch code: every step of every request
 runs on one worker thread (GPU work serialized), one `next()` at a time, so sessions interleave
 step by step. Tokenization, detokenization and stop strings are done here (textstream.py); the
@@ -76,23 +77,30 @@ class SpecExtendReplica(DraftRecovery):
         self.draft_actor = None
         self._draft_token = new_token()  # this replica's draft accepts only this replica (*Wire protocol*)
 
-        if s.uses_draft:
+        self.draft_here = s.uses_draft and s.draft_here  # the draft in this process (draft_in_replica)
+        if s.uses_draft and not self.draft_here:
             # first thing: the draft actor's process starts, imports, checks the pair again and loads while this
             # one loads the target (the app builder refused a mismatched pair; docs/architecture.md, "Deployment")
             self._draft_created_at = time.time()
             self.draft_actor = self._start_draft_actor()
         import_engine_side()
         metas = read_pair(cfg, light=("draft",))  # (the draft's from its light record: its size, its vocabulary)
-        self.target, _ = load_pair(cfg, roles=("target",), metas=metas)
+        self.target, draft_model = load_pair(cfg, roles=("target", "draft") if self.draft_here else ("target",),
+                                             metas=metas)
         t_target = time.perf_counter()
         self.tokenizer = self.target.tokenizer
         self.model_name = s.served_model_name or self.target.name
         self.ar_engine = Engine(dataclasses.replace(cfg, mode="ar"), self.target)
         # mode lookup: context lookup alone, no draft to reach, nothing to fall back from
         self.engine, self.draft = Engine(cfg, self.target) if cfg.mode == "lookup" else self.ar_engine, None
-        if s.uses_draft:
+        if self.draft_here:  # a worker thread on its own stream (docs/architecture.md, "Overlapped drafting")
+            from specextend.builder import draft_worker
+
+            self.draft = draft_worker(cfg, draft_model)
+        elif s.uses_draft:
             address = ray.get(self.draft_actor.address.remote(), timeout=DRAFT_START_TIMEOUT_S)
             self.draft = draft_client(s, address, self._draft_token)
+        if self.draft is not None:
             self.engine = Engine(cfg, self.target, self.draft, draft_args=metas[1].args if metas[1] else None)
         t_draft = time.perf_counter()
         self.draft_ok = self.draft is not None or cfg.mode == "lookup"  # self.engine is usable
@@ -120,8 +128,9 @@ class SpecExtendReplica(DraftRecovery):
         log.info("replica ready in %.1f s (target loaded %.1f s, draft ready %.1f s later, warm-up %.1f s): "
                  "target %s, draft %s (steps over %s), KV budget %.0f MiB", t_ready - t0, t_target - t0,
                  t_draft - t_target, t_ready - t_draft,
-                 self.target.name, self.draft.address if self.draft else "none",
-                 (self.draft.step_endpoint or "gRPC") if self.draft else "-", self.admission.budget_bytes / 2**20)
+                 self.target.name, "in process" if self.draft_here else self.draft.address if self.draft else "none",
+                 "-" if self.draft_here or not self.draft else self.draft.step_endpoint or "gRPC",
+                 self.admission.budget_bytes / 2**20)
 
     # ------------------------------------------------------------------ set-up
 
@@ -338,7 +347,7 @@ class SpecExtendReplica(DraftRecovery):
 
     async def draft_step_endpoint(self) -> Optional[str]:
         """Where steps go now: the draft's ZeroMQ step channel, or None (gRPC) (tests, operators)."""
-        return self.draft.step_endpoint if self.draft is not None else None
+        return self.draft.step_endpoint if self.draft is not None and not self.draft_here else None
 
     async def draft_actor_handle(self):
         """The current draft actor (tests, operators)."""
@@ -348,6 +357,8 @@ class SpecExtendReplica(DraftRecovery):
         """Sessions open on the draft server (None: no draft or unreachable)."""
         if self.draft is None:
             return None
+        if self.draft_here:
+            return self.draft.num_sessions
         try:
             return (await asyncio.to_thread(self.draft.server_health)).sessions
         except Exception:  # noqa: BLE001

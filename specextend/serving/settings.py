@@ -31,6 +31,16 @@ class _AppSettingsBase(FlatSettings):
     def gpus_per_replica(self) -> float:
         return self.num_gpus * (2 if self.uses_draft else 1)
 
+    @property
+    def draft_here(self) -> bool:
+        """The draft runs in the replica's process (draft_in_replica, resolved), not in an actor."""
+        return bool(self.to_config().serving.draft_in_replica)
+
+    @property
+    def replica_gpus(self) -> float:
+        """The replica actor's GPUs: its target's, and its draft's where the draft runs there."""
+        return self.num_gpus * (2 if self.draft_here else 1)
+
 
 # The Serve arguments: the flat view of config.AppConfig (specextend.schema), nothing declared here.
 AppSettings = flat_model("AppSettings", AppConfig, "serve", base=_AppSettingsBase)
