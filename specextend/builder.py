@@ -7,7 +7,6 @@ loads the weights that process needs (the replica the target's, the draft actor 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 from specextend.config import EngineConfig
@@ -78,12 +77,10 @@ def load_pair(config: EngineConfig, roles: tuple[str, ...] = ("target", "draft")
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    """In-process engine: both models in this process. Unset, `draft_overlap` is on where the
-    models are on a GPU: the draft's thread queues on its own stream there, its kernels beside the
-    target's (docs/architecture.md, "Overlapped drafting", one GPU); off on the CPU."""
+    """In-process engine: both models in this process. `draft_overlap` is off unless set: on one GPU
+    it pays where the target's forwards leave the device room (the real pair) and loses where they
+    fill it (docs/architecture.md, "Overlapped drafting", one GPU)."""
     target, draft = load_pair(config)
-    if config.draft_overlap is None and draft is not None:
-        config = replace(config, draft_overlap=draft.decoder.device.type == "cuda")
     backend = draft_worker(config, draft) if draft is not None else None
     return Engine(config, target, backend, draft_args=draft.args if draft is not None else None)
 

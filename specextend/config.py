@@ -120,7 +120,8 @@ class EngineConfig:
                                 "steps, with probes); fixed: every step speculative")
     draft_overlap: Optional[bool] = Field(
         None, description="the draft keeps drafting while the target verifies (default: on when the draft "
-                          "has a GPU: its own, or in process the target's, on a CUDA stream of its own)")
+                          "has a GPU of its own; sharing the target's, it runs on a CUDA stream of its own and "
+                          "pays only where the target leaves the GPU room)")
     overlap_miss: Literal["plain", "draft"] = Field(
         "plain", description="with draft_overlap, a step whose tree the draft has not ready: plain decodes one "
                              "token on the target while the draft catches up; draft waits for the draft to draft one")
@@ -241,10 +242,11 @@ class ServingConfig:
         "channel) waits for the interpreter lock while another thread's Python holds it (default: the "
         "interpreter's, 5 ms; the draft's 0.2 ms with overlap)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
-    draft_in_replica: Optional[bool] = Field(
-        None, description="the draft in the target replica's process (a worker thread on a CUDA stream of its own, "
-                          "its kernels beside the target's; no actor, no RPC) instead of a draft actor (default: "
-                          "where the two share one GPU, 0 < num_gpus < 1)")
+    draft_in_replica: bool = Field(
+        False, description="the draft in the target replica's process (a worker thread on a CUDA stream of its own, "
+                           "its kernels beside the target's; no actor, no RPC) instead of a draft actor; with "
+                           "0 < num_gpus < 1 the replica takes both models' share of the GPU and the draft overlaps. "
+                           "Not yet the default: its one GPU run did not become ready (docs/architecture.md)")
     step_transport: Literal["zmq", "grpc"] = Field(
         "zmq", description="how the target sends each step to its draft: zmq (the ZeroMQ step channel, with "
                            "gRPC as its fallback) or grpc (one StepStream per session)")
@@ -288,12 +290,9 @@ class AppConfig:
 
     def __post_init__(self) -> None:
         # the served app places the models by num_gpus; the draft overlaps when it has a GPU of its own
-        # (num_gpus >= 1); sharing one, the draft runs in the replica's process on a stream of its own, its
-        # kernels beside the target's, and overlaps there too (docs/architecture.md, "Overlapped drafting")
+        # (num_gpus >= 1), or shares the target's in the replica's process (draft_in_replica) on a stream of
+        # its own, its kernels beside the target's (docs/architecture.md, "Overlapped drafting")
         engine, serving, gpus = self.engine, self.serving, self.serving.num_gpus
-        if serving.draft_in_replica is None:
-            serving = replace(serving, draft_in_replica=0 < gpus < 1 and engine.uses_draft)
-            object.__setattr__(self, "serving", serving)
         changes = {}
         if engine.device == "auto":
             changes["device"] = "cuda" if gpus > 0 else "cpu"

@@ -82,16 +82,15 @@ def test_overlap_beside_the_target_on_its_device_decodes_what_the_target_does(de
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("asked", [None, False, True])
-def test_an_in_process_engine_overlaps_by_default_on_a_gpu_only(device, asked):
-    """Unset, overlap is on where the draft shares the target's GPU (its own stream) and off on the
-    CPU, where its thread would take the target's cores; set, as set."""
+def test_an_in_process_engine_overlaps_only_when_asked(device, asked):
+    """Unset, overlap is off in process, on a GPU too (sharing it, overlap pays for some pairs and
+    loses for others: docs/architecture.md); set, as set."""
     from specextend.builder import build_engine
     from specextend.config import EngineConfig
 
     engine = build_engine(EngineConfig(target="random:llama-tiny", draft="random:llama-tiny-draft", mode="sd",
                                        device=device, dtype="float32", draft_overlap=asked))
     try:
-        want = (device == "cuda") if asked is None else asked
-        assert engine.config.overlap is want and engine.draft.overlap is want
+        assert engine.config.overlap is bool(asked) and engine.draft.overlap is bool(asked)
     finally:
         engine.draft.shutdown()

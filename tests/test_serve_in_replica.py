@@ -1,5 +1,5 @@
-"""The real Serve app with the draft in the target replica's process (`draft_in_replica`, the
-default where the two share one GPU: docs/architecture.md, "Overlapped drafting"): one bundle, no
+"""The real Serve app with the draft in the target replica's process (`draft_in_replica`:
+docs/architecture.md, "Overlapped drafting"): one bundle, no
 draft actor, overlapped drafting on the worker's thread; the output over HTTP equals the target's
 greedy output with trees verified, and speculation off equals it too."""
 
@@ -41,13 +41,12 @@ def test_the_placement_has_one_bundle_and_no_draft_actor():
     s = AppSettings(**SETTINGS)
     assert s.draft_here and len(replica_options(s)["placement_group_bundles"]) == 1
     assert s.to_engine_config().overlap  # (set here; on the CPU overlap is off unless set)
-    shared = AppSettings(**{**{k: v for k, v in SETTINGS.items() if k not in ("draft_in_replica", "draft_overlap")},
-                            "num_gpus": 0.5})
-    opts = replica_options(shared)  # the default where target and draft share one GPU: the replica takes it
+    shared = AppSettings(**{**{k: v for k, v in SETTINGS.items() if k != "draft_overlap"}, "num_gpus": 0.5})
+    opts = replica_options(shared)  # target and draft sharing one GPU in the replica: the replica takes it
     assert shared.draft_here and shared.to_engine_config().overlap
     assert opts["ray_actor_options"]["num_gpus"] == 1.0 and opts["placement_group_bundles"] == [{"CPU": 0.5, "GPU": 1.0}]
-    apart = AppSettings(**{**{k: v for k, v in SETTINGS.items() if k != "draft_in_replica"}, "num_gpus": 1})
-    assert not apart.draft_here and len(replica_options(apart)["placement_group_bundles"]) == 2
+    apart = AppSettings(**{**{k: v for k, v in SETTINGS.items() if k != "draft_in_replica"}, "num_gpus": 0.5})
+    assert not apart.draft_here and replica_options(apart)["placement_group_bundles"] == [{"CPU": 0.5, "GPU": 0.5}] * 2
 
 
 def test_the_draft_in_the_replica_serves_the_targets_greedy_output(server, greedy):

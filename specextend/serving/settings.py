@@ -33,8 +33,8 @@ class _AppSettingsBase(FlatSettings):
 
     @property
     def draft_here(self) -> bool:
-        """The draft runs in the replica's process (draft_in_replica, resolved), not in an actor."""
-        return bool(self.to_config().serving.draft_in_replica)
+        """The draft runs in the replica's process (draft_in_replica), not in an actor."""
+        return bool(self.draft_in_replica) and self.uses_draft
 
     @property
     def replica_gpus(self) -> float:
