@@ -177,3 +177,23 @@ def stream_ids(stream):
             if choice.finish_reason:
                 last = chunk
     return ids, text, last, usage
+
+
+def served_target_greedy():
+    """The served tiny target alone, in float32 as the serve suites serve it: `run(ids, n)` -> its
+    greedy ids (with `.tokenizer`), the reference of a served app's output."""
+    import torch
+
+    from specextend.config import EngineConfig, SamplingParams
+    from specextend.engine import Engine
+    from specextend.models.loader import load_model
+
+    torch.set_num_threads(1)
+    target = load_model(SERVE_TARGET, dtype="float32", attention_backend="auto")
+    engine = Engine(EngineConfig(mode="ar", dtype="float32"), target)
+
+    def run(ids, n):
+        return engine.generate(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
+
+    run.tokenizer = target.tokenizer
+    return run

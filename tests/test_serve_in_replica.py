@@ -8,9 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from specextend.config import EngineConfig, SamplingParams
-
-from helpers import SERVE_PROMPT, SERVE_SETTINGS, SERVE_TARGET, app_fixture, openai_client, speculated
+from helpers import SERVE_PROMPT, SERVE_SETTINGS, SERVE_TARGET, app_fixture, openai_client, served_target_greedy, speculated
 
 SETTINGS = dict(SERVE_SETTINGS, draft_in_replica=True, max_concurrent_sessions=2, max_queued_requests=4)
 PORT, BASE, server = app_fixture(SETTINGS)
@@ -18,20 +16,7 @@ PORT, BASE, server = app_fixture(SETTINGS)
 
 @pytest.fixture(scope="module")
 def greedy():
-    import torch
-
-    from specextend.engine import Engine
-    from specextend.models.loader import load_model
-
-    torch.set_num_threads(1)
-    target = load_model(SERVE_TARGET, dtype="float32", attention_backend="auto")
-    engine = Engine(EngineConfig(mode="ar", dtype="float32"), target)
-
-    def run(ids, n):
-        return engine.generate(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
-
-    run.tokenizer = target.tokenizer
-    return run
+    return served_target_greedy()
 
 
 def test_the_placement_has_one_bundle_and_no_draft_actor():

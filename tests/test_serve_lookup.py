@@ -7,9 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from specextend.config import EngineConfig, SamplingParams
-
-from helpers import SERVE_SETTINGS, SERVE_TARGET, app_fixture, openai_client
+from helpers import SERVE_SETTINGS, SERVE_TARGET, app_fixture, openai_client, served_target_greedy
 
 SETTINGS = {k: v for k, v in SERVE_SETTINGS.items() if k not in ("draft", "draft_overlap")}
 SETTINGS.update(mode="lookup", lookup_tokens=6)
@@ -20,20 +18,7 @@ PROMPT = "alpha beta gamma delta epsilon zeta eta theta " * 3
 
 @pytest.fixture(scope="module")
 def greedy():
-    import torch
-
-    from specextend.engine import Engine
-    from specextend.models.loader import load_model
-
-    torch.set_num_threads(1)
-    target = load_model(SERVE_TARGET, dtype="float32", attention_backend="auto")
-    engine = Engine(EngineConfig(mode="ar", dtype="float32"), target)
-
-    def run(ids, n):
-        return engine.generate(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
-
-    run.tokenizer = target.tokenizer
-    return run
+    return served_target_greedy()
 
 
 def test_lookup_mode_serves_greedy_output_with_its_chains(server, greedy):
