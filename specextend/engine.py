@@ -330,7 +330,7 @@ class Engine(RequestLimits, DraftLink):
                     stats.tree_step(verdict.accept_length, target.cache.length, drafted, len(tokens), tree, draft_s,
                                     prepared=not applied, refreshed=refreshed)
                     if lookup is not None:
-                        lookup.commit(committed, verdict.accept_length - len(own))
+                        lookup.commit(committed)
                     one_off, self._first_tree = self._first_tree, False  # (docs: "Adaptive speculation")
                     ctl.record_spec(rung, None if caught_up or one_off else draft_s - load.take_shared(),
                                     prefix_accepts(own, parents[:drafted], rung, ctl.rungs),

@@ -228,6 +228,15 @@ class LookupGate:
         self.hit[n] = (1 - self.alpha) * self.hit.get(n, self.hit_prior) + self.alpha * float(hit)
 
 
+def chain_run(chain: Sequence[int], emitted: Sequence[int]) -> int:
+    """How many of `chain`'s leading tokens the step emitted: what verifying the chain alone would
+    have accepted (a rejected chain token is never the bonus token that replaces it)."""
+    k = 0
+    while k < min(len(chain), len(emitted)) and int(chain[k]) == int(emitted[k]):
+        k += 1
+    return k
+
+
 class RequestLookup:
     """A request's lookup: its context index, the gate and the target's forward cost line
     (`cost(rows)`, seconds; None: every chain is verified). Each step asks for a chain (`chain`,
@@ -279,7 +288,7 @@ class RequestLookup:
         for tok in emitted:  # each as a plain step whose chain (if any) was skipped: chain(), then commit
             n, chain = self.index.match(self.max_tokens)
             self._step, self._rows = ((n, chain, False) if chain else None), 0  # (no host work to learn)
-            self.commit([tok], 0)
+            self.commit([tok])
 
     def could_pay(self) -> bool:
         """Whether a chain could be worth verifying alone now, of any order, by its gate's rates and
@@ -293,17 +302,21 @@ class RequestLookup:
         runs of plain steps, which teach it nothing of that, wait for it."""
         return self.gate.host[False] is not None
 
-    def commit(self, emitted: Sequence[int], from_chain: int, step_s: Optional[float] = None) -> None:
-        """The step emitted `emitted` (committed order), `from_chain` of them accepted only because
-        the chain proposed them; `step_s`: a step without a tree's wall time, which teaches the gate
-        its host work beyond the forward (the cost line's)."""
+    def commit(self, emitted: Sequence[int], step_s: Optional[float] = None) -> None:
+        """The step emitted `emitted` (committed order); `step_s`: a step without a tree's wall time,
+        which teaches the gate its host work beyond the forward (the cost line's). A verified
+        chain teaches the gate the tokens it would have given alone: its leading tokens that the
+        step emitted, on a tree step too, where the draft's own nodes may have proposed them as
+        well (counting only the tokens the chain added beyond the tree's taught a good draft's
+        requests that chains never hit, and the next request's plain steps then skipped them:
+        docs/architecture.md, "Context lookup")."""
         if step_s is not None and self._rows and self.cost is not None and self.cost(1) > 0:
             self.gate.observe_host(self._rows > 1, max(step_s - self.cost(self._rows), 0.0))
         self._rows = 0
         if self._step is not None:
             n, chain, used = self._step
             if used:
-                self.gate.observe(n, from_chain)
+                self.gate.observe(n, chain_run(chain, emitted))
             else:
                 self.gate.observe_skipped(n, bool(emitted) and int(emitted[0]) == int(chain[0]))
             self._step = None

@@ -39,7 +39,6 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
     verify.Reference, with `stats` (its count of emitted tokens is the position)."""
     t0 = time.perf_counter()
     chain = lookup.chain() if lookup is not None else []
-    from_chain = 0
     if not chain:
         logits = yield from timed(target.decode_co(root))
         _queued(scoring, queued)
@@ -56,7 +55,7 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
         stats.lookup_steps += 1
         stats.lookup_nodes += len(tokens)
         stats.lookup_accepted += verdict.accept_length
-        out, from_chain = verdict.tokens, verdict.accept_length
+        out = verdict.tokens
     if lookup is not None:  # with its wall time: the gate prices a chain step's host work too
-        lookup.commit(out, from_chain, step_s=time.perf_counter() - t0)
+        lookup.commit(out, step_s=time.perf_counter() - t0)
     return out

@@ -102,11 +102,11 @@ def test_the_gate_prices_a_chain_step_s_host_work_too():
         lookup.gate.observe(3, 0)
         lookup.gate.observe(3, 0)
     assert lookup.chain() == [9, 1, 4]  # by rows alone it pays (gain ~0.3 against 4% more time)
-    lookup.commit([9, 1, 4, 9], 3, step_s=line(4) + 0.9e-3)  # a chain step: 0.9 ms of host work
+    lookup.commit([9, 1, 4, 9], step_s=line(4) + 0.9e-3)  # a chain step: 0.9 ms of host work
     lookup.index = ContextIndex(ids, 16)
     lookup.gate.run[3], lookup.gate.hit[3] = 1.0, 1 / 3
     lookup._step, lookup._rows = None, 1  # a plain step: 0.1 ms
-    lookup.commit([9], 0, step_s=line(1) + 0.1e-3)
+    lookup.commit([9], step_s=line(1) + 0.1e-3)
     assert lookup.gate.host == {True: pytest.approx(0.9e-3), False: pytest.approx(0.1e-3)}
     assert lookup.chain() == []  # (1 + 0.33) x 2.48 ms < 2.45 + 0.9 ms: decode plainly
     # grafted onto a tree the same chain adds only its rows (the tree's step is verified anyway)
@@ -119,16 +119,17 @@ def test_a_request_s_lookup_skips_chains_that_do_not_pay_and_still_learns_from_t
     ids = [4, 9, 1, 4]  # the last token repeats: a unigram chain [9, 1, 4]
     lookup = RequestLookup(ContextIndex(ids, 16), 3, cost=_cost(1.0, 1.0))  # rows cost as much as a forward
     assert lookup.chain() == []  # (1 + prior gain 1.0) * cost(1) = 4 < cost(4) = 5: decode plainly
-    lookup.commit([9], 0)  # the plain token was the chain's first: a hit for order 1
+    lookup.commit([9])  # the plain token was the chain's first: a hit for order 1
     assert lookup.gate.hit[1] > lookup.gate.hit_prior and lookup.index.length == 5
     free = RequestLookup(ContextIndex(ids, 16), 3)  # no cost line: every chain
     assert free.chain() == [9, 1, 4]
-    free.commit([9, 1, 4, 7], 3)
+    free.commit([9, 1, 4, 7])
     assert free.gate.run[1] > free.gate.run_prior and free.index.ids[:8].tolist() == ids + [9, 1, 4, 7]
     # grafted onto a tree: the chain's new nodes are priced; those the tree has cost nothing
     tree = RequestLookup(ContextIndex(ids, 16), 3, cost=_cost(1.0, 1.0))
     assert tree.graft([9, 1, 4], [-1, 0, 1]) == ([9, 1, 4], [-1, 0, 1], 0)
-    tree.commit([9, 1, 4, 2], 0)
+    tree.commit([9, 1, 4, 2])  # the tree's nodes proposed the chain too: still the chain's three tokens
+    assert tree.gate.hit[1] > tree.gate.hit_prior and tree.gate.run[1] > tree.gate.run_prior
     assert tree.graft([5], [-1]) == ([5], [-1], 0)  # 4 -> [9, 1, 4, 2]: three new rows do not pay here
     assert RequestLookup(ContextIndex(ids, 16), 3).graft([5], [-1]) == ([5, 9, 1, 4], [-1, -1, 1, 2], 3)
 
@@ -212,7 +213,7 @@ def test_a_run_teaches_the_gate_as_plain_steps_that_skip_their_chains_do():
     run.commit_run(tokens)
     for tok in tokens:
         assert steps.chain() == []  # skipped: a plain step
-        steps.commit([tok], 0)
+        steps.commit([tok])
     assert run.gate.hit == steps.gate.hit and run.gate.hit
     assert run.index.ids[:run.index.length].tolist() == steps.index.ids[:steps.index.length].tolist() == prompt + tokens
     assert not run.priced  # (a run measures no host work)
@@ -229,3 +230,24 @@ def test_could_pay_asks_the_gate_for_the_cheapest_chain_of_each_order():
     assert not look.could_pay()
     look.gate.hit[look.index.ns[-1]] = 0.9  # one order that pays
     assert look.could_pay()
+
+
+def test_a_chain_teaches_the_gate_what_it_would_have_given_alone():
+    """chain_run: the chain's leading tokens the step emitted. On a tree step the draft's nodes may
+    have proposed them too: the gate learns the chain's own worth (what a step without a tree would
+    verify), not only what it added beyond the tree, so a good draft's request does not teach the
+    next one's plain steps that chains never hit."""
+    from specextend.lookup import chain_run
+
+    assert chain_run([9, 1, 4], [9, 1, 4, 2]) == 3 and chain_run([9, 1, 4], [9, 1]) == 2
+    assert chain_run([9, 1, 4], [9, 5, 4, 2]) == 1 and chain_run([9, 1, 4], [5]) == 0 and chain_run([], [5]) == 0
+    ids = [4, 9, 1, 4]
+    lookup = RequestLookup(ContextIndex(ids, 16), 3)  # no cost line: every chain is verified
+    for _ in range(20):  # tree steps whose draft proposed the chain's tokens as well, every time
+        lookup.index = ContextIndex(ids, 16)
+        tokens, parents, new = lookup.graft([9, 1, 4], [-1, 0, 1])
+        assert new == 0 and tokens == [9, 1, 4]
+        lookup.commit([9, 1, 4, 2])
+    assert lookup.gate.hit[1] > 0.9 and lookup.gate.run[1] > 2.8  # right every time, three tokens (was 0.5, 2)
+    lookup.index = ContextIndex(ids, 16)
+    assert lookup.peek() == (3, pytest.approx(lookup.gate.gain(1)))  # a plain step would verify it
