@@ -1,5 +1,5 @@
-"""The Serve application graph: OpenAIIngress -> SpecExtend (target replica + its draft actor, or the draft
-in the replica where the two share one GPU)."""
+"""The Serve application graph: OpenAIIngress -> SpecExtend (target replica + its draft actor, or with
+`draft_in_replica` the draft in the replica's process)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The SpecExtend Serve replica: it IS the target actor (docs/architecture.md, "Deployment").
 
-It loads the target, starts its draft actor on bundle 1 of its own placement group (or, where the
-two share one GPU, runs the draft's worker in its own process: `draft_in_replica`), and runs
+It loads the target, starts its draft actor on bundle 1 of its own placement group (or, with
+`draft_in_replica`, runs the draft's worker in its own process), and runs
 Engine.stream for each request. The engine is synchronous torch code: every step of every request
 runs on one worker thread (GPU work serialized), one `next()` at a time, so sessions interleave
 step by step. Tokenization, detokenization and stop strings are done here (textstream.py); the
