@@ -276,6 +276,9 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if self.num_gpus > 1 and not float(self.num_gpus).is_integer():
             raise ValueError("num_gpus above 1 must be a whole number")
+        if self.draft_in_replica and self.num_gpus >= 1:  # (the replica's process puts both on one device)
+            raise ValueError("draft_in_replica runs the draft on the target's GPU: pass num_gpus below 1 "
+                             "(e.g. 0.5, the two models' shares of one GPU), or leave the draft to its actor")
         if self.api_key is not None and not header_token(self.api_key.get_secret_value()):
             raise ValueError("api_key must be a string of 1 to 1024 printable ASCII characters without spaces")
 

@@ -127,6 +127,8 @@ def test_execution_and_overlap_reach_the_engine_config():
     assert AppSettings(num_gpus=0.5, draft_in_replica=True).to_engine_config().draft_overlap is True
     assert AppSettings(num_gpus=0.5, draft_in_replica=True).draft_here and not AppSettings(num_gpus=0.5).draft_here
     assert not AppSettings(num_gpus=0.5, mode="ar", draft_in_replica=True).draft_here
+    with pytest.raises(ValidationError, match="draft_in_replica runs the draft on the target's GPU"):
+        AppSettings(num_gpus=1, draft_in_replica=True)  # (a second GPU the replica would reserve and not use)
     assert AppSettings(num_gpus=0, draft_overlap=True).to_engine_config().overlap
     assert AppSettings(num_gpus=1, mode="ar").to_engine_config().overlap is False
     with pytest.raises(ValidationError, match="execution"):
