@@ -292,9 +292,15 @@ class RequestLookup:
 
     def could_pay(self) -> bool:
         """Whether a chain could be worth verifying alone now, of any order, by its gate's rates and
-        the cost line: a one-node chain of each, the cheapest. False: a run of plain steps forgoes
-        nothing (any chain found in it would be skipped); its commit_run teaches the gate on."""
-        return any(self._pays(n, 1, alone=True) for n in self.index.ns)
+        the cost line: a chain of `max_tokens` nodes, what `chain` finds in a long context (the
+        continuation after the n-gram's latest occurrence; shorter only where that occurrence is
+        within `max_tokens` of the end) and verifies whole or not at all. False: a run of plain
+        steps forgoes nothing that would be verified (any chain found in it would be skipped); its
+        commit_run teaches the gate on. (A one-node chain, the cheapest, used to be asked: on a GPU,
+        where a row costs ~1.5% of a forward, it paid at hit rates where the chains actually found
+        did not, so such a request took neither chains nor runs: docs/architecture.md, "Plain steps
+        ahead".)"""
+        return any(self._pays(n, self.max_tokens, alone=True) for n in self.index.ns)
 
     @property
     def priced(self) -> bool:

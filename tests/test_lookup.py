@@ -219,16 +219,20 @@ def test_a_run_teaches_the_gate_as_plain_steps_that_skip_their_chains_do():
     assert not run.priced  # (a run measures no host work)
 
 
-def test_could_pay_asks_the_gate_for_the_cheapest_chain_of_each_order():
-    """RequestLookup.could_pay (runs of plain steps forgo chains only where none could pay): a
-    one-node chain of some order worth its row by the gate's rates, whether or not one is found
-    here; with rows costing as much as a plain step, a chain pays where its expected gain is 1."""
-    look = RequestLookup(ContextIndex([1, 2, 3], 8), 4, cost=lambda rows: 1e-3 * rows)  # (no chain here)
+def test_could_pay_asks_the_gate_for_a_chain_as_long_as_those_it_verifies():
+    """RequestLookup.could_pay (runs of plain steps forgo chains only where none would be verified):
+    a chain of max_tokens nodes of some order worth its rows by the gate's rates, whether or not one
+    is found here. With a GPU-like line (a row 1.5% of a forward) and weak chains (gain 0.1), a
+    one-node chain would pay and the chains the lookup finds, of 8 nodes, do not: no run was taken
+    and no chain verified (the trap the one-node question set)."""
+    line = _cost(2.34e-3, 0.036e-3)
+    look = RequestLookup(ContextIndex([1, 2, 3], 8), 8, cost=line)  # (no chain here)
     assert look.could_pay()  # the prior: half of the chains hit, 2 tokens each -> gain 1
     for n in look.index.ns:
-        look.gate.hit[n] = 0.1  # gain 0.2 < 1
-    assert not look.could_pay()
-    look.gate.hit[look.index.ns[-1]] = 0.9  # one order that pays
+        look.gate.hit[n], look.gate.run[n] = 0.1, 1.0  # gain 0.1
+    assert look.gate.use(1, 1, line, alone=True) and not look.gate.use(1, 8, line, alone=True)
+    assert not look.could_pay()  # (8-node chains do not pay: a run forgoes nothing chain() would take)
+    look.gate.hit[look.index.ns[-1]] = 0.9  # one order whose chains pay
     assert look.could_pay()
 
 
