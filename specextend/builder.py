@@ -85,11 +85,14 @@ def build_engine(config: EngineConfig) -> Engine:
     return Engine(config, target, backend, draft_args=draft.args if draft is not None else None)
 
 
-def draft_worker(config: EngineConfig, draft: LoadedModel) -> DraftWorker:
+def draft_worker(config: EngineConfig, draft: LoadedModel, beside_target: bool = True) -> DraftWorker:
     """The draft's worker as `config` says (in process, in the replica, in the draft actor), warmed
-    up: with overlap, its background forwards' graphs are captured now, not on a request's path."""
+    up: with overlap, its background forwards' graphs are captured now, not on a request's path.
+    `beside_target`: the target runs in this process too (the draft's thread then queues on a CUDA
+    stream of its own: DraftWorker._setup)."""
     worker = DraftWorker(draft.decoder, name=draft.name, prefill_chunk=config.prefill_chunk, overlap=config.overlap,
                          prepare=config.draft_prepare, handover=config.draft_handover,
-                         overlap_rows=config.draft_overlap_rows, prefix_cache=PrefixCache.of(config))
+                         overlap_rows=config.draft_overlap_rows, prefix_cache=PrefixCache.of(config),
+                         own_stream=beside_target)
     worker.warm_up(DraftSessionParams(config.tree, config.retrieval, max_new_tokens=64))
     return worker

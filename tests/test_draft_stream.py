@@ -17,8 +17,11 @@ def _prompt(n, seed):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.parametrize("own", [True, False])
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_the_worker_thread_queues_on_a_stream_of_its_own(device):
+def test_the_worker_thread_queues_on_a_stream_of_its_own(device, own):
+    """Beside a target in its process, the worker's thread queues on a stream of its own; alone on
+    its GPU (a draft actor: own_stream=False) on the default stream, as before."""
     from specextend.builder import load_pair
     from specextend.config import EngineConfig
     from specextend.draft.jobs import Close, Job
@@ -34,16 +37,18 @@ def test_the_worker_thread_queues_on_a_stream_of_its_own(device):
                 seen["stream"] = torch.cuda.current_stream()
             return None
 
-    w = Probe(draft.decoder)
+    w = Probe(draft.decoder, own_stream=own)
     try:
         w.submit(Close("probe")).result(timeout=30)
     finally:
         w.shutdown()
-    if device == "cpu":
+    if device == "cpu" or not own:
         assert w.stream is None
-    else:
+    if device == "cuda" and own:
         assert w.stream is not None and seen["stream"] == w.stream
         assert seen["stream"] != torch.cuda.default_stream()  # the target's (this thread's) stream
+    elif device == "cuda":
+        assert seen["stream"] == torch.cuda.default_stream()
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

@@ -69,7 +69,7 @@ class DraftWorker(JobWorker):
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
                  gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
                  refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = False,
-                 handover: bool = True, prefix_cache: Optional[PrefixCache] = None):
+                 handover: bool = True, prefix_cache: Optional[PrefixCache] = None, own_stream: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
@@ -91,6 +91,7 @@ class DraftWorker(JobWorker):
         self._sessions: dict[str, SessionEntry] = {}  # the worker thread's only
         self._pending: OrderedDict[str, None] = OrderedDict()  # sessions with drafting left to do
         self._flying: Optional[DraftSession] = None  # the session whose background forward is in flight
+        self.own_stream = own_stream  # (False: the default stream, as in a draft actor, alone on its GPU)
         self.stream: Optional[torch.cuda.Stream] = None  # the thread's own (CUDA; _setup)
         super().__init__(name)
 
@@ -100,10 +101,12 @@ class DraftWorker(JobWorker):
         # target's instead of queueing behind them on the legacy default stream (docs/architecture.md,
         # "Overlapped drafting", one GPU). Everything the thread queues goes there (current streams are
         # per thread); what crosses to the target is host data, or read after an event (retrieval.py).
+        # A draft actor has its GPU to itself and keeps the default stream (own_stream=False).
         if self.model.device.type == "cuda":
             torch.cuda.set_device(self.model.device)
-            self.stream = torch.cuda.Stream(self.model.device)
-            torch.cuda.set_stream(self.stream)
+            if self.own_stream:
+                self.stream = torch.cuda.Stream(self.model.device)
+                torch.cuda.set_stream(self.stream)
 
     def _background(self) -> bool:
         """Launch one background forward of the next session with drafting left to do (round

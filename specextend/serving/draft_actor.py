@@ -52,7 +52,7 @@ class DraftActor:
         t1 = time.time()
         if switch_interval_ms is not None:  # (the worker lowers it to its own with overlap only where unset)
             sys.setswitchinterval(switch_interval_ms / 1e3)
-        self.backend = draft_worker(config, self.model)  # (warmed up)
+        self.backend = draft_worker(config, self.model, beside_target=False)  # (warmed up; alone on its GPU)
         t2 = time.time()
         self.server = DraftServerThread(self.backend, host=LOOPBACK, port=0, model=self.model.name, token=token,
                                         step_channel="ipc" if step_transport == "zmq" else None)
