@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specextend.bench import record
-from specextend.bench.serve import wait_ready
+from specextend.bench.app_wait import wait_ready
 
 OUT = Path(__file__).parent / "results" / "concurrency"
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                             max_new_tokens=max(a.new_tokens, 64), max_concurrent_sessions=max(16, a.requests),
                             retrieval_chunk_size=16, retrieval_top_k=4)
             serve.run(specextend(settings), name="concurrency", route_prefix="/")
-            wait_ready(url, 600)
+            wait_ready(url, 600, app="concurrency")
             r = measure(url, prompts, a.new_tokens)
             serve.delete("concurrency")
             rows.append(dict(mode=mode, **r))

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from ray import serve
 
     from deploy.app import specextend
-    from specextend.bench.serve import wait_ready
+    from specextend.bench.app_wait import wait_ready
 
     sys.path.insert(0, str(Path(__file__).parent))
     from concurrency import free_port
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             settings = dict(target=a.target, draft=a.draft, mode=mode, num_gpus=0, dtype="float32",
                             max_new_tokens=a.new_tokens)
             serve.run(specextend(settings), name=mode, route_prefix=f"/{mode}")
-            wait_ready(f"{url}/{mode}", 600)
+            wait_ready(f"{url}/{mode}", 600, app=mode)
             client = OpenAI(base_url=f"{url}/{mode}/v1", api_key="unused", max_retries=0, timeout=600)
             clients[mode] = (client, client.models.list().data[0].id)
         for rep in range(a.reps):

@@ -1,4 +1,4 @@
-"""The serve suite's wait for an app (bench/serve.wait_ready): what Serve says of an app that does
+"""The serve suite's wait for an app (bench/app_wait.wait_ready): what Serve says of an app that does
 not become ready is reported while waiting, and a deployment Serve gave up on ends the wait with
 Serve's message (its replica's traceback) instead of a silent wait of up to half an hour."""
 
@@ -23,7 +23,7 @@ def _status(app_status, deployment_status, message):
 
 @pytest.fixture
 def no_health(monkeypatch):
-    import specextend.bench.serve as served
+    import specextend.bench.app_wait as served
 
     def refused(*a, **k):
         raise requests.ConnectionError("refused")

@@ -25,6 +25,7 @@ from typing import Iterator, Optional, Sequence
 import requests
 import torch
 
+from specextend.bench.app_wait import wait_ready
 from specextend.bench.e2e import PAIRS, TIE_TOLERANCE, kinds_line, summarize
 from specextend.near_tie import all_within_rounding, overrides_of
 from specextend.bench.texts import documents, prompt_ids
@@ -85,43 +86,6 @@ def mode_args(mode: str) -> dict:
         args["retrieval"] = bool(spec["retrieval"].enabled)
     AppSettings.model_validate(args)
     return args
-
-
-def app_state(app: str = "bench") -> tuple[str, str]:
-    """(status, what Serve says of it): the application's and, where one is not healthy, its
-    deployments' messages (a replica whose constructor raised: its traceback)."""
-    from ray import serve
-
-    def name(x) -> str:  # (Serve's statuses are str enums: their value)
-        return str(getattr(x, "value", x))
-
-    status = serve.status().applications.get(app)
-    if status is None:
-        return "MISSING", ""
-    notes = [status.message] + [f"{dep}: {name(d.status)} {d.message}" for dep, d in status.deployments.items()
-                                if name(d.status) != "HEALTHY" and d.message]
-    return name(status.status), "; ".join(n for n in notes if n)
-
-
-def wait_ready(url: str, timeout_s: float, app: str = "bench", report_s: float = 60.0, progress=print) -> None:
-    """Until the app answers /health; a deployment Serve gave up on raises at once with Serve's
-    message, and every `report_s` the wait says what Serve reports (a replica that never becomes
-    ready: in 2026-11-29's one GPU run of `draft_in_replica` nothing told why)."""
-    t0 = last = time.time()
-    while time.time() - t0 < timeout_s:
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        if time.time() - last >= report_s:
-            last = time.time()
-            state, note = app_state(app)
-            progress(f"app {app!r} not ready after {last - t0:.0f} s: {state} {note}".rstrip())
-            if state == "DEPLOY_FAILED":
-                raise RuntimeError(f"the app failed to deploy: {note}")
-        time.sleep(1)
-    raise TimeoutError(f"the app did not become ready in {timeout_s:.0f} s: {' '.join(app_state(app))}")
 
 
 def metric_families(url: str):

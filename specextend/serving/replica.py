@@ -77,7 +77,7 @@ class SpecExtendReplica(DraftRecovery):
         self.draft_actor = None
         self._draft_token = new_token()  # this replica's draft accepts only this replica (*Wire protocol*)
 
-        self.draft_here = s.uses_draft and s.draft_here  # the draft in this process (draft_in_replica)
+        self.draft_here = s.draft_here  # the draft in this process (draft_in_replica)
         if s.uses_draft and not self.draft_here:
             # first thing: the draft actor's process starts, imports, checks the pair again and loads while this
             # one loads the target (the app builder refused a mismatched pair; docs/architecture.md, "Deployment")
