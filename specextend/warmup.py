@@ -35,7 +35,8 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
     of up to `batch_sessions` sessions (`warm_batches`); returns the stats of the last speculative
     one (its `fallback` says whether the draft answered)."""
     cfg = engine.config
-    _, _, stats = engine.generate(prompt_ids, SamplingParams(max_new_tokens=4, ignore_eos=True), speculate=False)
+    _, _, stats = engine.generate(prompt_ids, SamplingParams(max_new_tokens=min(4, cfg.max_new_tokens), ignore_eos=True),
+                                  speculate=False)
     if engine.prefix_cache is not None:  # (the requests' prompts, not the warm-up's; `_fixed` engines keep their own)
         engine.prefix_cache.clear()
     if batch_sessions > 1:
@@ -64,9 +65,11 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
 
 def _fixed(engine: Engine, **changes) -> Engine:
     """`engine`'s models with every step a drafted tree (fixed policy, and overlap_miss=draft: an
-    unready step would decode plainly and leave that step's verify shape to a request)."""
-    return Engine(replace(engine.config, tree_policy="fixed", overlap_miss="draft", **changes),
-                  engine.target, engine.draft)
+    unready step would decode plainly and leave that step's verify shape to a request). The warm-up's
+    requests are the engine's own: the limit on a user's max_tokens does not bound them (an app with
+    max_new_tokens=64 refused its own warm-up, which needs up to (depth+1)·refresh steps' tokens)."""
+    return Engine(replace(engine.config, tree_policy="fixed", overlap_miss="draft",
+                          max_new_tokens=engine.target.max_context, **changes), engine.target, engine.draft)
 
 
 def warm_verify_sizes(engine: Engine, prompt_ids: Sequence[int]) -> int:

@@ -163,3 +163,22 @@ def test_the_long_warm_up_request_meets_a_full_retrieval_budget_and_refreshes(ti
     assert stats.prompt_tokens == n and not stats.fallback
     assert stats.num_steps > 0 and stats.retrieval_refreshes >= 3
     assert stats.draft_cache_tokens >= 4 * 8  # the draft kept its whole budget (top_k chunks)
+
+
+def test_the_warm_up_runs_under_a_small_max_tokens_limit_and_the_limit_still_binds_requests(tiny_models):
+    """The warm-up's requests need up to (depth + 1) x refresh steps' tokens (over 100 for the app's
+    default tree); an app whose users may ask for 8 tokens at most warms up all the same, and its
+    users' requests stay bound."""
+    from specextend.request_limits import RequestError
+    from specextend.warmup import warm_long
+
+    target, draft = tiny_models("float32")
+    retrieval = RetrievalConfig(enabled=True, chunk_size=8, top_k=4, every=3, draft_prefill_window=32)
+    engine = make_engine((target, draft), "specextend", tree=TreeConfig(16, 6, 4), retrieval=retrieval,
+                         tree_policy="adaptive", max_new_tokens=8)
+    stats = warm_up(engine, list(range(3, 150)))
+    assert not stats.fallback and stats.num_steps > 8
+    assert warm_long(engine, [5, 6, 7]).num_steps > 8
+    with pytest.raises(RequestError, match="max_tokens 9 exceeds the limit 8"):
+        engine.generate(list(range(3, 40)), SamplingParams(max_new_tokens=9))
+    assert len(engine.generate(list(range(3, 40)), SamplingParams(max_new_tokens=8, ignore_eos=True))[0]) == 8
