@@ -56,15 +56,18 @@ SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 
 
 def _sig(fn, args: dict, constexprs: dict):
-    """ASTSource with the runtime's specialization: pointers and 16-divisible ints get divisibility 16."""
+    """ASTSource with the runtime's specialization: pointers and 16-divisible ints get divisibility 16
+    (not the ints the kernel says not to specialize on)."""
     sig, attrs = {}, {}
+    fixed = {fn.arg_names[i] for i in fn.do_not_specialize} if all(isinstance(i, int) for i in fn.do_not_specialize) \
+        else set(fn.do_not_specialize)
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
         kind, value = args[name]
         sig[name] = kind
-        if kind.startswith("*") or (kind in ("i32", "i64") and value % 16 == 0):
+        if kind.startswith("*") or (kind in ("i32", "i64") and value % 16 == 0 and name not in fixed):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
 
@@ -79,21 +82,20 @@ def kernels_for(geo: str, call: str, dt: str):
     p = f"*{dt}"
     yield "prefix_partials", PK.prefix_partials, dict(
         q_ptr=(p, 0), kv_ptr=(p, 0), meta_ptr=("*i64", 0), out_ptr=("*fp32", 0), lse_ptr=("*fp32", 0),
-        scale_log2=("fp32", 0), layer=("i32", 3), M=("i32", m), T=("i32", t), NB=("i32", 1)), dict(
-        G=g, D=d, DP=_pow2(d), SPLITS=splits, BLOCK_M=c["bm"], BLOCK_N=c["block_n"], MIN_CHUNK=MIN_CHUNK, IEEE=dt == "fp32",
+        scale_log2=("fp32", 0), layer=("i32", 3), M=("i32", m), T=("i32", t), NB=("i32", 1),
+        SPLITS=("i32", splits)), dict(G=g, D=d, DP=_pow2(d), BLOCK_M=c["bm"], BLOCK_N=c["block_n"], MIN_CHUNK=MIN_CHUNK, IEEE=dt == "fp32",
         INTERPRET=False, PDL=True), dict(num_warps=c["num_warps"], num_stages=c["num_stages"], launch_pdl=True)
     cc = combine_config(m, n, d, splits, dt == "fp32")
     yield "tree_combine", LK.tree_combine, dict(
         q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0), bias_ptr=("*fp32", 0), outp_ptr=("*fp32", 0),
         lsep_ptr=("*fp32", 0), out_ptr=(p, 0), lse_ptr=("*fp32", 0), scale_log2=("fp32", 0),
-        stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d)), dict(
-        T=t, R=r, N=n, S=splits, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
-        SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False, PDL=True), dict(num_warps=cc["warps"], launch_pdl=True)
+        stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d),
+        T=("i32", t), N=("i32", n), S=("i32", splits)), dict(R=r, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
+        SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False, PDL=True), dict(num_warps=cc["warps"], num_stages=1, launch_pdl=True)
     yield "rope_scatter", LK.rope_scatter, dict(
         qkv_ptr=(p, 0), cos_ptr=(p, 0), sin_ptr=(p, 0), q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0),
         kpre_ptr=(p, 0), stride_kg=("i32", n * d), stride_kt=("i32", d), stride_vg=("i32", n * d),
-        stride_vt=("i32", d), stride_pg=("i32", t * d), stride_pt=("i32", d)), dict(
-        T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=call == "draft-level", PDL=True), dict(num_warps=1, launch_pdl=True)
+        stride_vt=("i32", d), stride_pg=("i32", t * d), stride_pt=("i32", d), T=("i32", t)), dict(H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=call == "draft-level", PDL=True), dict(num_warps=1, launch_pdl=True)
     block = min(1024, _pow2(inter))
     yield "silu_mul", LK.silu_mul, dict(gu_ptr=(p, 0), out_ptr=(p, 0)), dict(I=inter, BLOCK=block), dict(num_warps=4)
     e = h * d  # the presets' hidden size

@@ -36,9 +36,9 @@ def key_block(q, k_ptr, v_ptr, n0, end, offs_d, m_i, l_i, acc, scale_log2,
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
-def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M, T, NB,
-                    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+@triton.jit(do_not_specialize=["layer", "M", "T", "NB", "SPLITS"])
+def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M, T, NB, SPLITS,
+                    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr,
                     INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # nothing to load before the wait: PDL hides the launch gap (specextend/pdl.py)
@@ -46,13 +46,13 @@ def prefix_partials(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer
         gdc_wait()
     bg = tl.program_id(2)  # session * G + KV head
     prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M,
-                 tl.program_id(0), tl.program_id(1), bg % G, bg // G, T, NB,
-                 G, D, DP, SPLITS, BLOCK_M, BLOCK_N, MIN_CHUNK, IEEE, INTERPRET)
+                 tl.program_id(0), tl.program_id(1), bg % G, bg // G, T, NB, SPLITS,
+                 G, D, DP, BLOCK_M, BLOCK_N, MIN_CHUNK, IEEE, INTERPRET)
 
 
 @triton.jit
-def prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M, mb, s, g, b, T, NB,
-                 G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+def prefix_split(q_ptr, kv_ptr, meta_ptr, out_ptr, lse_ptr, scale_log2, layer, M, mb, s, g, b, T, NB, SPLITS,
+                 G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """Row block mb of KV head g over split s of session b's committed keys (prefix_partials' one
     program; also a work item of the persistent layer kernel, models/_triton_persist.py). The M

@@ -23,8 +23,7 @@ def _fold(m_i, l_i, acc, m_blk, s_blk, a_blk):
 
 
 @triton.jit
-def _partial(outp_ptr, lsep_ptr, g, s, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
-             S: tl.constexpr, M: tl.constexpr, D: tl.constexpr):
+def _partial(outp_ptr, lsep_ptr, g, s, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M, D: tl.constexpr):
     """Split s's weighted output w [BM, 1] * out_s [BM, DC] (0 past n_used) and its weight w [BM]."""
     ok = row_ok & (s < n_used)
     row = (g * S + s) * M + offs_m  # [BM]
@@ -35,9 +34,8 @@ def _partial(outp_ptr, lsep_ptr, g, s, n_used, offs_m, row_ok, offs_c, c_ok, m_s
 
 
 @triton.jit
-def _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S: tl.constexpr,
-            M: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, DC: tl.constexpr, RB: tl.constexpr,
-            INTERPRET: tl.constexpr):
+def _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe, S, M,
+            D: tl.constexpr, BLOCK_M: tl.constexpr, DC: tl.constexpr, RB: tl.constexpr, INTERPRET: tl.constexpr):
     """The splits' weighted outputs (acc [BM, DC]) and weights (l_i [BM]) summed RB splits a round,
     the round's loads independent (in flight together), up to split n_used."""
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -60,9 +58,37 @@ def _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
 
 
 @triton.jit
+def _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, N, g, stride_kg, stride_kn, stride_vg, stride_vn,
+                offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
+                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Tree keys [n0, n0 + BLOCK_N) of N folded into (m_i, l_i, acc) (combine_block's key loop)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
+    key_ok = offs_n < N
+    k = tl.load(k_ptr + g * stride_kg + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, DP]
+    v = tl.load(v_ptr + g * stride_vg + offs_n[:, None] * stride_vn + offs_c[None, :],
+                mask=key_ok[:, None] & c_ok[None, :], other=0.0)  # [BN, DC]
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN]
+    else:
+        qk = tl.dot(q, tl.trans(k))  # exact products, float32 accumulation
+    b = tl.load(bias_ptr + offs_m[:, None] * N + offs_n[None, :], mask=row_ok[:, None] & key_ok[None, :],
+                other=float("-inf"))
+    qk = qk * scale_log2 + b.to(tl.float32) * LOG2E
+    m_blk = tl.max(qk, 1)
+    p = tl.exp2(qk - tl.where(m_blk == float("-inf"), 0.0, m_blk)[:, None])
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")  # [BM, DC]
+    else:
+        p_hi = p.to(v.dtype)
+        pv = tl.dot(p_hi, v) + tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
+    return _fold(m_i, l_i, acc, m_blk, tl.sum(p, 1), pv)
+
+
+@triton.jit(do_not_specialize=["T", "N", "S"])
 def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
-                 stride_kg, stride_kn, stride_vg, stride_vn,
-                 T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                 stride_kg, stride_kn, stride_vg, stride_vn, T, N, S,
+                 R: tl.constexpr, SP: tl.constexpr,
                  D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr,
                  INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
@@ -85,25 +111,32 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
     Half-precision inputs (IEEE False) use the tensor cores with float32 accumulation: q.k products
     of bf16/fp16 values are exact in float32, and p (float32) goes in as p_hi + p_lo, two half
     values whose sum carries ~16 bits of it, so the result matches the float32 twin to well within
-    the output's rounding. float32 inputs use IEEE float32 dots."""
+    the output's rounding. float32 inputs use IEEE float32 dots.
+
+    T tokens, N tree keys and S splits are runtime values that Triton does not specialize on, so
+    one compiled kernel serves every tree size of a bucket (the row block, the key block, the
+    splits' power of two): a kernel per size cost ~0.8 s at start-up, most of the real pair's 226 s
+    warm-up (H200, 2026-11-29, docs/architecture.md, "Execution plans"). (The key loop as a
+    static_range over a compile-time block count made the persistent layer kernel's compile run
+    for minutes.)"""
     if PDL:  # nothing to load before the wait: PDL hides the launch gap (specextend/pdl.py)
         gdc_launch_dependents()
         gdc_wait()
     combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
                   stride_kg, stride_kn, stride_vg, stride_vn, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                  tl.num_programs(1), T, R, N, S, SP, D, DP, DC, BLOCK_M, BLOCK_N, SB, NEED_LSE, IEEE, INTERPRET)
+                  tl.num_programs(1), T, N, S, R, SP, D, DP, DC, BLOCK_M, BLOCK_N, SB, NEED_LSE, IEEE, INTERPRET)
 
 
 @triton.jit
 def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
-                  stride_kg, stride_kn, stride_vg, stride_vn, mb, g, c, NG,
-                  T: tl.constexpr, R: tl.constexpr, N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                  stride_kg, stride_kn, stride_vg, stride_vn, mb, g, c, NG, T, N, S,
+                  R: tl.constexpr, SP: tl.constexpr,
                   D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """tree_combine's program (mb, g, c) of NG KV heads (also a work item of the persistent layer
     kernel, models/_triton_persist.py)."""
-    M: tl.constexpr = R * T
+    M = R * T
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, DP)  # [DP] all head dims (scores)
     offs_c = c * DC + tl.arange(0, DC)  # [DC] this program's head dims (outputs)
@@ -138,28 +171,20 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
     else:
         acc, l_i = _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
                            S, M, D, BLOCK_M, DC, SB, INTERPRET)
-    for n0 in range(0, N, BLOCK_N):  # tree keys, masked by the additive bias
-        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
-        key_ok = offs_n < N
-        k = tl.load(k_ptr + g * stride_kg + offs_n[:, None] * stride_kn + offs_d[None, :],
-                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, DP]
-        v = tl.load(v_ptr + g * stride_vg + offs_n[:, None] * stride_vn + offs_c[None, :],
-                    mask=key_ok[:, None] & c_ok[None, :], other=0.0)  # [BN, DC]
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN]
-        else:
-            qk = tl.dot(q, tl.trans(k))  # exact products, float32 accumulation
-        b = tl.load(bias_ptr + offs_m[:, None] * N + offs_n[None, :], mask=row_ok[:, None] & key_ok[None, :],
-                    other=float("-inf"))
-        qk = qk * scale_log2 + b.to(tl.float32) * LOG2E
-        m_blk = tl.max(qk, 1)
-        p = tl.exp2(qk - tl.where(m_blk == float("-inf"), 0.0, m_blk)[:, None])
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")  # [BM, DC]
-        else:
-            p_hi = p.to(v.dtype)
-            pv = tl.dot(p_hi, v) + tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
-        m_i, l_i, acc = _fold(m_i, l_i, acc, m_blk, tl.sum(p, 1), pv)
+    # tree keys, masked by the additive bias (one block up to 64 keys); two loops: the interpreter's
+    # scalars cannot bound a range()
+    if INTERPRET:
+        n0 = 0
+        while n0 < N:
+            m_i, l_i, acc = _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, N, g, stride_kg, stride_kn, stride_vg, stride_vn,
+                                        offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
+                                        BLOCK_N, IEEE)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(0, N, BLOCK_N):
+            m_i, l_i, acc = _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, N, g, stride_kg, stride_kn, stride_vg, stride_vn,
+                                        offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
+                                        BLOCK_N, IEEE)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     j = offs_m // T
@@ -171,10 +196,10 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
         tl.store(lse_ptr + g * M + offs_m, lse, mask=row_ok & (c == 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def rope_scatter(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kpre_ptr,
-                 stride_kg, stride_kt, stride_vg, stride_vt, stride_pg, stride_pt,
-                 T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                 stride_kg, stride_kt, stride_vg, stride_vt, stride_pg, stride_pt, T,
+                 H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                  STORE_PRE: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (token t, head j of the H + 2G in qkv [T, (H + 2G) * D]): RoPE (rotate-half,
     signed sine) on q and k heads, then q -> q [H, T, D], k -> k [G, T, D], v -> v [G, T, D] and the

@@ -216,7 +216,7 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
         it = pid
         while it < N2:
             prefix_split(q_ptr, kv_ptr, meta_ptr, outp_ptr, lsep_ptr, scale_log2, layer, M,
-                         it // (S * G), (it // G) % S, it % G, 0, M, 1, G, D, DP, S, PBM, PBN, MIN_CHUNK, IEEE, INTERPRET)
+                         it // (S * G), (it // G) % S, it % G, 0, M, 1, S, G, D, DP, PBM, PBN, MIN_CHUNK, IEEE, INTERPRET)
             it += P
     if ALL:
         _grid_sync(sync_ptr, 2 * P)
@@ -225,7 +225,7 @@ def layer_kernel(x_ptr, nw1_ptr, wqkv_ptr, bqkv_ptr, cos_ptr, sin_ptr, q_ptr,
         while it < N3:
             combine_block(q_ptr, kt_ptr, vt_ptr, bias_ptr, outp_ptr, lsep_ptr, attn_ptr, lse_ptr, scale_log2,
                           stg, stn, svtg, svtn, it // (G * C3), (it // C3) % G, it % C3, G,
-                          T, R, N, S, SP, D, DP, DC, CBM, CBN, SB, NEED_LSE, IEEE, INTERPRET)
+                          T, N, S, R, SP, D, DP, DC, CBM, CBN, SB, NEED_LSE, IEEE, INTERPRET)
             it += P
     if ALL:
         _grid_sync(sync_ptr, 3 * P)

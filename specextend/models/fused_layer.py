@@ -73,9 +73,9 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     grid = (-(-r * t // c["bm"]), g, -(-d // dc))
     on = pdl.enabled(q.device)
     kernel[grid](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
-                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, R=r, N=n, S=s, SP=c["sp"], D=d,
+                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, N=n, S=s, R=r, SP=c["sp"], D=d,
                  DP=_pow2(d), DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], SB=sb, NEED_LSE=need_lse, IEEE=ieee,
-                 INTERPRET=INTERPRETED, PDL=on, num_warps=warps, **launch_args(on))
+                 INTERPRET=INTERPRETED, PDL=on, num_warps=warps, num_stages=1, **launch_args(on))
     return out, (lse if need_lse else None)
 
 
