@@ -1,8 +1,9 @@
 """The served app with the draft in the replica sharing one GPU (`draft_in_replica`, num_gpus=0.5:
 the replica takes the whole GPU, both models on it, the draft's worker on its own CUDA stream,
 overlapped). Skipped without CUDA. The serve suite's first run of it with the real pair (one H200,
-2026-11-28) was stopped at 200 s while its warm-up still compiled kernels; this test passed on one
-H200 (2026-11-29, c8d38d1: ready in under a minute with the tiny pair)."""
+the previous session, also 2026-11-29) was stopped at 200 s while its warm-up still compiled
+kernels; this test passed on one H200 (2026-11-29, c8d38d1: ready in under a minute with the tiny
+pair)."""
 
 from __future__ import annotations
 
