@@ -6,8 +6,6 @@ host (H200, 2026-11-29: the real pair's replica warm-up compiled ~270 Triton ker
 docs/architecture.md, "Execution plans"). Here every launch's compile key (its constexprs, and the
 16-divisibility Triton specializes the other integers on) is recorded over trees of 1 to 33 rows."""
 
-import inspect
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ pytest.importorskip("triton")
 
 from specextend.attention import _triton_kernels
 from specextend.attention.backends import CAUSAL
+from specextend.bench.compile_keys import recording
 from specextend.models import _triton_layer
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs
@@ -25,42 +24,7 @@ from test_graphs import decoder_on
 KERNELS = ((_triton_layer, "tree_combine"), (_triton_layer, "rope_scatter"), (_triton_kernels, "prefix_partials"))
 
 
-class Recorder:
-    """Stands in for a Triton kernel: records each launch's compile key, then launches it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.keys = kernel, set()
-        fn = getattr(kernel, "fn", kernel)
-        self.params = inspect.signature(fn).parameters
-        jit_kw = getattr(kernel, "kwargs", None) or {}
-        self.fixed = set(getattr(kernel, "do_not_specialize", None) or jit_kw.get("do_not_specialize", ()) or ())
-
-    def _key(self, args, kwargs) -> tuple:
-        own = {k: v for k, v in kwargs.items() if k in self.params}
-        bound = inspect.signature(getattr(self.kernel, "fn", self.kernel)).bind_partial(*args, **own).arguments
-        key = [tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.params))]  # num_warps, ...
-        for name, value in bound.items():
-            constexpr = "constexpr" in str(self.params[name].annotation)
-            if constexpr:
-                key.append((name, value))
-            elif isinstance(value, torch.Tensor):
-                key.append((name, value.dtype))
-            elif isinstance(value, int) and name not in self.fixed:
-                key.append((name, value % 16 == 0, value == 1))
-        return tuple(key)
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.keys.add(self._key(args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-def test_trees_of_every_size_share_a_few_compiled_kernels(monkeypatch):
-    recorders = {}
-    for module, name in KERNELS:
-        recorders[name] = Recorder(getattr(module, name))
-        monkeypatch.setattr(module, name, recorders[name])
+def test_trees_of_every_size_share_a_few_compiled_kernels():
     dec = decoder_on("qwen2", "cpu", torch.float32)
     graphs = FullStepGraphs(dec, capture=False, fused=True)
     cache = dec.new_cache(128)
@@ -69,14 +33,31 @@ def test_trees_of_every_size_share_a_few_compiled_kernels(monkeypatch):
                       ForwardOptions())
     cache.advance(20)
     sizes = (1, 2, 3, 5, 9, 12, 16, 17, 25, 33)  # (the interpreter takes ~0.7 s a forward)
-    for t in sizes:  # a root and t - 1 nodes in a chain: the verify forward's rows, with and without capture
-        for capture in (False, True):
-            mask = CAUSAL if t == 1 else ancestor_mask([-1] + list(range(t - 2)), "cpu")
-            graphs.forward(torch.randint(0, dec.args.vocab_size, (t,), generator=gen), torch.arange(20, 20 + t),
-                           cache, mask, ForwardOptions(capture_last=capture))
+    with recording(list(KERNELS)) as recorders:
+        for t in sizes:  # a root and t - 1 nodes in a chain: the verify forward's rows, with and without capture
+            for capture in (False, True):
+                mask = CAUSAL if t == 1 else ancestor_mask([-1] + list(range(t - 2)), "cpu")
+                graphs.forward(torch.randint(0, dec.args.vocab_size, (t,), generator=gen), torch.arange(20, 20 + t),
+                               cache, mask, ForwardOptions(capture_last=capture))
     counts = {name: len(r.keys) for name, r in recorders.items()}
     # compiled once per bucket (key blocks of 16, the splits' power of two, row blocks, the LSE), not
     # per size: 20 tree_combine, 10 rope_scatter and 18 prefix_partials specializations before (the
     # three counts as compile-time constants, the layer index specialized)
     assert counts["rope_scatter"] == 1, counts
     assert counts["tree_combine"] <= 6 and counts["prefix_partials"] <= 2, counts
+    assert _triton_layer.tree_combine is recorders["tree_combine"].kernel  # (put back)
+
+
+def test_a_recorded_key_tells_what_triton_specializes_on():
+    from specextend.bench.compile_keys import Recorder
+
+    r = Recorder(_triton_kernels.prefix_partials)
+    q = torch.zeros(2, 4)
+    base = dict(G=2, D=16, DP=16, BLOCK_M=16, BLOCK_N=32, MIN_CHUNK=128, IEEE=True, INTERPRET=True, num_warps=8)
+    key = lambda **kw: r.key((q, q, q, q, q, 0.5, 3, 12, 6, 1, 4), {**base, **kw})  # noqa: E731
+    assert key() == key()
+    assert key(BLOCK_M=32) != key()  # a constexpr
+    assert key(num_warps=4) != key()  # a launch option
+    assert r.key((q, q, q, q, q, 0.5, 16, 32, 16, 1, 1), base) == key()  # layer, M, T, NB, SPLITS: not specialized
+    r = Recorder(_triton_layer.silu_mul)
+    assert r.key((q, q), dict(I=64, BLOCK=64)) != r.key((q.double(), q), dict(I=64, BLOCK=64))  # a dtype
