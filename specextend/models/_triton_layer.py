@@ -171,7 +171,7 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
     else:
         acc, l_i = _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
                            S, M, D, BLOCK_M, DC, SB, INTERPRET)
-    # tree keys, masked by the additive bias (one block up to 64 keys); two loops: the interpreter's
+    # tree keys, masked by the additive bias (half precision: one block up to 64 keys); two loops: the interpreter's
     # scalars cannot bound a range()
     if INTERPRET:
         n0 = 0
