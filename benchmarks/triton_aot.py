@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from specextend.attention import _triton_kernels as PK  # noqa: E402
+from specextend.bench.compile_keys import unspecialized  # noqa: E402
 from specextend.attention.triton_prefix import config, num_splits  # noqa: E402
 from specextend.models import _triton_layer as LK  # noqa: E402
 from specextend.models.fused_layer import _pow2, combine_config  # noqa: E402
@@ -59,8 +60,7 @@ def _sig(fn, args: dict, constexprs: dict):
     """ASTSource with the runtime's specialization: pointers and 16-divisible ints get divisibility 16
     (not the ints the kernel says not to specialize on)."""
     sig, attrs = {}, {}
-    fixed = {fn.arg_names[i] for i in fn.do_not_specialize} if all(isinstance(i, int) for i in fn.do_not_specialize) \
-        else set(fn.do_not_specialize)
+    fixed = unspecialized(fn)
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"

@@ -19,6 +19,15 @@ _LOCK = threading.RLock()  # the interpreter is not thread-safe (the draft's ove
 OUTPUTS = ("out_ptr", "lse_ptr", "q_ptr", "k_ptr", "v_ptr", "kpre_ptr")  # what a dry launch zeroes
 
 
+def unspecialized(kernel) -> set[str]:
+    """The integer arguments Triton does not specialize `kernel` on (its `do_not_specialize`, by name
+    or position; a JITFunction's attribute, or the interpreter's jit keywords)."""
+    jit_kw = getattr(kernel, "kwargs", None) or {}
+    names = getattr(kernel, "do_not_specialize", None) or jit_kw.get("do_not_specialize", ()) or ()
+    arg_names = getattr(kernel, "arg_names", None) or list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+    return {arg_names[x] if isinstance(x, int) else x for x in names}
+
+
 class Recorder:
     """Stands in for a Triton kernel (`kernel[grid](...)`): records each launch's compile key, then
     launches it (or, dry, zeroes its output tensors)."""
@@ -27,8 +36,7 @@ class Recorder:
         self.kernel, self.dry, self.keys = kernel, dry, set()
         self.fn = getattr(kernel, "fn", kernel)
         self.params = inspect.signature(self.fn).parameters
-        jit_kw = getattr(kernel, "kwargs", None) or {}
-        self.fixed = set(getattr(kernel, "do_not_specialize", None) or jit_kw.get("do_not_specialize", ()) or ())
+        self.fixed = unspecialized(kernel)
 
     def _bound(self, args, kwargs) -> dict:
         own = {k: v for k, v in kwargs.items() if k in self.params}
