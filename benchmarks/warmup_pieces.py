@@ -70,14 +70,13 @@ def main() -> None:
     if cfg.uses_draft:
         warmup.warm_long(engine, ids[:4])
     total = time.perf_counter() - t1
-    pieces = rows
     print("\n| piece | s | plans | kernels |\n|---|---|---|---|")
-    for r in pieces:
+    for r in rows:
         print(f"| {r['piece']} | {r['seconds']} | {r['plans']} | {r['kernels']} |")
     print(f"| warm-up in all (after the draft's) | {total:.1f} | | |\nweights loaded in {load_s:.1f} s")
     device = "cuda" if cuda else "cpu"
     result = dict(meta=meta("warmup", device, ["python", *sys.argv], settings=args), load_s=round(load_s, 1),
-                  warm_up_s=round(total, 1), pieces=pieces)
+                  warm_up_s=round(total, 1), pieces=rows)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{slug(device_name(device))}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
