@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
                    help="serve: more Serve application arguments for every app, as a JSON object "
                         "(e.g. '{\"stream_interval_ms\": 0}'); recorded with the run")
     p.add_argument("--placements", help="serve: the placements of the speculative modes to run, comma-separated "
-                                        "(1gpu, 1gpu-replica, 1gpu-nolookup, 2gpu, 2gpu-wait, 2gpu-serial, 2gpu-nolookup, "
+                                        "(1gpu, 1gpu-replica, 1gpu-replica-serial, 1gpu-nolookup, 2gpu, 2gpu-wait, 2gpu-serial, 2gpu-nolookup, "
                                         "2gpu-nohandover, 2gpu-notell, 2gpu-noearly, 2gpu-snap, 2gpu-asks; default: all the "
                                         "machine has)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results folder (JSON and plots)")

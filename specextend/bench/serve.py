@@ -47,7 +47,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
     `-fixed`: a tree every step, each asked early (the served `ask_ms`; `-fixed-gil`: with GIL too); `-prep`: the
     draft prepares trees for the likeliest verdicts (`draft_prepare`); `-rows16`: 16 pool nodes a background
     forward (`draft_overlap_rows`, 8 by default); `1gpu-replica`: the draft in the replica's process on the
-    same GPU, overlapped on a stream of its own (`draft_in_replica`). `ar` and `lookup` are served on the first,
+    same GPU, overlapped on a stream of its own (`draft_in_replica`; `1gpu-replica-serial`: drafting only
+    when asked, no thread of its own beside the target's). `ar` and `lookup` are served on the first,
     and on `1gpu-gil` (theirs alone: ALONE) where it is named."""
     gpus = torch.cuda.device_count()
     nolookup = {"lookup_tokens": 0}
@@ -66,7 +67,8 @@ def placements() -> list[tuple[str, float, bool, dict]]:
            ("2gpu-fixed-prep", 1.0, True, {"tree_policy": "fixed", "draft_prepare": True}),
            ("2gpu-fixed-rows16", 1.0, True, {"tree_policy": "fixed", "draft_overlap_rows": 16})] if gpus >= 2 else []
     here = {"draft_in_replica": True}
-    return [("1gpu", 0.5, False, {}), ("1gpu-replica", 0.5, True, here), ("1gpu-nolookup", 0.5, False, nolookup),
+    return [("1gpu", 0.5, False, {}), ("1gpu-replica", 0.5, True, here),
+            ("1gpu-replica-serial", 0.5, False, here), ("1gpu-nolookup", 0.5, False, nolookup),
             ("1gpu-gil", 0.5, False, GIL)] + two
 
 
