@@ -243,10 +243,10 @@ class ServingConfig:
         "interpreter's, 5 ms; the draft's 0.2 ms with overlap)")
     draft_timeout_s: float = Field(10.0, gt=0, le=3600, description="deadline of one draft step RPC")
     draft_in_replica: bool = Field(
-        False, description="the draft in the target replica's process (a worker thread on a CUDA stream of its own, "
-                           "its kernels beside the target's; no actor, no RPC) instead of a draft actor; with "
-                           "0 < num_gpus < 1 the replica takes both models' share of the GPU and the draft overlaps. "
-                           "Not yet the default: its one GPU run did not become ready (docs/architecture.md)")
+        False, description="the draft in the target replica's process (a worker on a CUDA stream of its own; no "
+                           "actor, no RPC) instead of a draft actor; needs 0 < num_gpus < 1: the replica takes both "
+                           "models' share of the GPU. It drafts when asked unless draft_overlap is set: overlapped "
+                           "there it slowed the target's forwards (docs/architecture.md, \"Overlapped drafting\")")
     step_transport: Literal["zmq", "grpc"] = Field(
         "zmq", description="how the target sends each step to its draft: zmq (the ZeroMQ step channel, with "
                            "gRPC as its fallback) or grpc (one StepStream per session)")
@@ -293,14 +293,15 @@ class AppConfig:
 
     def __post_init__(self) -> None:
         # the served app places the models by num_gpus; the draft overlaps when it has a GPU of its own
-        # (num_gpus >= 1), or shares the target's in the replica's process (draft_in_replica) on a stream of
-        # its own, its kernels beside the target's (docs/architecture.md, "Overlapped drafting")
-        engine, serving, gpus = self.engine, self.serving, self.serving.num_gpus
+        # (num_gpus >= 1). On a shared GPU it drafts when asked, in an actor or in the replica's process
+        # (draft_in_replica): overlapped there its kernels and host work slowed the target's steps
+        # (docs/architecture.md, "Overlapped drafting")
+        engine, gpus = self.engine, self.serving.num_gpus
         changes = {}
         if engine.device == "auto":
             changes["device"] = "cuda" if gpus > 0 else "cpu"
         if engine.draft_overlap is None:
-            changes["draft_overlap"] = engine.uses_draft and (gpus >= 1 or (gpus > 0 and serving.draft_in_replica))
+            changes["draft_overlap"] = engine.uses_draft and gpus >= 1
         if changes:
             object.__setattr__(self, "engine", replace(engine, **changes))
 

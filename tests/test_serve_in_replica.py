@@ -28,7 +28,7 @@ def test_the_placement_has_one_bundle_and_no_draft_actor():
     assert s.to_engine_config().overlap  # (set here; on the CPU overlap is off unless set)
     shared = AppSettings(**{**{k: v for k, v in SETTINGS.items() if k != "draft_overlap"}, "num_gpus": 0.5})
     opts = replica_options(shared)  # target and draft sharing one GPU in the replica: the replica takes it
-    assert shared.draft_here and shared.to_engine_config().overlap
+    assert shared.draft_here and not shared.to_engine_config().overlap  # (drafting when asked unless set)
     assert opts["ray_actor_options"]["num_gpus"] == 1.0 and opts["placement_group_bundles"] == [{"CPU": 0.5, "GPU": 1.0}]
     apart = AppSettings(**{**{k: v for k, v in SETTINGS.items() if k != "draft_in_replica"}, "num_gpus": 0.5})
     assert not apart.draft_here and replica_options(apart)["placement_group_bundles"] == [{"CPU": 0.5, "GPU": 0.5}] * 2

@@ -123,8 +123,9 @@ def test_execution_and_overlap_reach_the_engine_config():
     assert cfg.execution == "auto" and cfg.draft_overlap is False  # no own GPU: no overlap
     assert AppSettings(num_gpus=1).to_engine_config().draft_overlap is True
     assert AppSettings(num_gpus=0.5).to_engine_config().draft_overlap is False  # a draft actor on a shared GPU
-    # the draft in the replica's process, on its own stream beside the target's: overlapped
-    assert AppSettings(num_gpus=0.5, draft_in_replica=True).to_engine_config().draft_overlap is True
+    # the draft in the replica's process on a shared GPU drafts when asked, unless overlap is set
+    assert AppSettings(num_gpus=0.5, draft_in_replica=True).to_engine_config().draft_overlap is False
+    assert AppSettings(num_gpus=0.5, draft_in_replica=True, draft_overlap=True).to_engine_config().draft_overlap
     assert AppSettings(num_gpus=0.5, draft_in_replica=True).draft_here and not AppSettings(num_gpus=0.5).draft_here
     assert not AppSettings(num_gpus=0.5, mode="ar", draft_in_replica=True).draft_here
     with pytest.raises(ValidationError, match="draft_in_replica runs the draft on the target's GPU"):
