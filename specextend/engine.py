@@ -146,6 +146,12 @@ class Engine(RequestLimits, DraftLink):
                                         ctl.record_prefill)  # (the prefill's own cost line)
             stats.cached_prompt_tokens = target.cached_tokens
             target_prefill_s = time.perf_counter() - t0
+            # chains alone (mode lookup): plain or lookup steps. The prompt's index (~7 ms at 16K on the host)
+            # is built while the device still runs the prefill, not in the decode's first gap
+            alone = speculate and (cfg.mode == "lookup" or self.draft_never_pays)
+            index = (ContextIndex(prompt_ids, self.target.args.vocab_size,
+                                  capacity=len(prompt_ids) + params.max_new_tokens + 1)
+                     if cfg.lookup_tokens and replay is None and (use_draft or alone) else None)
             token = next_token(logits, params, gen)
             token = token if ref is None else ref.pick(logits.view(1, -1), 0, token, 0)
             stats.prefill_s = time.perf_counter() - t0
@@ -158,11 +164,8 @@ class Engine(RequestLimits, DraftLink):
                 opening_pending = False
             else:
                 opening_pending = opening is not None
-            # mode lookup: the chains are the only drafts, every step a plain or lookup step
-            if ((use_draft or (speculate and (cfg.mode == "lookup" or self.draft_never_pays)))
-                    and cfg.lookup_tokens and replay is None):
-                index = ContextIndex(list(prompt_ids) + [token], self.target.args.vocab_size,
-                                     capacity=len(prompt_ids) + params.max_new_tokens + 1)
+            if index is not None and (use_draft or alone):  # (a draft that failed to join: plain steps)
+                index.extend([token])
                 lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.forward,  # chains where they pay,
                                        gate=self._gate.carried() if self.carry_costs and self._gate else None)
             if cfg.plain_ahead and not use_draft and lookup is None and ref is None:  # ("Plain steps ahead")

@@ -197,3 +197,20 @@ def test_the_gate_learnt_by_one_request_starts_the_next(pair, ar_engine, monkeyp
             assert hit1 == first.hit and host1 == first.host
         else:
             assert hit1 == {} and host1 == {True: None, False: None}
+
+
+def test_the_request_s_own_index_finds_its_first_token_in_the_prompt(pair):
+    """Without the oracle: the reference output (verify.Reference, emitted where the target's choice
+    differs) copies the prompt from its 11th token on, so the context's text repeats. The request's
+    index, built from the prompt while the prefill runs and extended with the first token, finds the
+    chain after that token at once: the first decode step verifies 8 chain tokens and emits them with
+    the bonus token, and every later step does the same."""
+    target, _ = pair
+    rng = random.Random(3)
+    p = rng.sample(range(200), 80)  # distinct tokens: every n-gram occurs once
+    params = SamplingParams(max_new_tokens=28, ignore_eos=True)
+    engine = Engine(EngineConfig(mode="lookup", lookup_tokens=8), target)
+    events = list(engine.stream(p, params, reference=p[10:38]))
+    emitted = [e.token_ids for e in events]
+    assert sum(emitted, []) == p[10:38]
+    assert [len(e) for e in emitted if e] == [1, 9, 9, 9]  # the first token, then three chains of 8 + bonus
