@@ -20,7 +20,7 @@ plain_ahead=false), which reads each token before the next forward; tests compar
 from __future__ import annotations
 
 import time
-from typing import Generator, Optional, Union
+from typing import Callable, Generator, Optional, Union
 
 import torch
 
@@ -50,20 +50,26 @@ class _Queued:
 
 
 def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: RequestStats, t1: float,
-                   gen: torch.Generator, limit: Optional[int] = None) -> Generator[object, object, list[int]]:
+                   gen: torch.Generator, limit: Optional[int] = None,
+                   more: Optional[Callable[[list[int]], int]] = None) -> Generator[object, object, list[int]]:
     """Decodes from `first`, the last committed token (emitted, not yet in the cache), to the
     request's end, or `limit` tokens (a run: plain_run_co); yields each forward (ForwardCall,
     answered with its result) and each token's StepEvent; returns the tokens emitted. `t1`: when
     decoding began (perf_counter, for stats.decode_s); `gen`: the request's generator (sampling).
-    The cache's invariant holds at the end: every token in it but the last emitted."""
+    `more(emitted so far)`, asked once the `limit` forwards are queued and the last one's token is
+    still on the device: how many more it may take (0: the run ends there), so that the next run
+    begins from that token without the host reading it first. The cache's invariant holds at the
+    end: every token in it but the last emitted."""
     queued: Optional[_Queued] = None  # the token whose forward is queued, not yet read
     ids: Union[int, torch.Tensor] = first  # the next forward's input: then a [1] tensor on the device
     emitted: list[int] = []
     forwards, t_step = 0, time.perf_counter()
     while out.finish is None:
         # tokens emitted once `queued` is read: a forward past max_new_tokens (or the run) would be wasted
-        if (stats.num_generated + (queued is not None) < out.params.max_new_tokens
-                and (limit is None or forwards < limit)):
+        room = stats.num_generated + (queued is not None) < out.params.max_new_tokens
+        if room and limit is not None and forwards >= limit and more is not None and queued is not None:
+            limit += more(emitted)  # the next run, queued on the token not yet read
+        if room and (limit is None or forwards < limit):
             logits = yield from target.decode_co(ids)  # [V]
             forwards += 1
             ahead: Optional[_Queued] = _Queued(next_token_tensor(logits, out.params, gen))
@@ -110,15 +116,30 @@ def run_length(ctl: TreeController, out: Emitter, stats: RequestStats, lookup: O
 
 def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float,
                  gen: torch.Generator, k: int, ctl: TreeController,
-                 lookup: Optional[RequestLookup]) -> Generator[object, object, list[int]]:
+                 lookup: Optional[RequestLookup], speculative: bool = True) -> Generator[object, object, list[int]]:
     """A run of `k` plain steps ahead (run_length) from the last committed token `last`: the tokens
     emitted, each counted as a plain step by the policy (its probe schedule), the request's stats
     and the context lookup (RequestLookup.commit_run). The draft hears of them with the next tree step's call, as of
-    any plain step's (the run is taken only without tells)."""
-    tokens = yield from plain_ahead_co(target, last, out, stats, t1, gen, limit=k)
-    for _ in tokens:  # (no forward timed: the policy keeps its plain step's measured cost)
-        ctl.record_plain()
-    stats.plain_steps += len(tokens)
-    if lookup is not None:  # (each token teaches the gate what the chain skipped there would have given)
-        lookup.commit_run(tokens)
+    any plain step's (the run is taken only without tells). Where run_length allows another run when
+    this one's forwards are queued, it follows at once, queued on the last token before the host
+    reads it: between runs the device does not wait for the host (in a batched round, for the host
+    of any one session at a run's end). The policy's choice between them would be the same plain
+    step: a run changes none of its costs and ends before its next probe."""
+    taught = 0
+
+    def teach(emitted: list[int]) -> None:  # (no forward timed: the policy keeps its plain step's measured cost)
+        nonlocal taught
+        new, taught = emitted[taught:], len(emitted)
+        for _ in new:
+            ctl.record_plain()
+        stats.plain_steps += len(new)
+        if lookup is not None and new:  # (each token teaches the gate what the chain skipped there would have given)
+            lookup.commit_run(new)
+
+    def more(emitted: list[int]) -> int:
+        teach(emitted)
+        return run_length(ctl, out, stats, lookup, speculative)
+
+    tokens = yield from plain_ahead_co(target, last, out, stats, t1, gen, limit=k, more=more)
+    teach(tokens)
     return tokens

@@ -240,4 +240,47 @@ def test_lookup_only_requests_run_ahead_where_no_chain_pays(pair, ar_engine, mon
     if chains_pay:
         assert "V" in order  # chains verified
     else:
-        assert "V" not in order and order.count("FF") >= 3 and order.count("F") == len(want) - 1
+        # runs ahead (FF), one following another with no token read between (no EE before the end)
+        assert "V" not in order and "FF" in order and "EE" not in order[:-1] and order.count("F") == len(want) - 1
+
+
+class _ProbeLate(_ProbeEvery):
+    """Plain steps, and a tree every 40th step: runs of RUN_TOKENS follow one another."""
+
+    def choose(self, sessions=1):
+        self.begin_step()
+        self.probe_every = 40
+        if self.since_probe >= self.probe_every:
+            self.since_probe = 0
+            return self.top
+        return PLAIN
+
+
+def test_runs_follow_one_another_without_the_host_reading_between(pair, ar_engine):
+    """Between its probes a speculative request's runs of RUN_TOKENS plain steps follow one another
+    queued on the token not yet read (plain_ahead_co's `more`): no run's last token is read before
+    the next run's first forward is queued ('EE' in the trace: two tokens read with no forward
+    between, as where one run ended and the host read its last token before the next began). The
+    output is plain decoding's; the twin without `more` (each run from a token read) has the same
+    forwards."""
+    import specextend.plain_ahead as pa
+
+    params = SamplingParams(max_new_tokens=36, ignore_eos=True)
+    want = ar_engine.generate(_prompt(50, 4), params)[0]
+    traces = {}
+    for seamless in (True, False):
+        engine = make_engine(pair, "specextend", tree_policy="adaptive", lookup_tokens=0)
+        engine.new_controller = lambda tree: _ProbeLate(ladder(tree))
+        real = pa.plain_ahead_co
+        if not seamless:  # the twin: each run ends with its tokens read
+            pa.plain_ahead_co = lambda *a, more=None, **kw: real(*a, **kw)
+        try:
+            tokens, finish, order = _trace(engine, _prompt(50, 4), params)
+        finally:
+            pa.plain_ahead_co = real
+        assert tokens == want and finish == "length"
+        traces[seamless] = order
+    body = traces[True][1:-1]  # (the first token, from the prefill; the last read with nothing after it)
+    assert "EE" not in body and "V" not in body and body.count("F") >= 3 * RUN_TOKENS
+    assert "EE" in traces[False][1:-1]  # (runs of RUN_TOKENS, each from a token read)
+    assert traces[True].count("F") == traces[False].count("F")
