@@ -136,9 +136,11 @@ def test_batched_sessions_ahead_equal_the_twin_alone(pair):
 class _ProbeEvery(TreeController):
     """Plain steps, and a tree every 5th step (a probe): the plain steps between are runs ahead."""
 
+    every = 5
+
     def choose(self, sessions=1):
         self.begin_step()
-        self.probe_every = 5
+        self.probe_every = self.every
         if self.since_probe >= self.probe_every:
             self.since_probe = 0
             return self.top
@@ -247,13 +249,7 @@ def test_lookup_only_requests_run_ahead_where_no_chain_pays(pair, ar_engine, mon
 class _ProbeLate(_ProbeEvery):
     """Plain steps, and a tree every 40th step: runs of RUN_TOKENS follow one another."""
 
-    def choose(self, sessions=1):
-        self.begin_step()
-        self.probe_every = 40
-        if self.since_probe >= self.probe_every:
-            self.since_probe = 0
-            return self.top
-        return PLAIN
+    every = 40
 
 
 def test_runs_follow_one_another_without_the_host_reading_between(pair, ar_engine):
