@@ -55,17 +55,18 @@ class ContextIndex:
         lo, hi = self.length, self.length + len(tokens)
         self._grow(hi)
         if hi - lo <= SHORT_EXTEND:
-            self._keys_short(tokens, lo, hi)
-        else:
-            self.ids[lo:hi] = np.asarray(tokens, dtype=np.int64)
-            for n, keys in self.keys.items():
-                start = max(0, lo - n + 1)  # first n-gram that ends among the new tokens
-                if hi - start < n:
-                    continue
-                k = np.zeros(hi - n + 1 - start, dtype=np.int64)
-                for j in range(n):
-                    k = (k << self.bits) | self.ids[start + j:hi - n + 1 + j]
-                keys[start:hi - n + 1] = k
+            self._extend_short(tokens, lo, hi)
+            self.length = hi
+            return
+        self.ids[lo:hi] = np.asarray(tokens, dtype=np.int64)
+        for n, keys in self.keys.items():
+            start = max(0, lo - n + 1)  # first n-gram that ends among the new tokens
+            if hi - start < n:
+                continue
+            k = np.zeros(hi - n + 1 - start, dtype=np.int64)
+            for j in range(n):
+                k = (k << self.bits) | self.ids[start + j:hi - n + 1 + j]
+            keys[start:hi - n + 1] = k
         for n, keys in self.keys.items():  # the n-grams no longer last join the dict, in order
             a, b = max(0, lo - n), hi - n  # starts [a, b): later ones overwrite earlier ones
             if b > a:
@@ -77,21 +78,26 @@ class ContextIndex:
                         latest[int(keys[i])] = i
         self.length = hi
 
-    def _keys_short(self, tokens: Sequence[int], lo: int, hi: int) -> None:
-        """extend's ids and keys for a step's few tokens in Python ints: the same keys without numpy's
-        per-call cost (about 20 us a token in numpy for three orders, most of a lookup step's
-        bookkeeping; twin: the numpy path, tests/test_lookup.py)."""
+    def _extend_short(self, tokens: Sequence[int], lo: int, hi: int) -> None:
+        """extend for a step's few tokens in Python ints: the same ids, keys and dicts without numpy's
+        per-call cost (numpy: ~20 us a token for three orders; this: ~3 us; twin: the numpy path,
+        tests/test_lookup.py). Each n-gram that ends among the new tokens gets its key; each that is
+        no longer the last (it starts before hi - n) joins its order's dict, later starts last."""
         ids, bits = self.ids, self.bits
         for i, t in enumerate(tokens):
             ids[lo + i] = int(t)
-        base = max(0, lo - max(self.ns, default=1) + 1)
-        window = [int(x) for x in ids[base:hi]]  # the tokens the new n-grams read
+        base = max(0, lo - max(self.ns, default=1))
+        window = ids[base:hi].tolist()  # the tokens those n-grams read
         for n, keys in self.keys.items():
-            for s in range(max(0, lo - n + 1), hi - n + 1):  # n-grams that end among the new tokens
+            latest = self.latest[n]
+            for s in range(max(0, lo - n), hi - n + 1):
                 k = 0
                 for t in window[s - base:s - base + n]:
                     k = (k << bits) | t
-                keys[s] = k
+                if s > lo - n:  # (ends among the new tokens; the one before has its key)
+                    keys[s] = k
+                if s < hi - n:
+                    latest[k] = s
 
     def continuation(self, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that followed the latest earlier occurrence of the context's
