@@ -80,7 +80,7 @@ class ContextIndex:
 
     def _extend_short(self, tokens: Sequence[int], lo: int, hi: int) -> None:
         """extend for a step's few tokens in Python ints: the same ids, keys and dicts without numpy's
-        per-call cost (numpy: ~20 us a token for three orders; this: ~3 us; twin: the numpy path,
+        per-call cost (numpy: ~20 us a token for three orders; this: 3-6 us; twin: the numpy path,
         tests/test_lookup.py). Each n-gram that ends among the new tokens gets its key; each that is
         no longer the last (it starts before hi - n) joins its order's dict, later starts last."""
         ids, bits = self.ids, self.bits
