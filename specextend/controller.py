@@ -176,6 +176,14 @@ class TreeController(Recording):
         steps = None if self.asking and k == 1 else RUN_STEPS
         return run_rate(self.rate(rung) * t, t, self.ready, k * self.switch_tokens, k * self.switch_s, steps)
 
+    def plain_still_best(self, sessions: int, chain_now: Optional[tuple[int, float]]) -> bool:
+        """Whether the best rung is still a plain step with `sessions` sharing the forwards and the
+        chain a plain step would verify now (choose()'s comparison, without its bookkeeping): asked
+        before a run of plain steps ahead follows the last one (plain_ahead.plain_run_co), so that
+        a load that makes trees pay ends the run before the next probe."""
+        self.sessions, self.chain_now = sessions, chain_now
+        return self.best().plain
+
     def best(self) -> Rung:
         """The rung of the highest predicted tokens per second (the smaller one on a tie)."""
         return max(self.rungs, key=lambda r: (self.value(r), -r.nodes, -r.depth))

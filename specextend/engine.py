@@ -345,7 +345,7 @@ class Engine(RequestLimits, DraftLink):
                     if (cfg.plain_ahead and not (tell or opening_pending) and feed is None and ref is None
                             and (k := run_length(ctl, out, stats, lookup, use_draft))):  # a run ("Plain steps ahead")
                         committed = yield from plain_run_co(target, committed[-1], out, stats, t1, gen, k, ctl, lookup,
-                                                         use_draft)
+                                                         use_draft, load)
                         pending, t_back, load.others_wait_s = pending + committed, time.perf_counter(), 0.0
                         continue  # (waits shared during the run are not the next step's: Load.wall)
                     # the tokens so far go to the draft once this step's forward is queued (the

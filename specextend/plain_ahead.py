@@ -20,7 +20,7 @@ plain_ahead=false), which reads each token before the next forward; tests compar
 from __future__ import annotations
 
 import time
-from typing import Callable, Generator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Generator, Optional, Union
 
 import torch
 
@@ -31,6 +31,9 @@ from specextend.models.transfer import record_event, to_host
 from specextend.sampling import next_token_tensor
 from specextend.stats import RequestStats
 from specextend.target import TargetSession
+
+if TYPE_CHECKING:
+    from specextend.scheduler import Load
 
 
 class _Queued:
@@ -116,15 +119,17 @@ def run_length(ctl: TreeController, out: Emitter, stats: RequestStats, lookup: O
 
 def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float,
                  gen: torch.Generator, k: int, ctl: TreeController,
-                 lookup: Optional[RequestLookup], speculative: bool = True) -> Generator[object, object, list[int]]:
+                 lookup: Optional[RequestLookup], speculative: bool = True,
+                 load: Optional[Load] = None) -> Generator[object, object, list[int]]:
     """A run of `k` plain steps ahead (run_length) from the last committed token `last`: the tokens
     emitted, each counted as a plain step by the policy (its probe schedule), the request's stats
     and the context lookup (RequestLookup.commit_run). The draft hears of them with the next tree step's call, as of
     any plain step's (the run is taken only without tells). Where run_length allows another run when
     this one's forwards are queued, it follows at once, queued on the last token before the host
     reads it: between runs the device does not wait for the host (in a batched round, for the host
-    of any one session at a run's end). The policy's choice between them would be the same plain
-    step: a run changes none of its costs and ends before its next probe."""
+    of any one session at a run's end). A speculative request's policy is asked first whether a
+    plain step is still its best (`plain_still_best`, with the sessions that share the forwards now,
+    `load`): a run changes none of its costs, but a batch that grew may make trees pay."""
     taught = 0
 
     def teach(emitted: list[int]) -> None:  # (no forward timed: the policy keeps its plain step's measured cost)
@@ -138,6 +143,9 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
 
     def more(emitted: list[int]) -> int:
         teach(emitted)
+        if speculative and not ctl.plain_still_best(load.sessions if load is not None else 1,
+                                                    lookup.peek() if lookup is not None else None):
+            return 0
         return run_length(ctl, out, stats, lookup, speculative)
 
     tokens = yield from plain_ahead_co(target, last, out, stats, t1, gen, limit=k, more=more)

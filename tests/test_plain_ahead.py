@@ -138,6 +138,9 @@ class _ProbeEvery(TreeController):
 
     every = 5
 
+    def best(self):  # (between its probes: what a run asks before it follows the last, plain_still_best)
+        return PLAIN
+
     def choose(self, sessions=1):
         self.begin_step()
         self.probe_every = self.every
@@ -280,3 +283,33 @@ def test_runs_follow_one_another_without_the_host_reading_between(pair, ar_engin
     assert "EE" not in body and "V" not in body and body.count("F") >= 3 * RUN_TOKENS
     assert "EE" in traces[False][1:-1]  # (runs of RUN_TOKENS, each from a token read)
     assert traces[True].count("F") == traces[False].count("F")
+
+
+class _TreesLater(TreeController):
+    """Plain steps are best until 20 tokens in (as if a growing batch then made trees pay); the next
+    probe is far off."""
+
+    def best(self):
+        return PLAIN if self.since_probe < 20 else self.top
+
+    def choose(self, sessions=1):
+        self.begin_step()
+        self.probe_every = 1000
+        return self.best()
+
+
+def test_a_run_ends_where_the_policy_would_no_longer_choose_a_plain_step(pair, ar_engine, monkeypatch):
+    """Before a run follows the last one the policy is asked whether a plain step is still its best
+    (TreeController.plain_still_best); where it no longer is, the run ends and the next step is the
+    policy's tree, long before the next probe. Without the question the runs go on to the end."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    want = ar_engine.generate(_prompt(50, 4), params)[0]
+    traces = {}
+    for asked in (True, False):
+        if not asked:
+            monkeypatch.setattr(TreeController, "plain_still_best", lambda self, *a: True)
+        engine = make_engine(pair, "specextend", tree_policy="adaptive", lookup_tokens=0)
+        engine.new_controller = lambda tree: _TreesLater(ladder(tree))
+        tokens, finish, traces[asked] = _trace(engine, _prompt(50, 4), params)
+        assert tokens == want and finish == "length"
+    assert "V" in traces[True] and "V" not in traces[False]
