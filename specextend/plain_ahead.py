@@ -127,7 +127,7 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     any plain step's (the run is taken only without tells). Where run_length allows another run when
     this one's forwards are queued, it follows at once, queued on the last token before the host
     reads it: between runs the device does not wait for the host (in a batched round, for the host
-    of any one session at a run's end). A speculative request's policy is asked first whether a
+    of any one session at a run's end). A speculative request's policy is asked too whether a
     plain step is still its best (`plain_still_best`, with the sessions that share the forwards now,
     `load`): a run changes none of its costs, but a batch that grew may make trees pay."""
     taught = 0
