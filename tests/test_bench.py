@@ -112,6 +112,7 @@ def test_nodejs_docs_read_plain_or_gzipped_pages(tmp_path, monkeypatch):
     (["--suite", "e2e", "--pair", "huge=1024"], "unknown pair ['huge']"),
     (["--suite", "e2e", "--pair", "tiny"], "give lengths"),
     (["--suite", "kernels", "--pair", "tiny=64", "--pair", "8b=64"], "one --pair at a time"),
+    (["--suite", "serve", "--device", "cpu", "--merge"], "only the e2e and sweep suites' rows merge"),
 ])
 def test_bad_bench_arguments_are_one_clear_line(capsys, args, message):
     assert main(["bench", "--device", "cpu", *args]) == 2
@@ -265,6 +266,46 @@ def test_prefix_suite_caches_both_sides_and_checks_every_output(tmp_path):
     page.write_text(f"head\n{report.BEGIN}\n{report.END}\n")
     report.write_pages(tmp_path, page, tmp_path / "no-readme.md")
     assert "### prefix: cpu" in page.read_text() and "| tiny | 2100 | nodejs | ar |" in page.read_text()
+
+
+def test_a_sweep_run_in_parts_merges_into_one_record(tmp_path, capsys):
+    """`--merge`: a second part (another length, and one length again) adds its rows to the first's
+    record and replaces the rows it ran again; the summary, table and meta cover both parts; a part
+    that measures something else (another tree policy's file is another record; new tokens differ)
+    is refused."""
+    def sweep(lengths, *more, tokens="4"):
+        return main(["bench", "--suite", "sweep", "--device", "cpu", "--docs", "python", "--modes", "ar,specextend",
+                     "--new-tokens", tokens, "--threads", "1", "--out", str(tmp_path), "--pair", f"tiny={lengths}", *more])
+
+    assert sweep("32,48") == 0
+    path = tmp_path / "sweep" / "cpu.json"
+    first = json.loads(path.read_text())
+    capsys.readouterr()
+    assert sweep("48,64", "--merge") == 0
+    merged = json.loads(path.read_text())
+    keys = sorted((r["length"], r["mode"]) for r in merged["rows"])
+    assert keys == [(L, m) for L in (32, 48, 64) for m in ("ar", "specextend")]
+    assert [r for r in merged["rows"] if r["length"] == 32] == [r for r in first["rows"] if r["length"] == 32]
+    rerun = {r["mode"]: r["ttft_s"] for r in merged["rows"] if r["length"] == 48}
+    assert rerun != {r["mode"]: r["ttft_s"] for r in first["rows"] if r["length"] == 48}  # the second part's
+    assert sorted((s["length"], s["mode"]) for s in merged["summary"]) == keys
+    assert {(c["length"], c["mode"]) for c in merged["checks"]} == {(L, "specextend") for L in (32, 48, 64)}
+    meta = merged["meta"]
+    assert meta["pairs"] == {"tiny": [32, 48, 64]} and len(meta["parts"]) == 2
+    assert meta["parts"][0]["command"] == first["meta"]["command"] and "--merge" in meta["parts"][1]["command"]
+    out = capsys.readouterr().out
+    assert "| tiny | 32 | ar | 1 |" in out and "| tiny | 64 | specextend | 1 |" in out  # the table: both parts
+    assert sweep("32", "--merge", tokens="3") == 2
+    err = capsys.readouterr().err
+    assert "--merge: the recorded run differs in new_tokens (4 there, 3 here)" in err
+    assert "tiny L=32" not in err  # refused before anything ran
+    assert json.loads(path.read_text()) == merged  # the refused part wrote nothing
+    from specextend.bench import report
+
+    page = tmp_path / "page.md"
+    page.write_text(f"{report.BEGIN}\n{report.END}\n")
+    report.write_pages(tmp_path, page, tmp_path / "no-readme.md")
+    assert f"in 2 parts: {first['meta']['date']}, commit" in page.read_text()
 
 
 def test_the_recorded_commit_is_the_checkouts_unless_named(monkeypatch):

@@ -73,6 +73,9 @@ def add_parser(sub) -> None:
                                         "2gpu-nohandover, 2gpu-notell, 2gpu-noearly, 2gpu-snap, 2gpu-asks; default: all the "
                                         "machine has)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results folder (JSON and plots)")
+    p.add_argument("--merge", action="store_true",
+                   help="e2e/sweep: merge this run's rows into the suite's recorded JSON (same pair, length, doc "
+                        "and mode replaced), so that a long grid can run in parts")
     p.add_argument("--report", action="store_true", help="rebuild the results page from the JSON under --out")
     p.add_argument("--page", type=Path, default=Path("benchmarks/README.md"), help="--report: the results page")
     p.add_argument("--readme", type=Path, default=Path("README.md"),
@@ -123,6 +126,8 @@ def run_suite(a, argv: list[str]) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
     kind = "gpu" if device == "cuda" else "cpu"
+    if a.merge and a.suite not in ("e2e", "sweep"):
+        raise ValueError(f"--merge: only the e2e and sweep suites' rows merge, not {a.suite}'s")
     gpus = torch.cuda.device_count() if kind == "gpu" else 0
     pairs = _pairs(a, a.suite, kind)
     new_tokens = a.new_tokens or DEFAULTS[a.suite][kind][1]
@@ -140,6 +145,9 @@ def run_suite(a, argv: list[str]) -> int:
         torch.set_num_threads(a.threads)
     meta = record.meta(a.suite, device, argv, pairs=pairs, new_tokens=new_tokens, docs=docs, dtype=a.dtype,
                        tree_policy=a.tree_policy, **({"app_args": a.app_args} if a.app_args else {}))
+    recorded = record.result_path(a.out, a.suite, meta["device"], a.tree_policy)
+    if a.merge and recorded.is_file():  # refused before anything runs
+        record.check_mergeable(json.loads(recorded.read_text())["meta"], meta)
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if a.suite == "signal":
         result, table = _signal(a, pairs, new_tokens, docs, kind, device, meta, progress)
@@ -165,8 +173,11 @@ def run_suite(a, argv: list[str]) -> int:
                                 app_args=a.app_args, only=a.placements.split(",") if a.placements else None)
         else:
             result = e2e.run(pairs, modes, new_tokens, docs, a.dtype, a.tree_policy, device, progress=progress)
-        table = (prefix.table if a.suite == "prefix" else e2e.table)(result)
     result["meta"] = meta
+    if a.merge:
+        result = _merged(result, recorded)
+    if a.suite not in ("signal", "kernels"):
+        table = (prefix.table if a.suite == "prefix" else e2e.table)(result)
     path = record.write(a.out, result)
     stem = path.with_suffix("")
     title = f"{a.suite}, {result['meta']['device']}"
@@ -195,6 +206,17 @@ def _signal(a, pairs, new_tokens, docs, kind, device, meta, progress):
     meta["sweeps"] = sweeps
     result = signal.run(pairs, new_tokens, docs, grid, sweeps, a.dtype, a.tree_policy, device, progress=progress)
     return result, signal.table(result)
+
+
+def _merged(result: dict, path: Path) -> dict:
+    """This run merged into the suite's recorded JSON (record.merge), or as it is where none exists."""
+    from specextend.bench import e2e, record
+
+    if not path.is_file():
+        return result
+    merged = record.merge(json.loads(path.read_text()), result)
+    merged["summary"] = e2e.summarize(merged["rows"])
+    return merged
 
 
 def cmd_bench(a, argv: list[str]) -> int:

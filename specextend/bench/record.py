@@ -66,6 +66,41 @@ def write(out: Path, result: dict) -> Path:
     return path
 
 
+ROW_KEY = ("pair", "length", "doc", "mode")  # a row of the e2e and sweep suites: one prompt in one mode
+SAME = ("suite", "device", "tree_policy", "dtype", "new_tokens")  # what parts of one run must share
+
+
+def check_mergeable(old_meta: dict, new_meta: dict) -> None:
+    """Raises unless a part with `new_meta` may merge into the record with `old_meta` (SAME)."""
+    differ = [k for k in SAME if old_meta.get(k) != new_meta.get(k)]
+    if differ:
+        raise ValueError("--merge: the recorded run differs in " + ", ".join(
+            f"{k} ({old_meta.get(k)!r} there, {new_meta.get(k)!r} here)" for k in differ) + "; run the whole grid instead")
+
+
+def merge(old: dict, new: dict) -> dict:
+    """`new` (a run of part of a suite's grid, e.g. its longest lengths) merged into `old`, the file
+    an earlier part wrote: a row or check of the same (pair, length, doc, mode) is replaced, the
+    others kept; the meta is the newest part's, with `parts` listing every part's commit, date and
+    command and `pairs` the lengths of all of them. A long sweep can so be run in pieces (a job
+    with a time limit, a preempted machine) and still be one record. The caller recomputes the
+    summary. Parts that differ in what they measure (device, tree policy, dtype, tokens) fail."""
+    om, nm = old["meta"], new["meta"]
+    check_mergeable(om, nm)
+    key = lambda r: tuple(r.get(k) for k in ROW_KEY)  # noqa: E731
+    out = {}
+    for part in ("rows", "checks"):
+        fresh = {key(r) for r in new.get(part, [])}
+        out[part] = [r for r in old.get(part, []) if key(r) not in fresh] + list(new.get(part, []))
+    pairs = {name: sorted(set(om.get("pairs", {}).get(name, [])) | set(lengths)) for name, lengths in nm["pairs"].items()}
+    pairs = {**om.get("pairs", {}), **pairs}
+    docs = {**om.get("docs", {}), **nm.get("docs", {})}
+    part = lambda m: {k: m[k] for k in ("commit", "date", "command") if k in m}  # noqa: E731
+    parts = om.get("parts") or [part(om)]
+    out["meta"] = dict(nm, pairs=pairs, docs=docs, parts=parts + [part(nm)])
+    return out
+
+
 def load_all(out: Path) -> list[dict]:
     """Every recorded run under `out`, with its file's path, latest first per suite and device."""
     runs = []

@@ -39,6 +39,13 @@ def _docs(docs) -> str:
     return ", ".join(docs or []) or "-"
 
 
+def _runs(m: dict) -> str:
+    """The run's date, commit and command; each part's, for a record merged from parts (--merge)."""
+    parts = m.get("parts") or [m]
+    text = "; ".join(f"{p['date']}, commit `{p['commit']}`, `{p['command']}`" for p in parts)
+    return f"in {len(parts)} parts: {text}" if len(parts) > 1 else text
+
+
 def section(run: dict, page_dir: Path) -> str:
     m = run["meta"]
     path = Path(run["path"])
@@ -48,7 +55,7 @@ def section(run: dict, page_dir: Path) -> str:
     links = " ".join(f"![{p.stem}]({Path(os.path.relpath(p, page_dir)).as_posix()})" for p in plots)
     policy = " (adaptive trees)" if m.get("tree_policy") == "adaptive" else ""
     lines = [f"### {m['suite']}: {m['device']}{policy}", "",
-             f"{m['date']}, commit `{m['commit']}`, `{m['command']}`; dtype {m.get('dtype', 'auto')}, "
+             f"{_runs(m)}; dtype {m.get('dtype', 'auto')}, "
              f"{m.get('new_tokens', '-')} new tokens, one prompt per length from each of "
              f"{_docs(m.get('docs'))}, tree policy {m.get('tree_policy', '-')}. Data: [{path.name}]({Path(os.path.relpath(path, page_dir)).as_posix()}).",
              "", _table(run), ""]
