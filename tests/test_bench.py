@@ -125,6 +125,16 @@ def test_unknown_document_fails_before_loading(capsys):
     assert "unknown documents ['poems']" in capsys.readouterr().err
 
 
+def test_a_document_not_installed_fails_before_any_model_runs(capsys, monkeypatch, tmp_path):
+    """A missing text stops the run at once with how to install it, not after the earlier
+    documents' lengths ran (a GPU sweep lost its first minute so: Shakespeare's package absent)."""
+    monkeypatch.setenv("SPECEXTEND_NODEJS_DOCS", str(tmp_path))
+    assert main(["bench", "--suite", "sweep", "--device", "cpu", "--pair", "tiny=32", "--docs", "python,nodejs",
+                 "--modes", "ar", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "apt-get install nodejs-doc" in err and "tiny L=32" not in err
+
+
 def test_transformers_anchor_matches_plain_decoding_through_an_eos():
     """The anchor runs our weights: greedy `generate` equals `ar` token for token, here through an
     EOS at position 13 that both emit and continue past (ignore_eos), plain and assisted."""

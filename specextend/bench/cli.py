@@ -140,7 +140,8 @@ def run_suite(a, argv: list[str]) -> int:
     else:
         docs = {name: CPU_DOCS.get(name, DOCS) if kind == "cpu" else DOCS for name in pairs}
     for names in docs.values():
-        documents(names)  # unknown names fail here, before any model loads
+        for doc in documents(names):  # unknown names and texts not installed fail here, before any model loads
+            doc.text()
     if a.threads:
         torch.set_num_threads(a.threads)
     meta = record.meta(a.suite, device, argv, pairs=pairs, new_tokens=new_tokens, docs=docs, dtype=a.dtype,
