@@ -362,7 +362,7 @@ class Engine(RequestLimits, DraftLink):
                             held = True
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats,
-                                                         send, ref, scoring)
+                                                         send, ref, scoring, teach_host=not opening_pending)
                     t_plain = time.perf_counter()
                     if feed is not None:  # (with a selection held, scored in this forward's shadow)
                         feed.push(committed, retrieval, send=not opening_pending)
@@ -371,7 +371,8 @@ class Engine(RequestLimits, DraftLink):
                             else "lookup" if stats.lookup_steps > chains else "plain")
                     split = (0.0, 0.0)
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
-                        ctl.record_plain(step_s=load.wall(t_step), lookup=len(committed) - 1)
+                        ctl.record_plain(step_s=None if opening_pending else load.wall(t_step),  # (an open's
+                                         lookup=len(committed) - 1)  # steps: host work not a plain step's)
                         split = (0.0, ctl.last_forward_s)
                     if use_draft:
                         pending = [] if feed is not None else pending + committed

@@ -28,7 +28,7 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
                   lookup: Optional[RequestLookup] = None, stats: Optional[RequestStats] = None,
                   queued: Optional[Callable[[], object]] = None,
                   reference: Optional[Reference] = None,
-                  scoring=None) -> Generator[ForwardCall, object, list[int]]:
+                  scoring=None, teach_host: bool = True) -> Generator[ForwardCall, object, list[int]]:
     """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
     chain worth its rows, that chain verified instead (its accepted tokens, then the target's
     next one); the emitted tokens committed to the lookup. `timed` wraps each forward coroutine
@@ -36,7 +36,9 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
     once the forward is queued, before its logits are read: host work that then costs the step
     nothing (the engine's tell to an overlapping draft); a retrieval selection still to be scored
     (`scoring`: retrieval.launch_scoring) is launched just before it. `reference` (benchmarks):
-    verify.Reference, with `stats` (its count of emitted tokens is the position)."""
+    verify.Reference, with `stats` (its count of emitted tokens is the position). `teach_host`
+    False: the step's wall time is not a plain step's (the draft's open runs beside it and holds
+    the host), so the lookup's gate learns its chain but not its host work."""
     t0 = time.perf_counter()
     chain = lookup.chain() if lookup is not None else []
     if not chain:
@@ -57,5 +59,5 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
         stats.lookup_accepted += verdict.accept_length
         out = verdict.tokens
     if lookup is not None:  # with its wall time: the gate prices a chain step's host work too
-        lookup.commit(out, step_s=time.perf_counter() - t0)
+        lookup.commit(out, step_s=time.perf_counter() - t0 if teach_host else None)
     return out
