@@ -215,10 +215,17 @@ class LookupGate:
             one, rows = one + plain, rows + chain  # bookkeeping on the host cost more than a plain step's
         return (1.0 + self.gain(n)) * one >= rows
 
-    def observe_host(self, chained: bool, seconds: float) -> None:
-        """A step's seconds beyond its forward: one that verified a chain, or a plain one."""
+    def observe_host(self, chained: bool, seconds: float, fresh: bool = False) -> None:
+        """A step's seconds beyond its forward: one that verified a chain, or a plain one; `fresh`:
+        a re-measurement of an average that priced its steps out (RequestLookup's recheck), which
+        replaces it."""
         old = self.host[chained]
-        self.host[chained] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self.host[chained] = seconds if old is None or fresh else (1 - self.alpha) * old + self.alpha * seconds
+
+    def host_bound(self, n: int, nodes: int, cost) -> bool:
+        """Whether a chain step of this chain pays by its rows but not with the host work measured for
+        chain steps: only such a step measures that work, so it is rechecked now and then."""
+        return self.host[True] is not None and self.use(n, nodes, cost) and not self.use(n, nodes, cost, alone=True)
 
     def observe(self, n: int, accepted: int) -> None:
         """A verified chain of order n: the tokens the target accepted from it."""
@@ -243,6 +250,12 @@ def chain_run(chain: Sequence[int], emitted: Sequence[int]) -> int:
     return k
 
 
+# A chain step's host work is measured only by chain steps: where that average prices every chain
+# out (measured under contention, carried from another request), every HOST_RECHECK-th chain that
+# would pay by its rows alone is verified anyway and its measurement replaces the average.
+HOST_RECHECK = 16
+
+
 class RequestLookup:
     """A request's lookup: its context index, the gate and the target's forward cost line
     (`cost(rows)`, seconds; None: every chain is verified). Each step asks for a chain (`chain`,
@@ -255,9 +268,14 @@ class RequestLookup:
         self.gate = gate if gate is not None else LookupGate()
         self._step: Optional[tuple[int, list[int], bool]] = None  # this step's (order, chain, verified)
         self._rows = 0  # a step without a tree: the rows it verified (1: plain); 0 after a tree
+        self._host_skips = 0  # chains skipped for the chain steps' host work alone, since the last recheck
+        self._recheck = False  # this step verifies one to re-measure that work
 
     def _pays(self, n: int, nodes: int, alone: bool) -> bool:
         return self.cost is None or self.gate.use(n, nodes, self.cost, alone)
+
+    def _host_bound(self, n: int, nodes: int) -> bool:
+        return self.cost is not None and self.gate.host_bound(n, nodes, self.cost)
 
     def peek(self) -> tuple[int, float]:
         """(nodes, expected added tokens) of the chain a step without a tree would verify now, (0,
@@ -271,6 +289,10 @@ class RequestLookup:
         """The chain a step without a tree verifies ([]: it decodes one token plainly)."""
         n, chain = self.index.match(self.max_tokens)
         used = bool(chain) and self._pays(n, len(chain), alone=True)
+        if chain and not used and self._host_bound(n, len(chain)):  # (docs: "Context lookup", recheck)
+            self._host_skips += 1
+            used = self._recheck = self._host_skips >= HOST_RECHECK
+            self._host_skips = 0 if used else self._host_skips
         self._step = (n, chain, used) if chain else None
         self._rows = len(chain) + 1 if used else 1
         return chain if used else []
@@ -293,6 +315,7 @@ class RequestLookup:
         would have given, as such a step's commit does, and extends the index."""
         for tok in emitted:  # each as a plain step whose chain (if any) was skipped: chain(), then commit
             n, chain = self.index.match(self.max_tokens)
+            self._host_skips += bool(chain) and self._host_bound(n, len(chain))
             self._step, self._rows = ((n, chain, False) if chain else None), 0  # (no host work to learn)
             self.commit([tok])
 
@@ -306,7 +329,8 @@ class RequestLookup:
         where a row costs ~1.5% of a forward, it paid at hit rates where the chains actually found
         did not, so such a request took neither chains nor runs: docs/architecture.md, "Plain steps
         ahead".)"""
-        return any(self._pays(n, self.max_tokens, alone=True) for n in self.index.ns)
+        return any(self._pays(n, self.max_tokens, alone=True) or (self._host_skips >= HOST_RECHECK - 1
+                   and self._host_bound(n, self.max_tokens)) for n in self.index.ns)
 
     @property
     def priced(self) -> bool:
@@ -323,8 +347,8 @@ class RequestLookup:
         requests that chains never hit, and the next request's plain steps then skipped them:
         docs/architecture.md, "Context lookup")."""
         if step_s is not None and self._rows and self.cost is not None and self.cost(1) > 0:
-            self.gate.observe_host(self._rows > 1, max(step_s - self.cost(self._rows), 0.0))
-        self._rows = 0
+            self.gate.observe_host(self._rows > 1, max(step_s - self.cost(self._rows), 0.0), fresh=self._recheck)
+        self._rows, self._recheck = 0, False
         if self._step is not None:
             n, chain, used = self._step
             if used:

@@ -165,7 +165,7 @@ def test_steps_during_the_open_teach_no_host_cost(pair, ar_engine, monkeypatch):
     draft = HeldOpen(pair[1].decoder)
     seen = lookup.LookupGate.observe_host
     monkeypatch.setattr(lookup.LookupGate, "observe_host",
-                        lambda self, *a: (learned.append(draft.opened.is_set()), seen(self, *a))[1])
+                        lambda self, *a, **kw: (learned.append(draft.opened.is_set()), seen(self, *a, **kw))[1])
     record = controller_record.Recording.record_plain
     monkeypatch.setattr(controller_record.Recording, "record_plain",
                         lambda self, step_s=None, lookup=0: (plain.append((draft.opened.is_set(), step_s)),

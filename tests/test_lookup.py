@@ -115,6 +115,39 @@ def test_the_gate_prices_a_chain_step_s_host_work_too():
     assert lookup.chain() == [1, 4, 9]  # (the plain step's token extended the index)
 
 
+def test_a_chain_step_s_host_work_that_prices_chains_out_is_rechecked():
+    """Only a chain step measures a chain step's host work, so an average measured under contention
+    (or carried from another request) that prices every chain out would never be corrected: every
+    HOST_RECHECK-th chain that pays by its rows alone is verified anyway, its measurement replaces
+    the average, and chains pay again. Runs of plain steps count their host-bound chains too, and
+    end (could_pay) when the recheck is due."""
+    from specextend.lookup import HOST_RECHECK
+
+    line, cycle = _cost(2.34e-3, 0.036e-3), [4, 9, 1]
+    lookup = RequestLookup(ContextIndex(cycle * 3 + [4], 16), 3, cost=line)
+    lookup.gate.host = {True: 2e-3, False: 0.15e-3}  # a chain step's 2 ms of host work, 0.2 in truth
+    last, verified = 4, []
+    for _ in range(2 * HOST_RECHECK):
+        lookup.gate.hit[3], lookup.gate.run[3] = 1 / 3, 1.0  # gain 0.33: pays by rows, not at 2 ms
+        chain = lookup.chain()
+        verified.append(bool(chain))
+        emitted = chain + [cycle[(cycle.index(chain[-1]) + 1) % 3]] if chain else [cycle[(cycle.index(last) + 1) % 3]]
+        lookup.commit(emitted, step_s=line(len(chain) + 1) + (0.2e-3 if chain else 0.15e-3))
+        last = emitted[-1]
+    assert verified[:HOST_RECHECK] == [False] * (HOST_RECHECK - 1) + [True]  # the recheck
+    assert lookup.gate.host[True] == pytest.approx(0.2e-3)  # replaced, not averaged in
+    assert all(verified[HOST_RECHECK:])  # the chains pay from then on
+    # a run of plain steps (no chain asked) counts the host-bound chains it skips
+    run = RequestLookup(ContextIndex(cycle * 3 + [4], 16), 3, cost=line)
+    run.gate.host = {True: 2e-3, False: 0.15e-3}
+    for n in run.index.ns:
+        run.gate.hit[n], run.gate.run[n] = 1 / 3, 1.0
+    run.gate.alpha = 0.0  # (the rates as set: the run teaches them nothing here)
+    assert not run.could_pay()
+    run.commit_run([9, 1, 4] * 5)  # 15 chains skipped
+    assert run.could_pay() and run.chain() == [9, 1, 4]  # the run ends, and the next step rechecks
+
+
 def test_a_request_s_lookup_skips_chains_that_do_not_pay_and_still_learns_from_them():
     ids = [4, 9, 1, 4]  # the last token repeats: a unigram chain [9, 1, 4]
     lookup = RequestLookup(ContextIndex(ids, 16), 3, cost=_cost(1.0, 1.0))  # rows cost as much as a forward
