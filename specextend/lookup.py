@@ -225,7 +225,10 @@ class LookupGate:
     def host_bound(self, n: int, nodes: int, cost) -> bool:
         """Whether a chain step of this chain pays by its rows but not with the host work measured for
         chain steps: only such a step measures that work, so it is rechecked now and then."""
-        return self.host[True] is not None and self.use(n, nodes, cost) and not self.use(n, nodes, cost, alone=True)
+        chain, plain = self.host[True], self.host[False]
+        if chain is None or plain is None or chain <= plain:  # (then a chain that pays by rows pays alone)
+            return False
+        return self.use(n, nodes, cost) and not self.use(n, nodes, cost, alone=True)
 
     def observe(self, n: int, accepted: int) -> None:
         """A verified chain of order n: the tokens the target accepted from it."""
@@ -277,6 +280,14 @@ class RequestLookup:
     def _host_bound(self, n: int, nodes: int) -> bool:
         return self.cost is not None and self.gate.host_bound(n, nodes, self.cost)
 
+    def _bound_orders(self) -> frozenset:
+        """The orders whose chains of `max_tokens` nodes are host-bound now, for a run's tokens to
+        count (the cost line and the rates barely move within a run; once per run, not per token:
+        2.6 us a token on this project's CPU); none once a recheck is due."""
+        if self._host_skips >= HOST_RECHECK - 1:
+            return frozenset()
+        return frozenset(n for n in self.index.ns if self._host_bound(n, self.max_tokens))
+
     def peek(self) -> tuple[int, float]:
         """(nodes, expected added tokens) of the chain a step without a tree would verify now, (0,
         0.0) if none (the adaptive policy's choice between such a step and a tree: controller.chain_now)."""
@@ -313,9 +324,10 @@ class RequestLookup:
         """A run of plain steps (plain_ahead.plain_run_co) emitted `emitted`, asking for no chain:
         each token teaches the gate what the chain a plain step would have skipped there (if any)
         would have given, as such a step's commit does, and extends the index."""
+        bound = self._bound_orders()
         for tok in emitted:  # each as a plain step whose chain (if any) was skipped: chain(), then commit
             n, chain = self.index.match(self.max_tokens)
-            self._host_skips += bool(chain) and self._host_bound(n, len(chain))
+            self._host_skips += bool(chain) and n in bound
             self._step, self._rows = ((n, chain, False) if chain else None), 0  # (no host work to learn)
             self.commit([tok])
 
