@@ -301,7 +301,7 @@ def test_a_sweep_run_in_parts_merges_into_one_record(tmp_path, capsys):
     assert sorted((s["length"], s["mode"]) for s in merged["summary"]) == keys
     assert {(c["length"], c["mode"]) for c in merged["checks"]} == {(L, "specextend") for L in (32, 48, 64)}
     meta = merged["meta"]
-    assert meta["pairs"] == {"tiny": [32, 48, 64]} and len(meta["parts"]) == 2
+    assert meta["pairs"] == {"tiny": [32, 48, 64]} and len(meta["parts"]) == 2 and meta["docs"] == {"tiny": ["python"]}
     assert meta["parts"][0]["command"] == first["meta"]["command"] and "--merge" in meta["parts"][1]["command"]
     out = capsys.readouterr().out
     assert "| tiny | 32 | ar | 1 |" in out and "| tiny | 64 | specextend | 1 |" in out  # the table: both parts

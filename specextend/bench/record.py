@@ -94,7 +94,9 @@ def merge(old: dict, new: dict) -> dict:
         out[part] = [r for r in old.get(part, []) if key(r) not in fresh] + list(new.get(part, []))
     pairs = {name: sorted(set(om.get("pairs", {}).get(name, [])) | set(lengths)) for name, lengths in nm["pairs"].items()}
     pairs = {**om.get("pairs", {}), **pairs}
-    docs = {**om.get("docs", {}), **nm.get("docs", {})}
+    docs = dict(om.get("docs", {}))
+    for name, names in nm.get("docs", {}).items():  # every part's documents, in order
+        docs[name] = list(dict.fromkeys([*docs.get(name, []), *names]))
     part = lambda m: {k: m[k] for k in ("commit", "date", "command") if k in m}  # noqa: E731
     parts = om.get("parts") or [part(om)]
     out["meta"] = dict(nm, pairs=pairs, docs=docs, parts=parts + [part(nm)])
