@@ -245,6 +245,16 @@ class DraftLink:
         self._close_soon(sid)
         return False
 
+    def _release(self, sid: str, lane: Lane, feed, opening: Optional[Future]) -> None:
+        """A session's end: its draft session closes once its open has finished (now, or later if
+        still running), and after its last call in flight (a step must not reach the draft after
+        its session's close); `feed`: with snapshots, whose pending call is that last one."""
+        told = lane.tail
+        if feed is not None and feed.pending() is not None:
+            told = feed.pending()
+        if opening is not None:
+            opening.add_done_callback(lambda done: self._close_after(sid, told, done))
+
     def _close_after(self, sid: str, told: Optional[Future], opening: Future) -> None:
         if opening.exception() is not None:  # no session was opened
             self._closed(sid)

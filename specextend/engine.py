@@ -393,14 +393,8 @@ class Engine(RequestLimits, DraftLink):
                 yield ev
                 t_back = time.perf_counter()
         finally:
-            costs = ctl.costs() if use_draft and self.carry_costs else None
-            self._costs = costs or self._costs
+            self._costs = (ctl.costs() if use_draft and self.carry_costs else None) or self._costs
             self._gate = lookup.gate if lookup is not None and self.carry_costs else self._gate  # (the next request's)
             if snap and use_draft:
                 self.snapshots.record(stats)
-            told = lane.tail  # the session's last call in flight, if any
-            if feed is not None and feed.pending() is not None:
-                told = feed.pending()
-            if opening is not None:  # once the open has finished (now, or later if still running), and
-                # after a tell still in flight (a step must not reach the draft after its session's close)
-                opening.add_done_callback(partial(self._close_after, sid, told))
+            self._release(sid, lane, feed, opening)  # (the draft session's close, in order)
