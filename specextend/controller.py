@@ -93,7 +93,9 @@ class TreeController(Recording):
     # the chain a step without a tree would verify now: (its nodes, the tokens it is expected to add;
     # RequestLookup.peek), set by the engine before each choice; None: the average above
     chain_now: Optional[tuple[int, float]] = None
-    lookup_spec: float = 0.0  # tokens a speculative step's lookup chain added beyond the draft's path
+    lookup_spec: float = 0.0  # tokens a speculative step's lookup chain added beyond the draft's path,
+    # averaged over the tree steps that had a chain (record_spec), credited where there is one now:
+    chain_found: bool = True  # the context has a chain now (RequestLookup.found; True: not known)
     ready: float = 1.0  # share of the tree steps asked whose tree the draft had (average; with overlap < 1)
     overlap: bool = False  # the draft overlaps: a run of tree steps has a first step unlike the rest
     in_run: bool = False  # the last step asked for a tree and verified one (a tree step now continues the run)
@@ -157,7 +159,8 @@ class TreeController(Recording):
         plain = 1.0 + (self.lookup_plain if self.chain_now is None else self.chain_now[1])
         if rung.plain:
             return plain / max(self.step_seconds(rung), 1e-9)
-        tokens = self.ready * (1.0 + self.expected_accepted(rung) + self.lookup_spec) + (1 - self.ready) * plain
+        chains = self.lookup_spec if self.chain_found else 0.0  # (no chain now: none to graft)
+        tokens = self.ready * (1.0 + self.expected_accepted(rung) + chains) + (1 - self.ready) * plain
         return tokens / max(self.step_seconds(rung), 1e-9)
 
     def value(self, rung: Rung) -> float:
@@ -176,12 +179,12 @@ class TreeController(Recording):
         steps = None if self.asking and k == 1 else RUN_STEPS
         return run_rate(self.rate(rung) * t, t, self.ready, k * self.switch_tokens, k * self.switch_s, steps)
 
-    def plain_still_best(self, sessions: int, chain_now: Optional[tuple[int, float]]) -> bool:
+    def plain_still_best(self, sessions: int, chain_now: Optional[tuple[int, float]], found: bool = True) -> bool:
         """Whether the best rung is still a plain step with `sessions` sharing the forwards and the
         chain a plain step would verify now (choose()'s comparison, without its bookkeeping): asked
         before a run of plain steps ahead follows the last one (plain_ahead.plain_run_co), so that
         a load that makes trees pay ends the run before the next probe."""
-        self.sessions, self.chain_now = sessions, chain_now
+        self.sessions, self.chain_now, self.chain_found = sessions, chain_now, found
         return self.best().plain
 
     def best(self) -> Rung:

@@ -64,21 +64,23 @@ class Recording:
         self.in_run = self.asking = False
 
     def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None,
-                    lookup: int = 0) -> None:
+                    lookup: Optional[int] = 0) -> None:
         """A speculative step of `rung`: the wait for its tree (None when the draft first caught up
         on plain steps' tokens: a one-off of switching, not what a speculative step costs),
         prefix_accepts' counts, and the step's wall time when the driver measured it (the first
         speculative step's is not used: it carries one-off costs); `lookup`: the accepted tokens
-        that only a context-lookup chain proposed."""
+        that only a context-lookup chain proposed (None: the step had no chain to graft, which
+        leaves their average, the tree steps' with a chain, as it was)."""
         self._settle()
         self.asking = True
         if self.overlap and not self.in_run:  # a run's first tree: its own averages, not the run's
-            self._switched(1.0 + accepts.get(rung, 0) + lookup, step_s, began=True)
+            self._switched(1.0 + accepts.get(rung, 0) + (lookup or 0), step_s, began=True)
             self.spec_steps += 1
             self.since_probe += 1
             self.in_run = True  # (a probe goes on: its next tree measures the run)
             return
-        self.lookup_spec = (1 - self.alpha) * self.lookup_spec + self.alpha * lookup
+        if lookup is not None:
+            self.lookup_spec = (1 - self.alpha) * self.lookup_spec + self.alpha * lookup
         if draft_s is not None:
             self.draft.add(rung.depth, draft_s)
             if step_s is not None and self.spec_steps:

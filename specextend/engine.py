@@ -208,7 +208,7 @@ class Engine(RequestLimits, DraftLink):
                 if use_draft and chosen is not None:  # (at the step before: ask_ahead)
                     rung = chosen
                 elif use_draft and not opening_pending:
-                    ctl.chain_now = lookup.peek() if lookup is not None else None  # (what a plain step would verify)
+                    ctl.chain_now, ctl.chain_found = (lookup.peek(), lookup.found) if lookup is not None else (None, True)
                     rung = ctl.choose_noted(load.sessions)
                 else:
                     rung = ctl.plain_unchosen()
@@ -336,8 +336,8 @@ class Engine(RequestLimits, DraftLink):
                         lookup.commit(committed)
                     one_off, self._first_tree = self._first_tree, False  # (docs: "Adaptive speculation")
                     ctl.record_spec(rung, None if caught_up or one_off else draft_s - load.take_shared(),
-                                    prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
-                                    step_s=load.wall(t_step), lookup=verdict.accept_length - len(own))
+                                    prefix_accepts(own, parents[:drafted], rung, ctl.rungs), step_s=load.wall(t_step),
+                                    lookup=verdict.accept_length - len(own) if lookup is None or lookup.found else None)
                     stats.probe_steps = ctl.probe_steps
                     kind, split = "tree", (draft_s, ctl.last_forward_s)  # (the step's wait, its forward)
                 else:

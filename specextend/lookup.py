@@ -273,6 +273,7 @@ class RequestLookup:
         self._rows = 0  # a step without a tree: the rows it verified (1: plain); 0 after a tree
         self._host_skips = 0  # chains skipped for the chain steps' host work alone, since the last recheck
         self._recheck = False  # this step verifies one to re-measure that work
+        self.found = False  # the index had a chain at the last peek or graft (verified or not)
 
     def _pays(self, n: int, nodes: int, alone: bool) -> bool:
         return self.cost is None or self.gate.use(n, nodes, self.cost, alone)
@@ -292,6 +293,7 @@ class RequestLookup:
         """(nodes, expected added tokens) of the chain a step without a tree would verify now, (0,
         0.0) if none (the adaptive policy's choice between such a step and a tree: controller.chain_now)."""
         n, chain = self.index.match(self.max_tokens)
+        self.found = bool(chain)  # (a tree step grafts a chain that does not pay alone: controller.rate)
         if not chain or not self._pays(n, len(chain), alone=True):
             return 0, 0.0
         return len(chain), min(self.gate.gain(n), float(len(chain)))
@@ -311,7 +313,7 @@ class RequestLookup:
     def graft(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int], int]:
         """The draft's tree with the chain grafted (graft), where its new nodes pay for their rows."""
         n, chain = self.index.match(self.max_tokens)
-        self._rows = 0
+        self._rows, self.found = 0, bool(chain)
         if not chain:
             self._step = None
             return list(tokens), list(parents), 0
