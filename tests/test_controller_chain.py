@@ -77,7 +77,8 @@ def test_a_tree_is_credited_chain_tokens_only_where_the_context_has_a_chain_now(
     (RequestLookup.found): a plain step is priced from this step's chain, and a tree chosen where
     there is none cannot get chain tokens. Before, every tree was credited the average over all
     tree steps: on an H200 (2026-11-29, adaptive sweep, real pair at 16K) trees predicted at 556
-    tok/s made 455 where chain steps made 720 (Node.js docs), 389 against 297 on Shakespeare."""
+    tok/s made 455 where `lookup`'s chain steps made 748 (Node.js docs), 389 against 297 on
+    Shakespeare."""
     tree = Rung(16, 6)
     ctl = warmed()
     ctl.accepted = {r: 0.5 for r in RUNGS[1:]}  # a weak draft: its trees pay only with chains' tokens
