@@ -179,12 +179,18 @@ class TreeController(Recording):
         steps = None if self.asking and k == 1 else RUN_STEPS
         return run_rate(self.rate(rung) * t, t, self.ready, k * self.switch_tokens, k * self.switch_s, steps)
 
-    def plain_still_best(self, sessions: int, chain_now: Optional[tuple[int, float]], found: bool = True) -> bool:
+    def see_chain(self, lookup) -> None:
+        """The chain a step without a tree would verify now (`chain_now`) and whether the context has
+        one (`chain_found`), from the request's context lookup (RequestLookup.peek; None: the request
+        has none), before a choice."""
+        self.chain_now, self.chain_found = (lookup.peek(), lookup.found) if lookup is not None else (None, True)
+
+    def plain_still_best(self, sessions: int) -> bool:
         """Whether the best rung is still a plain step with `sessions` sharing the forwards and the
-        chain a plain step would verify now (choose()'s comparison, without its bookkeeping): asked
-        before a run of plain steps ahead follows the last one (plain_ahead.plain_run_co), so that
-        a load that makes trees pay ends the run before the next probe."""
-        self.sessions, self.chain_now, self.chain_found = sessions, chain_now, found
+        chain seen last (see_chain) (choose()'s comparison, without its bookkeeping): asked before a
+        run of plain steps ahead follows the last one (plain_ahead.plain_run_co), so that a load
+        that makes trees pay ends the run before the next probe."""
+        self.sessions = sessions
         return self.best().plain
 
     def best(self) -> Rung:

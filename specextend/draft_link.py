@@ -125,7 +125,7 @@ def ask_ahead(draft: DraftBackend, lane: Lane, ctl: TreeController, lookup, sess
     the chain a plain step would verify then: `lookup`'s peek, None without one); a tree's ask
     leaves at once with them, as a tree step's verdict's does, so a run's first tree is asked early
     too. -> (rung, the ask or None, step, pending, retrieval), as the engine carries them on."""
-    ctl.chain_now, ctl.chain_found = (lookup.peek(), lookup.found) if lookup is not None else (None, True)
+    ctl.see_chain(lookup)
     rung = ctl.choose_noted(sessions)
     if rung.plain:
         return rung, None, step, pending, retrieval

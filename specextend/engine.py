@@ -208,7 +208,7 @@ class Engine(RequestLimits, DraftLink):
                 if use_draft and chosen is not None:  # (at the step before: ask_ahead)
                     rung = chosen
                 elif use_draft and not opening_pending:
-                    ctl.chain_now, ctl.chain_found = (lookup.peek(), lookup.found) if lookup is not None else (None, True)
+                    ctl.see_chain(lookup)  # (what a step without a tree would verify now)
                     rung = ctl.choose_noted(load.sessions)
                 else:
                     rung = ctl.plain_unchosen()

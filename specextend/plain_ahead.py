@@ -144,10 +144,10 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     def more(emitted: list[int]) -> int:
         teach(emitted)
         k = run_length(ctl, out, stats, lookup, speculative)  # (0 at the probe or the end: nothing to ask)
-        if k and speculative and not ctl.plain_still_best(load.sessions if load is not None else 1,
-                                                          lookup.peek() if lookup is not None else None,
-                                                          lookup is None or lookup.found):
-            return 0
+        if k and speculative:
+            ctl.see_chain(lookup)
+            if not ctl.plain_still_best(load.sessions if load is not None else 1):
+                return 0
         return k
 
     tokens = yield from plain_ahead_co(target, last, out, stats, t1, gen, limit=k, more=more)

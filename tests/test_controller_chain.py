@@ -89,7 +89,10 @@ def test_a_tree_is_credited_chain_tokens_only_where_the_context_has_a_chain_now(
     ctl.chain_found = False  # nothing to copy here
     assert (credited - ctl.rate(tree)) * ctl.step_seconds(tree) == pytest.approx(2.0 * ctl.ready)
     assert ctl.choose() == PLAIN
-    assert ctl.plain_still_best(1, (0, 0.0), found=False) and not ctl.plain_still_best(1, (0, 0.0), found=True)
+    ctl.chain_found = False
+    assert ctl.plain_still_best(1)
+    ctl.chain_found = True
+    assert not ctl.plain_still_best(1)
     # the average moves only on tree steps that had a chain
     ctl.record_spec(tree, 3e-3, {tree: 1}, lookup=None)
     assert ctl.lookup_spec == 2.0
