@@ -13,9 +13,11 @@ prose, the tiny pair with acceptance replayed at 1.2, 2, 3 and 5 draft tokens a 
 far more than a target step and accepts nothing). On a GPU (`--device cuda`, bf16): the
 Llama-3.1-8B geometry with the 68M draft, both with successor weights (models/presets.py: drafts
 shaped like a real one's, whose trees can reach the replayed lengths), acceptance replayed at the
-same rates.
+same rates; and the real pair (Qwen2.5-Coder 1.5B + 0.5B, the GGUF files fetch.py caches) on
+technical text and on prose at the lengths issue 14 names (each regime its own prompt length).
 
   python benchmarks/regimes.py --reps 5 --new-tokens 48
+  python benchmarks/regimes.py --device cuda --regimes real --tag real --new-tokens 128
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ import torch
 
 from specextend.bench import record
 from specextend.bench.texts import documents, prompt_ids
-from specextend.builder import load_pair
+from specextend.builder import draft_worker, load_pair
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 from specextend.warmup import warm_up
 
@@ -53,6 +54,11 @@ REGIMES = {
 # on a GPU: the Llama-3.1-8B geometry (random weights) with the 68M draft, acceptance replayed
 GPU_REGIMES = {f"8b replayed {k}": ("random:llama-3.1-8b-succ", "random:llama-68m-succ", "nodejs", v)
                for k, v in REPLAYS.items()}  # successor weights: trees as deep as a real draft's
+# the real pair (GPU only: its 0.5B draft on a CPU is a minutes-long run), real acceptance, its own length
+REAL_REGIMES = {f"real {doc} {n // 1000}K": ("default", "default", doc, None, n)
+                for doc, lengths in (("nodejs", (1024, 4096, 16384, 30000)), ("shakespeare", (4096, 16384)))
+                for n in lengths}
+ALL_REGIMES = {**REGIMES, **GPU_REGIMES, **REAL_REGIMES}
 
 
 def decode_rate(engine: Engine, prompt: list[int], new_tokens: int, replay) -> tuple[float, list[int], dict]:
@@ -72,11 +78,16 @@ def decode_rate(engine: Engine, prompt: list[int], new_tokens: int, replay) -> t
 
 
 def run_regime(name: str, reps: int, length: int, new_tokens: int, device: str = "cpu", progress=print) -> dict:
-    target_name, draft_name, doc, replay = {**REGIMES, **GPU_REGIMES}[name]
+    target_name, draft_name, doc, replay, *own_length = ALL_REGIMES[name]
+    length = own_length[0] if own_length else length
     base = EngineConfig(target=target_name, draft=draft_name, mode="specextend", device=device,
                         dtype="float32" if device == "cpu" else "bfloat16")
     target, draft = load_pair(base)
-    worker = DraftWorker(draft.decoder)
+    # the draft's worker as the app builds it: with its prefix cache, so that a repeated prompt that
+    # the target's prefix cache answers at once does not wait for the draft to prefill it again
+    # (without it every request after the first waited for the draft's open: the real pair at 30K
+    # read 0.57x `ar`, 2026-11-29)
+    worker = draft_worker(replace(base, tree=TreeConfig(nodes=32, depth=6)), draft)
     prompt = prompt_ids(target.tokenizer, documents([doc])[0], length)
     configs = {"ar": Engine(replace(base, mode="ar"), target, None)}
     args = draft.args  # as the app and the CLI pass it: a draft that can never pay is not opened
@@ -127,8 +138,9 @@ def run_regime(name: str, reps: int, length: int, new_tokens: int, device: str =
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--regimes", default="", help="comma-separated, from: " + ", ".join({**REGIMES, **GPU_REGIMES})
-                   + " (default: the device's)")
+    p.add_argument("--regimes", default="", help="comma-separated, from: " + ", ".join(ALL_REGIMES)
+                   + "; `real` names every real-pair regime (default: the device's replayed or tiny ones)")
+    p.add_argument("--tag", default="", help="suffix of the results file (regimes-<device>-<tag>.json)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--length", type=int, default=1024, help="prompt tokens (document part)")
@@ -141,13 +153,18 @@ def main(argv=None) -> int:
     if a.threads and a.device == "cpu":
         torch.set_num_threads(a.threads)
     names = a.regimes.split(",") if a.regimes else list(REGIMES if a.device == "cpu" else GPU_REGIMES)
+    names = [n for name in names for n in (REAL_REGIMES if name == "real" else [name])]
+    unknown = [n for n in names if n not in ALL_REGIMES]
+    if unknown:
+        p.error(f"unknown regime(s) {unknown}; known: {', '.join(ALL_REGIMES)}")
     commit = record.commit()
     device = "cpu" if a.device == "cpu" else torch.cuda.get_device_name()
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(), cores=os.cpu_count(),
                 threads=torch.get_num_threads(),
                 command="python benchmarks/regimes.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / ("regimes-cpu.json" if a.device == "cpu" else f"regimes-{record.slug(record.device_name(a.device))}.json")
+    stem = "regimes-cpu" if a.device == "cpu" else f"regimes-{record.slug(record.device_name(a.device))}"
+    path = OUT / (stem + (f"-{a.tag}" if a.tag else "") + ".json")
     rows = []
     for name in names:  # the file after every regime: a run cut by its time limit keeps what finished
         rows.append(run_regime(name, a.reps, a.length, a.new_tokens, a.device))
