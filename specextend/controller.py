@@ -76,6 +76,11 @@ class TreeController(Recording):
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
     forward: LinearCost = field(default_factory=LinearCost)  # target forward seconds vs rows, the steps'
     prefill: LinearCost = field(default_factory=LinearCost)  # ... the prefill's chunks: the steps' prior
+    # ... the forwards of steps without a tree alone (plain and chain steps): what a chain verified
+    # alone costs, which the trees' verifications, with their own rows' price, must not set (the tiny
+    # pair on a CPU: the line of every step priced a 9-row chain at 3.1 ms where chain steps took
+    # 2.2, and skipped every chain that mode lookup verified; docs/architecture.md, "Context lookup")
+    chains: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=lambda: LinearCost(proportional=True))  # wait vs depth
     accepted: dict = field(default_factory=dict)  # Rung -> average accepted draft tokens
     measured_at: dict = field(default_factory=dict)  # Rung -> the step it was last measured
@@ -120,6 +125,7 @@ class TreeController(Recording):
 
     def __post_init__(self) -> None:
         self.forward.prior = self.prefill
+        self.chains.prior = self.forward  # (its line until chain steps tell one of their own)
         if self.overlap and self.draft.proportional and not self.draft.known:
             self.draft = LinearCost()  # a ready tree's wait is the answer's way, not its depth's drafting
 
@@ -143,7 +149,8 @@ class TreeController(Recording):
         if rung.plain:
             if self.plain_forward is not None and self.sessions <= 1:
                 fwd = self.plain_forward  # measured: the line is mostly verifications, a costlier path
-            return fwd + b * (self.chain_now[0] if self.chain_now else 0) + (self.extra_plain or 0.0)
+            rows = self.chain_now[0] if self.chain_now else 0  # (a chain's rows: the chain steps' slope)
+            return fwd + self.chains.line()[1] * rows + (self.extra_plain or 0.0)
         return fwd + self.draft_seconds(rung.depth) + (self.extra_spec or 0.0)
 
     def step_seconds(self, rung: Rung) -> float:
@@ -212,6 +219,11 @@ class TreeController(Recording):
     def priced_by_prior(self) -> bool:
         """No tree has measured the draft yet, and the prior (seed_draft) prices it."""
         return self.draft_ratio is not None and not self.draft.known
+
+    def chain_seconds(self, rows: int) -> float:
+        """Predicted forward seconds of a step without a tree that verifies `rows` rows (a chain's
+        and its root): the chain steps' own line (`chains`), the context lookup's gate's price."""
+        return self.chains(rows)
 
     def draft_seconds(self, depth: int) -> float:
         """Predicted wait for a tree `depth` deep: the measured line, else the prior (seed_draft)."""
@@ -300,7 +312,7 @@ class TreeController(Recording):
         if not (self.draft.known and self.plain_forward is not None):
             return None
         return Costs(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
-                     self.extra_plain, self.since_probe, self.probe_every)
+                     self.extra_plain, self.since_probe, self.probe_every, copy.deepcopy(self.chains))
 
     def start_from(self, costs: Costs) -> None:
         """Start from an earlier session's costs: no smallest tree and plain step to measure them,
@@ -311,6 +323,9 @@ class TreeController(Recording):
         waits join the lines at their rates."""
         self.forward, self.draft = copy.deepcopy(costs.forward), copy.deepcopy(costs.draft)
         self.forward.prior = self.prefill  # (this session's prefill)
+        if costs.chains is not None:
+            self.chains = copy.deepcopy(costs.chains)
+        self.chains.prior = self.forward
         self.plain_forward, self.extra_spec, self.extra_plain = costs.plain_forward, costs.extra_spec, costs.extra_plain
         self.since_probe, self.probe_every = costs.since_probe, min(costs.probe_every, self.max_probe)
         self.primed = self._warm = True

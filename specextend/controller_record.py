@@ -31,11 +31,14 @@ class Recording:
         of 0.26 ms a row that kept every tree at 4 nodes, 2026-11-29)."""
         self._pending.append((rows, seconds, self.prefill))
 
-    def _settle(self) -> None:
-        """The recorded forwards' durations into their cost lines (and the step's forward time)."""
+    def _settle(self, treeless: bool = False) -> None:
+        """The recorded forwards' durations into their cost lines (and the step's forward time);
+        `treeless`: a step without a tree's, into the chain steps' line too (`chains`)."""
         for rows, span, line in self._pending:
             seconds = seconds_of(span)
             line.add(rows, seconds)
+            if treeless and line is self.forward:
+                self.chains.add(rows, seconds)
             self._forward_s += seconds
             self._rows += rows
         self._pending.clear()
@@ -51,12 +54,12 @@ class Recording:
     def record_plain(self, step_s: Optional[float] = None, lookup: int = 0) -> None:
         """A plain step; `step_s`: its wall time, when the driver measured it; `lookup`: the tokens a
         context-lookup chain added to it."""
-        self._settle()
+        self._settle(treeless=True)
         self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
         if self._forward_s and self.sessions <= 1:  # a chain's rows beyond the first cost the line's slope
-            one = self._forward_s - self.forward.line()[1] * max(self._rows - 1, 0)  # (chain_now prices them)
+            one = self._forward_s - self.chains.line()[1] * max(self._rows - 1, 0)  # (chain_now prices them)
             self.plain_forward = self._average(self.plain_forward, max(one, 0.0))
         self._end_step()
         self.plain_steps += 1
@@ -104,7 +107,7 @@ class Recording:
         ready; the step decoded plainly, `lookup` tokens from a chain): the ready share falls; the
         acceptance averages stay (nothing was verified: an empty answer says nothing about how much
         of a tree the target would take). A probe that met one asks again on the next step, once."""
-        self._settle()
+        self._settle(treeless=True)  # (it decoded plainly)
         self.asking = True
         if self.overlap and not self.in_run:  # a run's first ask, which began none: the switch's cost
             self._switched(1.0 + lookup, step_s, began=False)

@@ -109,3 +109,4 @@ class Costs:
     # whose costs changed: sessions that never probe would carry the same costs for good)
     since_probe: int = 0
     probe_every: int = 0
+    chains: Optional[LinearCost] = None  # the forwards of steps without a tree (TreeController.chains)

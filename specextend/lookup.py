@@ -266,8 +266,9 @@ class RequestLookup:
     gate and extends the index."""
 
     def __init__(self, index: ContextIndex, max_tokens: int, cost: Optional[Callable[[int], float]] = None,
-                 gate: Optional[LookupGate] = None) -> None:
+                 gate: Optional[LookupGate] = None, graft_cost: Optional[Callable[[int], float]] = None) -> None:
         self.index, self.max_tokens, self.cost = index, max_tokens, cost
+        self.graft_cost = graft_cost if graft_cost is not None else cost  # (a tree's rows: grafted chains)
         self.gate = gate if gate is not None else LookupGate()
         self._step: Optional[tuple[int, list[int], bool]] = None  # this step's (order, chain, verified)
         self._rows = 0  # a step without a tree: the rows it verified (1: plain); 0 after a tree
@@ -276,7 +277,7 @@ class RequestLookup:
         self.found = False  # the index had a chain at the last peek or graft (verified or not)
 
     def _pays(self, n: int, nodes: int, alone: bool) -> bool:
-        return self.cost is None or self.gate.use(n, nodes, self.cost, alone)
+        return self.cost is None or self.gate.use(n, nodes, self.cost if alone else self.graft_cost, alone)
 
     def _host_bound(self, n: int, nodes: int) -> bool:
         return self.cost is not None and self.gate.host_bound(n, nodes, self.cost)

@@ -57,6 +57,35 @@ def test_peek_is_what_the_next_step_without_a_tree_verifies_and_changes_nothing(
     assert RequestLookup(ContextIndex([1, 2, 3, 4], 16), 4).peek() == (0, 0.0)  # nothing repeats
 
 
+def test_a_chain_alone_is_priced_by_the_steps_without_a_tree_not_by_the_trees():
+    """The context lookup's gate prices a chain verified alone by the forwards of steps without a
+    tree (`chains`), not by the line of every step, whose slope the trees' verifications set: on
+    the tiny pair on a CPU that line priced a 9-row chain at 3.1 ms where chain steps took 2.2, and
+    the speculative engine skipped every chain that mode lookup verified. Before chain steps tell a
+    slope of their own, the line of every step lends its own; the line is carried to the engine's
+    next session with the rest of the costs."""
+    ctl = TreeController(list(RUNGS))
+    for rows in (17, 33):  # two tree verifications, 0.2 ms a row
+        ctl.record_forward(rows, 2.5e-3 + 0.2e-3 * (rows - 1))
+        ctl.begin_step()
+    ctl.record_forward(1, 2.5e-3)
+    ctl.record_plain()
+    assert ctl.chain_seconds(9) == pytest.approx(ctl.forward(9))  # one size seen: the steps' slope
+    ctl.record_forward(9, 2.5e-3 + 0.02e-3 * 8)  # a chain step: 0.02 ms a row
+    ctl.record_plain()
+    assert ctl.chain_seconds(9) == pytest.approx(2.66e-3) and ctl.forward(9) > 3e-3
+    lookup = RequestLookup(ContextIndex([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], 16), 8, cost=ctl.chain_seconds,
+                           graft_cost=ctl.forward)
+    lookup.gate.hit[3], lookup.gate.run[3] = 0.25, 1.0  # a chain expected to add a quarter of a token
+    assert lookup.chain() == [4, 5, 6, 7, 8, 9, 1, 2]  # 1.25 x 2.5 ms >= 2.66 ms: it pays alone
+    assert RequestLookup(lookup.index, 8, cost=ctl.forward, gate=lookup.gate).chain() == []  # (the trees' price)
+    ctl.draft.add(6, 3e-3)
+    ctl.plain_forward = 2.5e-3
+    carried = TreeController(list(RUNGS))
+    carried.start_from(ctl.costs())
+    assert carried.chain_seconds(9) == pytest.approx(2.66e-3) and carried.chains.prior is carried.forward
+
+
 def test_a_chain_steps_rows_do_not_make_the_plain_forward_dearer():
     """A chain step's forward costs its rows beyond the first at the line's slope (chain_now prices
     them), so the plain forward's average takes it less those rows."""
