@@ -225,6 +225,10 @@ class TreeController(Recording):
         and its root): the chain steps' own line (`chains`), the context lookup's gate's price."""
         return self.chains(rows)
 
+    def chains_priced(self) -> bool:
+        """Whether the chain steps' line has told a slope of its own (a chain verified alone)."""
+        return self.chains.slope is not None
+
     def draft_seconds(self, depth: int) -> float:
         """Predicted wait for a tree `depth` deep: the measured line, else the prior (seed_draft)."""
         if not self.priced_by_prior:

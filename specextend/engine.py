@@ -168,7 +168,7 @@ class Engine(RequestLimits, DraftLink):
                 index.extend([token])
                 lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.chain_seconds,  # chains where they pay,
                                        gate=self._gate.carried() if self.carry_costs and self._gate else None,
-                                       graft_cost=ctl.forward)  # (alone: the chain steps' own line)
+                                       graft_cost=ctl.forward, cost_known=ctl.chains_priced)  # (alone: their own line)
             if cfg.plain_ahead and not use_draft and lookup is None and ref is None:  # ("Plain steps ahead")
                 return (yield from plain_ahead_co(target, token, out, stats, t1, gen))
             retrieving = use_draft and cfg.retrieval.enabled

@@ -266,9 +266,14 @@ class RequestLookup:
     gate and extends the index."""
 
     def __init__(self, index: ContextIndex, max_tokens: int, cost: Optional[Callable[[int], float]] = None,
-                 gate: Optional[LookupGate] = None, graft_cost: Optional[Callable[[int], float]] = None) -> None:
+                 gate: Optional[LookupGate] = None, graft_cost: Optional[Callable[[int], float]] = None,
+                 cost_known: Optional[Callable[[], bool]] = None) -> None:
         self.index, self.max_tokens, self.cost = index, max_tokens, cost
         self.graft_cost = graft_cost if graft_cost is not None else cost  # (a tree's rows: grafted chains)
+        # whether `cost` has measured a chain's rows (its own slope; None: it has): until then the
+        # first chain found is verified, so that a slope lent by the trees' verifications cannot
+        # keep chains out for good (TreeController.chains)
+        self.cost_known = cost_known
         self.gate = gate if gate is not None else LookupGate()
         self._step: Optional[tuple[int, list[int], bool]] = None  # this step's (order, chain, verified)
         self._rows = 0  # a step without a tree: the rows it verified (1: plain); 0 after a tree
@@ -302,7 +307,8 @@ class RequestLookup:
     def chain(self) -> list[int]:
         """The chain a step without a tree verifies ([]: it decodes one token plainly)."""
         n, chain = self.index.match(self.max_tokens)
-        used = bool(chain) and self._pays(n, len(chain), alone=True)
+        used = bool(chain) and (self._pays(n, len(chain), alone=True)
+                                or (self.cost_known is not None and not self.cost_known()))
         if chain and not used and self._host_bound(n, len(chain)):  # (docs: "Context lookup", recheck)
             self._host_skips += 1
             used = self._recheck = self._host_skips >= HOST_RECHECK

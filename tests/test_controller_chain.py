@@ -79,6 +79,18 @@ def test_a_chain_alone_is_priced_by_the_steps_without_a_tree_not_by_the_trees():
     lookup.gate.hit[3], lookup.gate.run[3] = 0.25, 1.0  # a chain expected to add a quarter of a token
     assert lookup.chain() == [4, 5, 6, 7, 8, 9, 1, 2]  # 1.25 x 2.5 ms >= 2.66 ms: it pays alone
     assert RequestLookup(lookup.index, 8, cost=ctl.forward, gate=lookup.gate).chain() == []  # (the trees' price)
+    # until the chain steps' line has a slope of its own, the first chain found is verified anyway:
+    # a slope lent by the trees must not keep chains out for good
+    fresh = TreeController(list(RUNGS))
+    fresh.forward = ctl.forward
+    fresh.chains.prior = fresh.forward
+    fresh.record_forward(1, 2.5e-3)
+    fresh.record_plain()
+    unpriced = RequestLookup(lookup.index, 8, cost=fresh.chain_seconds, gate=lookup.gate, cost_known=fresh.chains_priced)
+    assert not fresh.chains_priced() and unpriced.chain() == [4, 5, 6, 7, 8, 9, 1, 2]
+    fresh.record_forward(9, 2.5e-3 + 0.02e-3 * 8)
+    fresh.record_plain()
+    assert fresh.chains_priced() and fresh.chain_seconds(9) == pytest.approx(2.66e-3)
     ctl.draft.add(6, 3e-3)
     ctl.plain_forward = 2.5e-3
     carried = TreeController(list(RUNGS))
