@@ -297,6 +297,8 @@ class TreeController(Recording):
         # (after the prior: the largest rung that could beat the best fully accepted, which measures
         # every rung inside it; where none could, the smallest, which re-measures the draft, is the
         # way back should the costs change)
+        if self.probe_every and self.since_probe < self.probe_every:
+            return best  # (no probe due: the probe's rung is not needed, ~25% of a choice's host work)
         probe = self.rungs[1] if self.priced_by_prior else self._probe_rung(best)
         if not self.probe_every:  # (with overlap a probe is a run's first step and one more)
             # (what the probe could win bounds how often it is worth trying, once the draft is
