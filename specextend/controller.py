@@ -225,6 +225,11 @@ class TreeController(Recording):
         and its root): the chain steps' own line (`chains`), the context lookup's gate's price."""
         return self.chains(rows)
 
+    def chain_pricing(self) -> dict:
+        """RequestLookup's prices from this controller: a chain alone by the chain steps' line, a
+        grafted one by the line of every step, and whether the former has measured a chain yet."""
+        return dict(cost=self.chain_seconds, graft_cost=self.forward, cost_known=self.chains_priced)
+
     def chains_priced(self) -> bool:
         """Whether the chain steps' line has told a slope of its own (a chain verified alone)."""
         return self.chains.slope is not None

@@ -166,9 +166,8 @@ class Engine(RequestLimits, DraftLink):
                 opening_pending = opening is not None
             if index is not None and (use_draft or alone):  # (a draft that failed to join: plain steps)
                 index.extend([token])
-                lookup = RequestLookup(index, cfg.lookup_tokens, cost=ctl.chain_seconds,  # chains where they pay,
-                                       gate=self._gate.carried() if self.carry_costs and self._gate else None,
-                                       graft_cost=ctl.forward, cost_known=ctl.chains_priced)  # (alone: their own line)
+                lookup = RequestLookup(index, cfg.lookup_tokens, **ctl.chain_pricing(),  # chains where they pay
+                                       gate=self._gate.carried() if self.carry_costs and self._gate else None)
             if cfg.plain_ahead and not use_draft and lookup is None and ref is None:  # ("Plain steps ahead")
                 return (yield from plain_ahead_co(target, token, out, stats, t1, gen))
             retrieving = use_draft and cfg.retrieval.enabled
