@@ -280,6 +280,7 @@ class RequestLookup:
         self._host_skips = 0  # chains skipped for the chain steps' host work alone, since the last recheck
         self._recheck = False  # this step verifies one to re-measure that work
         self.found = False  # the index had a chain at the last peek or graft (verified or not)
+        self.skipped = 0  # steps without a tree (runs' tokens too) whose chain found was not verified
 
     def _pays(self, n: int, nodes: int, alone: bool) -> bool:
         return self.cost is None or self.gate.use(n, nodes, self.cost if alone else self.graft_cost, alone)
@@ -314,6 +315,7 @@ class RequestLookup:
             used = self._recheck = self._host_skips >= HOST_RECHECK
             self._host_skips = 0 if used else self._host_skips
         self._step = (n, chain, used) if chain else None
+        self.skipped += bool(chain) and not used
         self._rows = len(chain) + 1 if used else 1
         return chain if used else []
 
@@ -337,6 +339,7 @@ class RequestLookup:
         for tok in emitted:  # each as a plain step whose chain (if any) was skipped: chain(), then commit
             n, chain = self.index.match(self.max_tokens)
             self._host_skips += bool(chain) and n in bound
+            self.skipped += bool(chain)
             self._step, self._rows = ((n, chain, False) if chain else None), 0  # (no host work to learn)
             self.commit([tok])
 

@@ -140,6 +140,7 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
         stats.plain_steps += len(new)
         if lookup is not None and new:  # (each token teaches the gate what the chain skipped there would have given)
             lookup.commit_run(new)
+            stats.lookup_skipped = lookup.skipped
 
     def more(emitted: list[int]) -> int:
         teach(emitted)

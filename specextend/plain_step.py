@@ -60,4 +60,6 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
         out = verdict.tokens
     if lookup is not None:  # with its wall time: the gate prices a chain step's host work too
         lookup.commit(out, step_s=time.perf_counter() - t0 if teach_host else None)
+        if stats is not None:
+            stats.lookup_skipped = lookup.skipped
     return out

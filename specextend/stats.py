@@ -57,6 +57,7 @@ class RequestStats:
     unready_split: list[tuple[float, float, float]] = field(default_factory=list)
     unready_refreshes: int = 0  # retrieval selections those steps delivered to the draft
     lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain instead
+    lookup_skipped: int = 0  # ... and those with a chain found that the lookup gate left out (RequestLookup.skipped)
     open_steps: int = 0  # plain steps decoded while the draft still prefilled (adaptive policy: it joins when done)
     told_steps: int = 0  # plain steps whose tokens went to an overlapping draft at once (engine.TELL_BOUND)
     asked_steps: int = 0  # tree steps whose tree was asked for at the verdict before (draft_ask_early)

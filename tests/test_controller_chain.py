@@ -88,6 +88,9 @@ def test_a_chain_alone_is_priced_by_the_steps_without_a_tree_not_by_the_trees():
     fresh.record_plain()
     unpriced = RequestLookup(lookup.index, 8, cost=fresh.chain_seconds, gate=lookup.gate, cost_known=fresh.chains_priced)
     assert not fresh.chains_priced() and unpriced.chain() == [4, 5, 6, 7, 8, 9, 1, 2]
+    assert lookup.skipped == 0 and unpriced.skipped == 0
+    priced_out = RequestLookup(lookup.index, 8, cost=ctl.forward, gate=lookup.gate)
+    assert priced_out.chain() == [] and priced_out.skipped == 1  # (a chain found, left out: counted)
     fresh.record_forward(9, 2.5e-3 + 0.02e-3 * 8)
     fresh.record_plain()
     assert fresh.chains_priced() and fresh.chain_seconds(9) == pytest.approx(2.66e-3)

@@ -161,7 +161,8 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
     return ids, dict(
         tokens_per_s=st.tokens_per_s, decode_tokens_per_s=(st.num_generated - 1) / max(st.decode_s, 1e-9),
         ttft_s=st.prefill_s, mean_acceptance_length=st.mean_acceptance_length, num_steps=steps,
-        plain_steps=st.plain_steps, unready_steps=st.unready_steps, step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
+        plain_steps=st.plain_steps, unready_steps=st.unready_steps, lookup_skipped=st.lookup_skipped,
+        step_ms=step_ms, draft_wait_ms=wait_ms, verify_ms=verify_ms,
         other_ms=max(step_ms - wait_ms - verify_ms, 0.0) if steps else step_ms,
         **st.reference_summary,
         draft_cache_tokens=st.draft_cache_tokens, tree_ready_fraction=st.tree_ready_fraction,
@@ -206,6 +207,8 @@ def kinds_line(r: dict) -> str:
     parts = [f"{k} {v['steps']} x {v['tokens'] / max(v['steps'], 1):.2f} tok / {v['ms'] / max(v['steps'], 1):.2f} ms"
              + _split(v) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["steps"])]
     out = "; " + ", ".join(parts) + f"; longest {r.get('max_step_ms', 0.0):.1f} ms"
+    if r.get("lookup_skipped"):  # chains found at steps without a tree that the lookup gate left out
+        out += f"; {r['lookup_skipped']} chains skipped"
     if r.get("mean_tree_nodes"):  # the trees verified: their size, and the pool's depth below the root when asked
         out += f"; trees of {r['mean_tree_nodes']:.1f} nodes, ahead {r.get('draft_ahead_depth', 0.0):.1f} levels"
         if r.get("asked_steps"):
