@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from specextend.controller_record import PROBE_RETRIES, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
+from specextend.controller_best import best_rung
 from specextend.costs import RUN_STEPS, Costs, LinearCost, probe_interval, run_rate
 from specextend.ladder import PLAIN, Rung
 
@@ -201,7 +202,14 @@ class TreeController(Recording):
         return self.best().plain
 
     def best(self) -> Rung:
-        """The rung of the highest predicted tokens per second (the smaller one on a tie)."""
+        """The rung of the highest predicted tokens per second (the smaller one on a tie): in one pass
+        (controller_best.best_rung) where no overlap prices runs; its slow twin is best_slow."""
+        if self.overlap and self.switch_s is not None:
+            return self.best_slow()
+        return best_rung(self)
+
+    def best_slow(self) -> Rung:
+        """best's slow twin: value() of every rung."""
         return max(self.rungs, key=lambda r: (self.value(r), -r.nodes, -r.depth))
 
     def seed_draft(self, ratio: float) -> None:
