@@ -83,6 +83,14 @@ class TreeController(Recording):
     # 2.2, and skipped every chain that mode lookup verified; docs/architecture.md, "Context lookup")
     chains: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=lambda: LinearCost(proportional=True))  # wait vs depth
+    # the first tree after steps without one: the draft first forwards their tokens, a wait beyond the
+    # levels' line, vs those tokens (record_spec's catchup), priced into a tree chosen while the
+    # draft is `behind` (the engine's count before each choice; 0 within a run of trees). Unpriced,
+    # a probe after plain steps cost twice its prediction (the tiny pair on a CPU, 12.4 against 6.2
+    # ms; the real pair on an H200 waited 8.5-9.6 ms where trees within runs waited 4-4.5):
+    # docs/architecture.md, "Adaptive speculation"
+    catchup: LinearCost = field(default_factory=LinearCost)
+    behind: int = 0
     accepted: dict = field(default_factory=dict)  # Rung -> average accepted draft tokens
     measured_at: dict = field(default_factory=dict)  # Rung -> the step it was last measured
     sessions: int = 1  # sessions sharing the target's forwards (the driver says, choose())
@@ -152,7 +160,11 @@ class TreeController(Recording):
                 fwd = self.plain_forward  # measured: the line is mostly verifications, a costlier path
             rows = self.chain_now[0] if self.chain_now else 0  # (a chain's rows: the chain steps' slope)
             return fwd + self.chains.line()[1] * rows + (self.extra_plain or 0.0)
-        return fwd + self.draft_seconds(rung.depth) + (self.extra_spec or 0.0)
+        return fwd + self.draft_seconds(rung.depth) + (self.extra_spec or 0.0) + self.catchup_seconds()
+
+    def catchup_seconds(self) -> float:
+        """The predicted wait for the draft to forward the tokens it is `behind` on before its levels."""
+        return self.catchup(self.behind) if self.behind > 0 and self.catchup.known else 0.0
 
     def step_seconds(self, rung: Rung) -> float:
         """Predicted seconds of a step of `rung`: a tree step asks for a tree (the wait), and gets
@@ -187,11 +199,12 @@ class TreeController(Recording):
         steps = None if self.asking and k == 1 else RUN_STEPS
         return run_rate(self.rate(rung) * t, t, self.ready, k * self.switch_tokens, k * self.switch_s, steps)
 
-    def see_chain(self, lookup) -> None:
+    def see_chain(self, lookup, behind: int = 0) -> None:
         """The chain a step without a tree would verify now (`chain_now`) and whether the context has
         one (`chain_found`), from the request's context lookup (RequestLookup.peek; None: the request
-        has none), before a choice."""
+        has none), and the tokens the draft is `behind` on, before a choice."""
         self.chain_now, self.chain_found = (lookup.peek(), lookup.found) if lookup is not None else (None, True)
+        self.behind = max(behind, 0)
 
     def plain_still_best(self, sessions: int) -> bool:
         """Whether the best rung is still a plain step with `sessions` sharing the forwards and the
@@ -331,7 +344,8 @@ class TreeController(Recording):
         if not (self.draft.known and self.plain_forward is not None):
             return None
         return Costs(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
-                     self.extra_plain, self.since_probe, self.probe_every, copy.deepcopy(self.chains))
+                     self.extra_plain, self.since_probe, self.probe_every, copy.deepcopy(self.chains),
+                     copy.deepcopy(self.catchup))
 
     def start_from(self, costs: Costs) -> None:
         """Start from an earlier session's costs: no smallest tree and plain step to measure them,
@@ -345,6 +359,8 @@ class TreeController(Recording):
         if costs.chains is not None:
             self.chains = copy.deepcopy(costs.chains)
         self.chains.prior = self.forward
+        if costs.catchup is not None:
+            self.catchup = copy.deepcopy(costs.catchup)
         self.plain_forward, self.extra_spec, self.extra_plain = costs.plain_forward, costs.extra_spec, costs.extra_plain
         self.since_probe, self.probe_every = costs.since_probe, min(costs.probe_every, self.max_probe)
         self.primed = self._warm = True

@@ -49,6 +49,7 @@ def rung_values(ctl: "TreeController") -> list[float]:
     plain_tokens = 1.0 + (ctl.lookup_plain if ctl.chain_now is None else ctl.chain_now[1])
     chains = ctl.lookup_spec if ctl.chain_found else 0.0
     extra_spec = ctl.extra_spec or 0.0
+    catchup = ctl.catchup_seconds()  # (the draft behind on steps without a tree)
     ready = ctl.ready
     rungs, accepted = ctl.rungs, ctl.accepted
     values = []
@@ -57,7 +58,7 @@ def rung_values(ctl: "TreeController") -> list[float]:
             values.append(plain_tokens / max(plain_s, 1e-9))
             continue
         draft_s = ad + bd * rung.depth if ratio is None else rung.depth * ratio * one
-        verified = share + b * (rung.nodes + 1) + draft_s + extra_spec
+        verified = share + b * (rung.nodes + 1) + draft_s + extra_spec + catchup
         t = verified if ready >= 1.0 else ready * verified + (1 - ready) * (draft_s + plain_s)
         acc = 0.0  # expected_accepted: the rung's average, else the largest rung's inside it
         for r in reversed(rungs[1:i + 1]):

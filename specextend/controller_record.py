@@ -67,13 +67,18 @@ class Recording:
         self.in_run = self.asking = False
 
     def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None,
-                    lookup: Optional[int] = 0) -> None:
+                    lookup: Optional[int] = 0, catchup: Optional[tuple[int, float]] = None) -> None:
         """A speculative step of `rung`: the wait for its tree (None when the draft first caught up
         on plain steps' tokens: a one-off of switching, not what a speculative step costs),
         prefix_accepts' counts, and the step's wall time when the driver measured it (the first
         speculative step's is not used: it carries one-off costs); `lookup`: the accepted tokens
         that only a context-lookup chain proposed (None: the step had no chain to graft, which
-        leaves their average, the tree steps' with a chain, as it was)."""
+        leaves their average, the tree steps' with a chain, as it was); `catchup`: (tokens, wait) of a
+        tree whose draft first forwarded the tokens of steps without a tree (its `draft_s` None): the
+        wait beyond the levels' line, into the catch-up's."""
+        if catchup is not None and self.draft.known:
+            tokens, wait = catchup
+            self.catchup.add(tokens, max(wait - self.draft_seconds(rung.depth), 0.0))
         self._settle()
         self.asking = True
         if self.overlap and not self.in_run:  # a run's first tree: its own averages, not the run's

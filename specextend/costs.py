@@ -110,3 +110,4 @@ class Costs:
     since_probe: int = 0
     probe_every: int = 0
     chains: Optional[LinearCost] = None  # the forwards of steps without a tree (TreeController.chains)
+    catchup: Optional[LinearCost] = None  # the draft's catch-up before a tree after them (TreeController.catchup)

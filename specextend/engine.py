@@ -182,8 +182,7 @@ class Engine(RequestLimits, DraftLink):
             ready: Optional[DraftTree] = None  # the next tree, found among them at the verdict (with early asks)
             # an overlapping draft is told each plain step's tokens while the next forward runs ("Overlapped drafting")
             tell = use_draft and cfg.overlap and ready_only and cfg.draft_tell
-            # a tree step's verdict goes to the draft once known, its answer read by the next step (ask_ahead)
-            ask_early = tell and cfg.draft_ask_early
+            ask_early = tell and cfg.draft_ask_early  # a tree step's verdict to the draft once known (ask_ahead)
             if snap:  # every step's tokens to the draft at once, trees walked from its answers ("Pool snapshots")
                 asks, tell, ask_early = (tell, ask_early), False, False  # (back where snapshots give way)
                 feed = DraftFeed(lambda n, toks, retr: start_ask(self.draft, lane, sid, n, toks, retr, SNAPSHOT_BOUND),
@@ -208,7 +207,7 @@ class Engine(RequestLimits, DraftLink):
                 if use_draft and chosen is not None:  # (at the step before: ask_ahead)
                     rung = chosen
                 elif use_draft and not opening_pending:
-                    ctl.see_chain(lookup)  # (what a step without a tree would verify now)
+                    ctl.see_chain(lookup, len(pending) - len(committed))  # (what a step without a tree would verify now)
                     rung = ctl.choose_noted(load.sessions)
                 else:
                     rung = ctl.plain_unchosen()
@@ -236,7 +235,7 @@ class Engine(RequestLimits, DraftLink):
                             late_ema = 0.7 * late_ema + 0.3 * (time.perf_counter() - ts)
                             tree = outs.get(pending) if outs.step == step else None
                             applied = tree is None
-                        caught_up = len(pending) > len(committed)  # it forwards plain steps' tokens too
+                        caught_up = (behind := len(pending) - len(committed)) > 0  # it forwards plain steps' tokens too
                         if tree is None:  # ready_only only where the draft's pool can hold this verdict: not
                             # the first step, nor after plain steps (the draft was not told about them)
                             # (ready from the pool still, where only the lane's backlog held them back)
@@ -335,8 +334,9 @@ class Engine(RequestLimits, DraftLink):
                     if lookup is not None:
                         lookup.commit(committed)
                     one_off, self._first_tree = self._first_tree, False  # (docs: "Adaptive speculation")
-                    ctl.record_spec(rung, None if caught_up or one_off else draft_s - load.take_shared(),
-                                    prefix_accepts(own, parents[:drafted], rung, ctl.rungs), step_s=load.wall(t_step),
+                    waited = None if one_off else draft_s - load.take_shared()  # (caught up: the catch-up's line)
+                    ctl.record_spec(rung, None if caught_up else waited, prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
+                                    step_s=load.wall(t_step), catchup=(behind, waited) if caught_up and waited is not None else None,
                                     lookup=verdict.accept_length - len(own) if lookup is None or lookup.found else None)
                     stats.probe_steps = ctl.probe_steps
                     kind, split = "tree", (draft_s, ctl.last_forward_s)  # (the step's wait, its forward)

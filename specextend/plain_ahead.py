@@ -130,7 +130,7 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     of any one session at a run's end). A speculative request's policy is asked too whether a
     plain step is still its best (`plain_still_best`, with the sessions that share the forwards now,
     `load`): a run changes none of its costs, but a batch that grew may make trees pay."""
-    taught = 0
+    taught, behind = 0, ctl.behind  # (the draft's tokens to catch up on before a tree: the run's too)
 
     def teach(emitted: list[int]) -> None:  # (no forward timed: the policy keeps its plain step's measured cost)
         nonlocal taught
@@ -146,7 +146,7 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
         teach(emitted)
         k = run_length(ctl, out, stats, lookup, speculative)  # (0 at the probe or the end: nothing to ask)
         if k and speculative:
-            ctl.see_chain(lookup)
+            ctl.see_chain(lookup, behind + len(emitted))
             if not ctl.plain_still_best(load.sessions if load is not None else 1):
                 return 0
         return k

@@ -251,3 +251,23 @@ def test_probes_are_spaced_by_what_they_could_win():
     assert probe_interval(t_probe, t_best, 100.0, 1000.0, 4, 10.0, gain=0.05) == 180  # 9 ms / 0.05 ms
     assert probe_interval(t_probe, t_best, 100.0, 1000.0, 4, 10.0, gain=2.0) == tenth  # a big win: the tenth rule
     assert probe_interval(t_probe, t_best, 100.0, 1000.0, 4, 10.0, gain=0.0) > 10 ** 9
+
+
+def test_a_tree_after_steps_without_one_is_priced_with_the_drafts_catch_up():
+    """The first tree after plain steps waits for the draft to forward their tokens before its
+    levels: a caught-up step's wait beyond the levels' line teaches the catch-up's line (tokens
+    behind -> seconds), which prices a tree only while the draft is behind (see_chain's count)."""
+    ctl = TreeController(list(RUNGS))
+    ctl.draft.add(3, 3 * LEVEL)  # a level: LEVEL
+    top = RUNGS[-1]
+    for behind in (10, 30, 20):  # each caught-up wait: the levels and 0.1 ms a token behind
+        ctl.record_forward(top.nodes + 1, FIXED + ROW * (top.nodes + 1))
+        ctl.record_spec(top, None, {top: 1}, catchup=(behind, LEVEL * top.depth + 1e-4 * behind))
+    assert ctl.catchup(40) == pytest.approx(4e-3)
+    ctl.see_chain(None, 0)  # within a run of trees: none
+    tree, plain = ctl.step_seconds(top), ctl.step_seconds(PLAIN)
+    ctl.see_chain(None, 40)
+    assert ctl.step_seconds(top) == pytest.approx(tree + 4e-3)
+    assert ctl.step_seconds(PLAIN) == plain  # (a step without a tree: nothing to catch up on)
+    ctl.see_chain(None, -3)  # (the engine's count after a snapshot feed: never negative)
+    assert ctl.behind == 0
