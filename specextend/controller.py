@@ -110,6 +110,12 @@ class TreeController(Recording):
     lookup_spec: float = 0.0  # tokens a speculative step's lookup chain added beyond the draft's path,
     # averaged over the tree steps that had a chain (record_spec), credited where there is one now:
     chain_found: bool = True  # the context has a chain now (RequestLookup.found; True: not known)
+    # the tokens the gate expects of that chain, whether or not it pays alone (RequestLookup.gain_now;
+    # None: not known): what it adds to a tree is at most what it gives alone, so a tree's credit
+    # for chains is bounded by it (one chain, one price: a step-by-step trace on an H200 found trees
+    # credited 3-4.4 chain tokens where a step without a tree was credited 0.1-1.3 for the same
+    # chain, and trees taking chains of 8 at 7-13 ms a step that `lookup` took at 2.7, 2026-11-29)
+    chain_gain: Optional[float] = None
     ready: float = 1.0  # share of the tree steps asked whose tree the draft had (average; with overlap < 1)
     overlap: bool = False  # the draft overlaps: a run of tree steps has a first step unlike the rest
     in_run: bool = False  # the last step asked for a tree and verified one (a tree step now continues the run)
@@ -180,6 +186,7 @@ class TreeController(Recording):
         if rung.plain:
             return plain / max(self.step_seconds(rung), 1e-9)
         chains = self.lookup_spec if self.chain_found else 0.0  # (no chain now: none to graft)
+        chains = chains if self.chain_gain is None else min(chains, self.chain_gain)
         tokens = self.ready * (1.0 + self.expected_accepted(rung) + chains) + (1 - self.ready) * plain
         return tokens / max(self.step_seconds(rung), 1e-9)
 
@@ -204,6 +211,7 @@ class TreeController(Recording):
         one (`chain_found`), from the request's context lookup (RequestLookup.peek; None: the request
         has none), and the tokens the draft is `behind` on, before a choice."""
         self.chain_now, self.chain_found = (lookup.peek(), lookup.found) if lookup is not None else (None, True)
+        self.chain_gain = lookup.gain_now if lookup is not None else None
         self.behind = max(behind, 0)
 
     def plain_still_best(self, sessions: int) -> bool:

@@ -48,6 +48,7 @@ def rung_values(ctl: "TreeController") -> list[float]:
     plain_s = fwd + ctl.chains.line()[1] * rows + (ctl.extra_plain or 0.0)
     plain_tokens = 1.0 + (ctl.lookup_plain if ctl.chain_now is None else ctl.chain_now[1])
     chains = ctl.lookup_spec if ctl.chain_found else 0.0
+    chains = chains if ctl.chain_gain is None else min(chains, ctl.chain_gain)
     extra_spec = ctl.extra_spec or 0.0
     catchup = ctl.catchup_seconds()  # (the draft behind on steps without a tree)
     ready = ctl.ready

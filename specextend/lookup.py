@@ -280,6 +280,7 @@ class RequestLookup:
         self._host_skips = 0  # chains skipped for the chain steps' host work alone, since the last recheck
         self._recheck = False  # this step verifies one to re-measure that work
         self.found = False  # the index had a chain at the last peek or graft (verified or not)
+        self.gain_now = 0.0  # the tokens the gate expects of the chain found at the last peek (0: none)
         self.skipped = 0  # steps without a tree (runs' tokens too) whose chain found was not verified
 
     def _pays(self, n: int, nodes: int, alone: bool) -> bool:
@@ -301,6 +302,7 @@ class RequestLookup:
         0.0) if none (the adaptive policy's choice between such a step and a tree: controller.chain_now)."""
         n, chain = self.index.match(self.max_tokens)
         self.found = bool(chain)  # (a tree step grafts a chain that does not pay alone: controller.rate)
+        self.gain_now = min(self.gate.gain(n), float(len(chain))) if chain else 0.0  # (paying alone or not)
         if not chain or not self._pays(n, len(chain), alone=True):
             return 0, 0.0
         return len(chain), min(self.gate.gain(n), float(len(chain)))

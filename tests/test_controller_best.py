@@ -38,6 +38,7 @@ def random_state(rng: random.Random, tree: TreeConfig) -> TreeController:
     ctl.lookup_spec = rng.uniform(0, 2)
     ctl.chain_now = rng.choice([None, (0, 0.0), (rng.randrange(1, 9), rng.uniform(0, 3))])
     ctl.chain_found = rng.random() < 0.5
+    ctl.chain_gain = rng.choice([None, rng.uniform(0, 3)])
     for _ in range(rng.randrange(0, 3)):  # the draft's catch-up on steps without a tree
         ctl.catchup.add(rng.randrange(2, 60), rng.uniform(0, 5e-3))
     ctl.behind = rng.choice([0, rng.randrange(1, 60)])

@@ -154,3 +154,31 @@ def test_the_lookup_says_whether_it_found_a_chain_at_its_last_peek_or_graft():
     assert lookup.found
     alone.graft([9], [-1])
     assert not alone.found
+
+
+def test_a_trees_credit_for_a_chain_is_at_most_what_the_chain_gives_alone():
+    """One chain, one price: what grafted chains added to recent trees (`lookup_spec`) credits a
+    tree with no more than the gate expects of the chain found now alone (RequestLookup.gain_now,
+    paying alone or not). A chain the gate expects little of no longer makes a tree beat the step
+    that would verify it alone; one it expects much of makes both worth it, the cheaper one first."""
+    tree = Rung(16, 6)
+    ctl = warmed()
+    ctl.accepted = {r: 0.3 for r in RUNGS[1:]}  # a weak draft
+    ctl.lookup_spec, ctl.chain_found = 4.0, True  # the last trees' chains added four tokens each
+    lookup = RequestLookup(ContextIndex([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], 16), 8)
+    for _ in range(40):  # the gate has seen this order's chains miss
+        lookup.gate.observe(2, 0)
+    ctl.see_chain(lookup)
+    assert lookup.found and 0.0 < ctl.chain_gain == lookup.gain_now < 0.1
+    bounded = ctl.rate(tree)
+    assert bounded * ctl.step_seconds(tree) == pytest.approx(1.0 + 0.3 + ctl.chain_gain)
+    ctl.chain_gain = None  # (as before: the trees' average alone)
+    assert ctl.rate(tree) * ctl.step_seconds(tree) == pytest.approx(1.0 + 0.3 + 4.0)
+    assert not ctl.choose().plain  # credited four chain tokens, the tree wins
+    ctl.see_chain(lookup)
+    assert ctl.choose().plain  # credited what the chain gives alone, it does not
+    for _ in range(60):  # now the gate expects much of this order's chains: a step verifies it alone
+        lookup.gate.observe(2, 7)
+    ctl.see_chain(lookup)
+    assert ctl.chain_gain > 4.0 and ctl.rate(tree) * ctl.step_seconds(tree) == pytest.approx(5.3)
+    assert ctl.choose() == PLAIN and ctl.chain_now[0] > 0
