@@ -320,7 +320,10 @@ class TreeController(Recording):
                 # starts plain, and its probes, the smallest tree, are the way back)
             if not self.plain_steps:
                 return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)
-            if (self.spec_steps < self.warmup or unsteady) and self._top_may_pay() and tries:
+            # (a cold session's second tree; a primed one's is a probe's or the best rung: its first
+            # probe measured what it could win, and the full tree after it cost a tiny CPU pair's
+            # second request 8.8 ms, ~7% of it, 2026-11-29)
+            if (self.spec_steps < self.warmup and not self.primed or unsteady) and self._top_may_pay() and tries:
                 return self.top
         best = self.best()
         if best == self.top:  # nothing larger to probe

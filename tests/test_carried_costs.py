@@ -161,3 +161,20 @@ def test_an_engines_first_tree_does_not_price_the_draft(tiny_models):
     assert SlowFirstStep.calls >= 2 and engine._costs is not None
     assert engine._costs.draft(TREE.depth) < 0.25  # (with the first wait: at least 0.5 s x 0.1 weight ... x depth)
     worker.shutdown()
+
+
+def test_a_primed_sessions_probe_is_not_followed_by_the_full_tree():
+    """Carried costs say the full tree could win too little to warm up on (under WARM_MARGIN):
+    the session starts plain and its probes find out. A probe that measured little is followed by
+    the best rung, not by the full tree as a cold session's second warm-up step (which cost a tiny
+    pair's second request on a CPU 8.8 ms, ~7% of it, 2026-11-29)."""
+    level = 0.008  # a draft level (s): the full tree fully accepted beats a plain step, not by WARM_MARGIN
+    prev = TreeController(list(RUNGS))
+    simulate(prev, dict(zip(RUNGS[1:], PROFILES["hard"])), 30, level=level)
+    new = TreeController(list(RUNGS), max_probe=40)
+    new.start_from(prev.costs())
+    assert not new._top_may_pay(1.25) and new._top_may_pay()
+    chosen = simulate(new, dict(zip(RUNGS[1:], PROFILES["hard"])), 120, level=level)
+    trees = [i for i, r in enumerate(chosen) if not r.plain]
+    assert chosen[0] == PLAIN and trees  # (it probes)
+    assert all(b - a > 1 for a, b in zip(trees, trees[1:]))  # each probe alone
