@@ -7,7 +7,8 @@ step, and writes every step to results/trace/ (docs/architecture.md, "Adaptive s
 
     python benchmarks/trace_choice.py --device cuda --length 16384 --doc python --new-tokens 256 --reps 3
 
-H200, 2026-11-29 (commit 1865b5a, the real pair): benchmarks/README.md, *Context lookup*.
+H200, 2026-11-29 (commit 1865b5a, the real pair): benchmarks/README.md, *Length sweep (GPU)*, "Step by
+step" (results/trace/trace-choice-real-python-16384-nvidia-h200.json).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         w.shutdown()
     OUT.mkdir(parents=True, exist_ok=True)
     meta = record.meta("trace_choice", a.device, ["benchmarks/trace_choice.py", *(argv or [])])
-    path = OUT / f"trace-choice-{a.pair}-{a.doc}-{a.length}.json"
+    path = OUT / f"trace-choice-{a.pair}-{a.doc}-{a.length}-{record.slug(record.device_name(a.device))}.json"
     path.write_text(json.dumps(dict(meta=meta, args=vars(a), runs=runs)) + "\n")
     print(f"wrote {path}")
     return 0
