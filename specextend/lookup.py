@@ -305,7 +305,7 @@ class RequestLookup:
         self.gain_now = min(self.gate.gain(n), float(len(chain))) if chain else 0.0  # (paying alone or not)
         if not chain or not self._pays(n, len(chain), alone=True):
             return 0, 0.0
-        return len(chain), min(self.gate.gain(n), float(len(chain)))
+        return len(chain), self.gain_now
 
     def chain(self) -> list[int]:
         """The chain a step without a tree verifies ([]: it decodes one token plainly)."""
