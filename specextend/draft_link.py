@@ -18,7 +18,7 @@ from specextend.controller import SLOW_DRAFT, TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftTree, TreeBound
 from specextend.models.args import ModelArgs
 from specextend.retrieval import launch_scoring
-from specextend.scheduler import DraftCall
+from specextend.session_calls import DraftCall
 from specextend.stats import RequestStats
 
 log = logging.getLogger("specextend.engine")

@@ -28,7 +28,7 @@ from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
 from specextend.snapshot import SNAPSHOT_BOUND, SNAPSHOT_NODES, DraftFeed, SnapshotChoice
 from specextend.stats import RequestStats
-from specextend.scheduler import DraftCall, Load, drive_alone, metered
+from specextend.session_calls import DraftCall, Load, drive_alone, metered
 from specextend.plain_ahead import plain_ahead_co, plain_run_co, run_length
 from specextend.plain_step import plain_step_co
 from specextend.prefix_cache import PrefixCache
@@ -100,7 +100,7 @@ class Engine(RequestLimits, DraftLink):
         Each prefill chunk is its own forward (a batched driver runs other sessions' steps between).
         `speculate=False` decodes plainly (no draft session); `max_tree_nodes` bounds this request's
         trees (per-request control). `load` is where a batching driver tells the session's policy
-        about the forwards it shares (scheduler.Load). `reference` (benchmarks, greedy): the tokens to
+        about the forwards it shares (session_calls.Load). `reference` (benchmarks, greedy): the tokens to
         emit where the target's choice differs (verify.Reference; its gaps in stats.reference_gaps)."""
         self.check_request(prompt_ids, params, reference)
         return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load or Load(),

@@ -33,7 +33,7 @@ from specextend.stats import RequestStats
 from specextend.target import TargetSession
 
 if TYPE_CHECKING:
-    from specextend.scheduler import Load
+    from specextend.session_calls import Load
 
 
 class _Queued:

@@ -32,7 +32,7 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
     """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
     chain worth its rows, that chain verified instead (its accepted tokens, then the target's
     next one); the emitted tokens committed to the lookup. `timed` wraps each forward coroutine
-    (the engine's: its cost line and a batching driver's load, scheduler.metered). `queued` is called
+    (the engine's: its cost line and a batching driver's load, session_calls.metered). `queued` is called
     once the forward is queued, before its logits are read: host work that then costs the step
     nothing (the engine's tell to an overlapping draft); a retrieval selection still to be scored
     (`scoring`: retrieval.launch_scoring) is launched just before it. `reference` (benchmarks):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Generator, Optional, Sequence
 
 from specextend.draft.base import DraftError, DraftTree, TreeBound
-from specextend.scheduler import DraftCall
+from specextend.session_calls import DraftCall
 
 SNAPSHOT_NODES = 128  # pool nodes asked for per verdict (best first): deep enough to hold the
 # subtree below the next verdict's bonus token, which a tree is cut from

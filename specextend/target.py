@@ -17,7 +17,7 @@ from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 from specextend.models.transfer import to_device
 from specextend.prefix_cache import PrefixCache
-from specextend.scheduler import DraftCall
+from specextend.session_calls import DraftCall
 from specextend.draft.base import Retrieval
 from specextend.retrieval import (DeferredRetrieval, chunk_scores, initial_chunks, last_token_probs, select_chunks,
                                   select_chunks_device)

@@ -319,7 +319,7 @@ def test_a_failed_round_ends_its_sessions_and_the_batcher_goes_on(tiny_models, m
 
 
 def test_load_wall_takes_the_waits_for_other_sessions_draft_steps():
-    from specextend.scheduler import Load
+    from specextend.session_calls import Load
 
     load = Load()
     load.others_wait_s = 0.03
@@ -335,7 +335,8 @@ def test_sessions_that_wait_together_for_their_draft_steps_are_each_charged_a_sh
     "Adaptive speculation")."""
     from types import SimpleNamespace
 
-    from specextend.scheduler import Batcher, Load
+    from specextend.scheduler import Batcher
+    from specextend.session_calls import Load
 
     loads = [Load(), Load(), Load()]
     askers = [SimpleNamespace(load=x) for x in loads] + [SimpleNamespace(load=None)]
@@ -350,7 +351,7 @@ def test_a_round_charges_its_draft_wait_to_the_sessions_that_did_not_ask(tiny_mo
     """Under load a plain session's step shares the round's wait for another session's draft step;
     its Load keeps that wait apart (Load.wall), so that its policy does not see plain steps as
     costly as trees because others speculate (docs/architecture.md, "Adaptive speculation")."""
-    from specextend.scheduler import Load
+    from specextend.session_calls import Load
 
     pair = tiny_models("float64")
     engine = make_engine(pair, "sd", draft_backend=ChaosDraft(DraftWorker(pair[1].decoder), Chaos(latency_s=0.02)))

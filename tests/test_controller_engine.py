@@ -10,7 +10,7 @@ from specextend.config import EngineConfig, RetrievalConfig, SamplingParams, Tre
 from specextend.controller import TreeController
 from specextend.ladder import PLAIN, ladder
 from specextend.draft.worker import DraftWorker
-from specextend.scheduler import Load
+from specextend.session_calls import Load
 
 from helpers import make_engine
 

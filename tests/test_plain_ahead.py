@@ -16,7 +16,7 @@ from specextend.plain_ahead import RUN_TOKENS, run_length
 from specextend.stats import RequestStats
 from specextend.models.batch import ForwardCall
 from specextend.sampling import next_token, next_token_tensor
-from specextend.scheduler import DraftCall
+from specextend.session_calls import DraftCall
 
 from helpers import make_engine
 from test_batch import run_batched

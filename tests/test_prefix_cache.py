@@ -189,7 +189,7 @@ def test_prompts_arriving_together_prefill_their_shared_chunks_once(tiny_models)
 
 
 def test_a_waited_for_prefill_that_ends_early_leaves_the_waiter_to_prefill_itself(tiny_models):
-    from specextend.scheduler import DraftCall, drive_alone
+    from specextend.session_calls import DraftCall, drive_alone
 
     pair = tiny_models("float64")
     params = SamplingParams(12, ignore_eos=True)

@@ -44,7 +44,7 @@ def test_device_spans_are_read_when_the_step_ends():
 
 def test_metered_times_forwards_on_the_host_off_cuda():
     """`metered` gives each forward a Span: on the CPU its host time, with no events."""
-    from specextend.scheduler import Load, metered
+    from specextend.session_calls import Load, metered
     from specextend.timing import Span
 
     got = []

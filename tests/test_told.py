@@ -173,7 +173,7 @@ def test_a_plain_step_never_waits_for_a_tell(pair):
     unanswered, the request still runs to its end (the old way, a step waited for the last tell's
     answer); the lane holds at most LANE_BACKLOG calls, the later plain steps' tokens held back for
     the next call, and the close comes after the held calls."""
-    from specextend.scheduler import drive_alone
+    from specextend.session_calls import drive_alone
 
     worker = DraftWorker(pair[1].decoder, overlap=True)
     draft = Gated(worker)

@@ -20,7 +20,8 @@ import threading
 from typing import Any, Generator, Optional
 
 from specextend.emit import StepEvent
-from specextend.scheduler import Batcher, Load
+from specextend.scheduler import Batcher
+from specextend.session_calls import Load
 
 MAX_AHEAD = 32  # undelivered events per session before its steps pause
 

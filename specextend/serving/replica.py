@@ -51,7 +51,8 @@ def import_engine_side() -> None:
     from specextend.engine import Engine
     from specextend.request_limits import RequestError
     from specextend.stats import RequestStats
-    from specextend.scheduler import Batcher, Load
+    from specextend.scheduler import Batcher
+    from specextend.session_calls import Load
     from specextend.serving.pump import EngineThread, SessionPump
     from specextend.warmup import warm_long, warm_up
 
