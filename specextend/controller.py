@@ -42,6 +42,7 @@ from typing import Optional
 from specextend.controller_record import PROBE_RETRIES, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
 from specextend.controller_best import best_rung
 from specextend.costs import RUN_STEPS, Costs, LinearCost, probe_interval, run_rate
+from specextend.recheck import PlainRecheck
 from specextend.ladder import PLAIN, Rung
 
 # draft prefill / target prefill from which the session starts plain (TreeController.seed_draft): at
@@ -132,6 +133,7 @@ class TreeController(Recording):
     _best: Optional[Rung] = None  # the choice before the probe
     _probe: Optional[Rung] = None  # the probe's rung
     _probe_by_prior: bool = False  # ... chosen while the prior priced the draft (seed_draft)
+    recheck: PlainRecheck = field(default_factory=PlainRecheck)  # the way back to plain steps (recheck.py)
     _forward_s: float = 0.0  # forward seconds recorded since the last step ended
     _rows: int = 0  # ... and their rows
     last_forward_s: float = 0.0  # the last recorded step's forward seconds (its split, stats.step_done)
@@ -320,20 +322,19 @@ class TreeController(Recording):
                 # starts plain, and its probes, the smallest tree, are the way back)
             if not self.plain_steps:
                 return PLAIN  # one plain step: what a plain forward costs, measured (a verification's is not)
-            # (a cold session's second tree; a primed one's is a probe's or the best rung: its first
-            # probe measured what it could win, and the full tree after it cost a tiny CPU pair's
-            # second request 8.8 ms, ~7% of it, 2026-11-29)
+            # (a cold session's second tree; a primed one's is a probe's or the best rung: the full
+            # tree after its probe cost a tiny CPU pair's second request 8.8 ms, ~7%, 2026-11-29)
             if (self.spec_steps < self.warmup and not self.primed or unsteady) and self._top_may_pay() and tries:
                 return self.top
         best = self.best()
+        if self.recheck.due(self, best):  # a plain forward measured again (recheck.py)
+            return PLAIN
         if best == self.top:  # nothing larger to probe
             self.probe_every = self.since_probe = 0
             return best
-        # while only the prior prices the draft, the probe is the smallest tree: it measures a level
-        # of drafting cheaply, which corrects a wrong prior; then the full tree
-        # (after the prior: the largest rung that could beat the best fully accepted, which measures
-        # every rung inside it; where none could, the smallest, which re-measures the draft, is the
-        # way back should the costs change)
+        # while only the prior prices the draft, the probe is the smallest tree (a level measured
+        # cheaply corrects a wrong prior); after it the largest rung that could beat the best fully
+        # accepted (it measures every rung inside it), else the smallest (re-measures the draft)
         if self.probe_every and self.since_probe < self.probe_every:
             return best  # (no probe due: the probe's rung is not needed, ~25% of a choice's host work)
         probe = self.rungs[1] if self.priced_by_prior else self._probe_rung(best)
@@ -356,7 +357,7 @@ class TreeController(Recording):
             return None
         return Costs(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
                      self.extra_plain, self.since_probe, self.probe_every, copy.deepcopy(self.chains),
-                     copy.deepcopy(self.catchup))
+                     copy.deepcopy(self.catchup), self.recheck.since, self.recheck.every)
 
     def start_from(self, costs: Costs) -> None:
         """Start from an earlier session's costs: no smallest tree and plain step to measure them,
@@ -374,6 +375,7 @@ class TreeController(Recording):
             self.catchup = copy.deepcopy(costs.catchup)
         self.plain_forward, self.extra_spec, self.extra_plain = costs.plain_forward, costs.extra_spec, costs.extra_plain
         self.since_probe, self.probe_every = costs.since_probe, min(costs.probe_every, self.max_probe)
+        self.recheck = PlainRecheck(costs.since_plain, min(costs.plain_every, self.max_probe))
         self.primed = self._warm = True
 
     def _probe_rung(self, best: Rung) -> Rung:

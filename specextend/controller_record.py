@@ -58,13 +58,16 @@ class Recording:
         self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
+        recheck = self.recheck.plain_step()  # (a recheck's reading replaces the one it rechecks)
         if self._forward_s and self.sessions <= 1:  # a chain's rows beyond the first cost the line's slope
             one = self._forward_s - self.chains.line()[1] * max(self._rows - 1, 0)  # (chain_now prices them)
-            self.plain_forward = self._average(self.plain_forward, max(one, 0.0))
+            self.plain_forward = self._average(self.plain_forward, max(one, 0.0), 1.0 if recheck else None)
         self._end_step()
         self.plain_steps += 1
         self.since_probe += 1
         self.in_run = self.asking = False
+        if recheck:
+            self.recheck.after(self)
 
     def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None,
                     lookup: Optional[int] = 0, catchup: Optional[tuple[int, float]] = None) -> None:
@@ -102,6 +105,7 @@ class Recording:
         self.ready = self._average(self.ready, 1.0, self._ready_alpha)
         self.spec_steps += 1
         self.since_probe += 1
+        self.recheck.tree_step()
         self.in_run, self.steady = True, self.steady or self.overlap
         if self._probing:
             self._end_probe(rung)
@@ -128,6 +132,7 @@ class Recording:
         self.in_run = False
         self.unready_steps += 1
         self.since_probe += 1
+        self.recheck.tree_step()
         if self._probing:
             self._probe_misses += 1
             if self._probe_misses > PROBE_RETRIES:

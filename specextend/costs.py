@@ -111,3 +111,5 @@ class Costs:
     probe_every: int = 0
     chains: Optional[LinearCost] = None  # the forwards of steps without a tree (TreeController.chains)
     catchup: Optional[LinearCost] = None  # the draft's catch-up before a tree after them (TreeController.catchup)
+    since_plain: int = 0  # the plain rechecks' schedule (recheck.PlainRecheck), going on as the probes' does
+    plain_every: int = 0

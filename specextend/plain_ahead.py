@@ -110,7 +110,7 @@ def run_length(ctl: TreeController, out: Emitter, stats: RequestStats, lookup: O
     chose the plain step) never past the policy's next probe, its way back to trees."""
     if lookup is not None and (not lookup.priced or lookup.could_pay()):  # (priced: a plain step's host
         return 0  # work measured first, which a run does not teach the gate)
-    if speculative and ctl.probe_every <= ctl.since_probe:
+    if speculative and (ctl.probe_every <= ctl.since_probe or ctl.recheck.pending):  # (a recheck: timed alone)
         return 0
     to_probe = ctl.probe_every - ctl.since_probe if speculative else RUN_TOKENS
     k = min(RUN_TOKENS, to_probe, out.params.max_new_tokens - stats.num_generated)

@@ -147,8 +147,10 @@ def test_picks_the_size_of_most_tokens_per_second(profile):
     chosen = simulate(ctl, accepted, 80)
     assert chosen[:3] == [RUNGS[1], PLAIN, RUNGS[-1]]  # warm-up: the smallest tree, a plain step, the full tree
     steady = chosen[3:]
-    assert steady.count(want) >= 0.8 * len(steady)  # the rest are probes of the full tree
-    assert set(steady) <= {want, RUNGS[-1]}
+    assert steady.count(want) >= 0.8 * len(steady)  # the rest are probes of the full tree and, where
+    assert set(steady) <= {want, RUNGS[-1], PLAIN}  # a tree is best, rechecks of the plain step (recheck.py)
+    if want != PLAIN:
+        assert steady.count(PLAIN) == ctl.recheck.done
     assert ctl.probe_steps == (0 if want == RUNGS[-1] else steady.count(RUNGS[-1]))
 
 
@@ -189,6 +191,45 @@ def test_probes_back_off_exponentially_and_come_back():
     easy = dict(zip(RUNGS[1:], PROFILES["easy"]))  # the text got easy
     chosen = simulate(ctl, easy, 16 * base + 200)
     assert chosen[-40:] == [RUNGS[-1]] * 40  # a probe found it, and it stayed on the full tree
+
+
+def test_a_plain_forward_once_timed_slow_is_rechecked_and_plain_steps_come_back():
+    """The way back to plain steps (recheck.py): the warm-up's one plain step timed at three times
+    its cost makes trees look best where plain steps are; rechecks (plain steps timed alone, spaced
+    by what they lose, doubling while a tree stays best) correct the price and the session decodes
+    plainly. Without them every step after the warm-up was a tree (the trap seen on a noisy CPU)."""
+    accepted = dict.fromkeys(RUNGS[1:], 0.3)  # (plain steps best by ~7%)
+    assert max(RUNGS, key=lambda r: true_rate(r, accepted)) == PLAIN
+    ctl, chosen, slow = TreeController(list(RUNGS)), [], True
+    for _ in range(120):
+        r = ctl.choose()
+        fwd = FIXED + ROW * (r.nodes + 1)
+        if r.plain:
+            ctl.record_forward(1, fwd * (3 if slow else 1))
+            ctl.record_plain()
+            slow = False
+        else:
+            ctl.record_forward(r.nodes + 1, fwd)
+            covered = [q for q in ctl.rungs[1:] if q.nodes <= r.nodes and q.depth <= r.depth]
+            ctl.record_spec(r, LEVEL * r.depth, {q: accepted[q] for q in covered})
+        chosen.append(r)
+    assert not chosen[3].plain  # the slow reading made a tree the best ...
+    assert ctl.recheck.done >= 1 and ctl.best() == PLAIN  # ... until a recheck timed a plain step again
+    assert chosen[-60:].count(PLAIN) >= 55  # (the rest: probes, spaced by what they could win)
+
+
+def test_rechecks_back_off_where_trees_pay():
+    """Where a tree really is best a recheck loses a step's worth now and then: its interval doubles
+    after each (as far as max_probe), and the schedule goes on in the next session (carried costs)."""
+    accepted = dict(zip(RUNGS[1:], PROFILES["easy"]))
+    ctl = TreeController(list(RUNGS))
+    chosen = simulate(ctl, accepted, 300)
+    plain = [i for i, r in enumerate(chosen) if r.plain][1:]  # after the warm-up's
+    gaps = [b - a for a, b in zip(plain, plain[1:])]
+    assert len(plain) == ctl.recheck.done >= 3 and all(g2 >= 2 * g1 - 1 for g1, g2 in zip(gaps, gaps[1:]))
+    nxt = TreeController(list(RUNGS))
+    nxt.start_from(ctl.costs())
+    assert (nxt.recheck.since, nxt.recheck.every) == (ctl.recheck.since, ctl.recheck.every)
 
 
 def test_no_probe_interval_exceeds_max_probe():

@@ -179,7 +179,7 @@ class _Lookup:
         return self.pays
 
 
-def test_run_length_stops_at_chains_probes_and_the_end():
+def test_run_length_stops_at_chains_probes_rechecks_and_the_end():
     ctl, lookup = _ProbeEvery(ladder(TreeConfig(8, 3, 2))), _Lookup()
     out = Emitter(SamplingParams(max_new_tokens=100), [], RequestStats())
     ctl.probe_every, ctl.since_probe = 20, 0
@@ -195,6 +195,9 @@ def test_run_length_stops_at_chains_probes_and_the_end():
     assert run_length(ctl, out, out.stats, lookup) == 0
     ctl.since_probe, out.stats.num_generated = 0, 96  # 4 tokens left
     assert run_length(ctl, out, out.stats, lookup) == 4
+    ctl.recheck.pending = True  # a recheck of the plain step (recheck.py): one step, timed alone
+    assert run_length(ctl, out, out.stats, lookup) == 0
+    ctl.recheck.pending = False
     ctl.probe_every = 0  # no probe schedule yet (warm-up): no run
     assert run_length(ctl, out, out.stats, lookup) == 0
     # without a draft (mode lookup, a draft that can never pay or failed): no probe schedule to keep
