@@ -8,7 +8,7 @@ step, and writes every step to results/trace/ (docs/architecture.md, "Adaptive s
     python benchmarks/trace_choice.py --device cuda --length 16384 --doc python --new-tokens 256 --reps 3
 
 H200, 2026-11-29 (commit 1865b5a, the real pair): benchmarks/README.md, *Length sweep (GPU)*, "Step by
-step" (results/trace/trace-choice-real-python-16384-nvidia-h200.json).
+step" (results/trace/trace-choice-real-*-1x-nvidia-h200.json).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def hook(log: list) -> None:
             tree = max(self.rungs[1:], key=self.value)  # the best tree (the chosen one, when a tree is)
             log.append(dict(ev="choice", plain=rung.plain, nodes=rung.nodes, depth=rung.depth,
                             chain_now=self.chain_now, found=self.chain_found, probe=self._probing,
+                            recheck=self.recheck.pending,
                             rate_plain=self.rate(PLAIN), rate_chosen=self.value(rung),
                             tree=(tree.nodes, tree.depth), rate_tree=self.value(tree),
                             accepted=self.expected_accepted(tree), lookup_spec=self.lookup_spec,
@@ -62,6 +63,9 @@ def summary(log: list) -> list[str]:
              f"predicted {c['rate_chosen'] * 1e-3:.3f} tok/ms (without a tree {c['rate_plain'] * 1e-3:.3f}; "
              f"accepted {c['accepted']:.2f}, chain credit {c['lookup_spec']:.2f}) -> {s['tokens']} tokens "
              f"in {s['ms']:.2f} ms (wait {s['wait_ms']:.2f})" for c, s in trees]
+    choices = [c for c in log if c["ev"] == "choice"]
+    lines.append(f"  choices {len(choices)}: probes {sum(c['probe'] and not c['plain'] for c in choices)}, "
+                 f"rechecks of the plain step {sum(c.get('recheck', False) for c in choices)}")
     for name, group in (("tree steps", trees), ("chain steps", chains)):
         if group:
             made = sum(s["tokens"] for _, s in group) / sum(s["ms"] for _, s in group)
@@ -97,10 +101,15 @@ def main(argv: list[str] | None = None) -> int:
             kinds = {k: (n, round(t / max(n, 1), 2), round(1e3 * s / max(n, 1), 2))
                      for k, (n, t, s, _, _) in st.step_kinds.items()}
             rate = (st.num_generated - 1) / st.decode_s
-            print(f"request {rep} {m}: {rate:.1f} tok/s, steps (n, tokens, ms) {kinds}", flush=True)
+            # the decode's wall time outside its steps (between them, and before the first), ms
+            outside = dict(outside=1e3 * (st.decode_s - sum(v[2] for v in st.step_kinds.values())),
+                           between=1e3 * st.between_s, retrieval=1e3 * st.retrieval_s,
+                           draft_open=1e3 * st.draft_open_s, prefill=1e3 * st.prefill_s)
+            outside = {k: round(v, 2) for k, v in outside.items()}
+            print(f"request {rep} {m}: {rate:.1f} tok/s, steps (n, tokens, ms) {kinds}; ms {outside}", flush=True)
             if m == "specextend":
                 print("\n".join(summary(log)), flush=True)
-            runs.append(dict(rep=rep, mode=m, tokens_per_s=rate, kinds=kinds, steps=list(log), ids=ids))
+            runs.append(dict(rep=rep, mode=m, tokens_per_s=rate, kinds=kinds, ms=outside, steps=list(log), ids=ids))
     for w in workers:
         w.shutdown()
     OUT.mkdir(parents=True, exist_ok=True)
