@@ -35,13 +35,13 @@ and any tree is verified; the controller only changes what is proposed.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
+from specextend.controller_carry import WARM_MARGIN, Carrying
 from specextend.controller_record import PROBE_RETRIES, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
 from specextend.controller_best import best_rung
-from specextend.costs import RUN_STEPS, Costs, LinearCost, probe_interval, run_rate
+from specextend.costs import RUN_STEPS, LinearCost, probe_interval, run_rate
 from specextend.recheck import PlainRecheck
 from specextend.ladder import PLAIN, Rung
 
@@ -55,12 +55,6 @@ SLOW_DRAFT = 3.0
 # up to this many times in all before the session decides without their measurements, and a probe
 # that met one asks once more (controller_record.PROBE_RETRIES) before it counts as done
 WARM_TRIES = 4
-# A session started from carried costs warms up on the full tree (one step measures the text's
-# acceptance for every rung) only where that tree, fully accepted, would beat a plain step by this
-# much: where it could win little, a tree ten plain steps long is a poor bet on a short request
-# (the tiny pair on 2 CPUs: three such trees took a 128-token request to 0.6x `ar`); the probes, spaced
-# by what they could win (costs.probe_interval), find out instead
-WARM_MARGIN = 1.25
 # (overlap) first asks in a row that found no tree (began no run) from which a switch is priced as
 # taking that many more asks (TreeController.value): fewer come in clusters where runs pay (half of the
 # first asks failing: six in a row one time in 64)
@@ -68,7 +62,7 @@ DOUBT_MISSES = 6
 
 
 @dataclass
-class TreeController(Recording):
+class TreeController(Recording, Carrying):
     rungs: list[Rung]  # ladder(): plain first, the session's tree last
     warmup: int = 2  # speculative steps before the first decision: the smallest tree, then (after a plain
     # step) the largest if it may pay
@@ -284,9 +278,8 @@ class TreeController(Recording):
         return rung
 
     def begin_step(self) -> None:
-        """The forwards recorded before this step (the prefill's, before the first) into the line,
-        not into this step's time: choose() calls it, and the engine where it decides without the
-        policy (mode lookup, a draft not joined yet)."""
+        """The forwards recorded before this step (the prefill's, before the first) into the line, not
+        into this step's time: choose() calls it, and plain_unchosen()."""
         self._settle()
         self._forward_s, self._rows = 0.0, 0
 
@@ -349,34 +342,6 @@ class TreeController(Recording):
             self._probing, self._best, self._probe, self._probe_by_prior = True, best, probe, self.priced_by_prior
             return probe
         return best
-
-    def costs(self) -> Optional[Costs]:
-        """This session's costs for the engine's next session: None unless it measured those the
-        warm-up measures (a draft level's wait, a plain forward)."""
-        if not (self.draft.known and self.plain_forward is not None):
-            return None
-        return Costs(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
-                     self.extra_plain, self.since_probe, self.probe_every, copy.deepcopy(self.chains),
-                     copy.deepcopy(self.catchup), self.recheck.since, self.recheck.every)
-
-    def start_from(self, costs: Costs) -> None:
-        """Start from an earlier session's costs: no smallest tree and plain step to measure them,
-        the first step the full tree (it measures this text's acceptance for every rung at once)
-        where it could win `WARM_MARGIN` fully accepted; else the best rung, and the probe schedule
-        carried on from where the last session left it (its probes, spaced by what they could win,
-        are how a draft whose costs changed gets tried again). This session's own forwards and
-        waits join the lines at their rates."""
-        self.forward, self.draft = copy.deepcopy(costs.forward), copy.deepcopy(costs.draft)
-        self.forward.prior = self.prefill  # (this session's prefill)
-        if costs.chains is not None:
-            self.chains = copy.deepcopy(costs.chains)
-        self.chains.prior = self.forward
-        if costs.catchup is not None:
-            self.catchup = copy.deepcopy(costs.catchup)
-        self.plain_forward, self.extra_spec, self.extra_plain = costs.plain_forward, costs.extra_spec, costs.extra_plain
-        self.since_probe, self.probe_every = costs.since_probe, min(costs.probe_every, self.max_probe)
-        self.recheck = PlainRecheck(costs.since_plain, min(costs.plain_every, self.max_probe))
-        self.primed = self._warm = True
 
     def _probe_rung(self, best: Rung) -> Rung:
         """The largest rung whose best case (every level accepted) beats `best`; else the smallest tree."""

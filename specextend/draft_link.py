@@ -7,6 +7,7 @@ the draft calls no step waits for (`_start_link`)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -16,6 +17,7 @@ from typing import Callable, Generator, Optional
 from specextend.config import EngineConfig
 from specextend.controller import SLOW_DRAFT, TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftTree, TreeBound
+from specextend.ladder import PLAIN
 from specextend.models.args import ModelArgs
 from specextend.retrieval import launch_scoring
 from specextend.session_calls import DraftCall
@@ -31,6 +33,7 @@ PREPARE_MARGIN_S = 0.0003
 # smallest answer the draft can give: it only has to apply the verdict ("Overlapped drafting", told verdicts)
 TELL_BOUND = TreeBound(nodes=1, depth=1, ready_only=True)
 LANE_BACKLOG = 2  # calls a session's lane holds unanswered; a plain step's tokens then go with the next
+OPEN_SLACK = 2  # a deferred open starts this many steps before its expected time says it must
 
 
 def settled(call: Optional[Future]) -> Generator[DraftCall, object, None]:
@@ -198,6 +201,10 @@ class DraftLink:
     # the draft's open timed against the target's prefill seeds the adaptive policy's prior (tests
     # turn it off, conftest.py: on a loaded host the two prefills' ratio is the host's, not the pair's)
     prior_from_prefill = True
+    # a session that can take no tree before its next probe opens the draft only some steps before it
+    # (docs/architecture.md, "Adaptive speculation", *Deferred open*), from the last open's seconds per prompt token
+    defer_opens = True
+    _open_per_token: Optional[float] = None
 
     def _start_link(self, draft_args: Optional[ModelArgs]) -> None:
         """Whether the draft is opened at all: a draft that can never pay is not (docs/architecture.md,
@@ -218,7 +225,32 @@ class DraftLink:
         """Starts the draft's open (its prefill) of session `sid` on the opener threads; the session
         counts as unclosed until its close has run (`wait_closed`). -> the open's Future (seconds)."""
         self._unclosed[sid] = threading.Event()
-        return self._openers.submit(seconds_of, self.draft.open, sid, list(prompt_ids), params)
+        opening = self._openers.submit(seconds_of, self.draft.open, sid, list(prompt_ids), params)
+        opening.prompt_tokens = len(prompt_ids)  # (the open's seconds per token: _join)
+        return opening
+
+    def defers_open(self, ctl: TreeController, prompt_tokens: int) -> bool:
+        """Whether this session's draft open waits (`open_due`): its draft shares the target's device
+        (no overlap: with its own device an open costs the target nothing), an earlier open timed what
+        one costs, and the policy can take no tree for more steps than the open is expected to take
+        (TreeController.first_tree_in: a primed session that skips the warm-up tree, before its next
+        probe). Deferred, a session that ends before its probe never opens the draft: no prefill of its
+        prompt beside the target's (which it slows), no draft cache held. Its choices are the same: the
+        open is done, or nearly, when the probe is due, which then waits for the join."""
+        if not (self.defer_opens and self.config.tree_policy == "adaptive"
+                and not self.config.overlap and self._open_per_token is not None):
+            return False
+        return ctl.first_tree_in() > self._open_lead(ctl, prompt_tokens)
+
+    def open_due(self, ctl: TreeController, prompt_tokens: int) -> bool:
+        """A deferred open starts now: the session's first possible tree is within the open's lead."""
+        return ctl.first_tree_in() <= self._open_lead(ctl, prompt_tokens)
+
+    def _open_lead(self, ctl: TreeController, prompt_tokens: int) -> int:
+        """Steps an open is expected to take: the last open's seconds per prompt token times this
+        prompt's, over a plain step's predicted seconds, and OPEN_SLACK more."""
+        expected = (self._open_per_token or 0.0) * prompt_tokens
+        return math.ceil(expected / max(ctl.step_seconds(PLAIN), 1e-6)) + OPEN_SLACK
 
     def wait_closed(self, sid: str, timeout_s: float = CLOSE_WAIT_S) -> bool:
         """Waits (up to `timeout_s`) for session `sid`'s draft close; True once closed or never opened."""
@@ -235,6 +267,7 @@ class DraftLink:
         except DraftError as e:
             return self._fall_back(stats, sid, e)
         stats.draft_open_s, stats.target_prefill_s = open_s, target_prefill_s
+        self._open_per_token = open_s / max(getattr(opening, "prompt_tokens", 1), 1)  # (a deferred open's lead)
         if self.prior_from_prefill:
             ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
         return True

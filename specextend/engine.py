@@ -42,8 +42,7 @@ Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  #
 
 class Engine(RequestLimits, DraftLink):
     carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
-    # adaptive policy: plain steps until the draft's open (prefill) is done ("Adaptive speculation")
-    join_early = True
+    join_early = True  # adaptive policy: plain steps until the draft's open (prefill) is done ("Adaptive speculation")
 
     def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None,
                  draft_args: Optional[ModelArgs] = None):
@@ -60,8 +59,7 @@ class Engine(RequestLimits, DraftLink):
         self._start_link(draft_args)
 
     def forget_text(self) -> None:
-        """Forgets what earlier texts taught (the carried lookup gate, whether snapshots held), not
-        the costs: after a warm-up."""
+        """Forgets what earlier texts taught (the carried lookup gate, snapshots held), not the costs: after a warm-up."""
         self._gate = None
         self.snapshots = SnapshotChoice(self.config.draft_snapshots)
 
@@ -79,9 +77,8 @@ class Engine(RequestLimits, DraftLink):
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> Iterator[StepEvent]:
-        """One request run alone: `session`'s forwards and draft calls made in place, one at a time.
-        Yields one StepEvent per forward of the target; the last has a finish_reason. Its draft
-        session is closed when it returns (a batching driver does not wait for closes)."""
+        """One request run alone (`session`'s forwards and draft calls made in place, one at a time): a StepEvent
+        per target forward, the last with a finish_reason; its draft session closed on return (a batcher's is not waited)."""
         sid = kw.pop("session_id", None) or uuid.uuid4().hex
         yield from drive_alone(self.session(prompt_ids, params, session_id=sid, **kw), self.target.decoder)
         self.wait_closed(sid)
@@ -139,8 +136,9 @@ class Engine(RequestLimits, DraftLink):
             if use_draft:  # the draft prefills (on its own device) while the target prefills here
                 # (with snapshots its answers are SNAPSHOT_NODES nodes: the session's tree allows them)
                 draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
-                opening = self._open_draft(sid, prompt_ids, DraftSessionParams(
+                open_now = partial(self._open_draft, sid, prompt_ids, DraftSessionParams(
                     draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
+                opening = None if self.defers_open(ctl, len(prompt_ids)) else open_now()  # (a deferred open)
             capture = use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # (1st selection)
             logits = yield from metered(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache), load,
                                         ctl.record_prefill)  # (the prefill's own cost line)
@@ -194,7 +192,9 @@ class Engine(RequestLimits, DraftLink):
             late: list[float] = []  # (with early asks) how long after their verdicts late answers came
             t_back = None  # when the last step's event came back (stats.between_s)
             while out.finish is None:
-                if opening_pending and use_draft and opening.done():
+                if use_draft and opening is None and self.open_due(ctl, len(prompt_ids)):  # (a deferred open)
+                    opening, opening_pending = open_now(), True
+                if opening_pending and use_draft and (opening.done() or not self.join_early):  # (joins at once)
                     use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
                     opening_pending = False
                     if feed is not None and use_draft:  # the draft catches up at once
@@ -206,7 +206,7 @@ class Engine(RequestLimits, DraftLink):
                     retrieval = retrieval if retrieval is not None else unsent
                 if use_draft and chosen is not None:  # (at the step before: ask_ahead)
                     rung = chosen
-                elif use_draft and not opening_pending:
+                elif use_draft and not opening_pending and opening is not None:
                     ctl.see_chain(lookup, len(pending) - len(committed))  # (what a step without a tree would verify now)
                     rung = ctl.choose_noted(load.sessions)
                 else:

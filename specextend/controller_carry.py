@@ -1,0 +1,59 @@
+"""What a finished session hands the engine's next one, and what the next takes from it: the carrying
+half of controller.TreeController (a mixin: the state is the controller's dataclass fields;
+docs/architecture.md, "Adaptive speculation"). The choosing half is controller.py, the recording
+half controller_record.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from specextend.costs import Costs
+from specextend.recheck import PlainRecheck
+
+# A session started from carried costs warms up on the full tree (one step measures the text's
+# acceptance for every rung) only where that tree, fully accepted, would beat a plain step by this
+# much: where it could win little, a tree ten plain steps long is a poor bet on a short request
+# (the tiny pair on 2 CPUs: three such trees took a 128-token request to 0.6x `ar`); the probes, spaced
+# by what they could win (costs.probe_interval), find out instead
+WARM_MARGIN = 1.25
+
+
+class Carrying:
+    """TreeController's costs() / start_from() / first_tree_in()."""
+
+    def costs(self) -> Optional[Costs]:
+        """This session's costs for the engine's next session: None unless it measured those the
+        warm-up measures (a draft level's wait, a plain forward)."""
+        if not (self.draft.known and self.plain_forward is not None):
+            return None
+        return Costs(copy.deepcopy(self.forward), copy.deepcopy(self.draft), self.plain_forward, self.extra_spec,
+                     self.extra_plain, self.since_probe, self.probe_every, copy.deepcopy(self.chains),
+                     copy.deepcopy(self.catchup), self.recheck.since, self.recheck.every)
+
+    def start_from(self, costs: Costs) -> None:
+        """Start from an earlier session's costs: no smallest tree and plain step to measure them,
+        the first step the full tree (it measures this text's acceptance for every rung at once)
+        where it could win `WARM_MARGIN` fully accepted; else the best rung, and the probe schedule
+        carried on from where the last session left it (its probes, spaced by what they could win,
+        are how a draft whose costs changed gets tried again). This session's own forwards and
+        waits join the lines at their rates."""
+        self.forward, self.draft = copy.deepcopy(costs.forward), copy.deepcopy(costs.draft)
+        self.forward.prior = self.prefill  # (this session's prefill)
+        if costs.chains is not None:
+            self.chains = copy.deepcopy(costs.chains)
+        self.chains.prior = self.forward
+        if costs.catchup is not None:
+            self.catchup = copy.deepcopy(costs.catchup)
+        self.plain_forward, self.extra_spec, self.extra_plain = costs.plain_forward, costs.extra_spec, costs.extra_plain
+        self.since_probe, self.probe_every = costs.since_probe, min(costs.probe_every, self.max_probe)
+        self.recheck = PlainRecheck(costs.since_plain, min(costs.plain_every, self.max_probe))
+        self.primed = self._warm = True
+
+    def first_tree_in(self) -> int:
+        """Steps before this session could first choose a tree (0: at once, or not known): a primed
+        session that skips the warm-up tree takes none before its next probe (it has measured no
+        acceptance of its own): what a deferred draft open waits for (draft_link.DraftLink.defers_open)."""
+        if not self.primed or not self.probe_every or (self._warm and self._top_may_pay(WARM_MARGIN)):
+            return 0
+        return max(self.probe_every - self.since_probe, 0)

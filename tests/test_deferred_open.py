@@ -1,0 +1,92 @@
+"""A session that can take no tree before its next probe opens its draft only some steps before it
+(draft_link.DraftLink.defers_open; docs/architecture.md, "Adaptive speculation", *Deferred open*):
+a request that ends first never opens it; one whose probe comes opens it in time and verifies the
+probe's tree; both decode exactly what plain decoding does (float64)."""
+
+from dataclasses import replace
+
+import pytest
+
+from specextend.config import EngineConfig, SamplingParams, TreeConfig
+from specextend.costs import LinearCost
+from specextend.draft.worker import DraftWorker
+from specextend.engine import Engine
+
+TREE = TreeConfig(16, 6, 4)
+PROMPT = [(7 * i + 3) % 200 for i in range(40)]
+
+
+class CountingWorker(DraftWorker):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.opened: list[str] = []
+
+    def open(self, session_id, *a, **kw):
+        self.opened.append(session_id)
+        return super().open(session_id, *a, **kw)
+
+
+def slow_draft_costs(costs, probe_every: int, since_probe: int = 0):
+    """`costs` (an engine's carried ones) with a draft level at 1 s: no tree could beat a plain step
+    fully accepted by WARM_MARGIN, so the next session skips the warm-up tree and takes none before
+    its probe, `probe_every - since_probe` steps in."""
+    draft = LinearCost(proportional=True)
+    draft.add(1, 1.0)
+    return replace(costs, draft=draft, probe_every=probe_every, since_probe=since_probe)
+
+
+@pytest.fixture
+def rig(tiny_models):
+    target, draft = tiny_models("float64")
+    params = SamplingParams(40, ignore_eos=True)
+    ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(PROMPT, params)
+    worker = CountingWorker(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    assert engine.generate(PROMPT, params)[0] == ref  # cold: opens at once, times the open
+    assert len(worker.opened) == 1 and engine._open_per_token is not None and engine._costs is not None
+    yield engine, worker, params, ref
+    worker.shutdown()
+
+
+def test_a_request_that_ends_before_its_probe_never_opens_the_draft(rig):
+    engine, worker, params, ref = rig
+    engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
+    tokens, _, stats = engine.generate(PROMPT, params)
+    assert tokens == ref
+    assert len(worker.opened) == 1  # no open for this session
+    assert stats.draft_open_s == 0.0 and stats.open_steps == 0 and not stats.fallback
+    assert stats.plain_steps + stats.lookup_steps >= len(ref) - 1 - stats.lookup_accepted  # every step without a tree
+    assert engine._costs.since_probe > 0  # the schedule went on: the probe comes in a later session
+    engine.defer_opens = False
+    engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
+    assert engine.generate(PROMPT, params)[0] == ref
+    assert len(worker.opened) == 2  # without deferral the same session opens the draft
+
+
+def test_a_probe_due_within_the_request_finds_the_draft_opened(rig):
+    engine, worker, params, ref = rig
+    engine._costs = slow_draft_costs(engine._costs, probe_every=25)
+    tokens, _, stats = engine.generate(PROMPT, params)
+    assert tokens == ref
+    assert len(worker.opened) == 2 and stats.draft_open_s > 0.0
+    assert stats.step_kinds.get("tree", [0])[0] >= 1  # the probe's tree was verified
+    assert stats.probe_steps >= 1
+
+
+def test_no_deferral_without_carried_costs_or_with_an_overlapping_draft(tiny_models):
+    target, draft = tiny_models("float64")
+    params = SamplingParams(24, ignore_eos=True)
+    worker = CountingWorker(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    ctl = engine.new_controller(TREE)
+    assert not engine.defers_open(ctl, len(PROMPT))  # no open timed yet
+    engine.generate(PROMPT, params)
+    ctl = engine.new_controller(TREE)
+    assert not engine.defers_open(ctl, len(PROMPT))  # a cold controller: its warm-up trees come at once
+    ctl.start_from(slow_draft_costs(engine._costs, probe_every=1000))
+    assert ctl.first_tree_in() == 1000 and engine.defers_open(ctl, len(PROMPT))
+    assert not engine.defers_open(ctl, 10**9)  # a prompt whose open would take longer than that: at once
+    overlap = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive", draft_overlap=True), target, worker)
+    overlap._open_per_token = engine._open_per_token
+    assert not overlap.defers_open(ctl, len(PROMPT))  # its own device: an open costs the target nothing
+    worker.shutdown()
