@@ -242,9 +242,12 @@ class DraftLink:
             return False
         return ctl.first_tree_in() > self._open_lead(ctl, prompt_tokens)
 
-    def open_due(self, ctl: TreeController, prompt_tokens: int) -> bool:
-        """A deferred open starts now: the session's first possible tree is within the open's lead."""
-        return ctl.first_tree_in() <= self._open_lead(ctl, prompt_tokens)
+    def open_due(self, ctl: TreeController, prompt_tokens: int, tokens_left: int) -> bool:
+        """A deferred open starts now: the session's first possible tree is within the open's lead,
+        and before the request's end (`tokens_left` to generate: at least one a step; an open for a
+        probe that a later request will take would only be closed again, unused)."""
+        first = ctl.first_tree_in()
+        return first <= self._open_lead(ctl, prompt_tokens) and first < tokens_left
 
     def _open_lead(self, ctl: TreeController, prompt_tokens: int) -> int:
         """Steps an open is expected to take: the last open's seconds per prompt token times this

@@ -192,7 +192,7 @@ class Engine(RequestLimits, DraftLink):
             late: list[float] = []  # (with early asks) how long after their verdicts late answers came
             t_back = None  # when the last step's event came back (stats.between_s)
             while out.finish is None:
-                if use_draft and opening is None and self.open_due(ctl, len(prompt_ids)):  # (a deferred open)
+                if use_draft and opening is None and self.open_due(ctl, len(prompt_ids), params.max_new_tokens - stats.num_generated):
                     opening, opening_pending = open_now(), True
                 if opening_pending and use_draft and (opening.done() or not self.join_early):  # (joins at once)
                     use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)

@@ -63,6 +63,23 @@ def test_a_request_that_ends_before_its_probe_never_opens_the_draft(rig):
     assert len(worker.opened) == 2  # without deferral the same session opens the draft
 
 
+def test_no_open_for_a_probe_past_the_requests_end(rig):
+    """The open's lead reaches into the request but its probe does not (at most 40 steps, the probe
+    60 steps in): the draft is not opened only to be closed unused."""
+    from specextend.ladder import PLAIN
+
+    engine, worker, params, ref = rig
+    engine._costs = slow_draft_costs(engine._costs, probe_every=60)
+    ctl = engine.new_controller(TREE)
+    ctl.start_from(engine._costs)
+    engine._open_per_token = 43 * ctl.step_seconds(PLAIN) / len(PROMPT)  # a lead of ~45 steps
+    assert engine.defers_open(ctl, len(PROMPT)) and not engine.open_due(ctl, len(PROMPT), 1000)
+    ctl.since_probe = 30  # 30 steps in: the probe within the lead, due in a request with 31+ tokens left
+    assert engine.open_due(ctl, len(PROMPT), 1000) and not engine.open_due(ctl, len(PROMPT), 30)
+    tokens, _, stats = engine.generate(PROMPT, params)
+    assert tokens == ref and len(worker.opened) == 1 and stats.open_steps == 0
+
+
 def test_a_probe_due_within_the_request_finds_the_draft_opened(rig):
     engine, worker, params, ref = rig
     engine._costs = slow_draft_costs(engine._costs, probe_every=25)
