@@ -59,7 +59,7 @@ class Engine(RequestLimits, DraftLink):
         self._start_link(draft_args)
 
     def forget_text(self) -> None:
-        """Forgets what earlier texts taught (the carried lookup gate, snapshots held), not the costs: after a warm-up."""
+        """Forgets what earlier texts taught (the carried lookup gate, snapshots held), not the costs."""
         self._gate = None
         self.snapshots = SnapshotChoice(self.config.draft_snapshots)
 
@@ -77,8 +77,8 @@ class Engine(RequestLimits, DraftLink):
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> Iterator[StepEvent]:
-        """One request run alone (`session`'s forwards and draft calls made in place, one at a time): a StepEvent
-        per target forward, the last with a finish_reason; its draft session closed on return (a batcher's is not waited)."""
+        """One request run alone (`session`'s forwards and draft calls made in place, one at a time):
+        a StepEvent per target forward, the last with a finish_reason; its draft session closed on return."""
         sid = kw.pop("session_id", None) or uuid.uuid4().hex
         yield from drive_alone(self.session(prompt_ids, params, session_id=sid, **kw), self.target.decoder)
         self.wait_closed(sid)
@@ -133,8 +133,7 @@ class Engine(RequestLimits, DraftLink):
             t0 = time.perf_counter()
             snap = (use_draft and cfg.overlap and cfg.overlap_miss == "plain" and not cfg.draft_prepare
                     and self.snapshots.use())  # (prepared outcomes are the other way to skip the call)
-            if use_draft:  # the draft prefills (on its own device) while the target prefills here
-                # (with snapshots its answers are SNAPSHOT_NODES nodes: the session's tree allows them)
+            if use_draft:  # the draft prefills beside the target, unless deferred (snapshots: SNAPSHOT_NODES)
                 draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
                 open_now = partial(self._open_draft, sid, prompt_ids, DraftSessionParams(
                     draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
@@ -192,7 +191,8 @@ class Engine(RequestLimits, DraftLink):
             late: list[float] = []  # (with early asks) how long after their verdicts late answers came
             t_back = None  # when the last step's event came back (stats.between_s)
             while out.finish is None:
-                if use_draft and opening is None and self.open_due(ctl, len(prompt_ids), params.max_new_tokens - stats.num_generated):
+                if use_draft and opening is None and self.open_due(  # (a deferred open)
+                        ctl, len(prompt_ids), params.max_new_tokens - stats.num_generated):
                     opening, opening_pending = open_now(), True
                 if opening_pending and use_draft and (opening.done() or not self.join_early):  # (joins at once)
                     use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
