@@ -54,6 +54,8 @@ class Carrying:
         """Steps before this session could first choose a tree (0: at once, or not known): a primed
         session that skips the warm-up tree takes none before its next probe (it has measured no
         acceptance of its own): what a deferred draft open waits for (draft_link.DraftLink.defers_open)."""
-        if not self.primed or not self.probe_every or (self._warm and self._top_may_pay(WARM_MARGIN)):
+        if self._warm and self.primed and not self._top_may_pay(WARM_MARGIN):
+            self._warm = False  # (choose()'s decision at the first step, made once here: asked every step)
+        if not self.primed or not self.probe_every or self._warm:
             return 0
         return max(self.probe_every - self.since_probe, 0)

@@ -247,7 +247,7 @@ class DraftLink:
         and before the request's end (`tokens_left` to generate: at least one a step; an open for a
         probe that a later request will take would only be closed again, unused)."""
         first = ctl.first_tree_in()
-        return first <= self._open_lead(ctl, prompt_tokens) and first < tokens_left
+        return first < tokens_left and first <= self._open_lead(ctl, prompt_tokens)
 
     def _open_lead(self, ctl: TreeController, prompt_tokens: int) -> int:
         """Steps an open is expected to take: the last open's seconds per prompt token times this
