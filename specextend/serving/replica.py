@@ -338,7 +338,7 @@ class SpecExtendReplica(DraftRecovery):
 
     async def health(self) -> dict:
         draft = "off" if self.draft is None else ("ok" if self.draft_ok else "restoring")
-        return {"ready": True, "model": self.model_name, "draft": draft,
+        return {"ready": True, "model": self.model_name, "draft": draft, "draft_restores": self.draft_epoch,
                 "active_sessions": self.admission.active, "queued_requests": self.admission.waiting}
 
     async def model_info(self) -> dict:
