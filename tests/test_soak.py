@@ -158,9 +158,9 @@ def test_draft_killed_under_load(server, solo):
     for i, ids in enumerate(got):
         assert ids == solo(_prompt(1000 + i), 48)
     # The streams may have decoded plainly past the kill (the adaptive policy's plain steps do not
-    # call the draft). A request that calls the draft falls back at once; one whose policy can take no
-    # tree before its next probe does not open the draft at all (docs/architecture.md, "Adaptive
-    # speculation", *Deferred open*), and Serve's periodic check_health notices the dead draft instead.
+    # call the draft). A request that calls the draft falls back at once; one whose policy can take
+    # no tree before its next probe does not open the draft at all (a deferred open:
+    # docs/architecture.md, "Deployment"), and Serve's periodic check_health notices the dead draft.
     r = httpx.post(f"{BASE}/v1/completions", json=dict(prompt=_prompt(8), max_tokens=8, temperature=0,
                                                       ignore_eos=True, return_token_ids=True), timeout=120)
     assert r.json()["choices"][0]["token_ids"] == solo(_prompt(8), 8)
