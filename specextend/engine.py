@@ -29,7 +29,8 @@ from specextend.sampling import make_generator, next_token
 from specextend.snapshot import SNAPSHOT_BOUND, SNAPSHOT_NODES, DraftFeed, SnapshotChoice
 from specextend.stats import RequestStats
 from specextend.session_calls import DraftCall, Load, drive_alone, metered
-from specextend.plain_ahead import plain_ahead_co, plain_run_co, run_length
+from specextend.lookup_ahead import run_ahead
+from specextend.plain_ahead import plain_ahead_co
 from specextend.plain_step import plain_step_co
 from specextend.prefix_cache import PrefixCache
 from specextend.request_limits import RequestLimits
@@ -43,6 +44,7 @@ Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  #
 class Engine(RequestLimits, DraftLink):
     carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
     join_early = True  # adaptive policy: plain steps until the draft's open (prefill) is done ("Adaptive speculation")
+    lookup_ahead: Optional[bool] = None  # lookup runs ahead of the host: None where the forward allows (tests: True)
 
     def __init__(self, config: EngineConfig, target: LoadedModel, draft: Optional[DraftBackend] = None,
                  draft_args: Optional[ModelArgs] = None):
@@ -343,9 +345,9 @@ class Engine(RequestLimits, DraftLink):
                 else:
                     asked = ready = None  # (an ask in flight: a tell after all, its answer unused)
                     if (cfg.plain_ahead and not (tell or opening_pending) and feed is None and ref is None
-                            and (k := run_length(ctl, out, stats, lookup, use_draft))):  # a run ("Plain steps ahead")
-                        committed = yield from plain_run_co(target, committed[-1], out, stats, t1, gen, k, ctl, lookup,
-                                                         use_draft, load)
+                            and (run := run_ahead(target, committed[-1], out, stats, t1, gen, ctl, lookup, use_draft,
+                                                  load, self.lookup_ahead))):  # ("Plain steps ahead", "Lookup runs ahead")
+                        committed = yield from run
                         pending, t_back, load.others_wait_s = pending + committed, time.perf_counter(), 0.0
                         continue  # (waits shared during the run are not the next step's: Load.wall)
                     # the tokens so far go to the draft once this step's forward is queued (the

@@ -345,6 +345,12 @@ class RequestLookup:
             self._step, self._rows = ((n, chain, False) if chain else None), 0  # (no host work to learn)
             self.commit([tok])
 
+    def commit_ahead(self, emitted: Sequence[int]) -> None:
+        """A step of a lookup run (lookup_ahead.py), whose chain the device found and verified: its
+        tokens extend the index; the gate, which prices the host's chain steps, learns nothing."""
+        self._step, self._rows = None, 0
+        self.index.extend(emitted)
+
     def could_pay(self) -> bool:
         """Whether a chain could be worth verifying alone now, of any order, by its gate's rates and
         the cost line: a chain of `max_tokens` nodes, what `chain` finds in a long context (the

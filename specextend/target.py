@@ -33,6 +33,7 @@ class TargetSession:
         self.hybrid = hybrid
         self.captured: Optional[Captured] = None
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (prefill_co)
+        self.history = None  # the request's tokens on the device (lookup_ahead.DeviceHistory), from its first lookup run
 
     # Each forward comes in two forms: a coroutine (`*_co`) that yields its ForwardCall and gets the
     # forward's result back (the engine's sessions, batched with other sessions' forwards,

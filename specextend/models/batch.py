@@ -18,7 +18,7 @@ from typing import Generator, Optional, TypeVar
 
 import torch
 
-from specextend.attention.backends import Mask
+from specextend.attention.backends import CAUSAL, Mask
 from specextend.kv_cache import CacheFull, KVCache
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 
@@ -34,9 +34,34 @@ class ForwardCall:
     opts: ForwardOptions = field(default_factory=ForwardOptions)
     prompt: bool = False  # a prompt's prefill chunk: a round's token budget may hold it for a later round
 
+    at_device_length = False  # AtDeviceLength: its committed length is on the device; it runs alone
+
     def run(self, model: Decoder) -> "Result":
         """This forward alone, through Decoder.forward (the step graphs when they take it)."""
         return model.forward(self.ids, self.positions, self.cache, self.mask, self.opts)
+
+
+class AtDeviceLength(ForwardCall):
+    """A causal path's forward after the cache's first `positions[0]` committed keys, a [1] tensor on the
+    device that the host has not read (lookup_ahead.py): `forward_at`. It never batches with others."""
+
+    at_device_length = True
+
+    def run(self, model: Decoder) -> "Result":
+        return forward_at(model, self.ids, self.positions, self.cache), None
+
+
+def forward_at(model: Decoder, ids: torch.Tensor, start: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits [T, V] of the path ids [T] after the cache's first `start` ([1] int64 on the device)
+    committed keys, staged at [start, start + T). Through full-step graphs the host never reads
+    `start` (FullStepGraphs.forward_at); elsewhere its twin reads it (a synchronisation) and runs
+    the forward as any other, leaving cache.length at `start`."""
+    t = ids.shape[0]
+    if model.graphs is not None and model.graphs.takes_device_length(t) and cache.length > 0:
+        return model.graphs.forward_at(ids, start, cache)
+    cache.length = int(start)  # the twin
+    positions = torch.arange(cache.length, cache.length + t, device=ids.device)  # [T]
+    return model.forward(ids, positions, cache, CAUSAL)[0]
 
 
 # With step graphs (CUDA), one call replays a captured graph while an eager batch runs launch by
@@ -76,6 +101,10 @@ def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
     take run as one graphed forward (as many as it holds, largest first, the others padded to the
     largest); the rest as below (`forward_eager_batch`)."""
     graphs = model.graphs
+    if any(c.at_device_length for c in calls):  # (those alone, the others batched)
+        others = [c for c in calls if not c.at_device_length]
+        done = iter(forward_batch(model, others) if others else [])
+        return [c.run(model) if c.at_device_length else next(done) for c in calls]
     if graphs is None or len(calls) == 1:
         return forward_eager_batch(model, calls)
     keys = [graphs.batch_key(c) for c in calls]  # (staged keys, padded tokens) or None

@@ -38,6 +38,7 @@ from specextend.models import persistent as persistent_mod
 from specextend.models.capture import capture
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room
 from specextend.models.transfer import copy_from_host, to_device
+from specextend.tree import ancestor_mask_cached
 
 MAX_BATCH_SESSIONS = 32  # sessions in one batched forward (more: several forwards)
 MAX_BATCH_ROWS = 512  # tokens in one batched forward, all its sessions together
@@ -107,6 +108,34 @@ class FullStepGraphs(StepGraphs):
     def _set_meta(self, p: _Plan, cache: KVCache, L: int) -> None:
         """Every session of the plan reads `cache` (a batched plan's build: any valid cache)."""
         copy_from_host(p.meta, cache_meta(cache.data, self.anchor, L) * p.key.sessions)  # pinned: no wait
+
+    # ------------------------------------------------------------ at a length on the device
+    def takes_device_length(self, t: int) -> bool:
+        return self.model.device.type == "cuda" and 0 < t <= self.max_tokens
+
+    def forward_at(self, ids: torch.Tensor, start: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A causal path's forward (ids [T] on the device) after the cache's first `start` ([1] int64 on
+        the device, never read by the host) committed keys: the prefix kernel's meta, the positions and
+        the new K/V's slots all come from `start` on the device, so the host queues it before the step
+        that sets `start` has run (lookup_ahead.py). -> logits [T, V] in the plan's buffer (valid until
+        its next forward: read them in stream order first). The caller keeps start + T within the
+        cache's capacity; cache.length is left as it was (the host's copy of the length lags)."""
+        t = ids.shape[0]
+        key = ShapeKey(t, 0, 0, False, False)
+        mask = ancestor_mask_cached(range(-1, t - 2), ids.device)  # a path: tril
+        with self.lock:
+            self.forwards += 1
+            p = self._plan(key, cache)
+            p.ids.copy_(ids)
+            torch.add(start, torch.arange(t, device=ids.device), out=p.pos)  # [T]
+            if p.mask_src is not mask:
+                p.mask.copy_(mask, non_blocking=True)
+                p.mask_src = mask
+            copy_from_host(p.meta, cache_meta(cache.data, self.anchor, 0))  # address and capacity ...
+            p.meta[1:2].copy_(start)  # ... and the committed length, from the device
+            self._replay(p)
+            cache.data.index_copy_(3, p.pos, p.scratch)  # the new K/V at [start, start + T)
+            return p.logits
 
     def _persists(self, p: _Plan) -> bool:
         return self.persistent and p.key.sessions == 1 and p.key.t <= persistent_mod.MAX_ROWS

@@ -115,6 +115,12 @@ class StepGraphs:
     def accepts(self, t: int, cache: KVCache, new_mask: Mask, opts) -> bool:
         return graphable(t, cache, new_mask, opts, self.max_tokens)
 
+    def takes_device_length(self, t: int) -> bool:
+        """Whether forward_at runs a path of t tokens after a (non-empty) committed prefix whose
+        length is held on the device, without reading it (FullStepGraphs); these graphs take the
+        prefix length from the host."""
+        return False
+
     def batch_key(self, call) -> Optional[tuple]:
         """What a ForwardCall must share with others to run in one batched forward with them
         (FullStepGraphs.forward_batch); None: it runs alone. These piecewise graphs never batch."""

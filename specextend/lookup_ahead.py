@@ -1,0 +1,159 @@
+"""Lookup runs ahead of the host (docs/architecture.md, "Lookup runs ahead").
+
+A step without a draft tree that may verify a context-lookup chain needs the tokens so far to find
+its chain: on the host that means reading the last step's tokens before the next forward is
+queued, and the device idles meanwhile (about 0.45 ms a step on an H200 at 16K, against plain
+decoding's steps queued ahead: plain_ahead.py). Here the request's tokens also live on the device
+(DeviceHistory), which finds each step's chain (lookup_device.device_match, the host index's
+rule), verifies it greedily (accept_chain) and appends what it emits, so the next step's forward
+is queued before the host has read this one's tokens (models/batch.AtDeviceLength: the committed
+length stays on the device). The host reads each step's tokens one step behind, emits them and
+keeps its own index and the cache's length in step. Every step verifies a path of `q` + 1 rows,
+chain or not (a padded chain's junk rows are never accepted): on a GPU a row costs about 1% of
+the forward, less than the host's work that a step without a chain would otherwise expose.
+
+Greedy requests only (a sampled chain's verdict needs the host's generator): elsewhere, and where
+the forward would read the length back anyway (no full-step graphs: the CPU, whose twin
+`forward_at` synchronises), steps take the host's way (plain_step.plain_step_co); tests force
+runs on the CPU to compare their tokens with plain decoding's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Generator, Optional
+
+import torch
+
+from specextend.attention.backends import CAUSAL
+from specextend.controller import TreeController
+from specextend.emit import Emitter
+from specextend.lookup import ContextIndex, RequestLookup
+from specextend.lookup_device import accept_chain, device_match
+from specextend.models.batch import AtDeviceLength
+from specextend.models.transfer import copy_from_host, record_event, to_device, to_host
+from specextend.plain_ahead import plain_run_co, run_length
+from specextend.stats import RequestStats
+from specextend.target import TargetSession
+
+if TYPE_CHECKING:
+    from specextend.session_calls import Load
+
+RUN_STEPS = 16  # a run's most steps: the policy is asked again after it
+RUN_DEPTH = 2  # steps queued and not yet read by the host
+
+
+class DeviceHistory:
+    """A request's tokens on the device: hist [capacity + q + 2] int64, the first `length` ([1] on
+    the device) valid: the prompt and every emitted token, the last one (the next step's root) not
+    yet in the target's cache. The host's ContextIndex holds the same tokens; `sync` copies the
+    ones the device has not seen (those of steps taken the host's way) before a run."""
+
+    def __init__(self, capacity: int, q: int, device: torch.device) -> None:
+        self.q = q
+        self.hist = torch.zeros(capacity + q + 2, dtype=torch.long, device=device)  # [C]
+        self.length = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        self.rows = torch.arange(q + 1, device=device)  # [q + 1]
+        self.synced = 0  # tokens of the host's index known to be in hist
+
+    def sync(self, index: ContextIndex) -> None:
+        n = index.length
+        if n > self.synced:
+            self.hist[self.synced:n].copy_(to_device(index.ids[self.synced:n], torch.long, self.hist.device))
+        copy_from_host(self.length, [n])
+        self.synced = n
+
+    def step_co(self, target: TargetSession) -> Generator[AtDeviceLength, object, tuple]:
+        """Queues one step: the chain found from the tokens on the device, the forward over [root] +
+        chain at the cache's length (length - 1), its greedy verdict, and the emitted tokens appended.
+        -> (host copy of [n, count, y...] (valid once `event` has passed), event)."""
+        chain, count = device_match(self.hist, self.length, self.q)  # [q], [1]
+        ids = torch.cat([self.hist[self.length - 1], chain])  # [q + 1]: the root, then the chain
+        logits, _ = yield AtDeviceLength(ids, self.length - 1, target.cache, CAUSAL)
+        y, n = accept_chain(logits, chain, count)  # [q + 1], [1]
+        self.hist.index_copy_(0, self.length + self.rows, y)  # y[:n + 1] count; the rest is overwritten later
+        self.length.add_(n + 1)
+        return to_host(torch.cat([n, count, y])), record_event(y.device)
+
+
+def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stats: RequestStats, t1: float,
+                  steps: int, ctl: TreeController, lookup: RequestLookup,
+                  speculative: bool = True) -> Generator[object, object, list[int]]:
+    """A run of up to `steps` lookup steps queued ahead of the host from the request's last emitted
+    token; each counts as a plain step to the policy (its probe schedule) with the chain tokens it
+    accepted. Yields each step's forward (AtDeviceLength) and StepEvent; returns the tokens emitted.
+    At its end the cache's length and the host index hold exactly the emitted tokens (the request's
+    end may leave a queued step unread: nothing follows it)."""
+    if lookup.index.length != target.cache.length + 1:
+        raise RuntimeError(f"lookup index ({lookup.index.length}) and cache ({target.cache.length}) out of step")
+    hist.sync(lookup.index)
+    inflight: deque = deque()
+    queued, emitted = 0, []
+    t_step = time.perf_counter()
+    while out.finish is None:
+        room = stats.num_generated + len(inflight) < out.params.max_new_tokens  # (each step emits one at least)
+        if room and queued < steps and len(inflight) < RUN_DEPTH:
+            inflight.append((yield from hist.step_co(target)))
+            queued += 1
+            continue
+        if not inflight:
+            break
+        host, event = inflight.popleft()
+        if event is not None:
+            event.synchronize()  # this step's verdict, not the step queued after it
+        n, count = int(host[0]), int(host[1])
+        ev = out.emit(host[2:3 + n].tolist())
+        emitted += ev.token_ids
+        lookup.commit_ahead(ev.token_ids)
+        stats.lookup_steps += count > 0
+        stats.lookup_nodes += count
+        stats.lookup_accepted += n
+        stats.plain_steps += speculative
+        ctl.record_plain(lookup=n)
+        now = time.perf_counter()
+        stats.step_done("lookup" if count else "plain", len(ev.token_ids), now - t_step)
+        stats.decode_s = now - t1
+        yield ev
+        t_step = time.perf_counter()
+    target.cache.length = lookup.index.length - 1  # the host's copy, in step again
+    hist.synced = lookup.index.length
+    return emitted
+
+
+def lookup_run_steps(ctl: TreeController, out: Emitter, stats: RequestStats, speculative: bool) -> int:
+    """Steps a lookup run may take now (0: none): up to RUN_STEPS, never past the request's end nor,
+    in a speculative request, past the policy's next probe or plain recheck (as plain_ahead.run_length)."""
+    if speculative and (ctl.probe_every <= ctl.since_probe or ctl.recheck.pending):
+        return 0
+    to_probe = ctl.probe_every - ctl.since_probe if speculative else RUN_STEPS
+    k = min(RUN_STEPS, to_probe, out.params.max_new_tokens - stats.num_generated)
+    return k if k >= 2 else 0
+
+
+def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float, gen: torch.Generator,
+              ctl: TreeController, lookup: Optional[RequestLookup], speculative: bool, load: Optional["Load"],
+              forced: Optional[bool] = None) -> Optional[Generator[object, object, list[int]]]:
+    """The run a step without a tree begins now from the last emitted token `last`, if any: a lookup
+    run where `runs_ahead`, else a run of plain steps ahead where plain_ahead.run_length allows one
+    (none: the step goes the host's way, plain_step.plain_step_co)."""
+    if runs_ahead(target.model, out.params, lookup, load, forced):
+        k = lookup_run_steps(ctl, out, stats, speculative)
+        if not k:
+            return None
+        if target.history is None:
+            target.history = DeviceHistory(target.cache.capacity, lookup.max_tokens, target.model.device)
+        return lookup_run_co(target, target.history, out, stats, t1, k, ctl, lookup, speculative)
+    k = run_length(ctl, out, stats, lookup, speculative)
+    return plain_run_co(target, last, out, stats, t1, gen, k, ctl, lookup, speculative, load) if k else None
+
+
+def runs_ahead(model, params, lookup: Optional[RequestLookup], load: Optional["Load"], forced: Optional[bool]) -> bool:
+    """Whether this step may begin a lookup run: a greedy request with a context lookup, alone on its
+    forwards, where the forward keeps the length on the device (`forced` True or False overrides:
+    tests, A/Bs)."""
+    if lookup is None or not params.greedy or (load is not None and load.sessions > 1):
+        return False
+    if forced is not None:
+        return forced
+    return model.graphs is not None and model.graphs.takes_device_length(lookup.max_tokens + 1)

@@ -1,0 +1,158 @@
+"""Lookup runs ahead of the host (specextend/lookup_ahead.py, docs/architecture.md, "Lookup runs
+ahead"): the device's chain equals the host index's, its greedy verdict equals verify_tree's, the
+forward at a length held on the device equals the forward at the host's, and runs leave the output
+plain decoding's (float64, exact) while their chains are really accepted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import specextend.lookup_ahead as ahead
+from specextend.attention.backends import CAUSAL
+from specextend.config import SamplingParams, TreeConfig
+from specextend.lookup import ContextIndex
+from specextend.lookup_device import accept_chain, device_match
+from specextend.models.batch import forward_at
+from specextend.models.decoder import ForwardOptions
+from specextend.models.full_graphs import FullStepGraphs
+from specextend.verify import verify_tree
+
+from helpers import make_engine
+from test_graphs import decoder_on
+from test_lookup_engine import prompt
+
+
+@pytest.mark.parametrize("vocab", [3, 7, 40])
+@pytest.mark.parametrize("q", [1, 4, 8])
+def test_device_match_equals_the_host_index(vocab, q):
+    rng = random.Random(vocab * 100 + q)
+    for trial in range(60):
+        n = rng.randrange(1, 50)
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        hist = torch.tensor(ids + [rng.randrange(vocab) for _ in range(20)])  # junk past the length
+        chain, count = device_match(hist, torch.tensor([n]), q)
+        order, want = ContextIndex(ids, vocab).match(q)
+        assert int(count) == len(want), (ids, want)
+        assert chain[:int(count)].tolist() == want
+
+
+def test_accept_chain_equals_verify_tree_on_a_path():
+    g = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(max_new_tokens=8)
+    for trial in range(200):
+        q, v = 6, 9
+        logits = torch.randn(q + 1, v, generator=g, dtype=torch.float64)
+        y = logits.argmax(-1)
+        chain = y[:q].clone()
+        bad = int(torch.randint(0, q + 1, (1,), generator=g))  # wrong from here on (q: none wrong)
+        if bad < q:
+            chain[bad] = (chain[bad] + 1) % v
+        count = int(torch.randint(0, q + 1, (1,), generator=g))
+        got_y, n = accept_chain(logits, chain, torch.tensor([count]))
+        verdict = verify_tree(logits[:count + 1], chain[:count].tolist(), list(range(-1, count - 1)), greedy, None)
+        assert got_y[:int(n) + 1].tolist() == verdict.tokens
+        assert int(n) == min(bad, count)
+
+
+def test_forward_at_a_device_length_equals_the_forward_at_the_host_length():
+    """FullStepGraphs.forward_at (its twin op by op; the prefix kernel in Triton's interpreter on the
+    CPU) against Decoder.forward_eager at the same length: logits and the new K/V in their slots."""
+    dec = decoder_on("llama3", "cpu", torch.float32)
+    graphs = FullStepGraphs(dec, capture=False)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, dec.args.vocab_size, (30,), generator=g)
+    a, b = dec.new_cache(64), dec.new_cache(64)
+    for c in (a, b):
+        dec.forward_eager(ids[:20], torch.arange(20), c, CAUSAL, ForwardOptions())
+        c.advance(20)
+    path = ids[20:25]
+    b.length = 7  # stale: forward_at never reads it
+    got = graphs.forward_at(path, torch.tensor([20]), b)
+    want, _ = dec.forward_eager(path, torch.arange(20, 25), a, CAUSAL, ForwardOptions())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.data[:, :, :, :25], a.data[:, :, :, :25], atol=1e-6, rtol=1e-6)
+    assert b.length == 7
+
+
+def test_forward_at_twin_reads_the_length():
+    dec = decoder_on("llama3", "cpu", torch.float64)
+    cache = dec.new_cache(32)
+    dec.forward_eager(torch.arange(1, 11), torch.arange(10), cache, CAUSAL, ForwardOptions())
+    cache.advance(10)
+    ref = dec.new_cache(32)
+    dec.forward_eager(torch.arange(1, 11), torch.arange(10), ref, CAUSAL, ForwardOptions())
+    ref.length = 8
+    want, _ = dec.forward_eager(torch.tensor([3, 4]), torch.arange(8, 10), ref, CAUSAL, ForwardOptions())
+    got = forward_at(dec, torch.tensor([3, 4]), torch.tensor([8]), cache)
+    torch.testing.assert_close(got, want)
+    assert cache.length == 8
+
+
+class DeviceOracle:
+    """device_match's stand-in: what the target emits next (its `ar` output), wrong from a seeded
+    random point on, so that runs' chains are accepted whole, in part and not at all."""
+
+    def __init__(self, ref, prompt_len, seed=0):
+        self.ref, self.prompt_len, self.rng = ref, prompt_len, random.Random(seed)
+        self.calls = 0
+
+    def __call__(self, hist, length, q, ns=None):
+        self.calls += 1
+        pos = int(length) - self.prompt_len  # (the CPU: reading it back is free)
+        chain = list(self.ref[pos:pos + q]) + [0] * q
+        for i in range(self.rng.randrange(0, 2 * q + 1), q):
+            chain[i] = (chain[i] + 1) % 251
+        count = self.rng.choice([0, q, q, min(q, 2)])
+        return torch.tensor(chain[:q]), torch.tensor([count])
+
+
+@pytest.fixture
+def device_oracle(monkeypatch, ar_engine):
+    def use(p, params, seed=0):
+        free = SamplingParams(max_new_tokens=params.max_new_tokens + 40, ignore_eos=True)
+        oracle = DeviceOracle(ar_engine.generate(p, free)[0], len(p), seed)
+        monkeypatch.setattr(ahead, "device_match", oracle)
+        return ar_engine.generate(p, params)[0], oracle
+    return use
+
+
+@pytest.mark.parametrize("kw", [dict(mode="lookup"), dict(mode="sd", tree_policy="adaptive")], ids=["lookup", "adaptive"])
+@pytest.mark.parametrize("new", [3, 48])
+def test_runs_ahead_are_lossless_and_accept_chains(pair, device_oracle, kw, new):
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    total_accepted = 0
+    for seed in range(3):
+        ref, oracle = device_oracle(prompt(), params, seed)
+        engine = make_engine(pair, tree=TreeConfig(8, 3, 2), lookup_tokens=6, **kw)
+        engine.lookup_ahead = True
+        out, finish, stats = engine.generate(prompt(), params)
+        assert out == ref and finish == "length"
+        if kw["mode"] == "lookup":
+            assert oracle.calls > 0  # (the adaptive policy may take trees throughout a short request)
+        total_accepted += stats.lookup_accepted
+    if new > 3 and kw["mode"] == "lookup":
+        assert total_accepted > 0
+
+
+def test_a_stop_token_inside_a_run_ends_the_request_there(pair, device_oracle):
+    free = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref, oracle = device_oracle(prompt(), free)
+    stop = ref[17]
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=[stop])
+    engine = make_engine(pair, mode="lookup", lookup_tokens=6)
+    engine.lookup_ahead = True
+    out, finish, _ = engine.generate(prompt(), params)
+    assert finish == "stop" and out == ref[:ref.index(stop) + 1]
+
+
+def test_sampled_requests_take_the_hosts_way(pair, device_oracle):
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+    _, oracle = device_oracle(prompt(), SamplingParams(max_new_tokens=24, ignore_eos=True))
+    engine = make_engine(pair, mode="lookup", lookup_tokens=6)
+    want = engine.generate(prompt(), params)[0]
+    engine.lookup_ahead = True
+    assert engine.generate(prompt(), params)[0] == want
+    assert oracle.calls == 0
