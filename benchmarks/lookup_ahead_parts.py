@@ -20,7 +20,6 @@ from specextend.bench import record
 from specextend.builder import load_pair
 from specextend.config import EngineConfig
 from specextend.lookup_ahead import DeviceHistory
-from specextend.lookup_device import accept_chain, device_match
 from specextend.models.batch import forward_at
 from specextend.target import TargetSession
 
@@ -56,9 +55,11 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, 1000, (a.length,), generator=g).tolist()  # a small vocabulary: chains are found
     sess.prefill(prompt, cfg.prefill_chunk)
     L = sess.cache.length
-    hist = DeviceHistory(sess.cache.capacity, a.q, dec.device)
-    hist.hist[:L + 1].copy_(torch.tensor(prompt + [prompt[-1]], device=dec.device))
-    hist.length.fill_(L + 1)
+    hists = {}
+    for fast in (True, False):
+        h = hists[fast] = DeviceHistory(sess.cache.capacity, a.q, dec.device, fast=fast)
+        h.hist[:L + 1].copy_(torch.tensor(prompt + [prompt[-1]], device=dec.device))
+        h.length.fill_(L + 1)
     one = torch.tensor([prompt[-1]], device=dec.device)
     path = torch.tensor([prompt[-1]] + prompt[:a.q], device=dec.device)
     start = torch.tensor([L], device=dec.device)
@@ -81,27 +82,27 @@ def main(argv=None) -> int:
         forward_at(dec, path, start, sess.cache)
 
     logits = forward_at(dec, path, start, sess.cache).clone()
-    chain, count = device_match(hist.hist, hist.length, a.q)
+    parts = dict(ar_step=ar_step, path_step=path_step, path5_step=path5_step, forward_at=at_step)
+    for fast, hist in hists.items():
+        name = "" if fast else "_twin"
 
-    def match():
-        device_match(hist.hist, hist.length, a.q)
+        def match(hist=hist):
+            hist.match()
 
-    def verdict():
-        y, n = accept_chain(logits, chain, count)
-        hist.hist.index_copy_(0, hist.length + hist.rows, y)
-        torch.cat([n, count, y])
+        def verdict(hist=hist):
+            hist.verdict(logits)
+            hist.length.fill_(L + 1)
 
-    def run_step():  # the whole step as a run queues it (the length restored: the same work each time)
-        co = hist.step_co(sess)
-        call = next(co)
-        try:
-            co.send(call.run(dec))
-        except StopIteration:
-            pass
-        hist.length.fill_(L + 1)
+        def run_step(hist=hist):  # the whole step as a run queues it (the same work each time)
+            co = hist.step_co(sess)
+            call = next(co)
+            try:
+                co.send(call.run(dec))
+            except StopIteration:
+                pass
+            hist.length.fill_(L + 1)
 
-    parts = dict(ar_step=ar_step, path_step=path_step, path5_step=path5_step, forward_at=at_step, device_match=match, verdict=verdict,
-                 run_step=run_step)
+        parts.update({"match" + name: match, "verdict" + name: verdict, "run_step" + name: run_step})
     us = {k: round(timed(f, a.reps), 1) for k, f in parts.items()}
     for k, v in us.items():
         print(f"{k:14s} {v:8.1f} us")

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Generator, Optional
 import torch
 
 from specextend.attention.backends import CAUSAL
+from specextend.attention.triton_prefix import triton_available
 from specextend.controller import TreeController
 from specextend.emit import Emitter
-from specextend.lookup import ContextIndex, RequestLookup
+from specextend.lookup import NGRAMS, ContextIndex, RequestLookup
 from specextend.lookup_device import accept_chain, device_match
 from specextend.models.batch import AtDeviceLength
 from specextend.models.transfer import copy_from_host, record_event, to_device, to_host
@@ -48,14 +49,22 @@ class DeviceHistory:
     """A request's tokens on the device: hist [capacity + q + 2] int64, the first `length` ([1] on
     the device) valid: the prompt and every emitted token, the last one (the next step's root) not
     yet in the target's cache. The host's ContextIndex holds the same tokens; `sync` copies the
-    ones the device has not seen (those of steps taken the host's way) before a run."""
+    ones the device has not seen (those of steps taken the host's way) before a run. `fast`: the
+    step's lookup and verdict as three Triton kernels (_triton_lookup.py; default: on CUDA with
+    Triton) instead of their twins' torch ops (lookup_device.device_match, accept_chain)."""
 
-    def __init__(self, capacity: int, q: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, q: int, device: torch.device, fast: Optional[bool] = None) -> None:
+        device = torch.device(device)
         self.q = q
         self.hist = torch.zeros(capacity + q + 2, dtype=torch.long, device=device)  # [C]
         self.length = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.rows = torch.arange(q + 1, device=device)  # [q + 1]
         self.synced = 0  # tokens of the host's index known to be in hist
+        self.fast = fast if fast is not None else device.type == "cuda" and triton_available()
+        self.ids = torch.zeros(q + 1, dtype=torch.long, device=device)  # [q + 1] the step's input: root, chain
+        self.count = torch.zeros(1, dtype=torch.long, device=device)  # [1] the chain's real tokens
+        self.best = torch.full((3,), -1, dtype=torch.int32, device=device)  # [3] latest start per order (fast)
+        self.packed = torch.zeros(q + 3, dtype=torch.long, device=device)  # [q + 3] n, count, y (fast)
 
     def sync(self, index: ContextIndex) -> None:
         n = index.length
@@ -64,17 +73,52 @@ class DeviceHistory:
         copy_from_host(self.length, [n])
         self.synced = n
 
+    def match(self) -> None:
+        """The step's input (ids: the root, then the chain found from the tokens so far) and the
+        chain's count, on the device."""
+        if self.fast:
+            k = _kernels()
+            c = self.hist.shape[0]
+            k.match_orders[(-(-c // MATCH_BLOCK),)](self.hist, self.length, self.best, c, BLOCK=MATCH_BLOCK)
+            k.chain_ids[(1,)](self.hist, self.length, self.best, self.ids, self.count, c, Q=self.q, QP=self._qp)
+            return
+        chain, count = device_match(self.hist, self.length, self.q)  # [q], [1]
+        self.ids.copy_(torch.cat([self.hist[self.length - 1], chain]))
+        self.count.copy_(count)
+
+    def verdict(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [q + 1, V] of the step's forward -> [n, count, y...] (n the chain tokens accepted, y
+        the target's token after each row); the history advanced by the n + 1 emitted tokens."""
+        if self.fast:
+            _kernels().chain_verdict[(1,)](logits.argmax(-1), self.ids, self.count, self.hist, self.length,
+                                           self.packed, Q=self.q, QP=self._qp)
+            return self.packed
+        y, n = accept_chain(logits, self.ids[1:], self.count)  # [q + 1], [1]
+        self.hist.index_copy_(0, self.length + self.rows, y)  # y[:n + 1] count; the rest is overwritten later
+        self.length.add_(n + 1)
+        return torch.cat([n, self.count, y])
+
+    @property
+    def _qp(self) -> int:
+        return 1 << self.q.bit_length()  # a power of two above q
+
     def step_co(self, target: TargetSession) -> Generator[AtDeviceLength, object, tuple]:
         """Queues one step: the chain found from the tokens on the device, the forward over [root] +
         chain at the cache's length (length - 1), its greedy verdict, and the emitted tokens appended.
         -> (host copy of [n, count, y...] (valid once `event` has passed), event)."""
-        chain, count = device_match(self.hist, self.length, self.q)  # [q], [1]
-        ids = torch.cat([self.hist[self.length - 1], chain])  # [q + 1]: the root, then the chain
-        logits, _ = yield AtDeviceLength(ids, self.length - 1, target.cache, CAUSAL)
-        y, n = accept_chain(logits, chain, count)  # [q + 1], [1]
-        self.hist.index_copy_(0, self.length + self.rows, y)  # y[:n + 1] count; the rest is overwritten later
-        self.length.add_(n + 1)
-        return to_host(torch.cat([n, count, y])), record_event(y.device)
+        self.match()
+        logits, _ = yield AtDeviceLength(self.ids, self.length - 1, target.cache, CAUSAL)
+        packed = self.verdict(logits)
+        return to_host(packed), record_event(packed.device)
+
+
+MATCH_BLOCK = 1024  # history tokens per program of match_orders
+
+
+def _kernels():
+    from specextend import _triton_lookup
+
+    return _triton_lookup
 
 
 def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stats: RequestStats, t1: float,
@@ -152,7 +196,8 @@ def runs_ahead(model, params, lookup: Optional[RequestLookup], load: Optional["L
     """Whether this step may begin a lookup run: a greedy request with a context lookup, alone on its
     forwards, where the forward keeps the length on the device (`forced` True or False overrides:
     tests, A/Bs)."""
-    if lookup is None or not params.greedy or (load is not None and load.sessions > 1):
+    if (lookup is None or not params.greedy or (load is not None and load.sessions > 1)
+            or tuple(lookup.index.ns) != NGRAMS):  # (the kernels' orders)
         return False
     if forced is not None:
         return forced

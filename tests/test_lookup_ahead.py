@@ -14,6 +14,7 @@ import specextend.lookup_ahead as ahead
 from specextend.attention.backends import CAUSAL
 from specextend.config import SamplingParams, TreeConfig
 from specextend.lookup import ContextIndex
+from specextend.lookup_ahead import DeviceHistory
 from specextend.lookup_device import accept_chain, device_match
 from specextend.models.batch import forward_at
 from specextend.models.decoder import ForwardOptions
@@ -55,6 +56,31 @@ def test_accept_chain_equals_verify_tree_on_a_path():
         verdict = verify_tree(logits[:count + 1], chain[:count].tolist(), list(range(-1, count - 1)), greedy, None)
         assert got_y[:int(n) + 1].tolist() == verdict.tokens
         assert int(n) == min(bad, count)
+
+
+@pytest.mark.parametrize("q", [1, 4, 8])
+def test_triton_step_kernels_equal_their_twins(q):
+    """DeviceHistory's fast step (three Triton kernels, in the interpreter on the CPU) against its
+    torch twin: the step's input ids and chain count, then the verdict, the history and its length."""
+    rng = random.Random(q)
+    g = torch.Generator().manual_seed(q)
+    for trial in range(20):
+        n, vocab = rng.randrange(1, 60), rng.choice([3, 7, 40])
+        ids = torch.tensor([rng.randrange(vocab) for _ in range(n)])
+        hs = [DeviceHistory(n + 8, q, "cpu", fast=f) for f in (False, True)]
+        for h in hs:
+            h.hist[:n] = ids
+            h.length.fill_(n)
+            h.match()
+        assert torch.equal(hs[0].ids, hs[1].ids) and torch.equal(hs[0].count, hs[1].count), ids.tolist()
+        logits = torch.randn(q + 1, vocab, generator=g)
+        keep = rng.randrange(0, q + 1)  # the target agrees with the chain's first `keep` tokens
+        for i, t in enumerate(hs[0].ids[1:].tolist()):
+            logits[i, t] = 10.0 if i < keep else -10.0  # ... and not with the next
+        packed = [h.verdict(logits).clone() for h in hs]
+        assert torch.equal(packed[0], packed[1])
+        assert torch.equal(hs[0].length, hs[1].length) and torch.equal(hs[0].hist, hs[1].hist)
+        assert int(packed[0][0]) == min(keep, int(hs[0].count))
 
 
 def test_forward_at_a_device_length_equals_the_forward_at_the_host_length():
