@@ -158,11 +158,9 @@ class Engine(RequestLimits, DraftLink):
             yield out.emit([token])  # the first token needs nothing from the draft: not its open either
             # the draft joins once its open (its prefill) is done: with the adaptive policy the target decodes
             # plainly meanwhile; the fixed policy waits for it here (docs/architecture.md, "Adaptive speculation")
-            if opening is not None and out.finish is None and (cfg.tree_policy != "adaptive" or not self.join_early):
-                use_draft = yield from self._join(opening, ctl, target_prefill_s, stats, sid)
-                opening_pending = False
-            else:
-                opening_pending = opening is not None
+            opening_pending = opening is not None
+            if opening_pending and out.finish is None and (cfg.tree_policy != "adaptive" or not self.join_early):
+                use_draft, opening_pending = (yield from self._join(opening, ctl, target_prefill_s, stats, sid)), False
             if index is not None and (use_draft or alone):  # (a draft that failed to join: plain steps)
                 index.extend([token])
                 lookup = RequestLookup(index, cfg.lookup_tokens, **ctl.chain_pricing(),  # chains where they pay
