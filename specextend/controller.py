@@ -119,6 +119,7 @@ class TreeController(Recording, Carrying):
     switch_tokens: Optional[float] = None  # (overlap) a run's first tree step: tokens (average) ...
     switch_s: Optional[float] = None  # ... and wall seconds (average)
     switch_misses: int = 0  # ... and how many of them in a row found no tree ready (began no run)
+    open_s: float = 0.0  # a deferred draft open's expected seconds, which the next probe costs too (price_open)
     unready_steps: int = 0  # tree steps asked that got none (decoded plainly: record_unready)
     _probe_misses: int = 0  # unready answers to the probe under way
     primed: bool = False  # started from carried Costs
@@ -332,16 +333,21 @@ class TreeController(Recording, Carrying):
             return best  # (no probe due: the probe's rung is not needed, ~25% of a choice's host work)
         probe = self.rungs[1] if self.priced_by_prior else self._probe_rung(best)
         if not self.probe_every:  # (with overlap a probe is a run's first step and one more)
-            # (what the probe could win bounds how often it is worth trying, once the draft is
-            # measured: a prior's price is a guess that the probe is there to correct)
-            gain = None if self.priced_by_prior else self.best_case_rate(probe) / max(self.value(best), 1e-12) - 1.0
-            self.probe_every = min(probe_interval(self.step_seconds(probe) + (self.switch_s or 0.0),
-                                                  self.step_seconds(best), self.value(probe), self.value(best),
-                                                  self.min_probe, self.probe_ratio, gain), self.max_probe)
+            self.probe_every = self.interval(best, probe)
         if self.since_probe >= self.probe_every:
             self._probing, self._best, self._probe, self._probe_by_prior = True, best, probe, self.priced_by_prior
             return probe
         return best
+
+    def interval(self, best: Rung, probe: Rung) -> int:
+        """Steps between probes of `probe` while `best` is chosen (costs.probe_interval), at most
+        max_probe: what the probe could win bounds how often it is worth trying, once the draft is
+        measured (a prior's price is a guess that the probe is there to correct); a probe that waits
+        for a deferred draft open costs that open too (open_s)."""
+        gain = None if self.priced_by_prior else self.best_case_rate(probe) / max(self.value(best), 1e-12) - 1.0
+        return min(probe_interval(self.step_seconds(probe) + (self.switch_s or 0.0) + self.open_s,
+                                  self.step_seconds(best), self.value(probe), self.value(best),
+                                  self.min_probe, self.probe_ratio, gain), self.max_probe)
 
     def _probe_rung(self, best: Rung) -> Rung:
         """The largest rung whose best case (every level accepted) beats `best`; else the smallest tree."""

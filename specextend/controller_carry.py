@@ -50,6 +50,27 @@ class Carrying:
         self.recheck = PlainRecheck(costs.since_plain, min(costs.plain_every, self.max_probe))
         self.primed = self._warm = True
 
+    def price_open(self, open_s: float) -> None:
+        """This primed session's draft is not open and its open would wait for its next probe
+        (draft_link.DraftLink.defers_open): that probe costs the open as well (`open_s`, the
+        expected seconds of the draft's prefill, which then runs beside the target's steps for the
+        probe's sake), so the carried schedule, set from earlier costs and doubled since, is raised
+        to at least the interval that this session's costs give with the open added to the probe
+        (`interval`, within max_probe): where no probe could win, max_probe. An interval set from
+        here on counts the open too (open_s) until the draft has joined (no_open)."""
+        self.open_s = max(open_s, 0.0)
+        self.first_tree_in()  # (settles the warm-up decision)
+        if not self.primed or self._warm or not self.probe_every or self._probing:
+            return  # (choose() sets the interval, with the open's seconds)
+        best = self.best()
+        if best != self.top:
+            probe = self.rungs[1] if self.priced_by_prior else self._probe_rung(best)
+            self.probe_every = max(self.probe_every, self.interval(best, probe))
+
+    def no_open(self) -> None:
+        """The draft has joined: probes cost no open from now on."""
+        self.open_s = 0.0
+
     def first_tree_in(self) -> int:
         """Steps before this session could first choose a tree (0: at once, or not known): a primed
         session that skips the warm-up tree takes none before its next probe (it has measured no

@@ -240,7 +240,11 @@ class DraftLink:
         if not (self.defer_opens and self.config.tree_policy == "adaptive"
                 and not self.config.overlap and self._open_per_token is not None):
             return False
-        return ctl.first_tree_in() > self._open_lead(ctl, prompt_tokens)
+        ctl.price_open(self._open_per_token * prompt_tokens)  # (the probe that opens it costs the open too)
+        if ctl.first_tree_in() > self._open_lead(ctl, prompt_tokens):
+            return True
+        ctl.no_open()  # (it opens now)
+        return False
 
     def open_due(self, ctl: TreeController, prompt_tokens: int, tokens_left: int) -> bool:
         """A deferred open starts now: the session's first possible tree is within the open's lead,
@@ -270,6 +274,7 @@ class DraftLink:
         except DraftError as e:
             return self._fall_back(stats, sid, e)
         stats.draft_open_s, stats.target_prefill_s = open_s, target_prefill_s
+        ctl.no_open()
         self._open_per_token = open_s / max(getattr(opening, "prompt_tokens", 1), 1)  # (a deferred open's lead)
         if self.prior_from_prefill:
             ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
-from specextend.costs import LinearCost
+from specextend.costs import Costs, LinearCost
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 
@@ -33,6 +33,15 @@ def slow_draft_costs(costs, probe_every: int, since_probe: int = 0):
     draft = LinearCost(proportional=True)
     draft.add(1, 1.0)
     return replace(costs, draft=draft, probe_every=probe_every, since_probe=since_probe)
+
+
+@pytest.fixture
+def injected(monkeypatch):
+    """The probe schedule as a test injects it: price_open (tested on its own below) would raise an
+    injected schedule to what the injected costs give."""
+    from specextend.controller import TreeController
+
+    monkeypatch.setattr(TreeController, "price_open", lambda self, open_s: None)
 
 
 @pytest.fixture
@@ -63,7 +72,7 @@ def test_a_request_that_ends_before_its_probe_never_opens_the_draft(rig):
     assert len(worker.opened) == 2  # without deferral the same session opens the draft
 
 
-def test_no_open_for_a_probe_past_the_requests_end(rig):
+def test_no_open_for_a_probe_past_the_requests_end(rig, injected):
     """The open's lead reaches into the request but its probe does not (at most 40 steps, the probe
     60 steps in): the draft is not opened only to be closed unused."""
     from specextend.ladder import PLAIN
@@ -80,7 +89,7 @@ def test_no_open_for_a_probe_past_the_requests_end(rig):
     assert tokens == ref and len(worker.opened) == 1 and stats.open_steps == 0
 
 
-def test_a_probe_due_within_the_request_finds_the_draft_opened(rig):
+def test_a_probe_due_within_the_request_finds_the_draft_opened(rig, injected):
     engine, worker, params, ref = rig
     engine._costs = slow_draft_costs(engine._costs, probe_every=25)
     tokens, _, stats = engine.generate(PROMPT, params)
@@ -107,3 +116,40 @@ def test_no_deferral_without_carried_costs_or_with_an_overlapping_draft(tiny_mod
     overlap._open_per_token = engine._open_per_token
     assert not overlap.defers_open(ctl, len(PROMPT))  # its own device: an open costs the target nothing
     worker.shutdown()
+
+
+def synthetic_costs(level_s: float, probe_every: int) -> Costs:
+    """Carried costs of a 1-ms plain forward (+10 us a row) and a draft level of `level_s`."""
+    forward = LinearCost()
+    forward.add(1, 1e-3)
+    forward.add(17, 1.16e-3)
+    draft = LinearCost(proportional=True)
+    draft.add(1, level_s)
+    return Costs(forward, draft, 1e-3, 0.0, 0.0, since_probe=0, probe_every=probe_every)
+
+
+def test_a_deferred_open_spaces_the_probes_by_its_cost(rig):
+    """The probe that a deferred open waits for costs the open too: a carried schedule is raised to
+    the interval that the session's costs give with the open's seconds added to the probe's
+    (controller_carry.Carrying.price_open), so that where trees do not pay a draft's open is paid
+    as rarely as its probes are worth."""
+    engine = rig[0]
+    ctl = engine.new_controller(TREE)
+    ctl.start_from(synthetic_costs(0.85e-3, probe_every=40))  # no warm-up tree, yet trees could pay a little
+    assert ctl.first_tree_in() == 40  # primed, no warm-up tree: its first tree is the probe, 40 steps in
+    best = ctl.best()
+    probe = ctl._probe_rung(best)
+    before = ctl.interval(best, probe)
+    assert best.plain and before < ctl.max_probe
+    ctl.price_open(0.06)  # an open as long as 60 plain steps
+    after = ctl.interval(best, probe)
+    assert after > before and ctl.probe_every == max(40, after) and ctl.first_tree_in() == max(40, after)
+    ctl.no_open()
+    assert ctl.open_s == 0.0 and ctl.interval(best, probe) == before
+    hopeless = engine.new_controller(TREE)  # a draft no probe could make pay: the open waits max_probe steps
+    hopeless.start_from(synthetic_costs(1.0, probe_every=40))
+    hopeless.price_open(0.06)
+    assert hopeless.probe_every == hopeless.max_probe
+    cold = engine.new_controller(TREE)  # not primed: nothing carried to raise; choose() counts the open
+    cold.price_open(0.06)
+    assert cold.probe_every == 0 and cold.open_s == 0.06
