@@ -20,6 +20,7 @@ runs on the CPU to compare their tokens with plain decoding's.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Generator, Optional
@@ -40,6 +41,8 @@ from specextend.target import TargetSession
 
 if TYPE_CHECKING:
     from specextend.session_calls import Load
+
+log = logging.getLogger(__name__)
 
 RUN_STEPS = 16  # a run's most steps: the policy is asked again after it
 RUN_DEPTH = 2  # steps queued and not yet read by the host
@@ -129,8 +132,6 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
     accepted. Yields each step's forward (AtDeviceLength) and StepEvent; returns the tokens emitted.
     At its end the cache's length and the host index hold exactly the emitted tokens (the request's
     end may leave a queued step unread: nothing follows it)."""
-    if lookup.index.length != target.cache.length + 1:
-        raise RuntimeError(f"lookup index ({lookup.index.length}) and cache ({target.cache.length}) out of step")
     hist.sync(lookup.index)
     inflight: deque = deque()
     queued, emitted = 0, []
@@ -165,6 +166,16 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
     return emitted
 
 
+def in_step(target: TargetSession, lookup: RequestLookup) -> bool:
+    """Whether the host index holds the cache's tokens and the root (what a run's history starts
+    from); never seen otherwise, but a run would then decode from the wrong tokens: the host's way."""
+    if lookup.index.length == target.cache.length + 1:
+        return True
+    log.warning("lookup index (%d tokens) and cache (%d) out of step: no lookup run", lookup.index.length,
+                target.cache.length)
+    return False
+
+
 def lookup_run_steps(ctl: TreeController, out: Emitter, stats: RequestStats, speculative: bool) -> int:
     """Steps a lookup run may take now (0: none): up to RUN_STEPS, never past the request's end nor,
     in a speculative request, past the policy's next probe or plain recheck (as plain_ahead.run_length)."""
@@ -181,7 +192,7 @@ def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStat
     """The run a step without a tree begins now from the last emitted token `last`, if any: a lookup
     run where `runs_ahead`, else a run of plain steps ahead where plain_ahead.run_length allows one
     (none: the step goes the host's way, plain_step.plain_step_co)."""
-    if runs_ahead(target.model, out.params, lookup, load, forced):
+    if runs_ahead(target.model, out.params, lookup, load, forced) and in_step(target, lookup):
         k = lookup_run_steps(ctl, out, stats, speculative)
         if not k:
             return None

@@ -182,3 +182,16 @@ def test_sampled_requests_take_the_hosts_way(pair, device_oracle):
     engine.lookup_ahead = True
     assert engine.generate(prompt(), params)[0] == want
     assert oracle.calls == 0
+
+
+def test_no_run_from_an_index_out_of_step_with_the_cache(pair):
+    from specextend.lookup import RequestLookup
+    from specextend.lookup_ahead import in_step
+    from specextend.target import TargetSession
+
+    target = TargetSession(pair[0].decoder, 64, hybrid=True)
+    target.cache.length = 10
+    lookup = RequestLookup(ContextIndex(list(range(11)), 64), 6)
+    assert in_step(target, lookup)
+    lookup.index.extend([3])
+    assert not in_step(target, lookup)
