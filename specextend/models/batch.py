@@ -64,6 +64,12 @@ def forward_at(model: Decoder, ids: torch.Tensor, start: torch.Tensor, cache: KV
     return model.forward(ids, positions, cache, CAUSAL)[0]
 
 
+def _own(result: "Result") -> "Result":
+    """A forward_at result that a later forward of the round could overwrite (it is the plan's
+    buffer, and another session's call of the same shape may follow it): a copy."""
+    return result[0].clone(), result[1]
+
+
 # With step graphs (CUDA), one call replays a captured graph while an eager batch runs launch by
 # launch: a few calls are cheaper replayed one after the other. The target's decode and verify
 # steps no longer come here (they batch through the graphs); what does is the draft's levels and
@@ -101,10 +107,10 @@ def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
     take run as one graphed forward (as many as it holds, largest first, the others padded to the
     largest); the rest as below (`forward_eager_batch`)."""
     graphs = model.graphs
-    if any(c.at_device_length for c in calls):  # (those alone, the others batched)
+    if any(c.at_device_length for c in calls):  # (those alone, after the others, which batch)
         others = [c for c in calls if not c.at_device_length]
         done = iter(forward_batch(model, others) if others else [])
-        return [c.run(model) if c.at_device_length else next(done) for c in calls]
+        return [_own(c.run(model)) if c.at_device_length else next(done) for c in calls]
     if graphs is None or len(calls) == 1:
         return forward_eager_batch(model, calls)
     keys = [graphs.batch_key(c) for c in calls]  # (staged keys, padded tokens) or None
