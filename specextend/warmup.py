@@ -22,6 +22,8 @@ from dataclasses import replace
 from typing import Sequence
 
 from specextend.ladder import Rung, ladder
+from specextend.lookup import ContextIndex, RequestLookup
+from specextend.lookup_ahead import DeviceHistory, runs_ahead
 from specextend.draft.base import DraftSessionParams
 from specextend.engine import Engine
 from specextend.target import TargetSession
@@ -43,6 +45,7 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
         warm_batches(engine, batch_sessions)
     if cfg.mode == "lookup":  # chains alone: each verify size once
         warm_verify_sizes(engine, prompt_ids)
+    warm_lookup_runs(engine, prompt_ids)
     if not cfg.uses_draft:
         return stats
     draft_warm_up = getattr(engine.draft, "warm_up", None)  # an in-process worker (a remote one warms itself)
@@ -92,6 +95,31 @@ def warm_verify_sizes(engine: Engine, prompt_ids: Sequence[int]) -> int:
             session.verify(prompt[-1], [prompt[i % len(prompt)] for i in range(nodes)], [-1] * nodes, capture)
             n += 1
     return n
+
+
+def warm_lookup_runs(engine: Engine, prompt_ids: Sequence[int], steps: int = 2) -> int:
+    """Where a greedy request's steps without a tree would run ahead of the host (lookup_ahead.py),
+    a few such steps on a throwaway session: the run's Triton kernels compile now (about a second
+    each, on a request's path otherwise) and its forward's plan is met. Returns the steps run (0:
+    requests take no runs)."""
+    cfg = engine.config
+    prompt = list(prompt_ids)
+    if not cfg.lookup_tokens or not cfg.plain_ahead or cfg.mode == "ar" or len(prompt) < 2:
+        return 0
+    q = cfg.lookup_tokens
+    index = ContextIndex(prompt, engine.target.args.vocab_size)
+    lookup = RequestLookup(index, q)
+    if not runs_ahead(engine.target.decoder, SamplingParams(max_new_tokens=steps), lookup, None, engine.lookup_ahead):
+        return 0
+    session = TargetSession(engine.target.decoder, len(prompt) + steps * (q + 1) + 2, hybrid=cfg.hybrid_attention)
+    session.prefill(prompt[:-1], cfg.prefill_chunk)  # the cache holds every token but the root
+    history = DeviceHistory(session.cache.capacity, q, engine.target.decoder.device)
+    history.sync(index)
+    for _ in range(steps):
+        _, event = session.run(history.step_co(session))
+        if event is not None:
+            event.synchronize()
+    return steps
 
 
 def _covering(rungs: list[Rung]) -> list[Rung]:

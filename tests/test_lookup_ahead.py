@@ -195,3 +195,15 @@ def test_no_run_from_an_index_out_of_step_with_the_cache(pair):
     assert in_step(target, lookup)
     lookup.index.extend([3])
     assert not in_step(target, lookup)
+
+
+def test_warm_up_runs_lookup_steps_where_requests_would(pair):
+    """The start-up warm-up takes a couple of lookup-run steps (their kernels compile then, not on
+    a request's path) where requests would run ahead, and none where they would not."""
+    from specextend.warmup import warm_lookup_runs
+
+    engine = make_engine(pair, mode="lookup", lookup_tokens=6)
+    assert warm_lookup_runs(engine, prompt()) == 0  # on the CPU runs are off
+    engine.lookup_ahead = True
+    assert warm_lookup_runs(engine, prompt()) == 2
+    assert warm_lookup_runs(make_engine(pair, mode="ar"), prompt()) == 0
