@@ -12,10 +12,14 @@ keeps its own index and the cache's length in step. Every step verifies a path o
 chain or not (a padded chain's junk rows are never accepted): on a GPU a row costs about 1% of
 the forward, less than the host's work that a step without a chain would otherwise expose.
 
-Greedy requests only (a sampled chain's verdict needs the host's generator): elsewhere, and where
-the forward would read the length back anyway (no full-step graphs: the CPU, whose twin
-`forward_at` synchronises), steps take the host's way (plain_step.plain_step_co); tests force
-runs on the CPU to compare their tokens with plain decoding's.
+A sampled request's run draws, at its start, one uniform for each position it may emit from the
+request's generator, in order, as plain decoding would; each row's token is the inverse-CDF sample
+of the target's distribution there with its position's uniform (lookup_device.sampled_rows), and
+a chain token is accepted where it is that sample, so the run emits plain decoding's seeded tokens;
+at its end the generator is put where the tokens actually emitted leave it. Where the forward would
+read the length back anyway (no full-step graphs: the CPU, whose twin `forward_at` synchronises),
+steps take the host's way (plain_step.plain_step_co); tests force runs on the CPU to compare their
+tokens with plain decoding's.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.attention.triton_prefix import triton_available
+from specextend.config import SamplingParams
 from specextend.controller import TreeController
 from specextend.emit import Emitter
 from specextend.lookup import NGRAMS, ContextIndex, RequestLookup
-from specextend.lookup_device import accept_chain, device_match
+from specextend.lookup_device import accepted, device_match, sampled_rows
 from specextend.models.batch import AtDeviceLength
 from specextend.models.transfer import copy_from_host, record_event, to_device, to_host
 from specextend.plain_ahead import plain_run_co, run_length
@@ -68,6 +73,10 @@ class DeviceHistory:
         self.count = torch.zeros(1, dtype=torch.long, device=device)  # [1] the chain's real tokens
         self.best = torch.full((3,), -1, dtype=torch.int32, device=device)  # [3] latest start per order (fast)
         self.packed = torch.zeros(q + 3, dtype=torch.long, device=device)  # [q + 3] n, count, y (fast)
+        self.params: Optional[SamplingParams] = None  # a sampled run's (begin); None: greedy
+        self.uniforms: Optional[torch.Tensor] = None  # [R] float64: the run's draws, one per position
+        self.drawn = torch.zeros(1, dtype=torch.long, device=device)  # [1] of them used (tokens emitted)
+        self._state: Optional[torch.Tensor] = None  # the generator's state before the run's draws
 
     def sync(self, index: ContextIndex) -> None:
         n = index.length
@@ -75,6 +84,26 @@ class DeviceHistory:
             self.hist[self.synced:n].copy_(to_device(index.ids[self.synced:n], torch.long, self.hist.device))
         copy_from_host(self.length, [n])
         self.synced = n
+
+    def begin(self, params: SamplingParams, gen: torch.Generator, tokens: int) -> None:
+        """A run that emits at most `tokens`: a sampled request's uniforms for those positions, drawn
+        from its generator now (one per position, in order, as plain decoding draws them); `end`
+        puts the generator where the tokens actually emitted leave it."""
+        self.params = None if params.greedy else params
+        if self.params is None:
+            return
+        self._state = gen.get_state()
+        draws = torch.rand((max(tokens, 1),), generator=gen, dtype=torch.float64)
+        self.uniforms = to_device(draws, torch.float64, self.hist.device)  # [R]
+        self.drawn.zero_()
+
+    def end(self, gen: torch.Generator, emitted: int) -> None:
+        """The run emitted `emitted` tokens: the generator as if it had drawn exactly that many."""
+        if self.params is not None and self._state is not None:
+            gen.set_state(self._state)
+            if emitted:
+                torch.rand((emitted,), generator=gen, dtype=torch.float64)
+        self.params = self._state = None
 
     def match(self) -> None:
         """The step's input (ids: the root, then the chain found from the tokens so far) and the
@@ -92,14 +121,23 @@ class DeviceHistory:
     def verdict(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [q + 1, V] of the step's forward -> [n, count, y...] (n the chain tokens accepted, y
         the target's token after each row); the history advanced by the n + 1 emitted tokens."""
+        if self.params is None:
+            y = logits.argmax(-1)  # [q + 1]
+        else:  # row r stands for the run's position drawn + r
+            u = self.uniforms[(self.drawn + self.rows).clamp_(max=self.uniforms.shape[0] - 1)]  # [q + 1]
+            y = sampled_rows(logits, self.params, u)
         if self.fast:
-            _kernels().chain_verdict[(1,)](logits.argmax(-1), self.ids, self.count, self.hist, self.length,
-                                           self.packed, Q=self.q, QP=self._qp)
-            return self.packed
-        y, n = accept_chain(logits, self.ids[1:], self.count)  # [q + 1], [1]
-        self.hist.index_copy_(0, self.length + self.rows, y)  # y[:n + 1] count; the rest is overwritten later
-        self.length.add_(n + 1)
-        return torch.cat([n, self.count, y])
+            _kernels().chain_verdict[(1,)](y, self.ids, self.count, self.hist, self.length, self.packed,
+                                           Q=self.q, QP=self._qp)
+            packed = self.packed
+        else:
+            n = accepted(y, self.ids[1:], self.count)  # [1]
+            self.hist.index_copy_(0, self.length + self.rows, y)  # y[:n + 1] count; the rest is overwritten later
+            self.length.add_(n + 1)
+            packed = torch.cat([n, self.count, y])
+        if self.params is not None:
+            self.drawn.add_(packed[:1] + 1)
+        return packed
 
     @property
     def _qp(self) -> int:
@@ -107,7 +145,7 @@ class DeviceHistory:
 
     def step_co(self, target: TargetSession) -> Generator[AtDeviceLength, object, tuple]:
         """Queues one step: the chain found from the tokens on the device, the forward over [root] +
-        chain at the cache's length (length - 1), its greedy verdict, and the emitted tokens appended.
+        chain at the cache's length (length - 1), its verdict, and the emitted tokens appended.
         -> (host copy of [n, count, y...] (valid once `event` has passed), event)."""
         self.match()
         logits, _ = yield AtDeviceLength(self.ids, self.length - 1, target.cache, CAUSAL)
@@ -125,7 +163,7 @@ def _kernels():
 
 
 def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stats: RequestStats, t1: float,
-                  steps: int, ctl: TreeController, lookup: RequestLookup,
+                  gen: torch.Generator, steps: int, ctl: TreeController, lookup: RequestLookup,
                   speculative: bool = True) -> Generator[object, object, list[int]]:
     """A run of up to `steps` lookup steps queued ahead of the host from the request's last emitted
     token; each counts as a plain step to the policy (its probe schedule) with the chain tokens it
@@ -133,6 +171,7 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
     At its end the cache's length and the host index hold exactly the emitted tokens (the request's
     end may leave a queued step unread: nothing follows it)."""
     hist.sync(lookup.index)
+    hist.begin(out.params, gen, min(steps * (hist.q + 1), out.params.max_new_tokens - stats.num_generated))
     inflight: deque = deque()
     queued, emitted = 0, []
     t_step = time.perf_counter()
@@ -163,6 +202,7 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
         t_step = time.perf_counter()
     target.cache.length = lookup.index.length - 1  # the host's copy, in step again
     hist.synced = lookup.index.length
+    hist.end(gen, len(emitted))
     return emitted
 
 
@@ -198,16 +238,16 @@ def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStat
             return None
         if target.history is None:
             target.history = DeviceHistory(target.cache.capacity, lookup.max_tokens, target.model.device)
-        return lookup_run_co(target, target.history, out, stats, t1, k, ctl, lookup, speculative)
+        return lookup_run_co(target, target.history, out, stats, t1, gen, k, ctl, lookup, speculative)
     k = run_length(ctl, out, stats, lookup, speculative)
     return plain_run_co(target, last, out, stats, t1, gen, k, ctl, lookup, speculative, load) if k else None
 
 
 def runs_ahead(model, params, lookup: Optional[RequestLookup], load: Optional["Load"], forced: Optional[bool]) -> bool:
-    """Whether this step may begin a lookup run: a greedy request with a context lookup, alone on its
+    """Whether this step may begin a lookup run: a request with a context lookup, alone on its
     forwards, where the forward keeps the length on the device (`forced` True or False overrides:
     tests, A/Bs)."""
-    if (lookup is None or not params.greedy or (load is not None and load.sessions > 1)
+    if (lookup is None or (load is not None and load.sessions > 1)
             or tuple(lookup.index.ns) != NGRAMS):  # (the kernels' orders)
         return False
     if forced is not None:

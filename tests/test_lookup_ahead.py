@@ -174,14 +174,39 @@ def test_a_stop_token_inside_a_run_ends_the_request_there(pair, device_oracle):
     assert finish == "stop" and out == ref[:ref.index(stop) + 1]
 
 
-def test_sampled_requests_take_the_hosts_way(pair, device_oracle):
-    params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
-    _, oracle = device_oracle(prompt(), SamplingParams(max_new_tokens=24, ignore_eos=True))
-    engine = make_engine(pair, mode="lookup", lookup_tokens=6)
-    want = engine.generate(prompt(), params)[0]
-    engine.lookup_ahead = True
-    assert engine.generate(prompt(), params)[0] == want
-    assert oracle.calls == 0
+@pytest.mark.parametrize("kw", [dict(mode="lookup"), dict(mode="sd", tree_policy="adaptive")], ids=["lookup", "adaptive"])
+def test_sampled_runs_emit_the_seeded_plain_tokens(pair, monkeypatch, ar_engine, kw):
+    """A sampled request's runs draw one uniform per position from its generator, in order: with the
+    same seed they emit exactly what plain decoding samples (float64), chains accepted on the way."""
+    total = 0
+    for seed in range(3):
+        params = SamplingParams(max_new_tokens=40, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+        longer = SamplingParams(max_new_tokens=80, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+        oracle = DeviceOracle(ar_engine.generate(prompt(), longer)[0], len(prompt()), seed)
+        monkeypatch.setattr(ahead, "device_match", oracle)
+        want = ar_engine.generate(prompt(), params)[0]
+        engine = make_engine(pair, tree=TreeConfig(8, 3, 2), lookup_tokens=6, **kw)
+        engine.lookup_ahead = True
+        out, _, stats = engine.generate(prompt(), params)
+        assert out == want
+        if kw["mode"] == "lookup":
+            assert oracle.calls > 0
+        total += stats.lookup_accepted
+    if kw["mode"] == "lookup":
+        assert total > 0
+
+
+def test_sampled_rows_equal_next_token_row_by_row():
+    from specextend.lookup_device import sampled_rows
+    from specextend.sampling import next_token_tensor
+
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, top_p=0.9)
+    logits = torch.randn(6, 40, generator=g, dtype=torch.float64)
+    u = torch.rand(6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    rows = sampled_rows(logits, params, u)
+    draws = torch.Generator().manual_seed(9)
+    assert rows.tolist() == [int(next_token_tensor(logits[r], params, draws)) for r in range(6)]
 
 
 def test_no_run_from_an_index_out_of_step_with_the_cache(pair):
