@@ -1,16 +1,17 @@
 """Lookup runs ahead of the host (docs/architecture.md, "Lookup runs ahead").
 
 A step without a draft tree that may verify a context-lookup chain needs the tokens so far to find
-its chain: on the host that means reading the last step's tokens before the next forward is
-queued, and the device idles meanwhile (about 0.45 ms a step on an H200 at 16K, against plain
-decoding's steps queued ahead: plain_ahead.py). Here the request's tokens also live on the device
-(DeviceHistory), which finds each step's chain (lookup_device.device_match, the host index's
-rule), verifies it greedily (accept_chain) and appends what it emits, so the next step's forward
-is queued before the host has read this one's tokens (models/batch.AtDeviceLength: the committed
-length stays on the device). The host reads each step's tokens one step behind, emits them and
-keeps its own index and the cache's length in step. Every step verifies a path of `q` + 1 rows,
-chain or not (a padded chain's junk rows are never accepted): on a GPU a row costs about 1% of
-the forward, less than the host's work that a step without a chain would otherwise expose.
+its chain: on the host that means reading the last step's tokens before the next forward is queued,
+and the device idles meanwhile (about 0.45 ms a step on an H200 at 16K, against plain decoding's
+steps queued ahead: plain_ahead.py). Here the request's tokens also live on the device
+(DeviceHistory), which finds each step's chain (lookup_device.device_match, the host index's rule),
+verifies it (lookup_device.accept_chain's verdict; a sampled request's below) and appends what it
+emits, so the next step's forward is queued before the host has read this one's tokens
+(models/batch.AtDeviceLength: the committed length stays on the device). The host reads each step's
+tokens one step behind, emits them and keeps its own index and the cache's length in step. Every
+step verifies a path of `q` + 1 rows, chain or not (a padded chain's junk rows are never accepted):
+on a GPU a row costs about 1% of the forward, less than the host's work that a step without a chain
+would otherwise expose.
 
 A sampled request's run draws, at its start, one uniform for each position it may emit from the
 request's generator, in order, as plain decoding would; each row's token is the inverse-CDF sample
@@ -50,8 +51,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # a run's most steps: the policy is asked again after it, and the device idles for one host read
-# between two runs (~0.3 ms a run at 16K on an H200): nothing within a run waits to be learnt (its
-# chains are verified whatever the gate says), and a speculative request's run ends at its probe
+# between two runs (not measured apart: about a host step's work); nothing within a run waits to
+# be learnt (its chains are verified whatever the gate says), and a speculative request's run ends
+# at its probe
 LOOKUP_RUN_STEPS = 32
 RUN_DEPTH = 2  # steps queued and not yet read by the host
 
@@ -62,7 +64,7 @@ class DeviceHistory:
     yet in the target's cache. The host's ContextIndex holds the same tokens; `sync` copies the
     ones the device has not seen (those of steps taken the host's way) before a run. `fast`: the
     step's lookup and verdict as three Triton kernels (_triton_lookup.py; default: on CUDA with
-    Triton) instead of their twins' torch ops (lookup_device.device_match, accept_chain)."""
+    Triton) instead of their twins' torch ops (lookup_device.device_match, accepted)."""
 
     def __init__(self, capacity: int, q: int, device: torch.device, fast: Optional[bool] = None) -> None:
         device = torch.device(device)
