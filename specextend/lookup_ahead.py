@@ -15,7 +15,7 @@ would otherwise expose.
 
 A sampled request's run draws, at its start, one uniform for each position it may emit from the
 request's generator, in order, as plain decoding would; each row's token is the inverse-CDF sample
-of the target's distribution there with its position's uniform (lookup_device.sampled_rows), and
+of the target's distribution there with its position's uniform (sampling.sample_rows), and
 a chain token is accepted where it is that sample, so the run emits plain decoding's seeded tokens;
 at its end the generator is put where the tokens actually emitted leave it. Where the forward would
 read the length back anyway (no full-step graphs: the CPU, whose twin `forward_at` synchronises),
@@ -38,10 +38,11 @@ from specextend.config import SamplingParams
 from specextend.controller import TreeController
 from specextend.emit import Emitter
 from specextend.lookup import NGRAMS, ContextIndex, RequestLookup
-from specextend.lookup_device import accepted, device_match, sampled_rows
+from specextend.lookup_device import accepted, device_match
 from specextend.models.batch import AtDeviceLength
 from specextend.models.transfer import copy_from_host, record_event, to_device, to_host
 from specextend.plain_ahead import plain_run_co, run_length
+from specextend.sampling import sample_rows
 from specextend.stats import RequestStats
 from specextend.target import TargetSession
 
@@ -130,7 +131,7 @@ class DeviceHistory:
             y = logits.argmax(-1)  # [q + 1]
         else:  # row r stands for the run's position drawn + r
             u = self.uniforms[(self.drawn + self.rows).clamp_(max=self.uniforms.shape[0] - 1)]  # [q + 1]
-            y = sampled_rows(logits, self.params, u)
+            y = sample_rows(logits, self.params, u)
         if self.fast:
             _kernels().chain_verdict[(1,)](y, self.ids, self.count, self.hist, self.length, self.packed,
                                            Q=self.q, QP=self._qp)

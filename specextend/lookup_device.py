@@ -12,9 +12,7 @@ from typing import Sequence
 
 import torch
 
-from specextend.config import SamplingParams
 from specextend.lookup import NGRAMS
-from specextend.sampling import target_probs
 
 
 def device_match(hist: torch.Tensor, length: torch.Tensor, q: int,
@@ -59,16 +57,3 @@ def accepted(y: torch.Tensor, chain: torch.Tensor, count: torch.Tensor) -> torch
     q = chain.shape[0]
     ok = (y[:q] == chain) & (torch.arange(q, device=y.device) < count)  # [q]
     return ok.to(torch.long).cumprod(0).sum().view(1)
-
-
-def sampled_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
-    """The target's sampled token after each row of logits [R, V], row r with the uniform u[r]
-    ([R] float64 on the device): sampling.next_token_tensor's inverse-CDF search and its walk back
-    from a zero-probability boundary token, for every row at once. With the uniforms of the
-    positions the rows stand for, the tokens plain decoding draws there (verify_tree's draws)."""
-    probs = target_probs(logits, params)  # [R, V]
-    cdf = probs.to(torch.float64).cumsum(-1)  # [R, V]
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
-    positions = torch.arange(probs.shape[-1], device=probs.device)  # [V]
-    nonzero_at_or_before = torch.where(probs > 0, positions, 0).cummax(-1).values  # [R, V]: 0 where none
-    return nonzero_at_or_before.gather(-1, idx).squeeze(-1)  # [R]

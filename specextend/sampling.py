@@ -65,14 +65,23 @@ def next_token(logits_row: torch.Tensor, params: SamplingParams, generator: torc
 def next_token_tensor(logits_row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """logits_row [V] -> the token of next_token(logits_row, params, generator), as a [1] int64
     tensor on the logits' device, computed without synchronising: the uniform is drawn on the host
-    (it does not depend on the logits) and uploaded; the inverse-CDF search, and sample_row's walk
-    back from a zero-probability boundary token, run on the device."""
+    (it does not depend on the logits) and uploaded; the inverse-CDF search runs on the device
+    (sample_rows)."""
     if params.greedy:
         return torch.argmax(logits_row).view(1)
-    probs = target_probs(logits_row[None], params)[0]  # [V]
-    u = to_device(torch.rand((1,), generator=generator, dtype=torch.float64), torch.float64, probs.device)  # [1]
-    cdf = probs.to(torch.float64).cumsum(0)  # [V]
-    idx = torch.searchsorted(cdf, u * cdf[-1:]).clamp_(max=probs.shape[0] - 1)  # [1]
-    positions = torch.arange(probs.shape[0], device=probs.device)  # [V]
-    nonzero_at_or_before = torch.where(probs > 0, positions, 0).cummax(0).values  # [V]: 0 where none
-    return nonzero_at_or_before[idx]  # [1]
+    u = to_device(torch.rand((1,), generator=generator, dtype=torch.float64), torch.float64, logits_row.device)  # [1]
+    return sample_rows(logits_row[None], params, u)  # [1]
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """The sampled token of each row of logits [R, V], row r with the uniform u[r] ([R] float64 on
+    the logits' device): sample_row's inverse-CDF search and its walk back from a zero-probability
+    boundary token, for every row at once on the device -> [R] int64. Plain steps ahead sample one
+    row (next_token_tensor); a lookup run every row of its path, each with its position's uniform
+    (lookup_ahead.py)."""
+    probs = target_probs(logits, params)  # [R, V]
+    cdf = probs.to(torch.float64).cumsum(-1)  # [R, V]
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
+    positions = torch.arange(probs.shape[-1], device=probs.device)  # [V]
+    nonzero_at_or_before = torch.where(probs > 0, positions, 0).cummax(-1).values  # [R, V]: 0 where none
+    return nonzero_at_or_before.gather(-1, idx).squeeze(-1)  # [R]

@@ -196,17 +196,18 @@ def test_sampled_runs_emit_the_seeded_plain_tokens(pair, monkeypatch, ar_engine,
         assert total > 0
 
 
-def test_sampled_rows_equal_next_token_row_by_row():
-    from specextend.lookup_device import sampled_rows
-    from specextend.sampling import next_token_tensor
+def test_sample_rows_equal_the_hosts_sampler_row_by_row():
+    """sampling.sample_rows (a run's rows, each with its own uniform) against next_token's host
+    sampler drawing the same uniforms one by one."""
+    from specextend.sampling import next_token, sample_rows
 
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, top_p=0.9)
     logits = torch.randn(6, 40, generator=g, dtype=torch.float64)
     u = torch.rand(6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    rows = sampled_rows(logits, params, u)
+    rows = sample_rows(logits, params, u)
     draws = torch.Generator().manual_seed(9)
-    assert rows.tolist() == [int(next_token_tensor(logits[r], params, draws)) for r in range(6)]
+    assert rows.tolist() == [next_token(logits[r], params, draws) for r in range(6)]
 
 
 def test_no_run_from_an_index_out_of_step_with_the_cache(pair):
