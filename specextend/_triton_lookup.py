@@ -6,7 +6,7 @@ Three launches a step instead of some forty small torch ops (about 0.25 ms of de
 start of the last 3-, 2- and 1-gram, one program per block of the history, atomically maxed),
 `chain_ids` (the longest order's chain and the step's input ids), `chain_verdict` (after the
 target's argmax: the accepted count, the history and its length advanced, the packed result).
-Their twins are lookup_device.device_match and accept_chain (tests/test_lookup_ahead.py)."""
+Their twins are lookup_device.device_match and accepted (tests/test_lookup_ahead.py)."""
 
 import triton
 import triton.language as tl

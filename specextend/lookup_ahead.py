@@ -5,7 +5,7 @@ its chain: on the host that means reading the last step's tokens before the next
 and the device idles meanwhile (about 0.45 ms a step on an H200 at 16K, against plain decoding's
 steps queued ahead: plain_ahead.py). Here the request's tokens also live on the device
 (DeviceHistory), which finds each step's chain (lookup_device.device_match, the host index's rule),
-verifies it (lookup_device.accept_chain's verdict; a sampled request's below) and appends what it
+verifies it (lookup_device.accepted, on the target's argmax or sample: below) and appends what it
 emits, so the next step's forward is queued before the host has read this one's tokens
 (models/batch.AtDeviceLength: the committed length stays on the device). The host reads each step's
 tokens one step behind, emits them and keeps its own index and the cache's length in step. Every

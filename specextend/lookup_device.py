@@ -1,5 +1,5 @@
 """Context lookup on the device (docs/architecture.md, "Lookup runs ahead"): the request's tokens in a
-device buffer, the chain that ContextIndex.match would find computed there, and a greedy chain
+device buffer, the chain that ContextIndex.match would find computed there, and a chain's
 verdict, all without the host, so that a run of lookup steps can be queued ahead of the host as
 plain decoding's steps are (lookup_ahead.py). Pure tensor functions with static shapes: no value
 leaves the device, nothing synchronises. Slow twins: ContextIndex.match (lookup.py) and
@@ -42,18 +42,11 @@ def device_match(hist: torch.Tensor, length: torch.Tensor, q: int,
     return chain, count
 
 
-def accept_chain(logits: torch.Tensor, chain: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verdict of a path: logits [q + 1, V] of the forward over [root, chain[0..q-1]], of which
-    the first `count` ([1]) chain tokens are real. -> (y [q + 1] the target's token after each row,
-    n [1] the chain tokens accepted): the step emits y[:n + 1] (the accepted tokens, then the
-    target's own), as verify_tree does for a path under greedy decoding."""
-    y = logits.argmax(-1)  # [q + 1]
-    return y, accepted(y, chain, count)
-
-
 def accepted(y: torch.Tensor, chain: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """n [1]: the leading chain tokens (of the first `count`) that y [q + 1], the target's token
-    after each row, confirms."""
+    """The verdict of a path [root, chain[0..q-1]] whose first `count` ([1]) chain tokens are real,
+    given y [q + 1], the target's token after each row (its argmax, or its sample: sampling.sample_rows):
+    n [1], the leading chain tokens y confirms. The step emits y[:n + 1] (the accepted tokens, then
+    the target's own), as verify_tree does for a path."""
     q = chain.shape[0]
     ok = (y[:q] == chain) & (torch.arange(q, device=y.device) < count)  # [q]
     return ok.to(torch.long).cumprod(0).sum().view(1)

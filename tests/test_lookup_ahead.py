@@ -15,7 +15,7 @@ from specextend.attention.backends import CAUSAL
 from specextend.config import SamplingParams, TreeConfig
 from specextend.lookup import ContextIndex
 from specextend.lookup_ahead import DeviceHistory
-from specextend.lookup_device import accept_chain, device_match
+from specextend.lookup_device import accepted, device_match
 from specextend.models.batch import forward_at
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs
@@ -40,7 +40,7 @@ def test_device_match_equals_the_host_index(vocab, q):
         assert chain[:int(count)].tolist() == want
 
 
-def test_accept_chain_equals_verify_tree_on_a_path():
+def test_the_verdict_equals_verify_tree_on_a_path():
     g = torch.Generator().manual_seed(0)
     greedy = SamplingParams(max_new_tokens=8)
     for trial in range(200):
@@ -52,7 +52,8 @@ def test_accept_chain_equals_verify_tree_on_a_path():
         if bad < q:
             chain[bad] = (chain[bad] + 1) % v
         count = int(torch.randint(0, q + 1, (1,), generator=g))
-        got_y, n = accept_chain(logits, chain, torch.tensor([count]))
+        got_y = logits.argmax(-1)
+        n = accepted(got_y, chain, torch.tensor([count]))
         verdict = verify_tree(logits[:count + 1], chain[:count].tolist(), list(range(-1, count - 1)), greedy, None)
         assert got_y[:int(n) + 1].tolist() == verdict.tokens
         assert int(n) == min(bad, count)
