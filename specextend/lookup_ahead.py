@@ -41,7 +41,7 @@ from specextend.lookup import NGRAMS, ContextIndex, RequestLookup
 from specextend.lookup_device import accepted, device_match
 from specextend.models.batch import AtDeviceLength
 from specextend.models.transfer import copy_from_host, record_event, to_device, to_host
-from specextend.plain_ahead import plain_run_co, run_length
+from specextend.plain_ahead import plain_run_co, run_length, run_room
 from specextend.sampling import sample_rows
 from specextend.stats import RequestStats
 from specextend.target import TargetSession
@@ -222,16 +222,6 @@ def in_step(target: TargetSession, lookup: RequestLookup) -> bool:
     return False
 
 
-def lookup_run_steps(ctl: TreeController, out: Emitter, stats: RequestStats, speculative: bool) -> int:
-    """Steps a lookup run may take now (0: none): up to LOOKUP_RUN_STEPS, never past the request's end nor,
-    in a speculative request, past the policy's next probe or plain recheck (as plain_ahead.run_length)."""
-    if speculative and (ctl.probe_every <= ctl.since_probe or ctl.recheck.pending):
-        return 0
-    to_probe = ctl.probe_every - ctl.since_probe if speculative else LOOKUP_RUN_STEPS
-    k = min(LOOKUP_RUN_STEPS, to_probe, out.params.max_new_tokens - stats.num_generated)
-    return k if k >= 2 else 0
-
-
 def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float, gen: torch.Generator,
               ctl: TreeController, lookup: Optional[RequestLookup], speculative: bool, load: Optional["Load"],
               forced: Optional[bool] = None) -> Optional[Generator[object, object, list[int]]]:
@@ -239,7 +229,7 @@ def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStat
     run where `runs_ahead`, else a run of plain steps ahead where plain_ahead.run_length allows one
     (none: the step goes the host's way, plain_step.plain_step_co)."""
     if runs_ahead(target.model, out.params, lookup, load, forced) and in_step(target, lookup):
-        k = lookup_run_steps(ctl, out, stats, speculative)
+        k = run_room(ctl, out, stats, speculative, LOOKUP_RUN_STEPS)
         if not k:
             return None
         if target.history is None:

@@ -110,10 +110,17 @@ def run_length(ctl: TreeController, out: Emitter, stats: RequestStats, lookup: O
     chose the plain step) never past the policy's next probe, its way back to trees."""
     if lookup is not None and (not lookup.priced or lookup.could_pay()):  # (priced: a plain step's host
         return 0  # work measured first, which a run does not teach the gate)
-    if speculative and (ctl.probe_every <= ctl.since_probe or ctl.recheck.pending):  # (a recheck: timed alone)
+    return run_room(ctl, out, stats, speculative, RUN_TOKENS)
+
+
+def run_room(ctl: TreeController, out: Emitter, stats: RequestStats, speculative: bool, most: int) -> int:
+    """Steps a run ahead may take now, up to `most` (0: none, where fewer than 2): never past the
+    request's end nor, in a `speculative` request, past the policy's next probe or a plain recheck
+    (timed alone). Runs of plain steps (run_length) and lookup runs (lookup_ahead.py) alike."""
+    if speculative and (ctl.probe_every <= ctl.since_probe or ctl.recheck.pending):
         return 0
-    to_probe = ctl.probe_every - ctl.since_probe if speculative else RUN_TOKENS
-    k = min(RUN_TOKENS, to_probe, out.params.max_new_tokens - stats.num_generated)
+    to_probe = ctl.probe_every - ctl.since_probe if speculative else most
+    k = min(most, to_probe, out.params.max_new_tokens - stats.num_generated)
     return k if k >= 2 else 0
 
 
