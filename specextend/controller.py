@@ -326,12 +326,9 @@ class TreeController(Recording, Carrying):
         if best == self.top:  # nothing larger to probe
             self.probe_every = self.since_probe = 0
             return best
-        # while only the prior prices the draft, the probe is the smallest tree (a level measured
-        # cheaply corrects a wrong prior); after it the largest rung that could beat the best fully
-        # accepted (it measures every rung inside it), else the smallest (re-measures the draft)
         if self.probe_every and self.since_probe < self.probe_every:
             return best  # (no probe due: the probe's rung is not needed, ~25% of a choice's host work)
-        probe = self.rungs[1] if self.priced_by_prior else self._probe_rung(best)
+        probe = self._probe_rung(best)
         if not self.probe_every:  # (with overlap a probe is a run's first step and one more)
             self.probe_every = self.interval(best, probe)
         if self.since_probe >= self.probe_every:
@@ -350,7 +347,12 @@ class TreeController(Recording, Carrying):
                                   self.min_probe, self.probe_ratio, gain), self.max_probe)
 
     def _probe_rung(self, best: Rung) -> Rung:
-        """The largest rung whose best case (every level accepted) beats `best`; else the smallest tree."""
+        """The rung a probe takes while `best` is chosen: while only the prior prices the draft, the
+        smallest tree (a level measured cheaply corrects a wrong prior); after it the largest rung
+        whose best case (every level accepted) beats `best` (it measures every rung inside it), else
+        the smallest (it re-measures the draft)."""
+        if self.priced_by_prior:
+            return self.rungs[1]
         bar = self.value(best)
         return next((r for r in reversed(self.rungs[1:]) if self.best_case_rate(r) > bar), self.rungs[1])
 

@@ -64,8 +64,7 @@ class Carrying:
             return  # (choose() sets the interval, with the open's seconds)
         best = self.best()
         if best != self.top:
-            probe = self.rungs[1] if self.priced_by_prior else self._probe_rung(best)
-            self.probe_every = max(self.probe_every, self.interval(best, probe))
+            self.probe_every = max(self.probe_every, self.interval(best, self._probe_rung(best)))
 
     def no_open(self) -> None:
         """The draft has joined: probes cost no open from now on."""
