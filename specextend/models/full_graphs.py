@@ -36,9 +36,8 @@ from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta
 from specextend.kv_cache import KVCache
 from specextend.models import persistent as persistent_mod
 from specextend.models.capture import capture
-from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room
+from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room, path_mask
 from specextend.models.transfer import copy_from_host, to_device
-from specextend.tree import ancestor_mask_cached
 
 MAX_BATCH_SESSIONS = 32  # sessions in one batched forward (more: several forwards)
 MAX_BATCH_ROWS = 512  # tokens in one batched forward, all its sessions together
@@ -86,6 +85,7 @@ class FullStepGraphs(StepGraphs):
         dev = model.device
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.anchor = torch.zeros(ALIGN, dtype=model.dtype, device=dev)  # caches are addressed from here
+        self.path_offsets = torch.arange(max_tokens, device=dev)  # [max_tokens] past a path's start (forward_at)
         self.batching = True  # several sessions' forwards as one (forward_batch); False: each alone
         # (staged keys, tokens) shapes that batch once warm_batches has captured their plans (None: any,
         # captured when met)
@@ -122,15 +122,13 @@ class FullStepGraphs(StepGraphs):
         cache's capacity; cache.length is left as it was (the host's copy of the length lags)."""
         t = ids.shape[0]
         key = ShapeKey(t, 0, 0, False, False)
-        mask = ancestor_mask_cached(range(-1, t - 2), ids.device)  # a path: tril
+        mask = path_mask(t, ids.device)
         with self.lock:
             self.forwards += 1
             p = self._plan(key, cache)
             p.ids.copy_(ids)
-            torch.add(start, torch.arange(t, device=ids.device), out=p.pos)  # [T]
-            if p.mask_src is not mask:
-                p.mask.copy_(mask, non_blocking=True)
-                p.mask_src = mask
+            torch.add(start, self.path_offsets[:t], out=p.pos)  # [T]
+            p.set_mask(mask)
             copy_from_host(p.meta, cache_meta(cache.data, self.anchor, 0))  # address and capacity ...
             p.meta[1:2].copy_(start)  # ... and the committed length, from the device
             self._replay(p)
@@ -223,9 +221,7 @@ class FullStepGraphs(StepGraphs):
             if nb > n:  # valid ids and positions (any) for the padding sessions
                 p.ids[n * t:].zero_()
                 p.pos[n * t:].zero_()
-            if p.mask_src is not mask:  # (a round like the last one: its mask is in place)
-                p.mask.copy_(mask, non_blocking=True)
-                p.mask_src = mask
+            p.set_mask(mask)  # (a round like the last one: its mask is in place)
             if st:
                 for i, c in enumerate(calls):  # the staged tree keys of earlier levels
                     p.scratch[:, :, :, i * st:(i + 1) * st].copy_(c.cache.staged(0, st))

@@ -94,6 +94,19 @@ class _Plan:
         self.cap_q = self.cap_lse = None  # [H, T, D], [H, T]
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
+    def set_mask(self, mask: torch.Tensor) -> None:
+        """The forward's mask into the static buffer, unless it holds that tensor's content already (a
+        shared mask, tree.ancestor_mask_cached, or a batched round's kept one, met again: in place)."""
+        if self.mask_src is not mask:
+            self.mask.copy_(mask, non_blocking=True)
+            self.mask_src = mask
+
+
+def path_mask(t: int, device) -> torch.Tensor:
+    """CAUSAL over a forward's own t keys as a tensor: a path's ancestor mask (tril), one shared
+    tensor per t."""
+    return ancestor_mask_cached(range(-1, t - 2), device)
+
 
 class StepGraphs:
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS,
@@ -149,16 +162,14 @@ class StepGraphs:
         rows = opts.logits_rows
         key = ShapeKey(t, opts.staged, 0 if rows is None else rows.numel(), opts.capture_last,
                        opts.store is not None)
-        if isinstance(new_mask, str):  # CAUSAL over this forward's own keys (one shared tensor per t)
-            new_mask = ancestor_mask_cached(range(-1, t - 2), input_ids.device)  # a path's mask: tril
+        if isinstance(new_mask, str):  # CAUSAL over this forward's own keys
+            new_mask = path_mask(t, input_ids.device)
         with self.lock:
             self.forwards += 1
             p = self._plan(key, cache)
             p.ids.copy_(input_ids, non_blocking=True)
             p.pos.copy_(positions, non_blocking=True)
-            if p.mask_src is not new_mask:  # a shared mask (tree.ancestor_mask_cached) met again: in place
-                p.mask.copy_(new_mask, non_blocking=True)
-                p.mask_src = new_mask
+            p.set_mask(new_mask)
             if p.rows is not None:
                 p.rows.copy_(rows, non_blocking=True)
             if opts.staged:
