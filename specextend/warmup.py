@@ -98,7 +98,7 @@ def warm_verify_sizes(engine: Engine, prompt_ids: Sequence[int]) -> int:
 
 
 def warm_lookup_runs(engine: Engine, prompt_ids: Sequence[int], steps: int = 2) -> int:
-    """Where a greedy request's steps without a tree would run ahead of the host (lookup_ahead.py),
+    """Where a request's steps without a tree would run ahead of the host (lookup_ahead.py),
     a few such steps on a throwaway session: the run's Triton kernels compile now (about a second
     each, on a request's path otherwise) and its forward's plan is met. Returns the steps run (0:
     requests take no runs)."""
