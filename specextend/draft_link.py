@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Callable, Generator, Optional
 
 from specextend.config import EngineConfig
@@ -119,6 +120,52 @@ def start_ask(draft: DraftBackend, lane: Lane, sid: str, step: int, tokens, retr
             lane.adopt(call)
             return call
     return lane.submit(draft.step, *args)
+
+
+class RunTells:
+    """Tells to an overlapping draft (docs/architecture.md, "Overlapped drafting", told verdicts and
+    runs that tell): the tokens committed since the draft's last call go to it as a tell
+    (TELL_BOUND: its answer unused), through the session's lane, never waited for; held for the next
+    call where LANE_BACKLOG calls are unanswered. A plain step sends `due()` once its forward is
+    queued; a run ahead (plain or lookup) calls the object with each step's tokens as the host reads
+    them, which tells the tokens read before them, so the draft's pool follows the run and a tree
+    after it finds the draft current; the last step's tokens stay pending, as a plain step's do, for
+    the next call. `state()` hands the engine back its (step, pending, retrieval, held); `error`: a
+    DraftError met in the lane (the engine falls back)."""
+
+    def __init__(self, draft: DraftBackend, lane: Lane, sid: str, step: int, pending: list, retrieval,
+                 held: bool, stats: RequestStats) -> None:
+        self.draft, self.lane, self.sid, self.stats = draft, lane, sid, stats
+        self.step, self.pending, self.retrieval, self.held = step, list(pending), retrieval, held
+        self.error: Optional[BaseException] = None
+
+    def due(self) -> Optional[Callable[[], Future]]:
+        """The tell of the pending tokens, if one may go now (the caller starts it), its step number
+        taken; None: none pending, an error met, or held."""
+        if self.error is not None or not self.pending:
+            return None
+        err = self.lane.error()
+        if isinstance(err, DraftError):
+            self.error = err
+            return None
+        if self.lane.backlog >= LANE_BACKLOG:  # they go with the next call
+            self.held = True
+            return None
+        send = partial(start_ask, self.draft, self.lane, self.sid, self.step, self.pending, self.retrieval, TELL_BOUND)
+        self.step, self.pending, self.retrieval, self.held = self.step + 1, [], None, False
+        self.stats.told_steps += 1
+        return send
+
+    def __call__(self, tokens: list[int]) -> None:
+        retrieval = self.retrieval
+        send = self.due()
+        if send is not None:
+            launch_scoring(retrieval)  # (before a call that may run on another thread)
+            send()
+        self.pending = self.pending + list(tokens)
+
+    def state(self) -> tuple:
+        return self.step, self.pending, self.retrieval, self.held
 
 
 def ask_ahead(draft: DraftBackend, lane: Lane, ctl: TreeController, lookup, sessions: int, sid: str, step: int,

@@ -18,8 +18,7 @@ from specextend.controller import AlwaysSpeculate, TreeController
 from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree
-from specextend.draft_link import (LANE_BACKLOG, TELL_BOUND, DraftLink, Lane, ask_ahead, prepared_tree, send_prepare,
-                                   settled, start_ask)
+from specextend.draft_link import DraftLink, Lane, RunTells, ask_ahead, prepared_tree, send_prepare, settled, start_ask
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, LookupGate, RequestLookup, drafted_prefix
 from specextend.models.args import ModelArgs
@@ -342,24 +341,29 @@ class Engine(RequestLimits, DraftLink):
                     kind, split = "tree", (draft_s, ctl.last_forward_s)  # (the step's wait, its forward)
                 else:
                     asked = ready = None  # (an ask in flight: a tell after all, its answer unused)
-                    if (cfg.plain_ahead and not (tell or opening_pending) and feed is None and ref is None
-                            and (run := run_ahead(target, committed[-1], out, stats, t1, gen, ctl, lookup, use_draft,
-                                                  load, self.lookup_ahead))):  # ("Plain steps ahead", "Lookup runs ahead")
-                        committed = yield from run
-                        pending, t_back, load.others_wait_s = pending + committed, time.perf_counter(), 0.0
-                        continue  # (waits shared during the run are not the next step's: Load.wall)
-                    # the tokens so far go to the draft once this step's forward is queued (the
-                    # call's host work while the device runs: start_ask), after the lane's calls, unwaited
+                    # an overlapping draft hears the tokens so far: a plain step's once its forward is queued (the
+                    # call's host work while the device runs: start_ask), a run's as read; after the lane's calls, unwaited
+                    tells = RunTells(self.draft, lane, sid, step, pending, retrieval, held, stats) if tell else None
+                    run = (cfg.plain_ahead and not opening_pending and feed is None and ref is None
+                           and run_ahead(target, committed[-1], out, stats, t1, gen, ctl, lookup, use_draft, load,
+                                         self.lookup_ahead, tells))  # ("Plain steps ahead", "Lookup runs ahead")
                     send, scoring = None, retrieval  # (scoring: launched once this step's forward is queued)
-                    if tell and pending and not opening_pending:
-                        if isinstance(lane.error(), DraftError):
-                            use_draft = tell = self._fall_back(stats, sid, lane.error())
-                        elif lane.backlog < LANE_BACKLOG:
-                            send = partial(start_ask, self.draft, lane, sid, step, pending, retrieval, TELL_BOUND)
-                            step, retrieval, pending, held = step + 1, None, [], False
-                            stats.told_steps += 1
-                        else:  # they go with the next call
-                            held = True
+                    if run:
+                        committed = yield from run
+                    elif tells is not None and not opening_pending:
+                        send = tells.due()
+                    if tells is not None:
+                        step, pending, retrieval, held = tells.state()
+                        if tells.error is not None:
+                            use_draft = tell = self._fall_back(stats, sid, tells.error)
+                    if run:
+                        pending = pending if tells is not None else pending + committed  # (told: in the state)
+                        if tell and ask_early and not out.ends(committed):  # (as after a plain step)
+                            chosen, asked, step, pending, retrieval = ask_ahead(
+                                self.draft, lane, ctl, lookup, load.sessions, sid, step, pending, retrieval)
+                            held = held and asked is None
+                        t_back, load.others_wait_s = time.perf_counter(), 0.0
+                        continue  # (waits shared during the run are not the next step's: Load.wall)
                     chains = stats.lookup_steps
                     committed = yield from plain_step_co(target, committed[-1], params, gen, timed, lookup, stats,
                                                          send, ref, scoring, teach_host=not opening_pending)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Generator, Optional
+from typing import TYPE_CHECKING, Callable, Generator, Optional
 
 import torch
 
@@ -170,10 +170,12 @@ def _kernels():
 
 def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stats: RequestStats, t1: float,
                   gen: torch.Generator, steps: int, ctl: TreeController, lookup: RequestLookup,
-                  speculative: bool = True) -> Generator[object, object, list[int]]:
+                  speculative: bool = True, heard: Optional[Callable[[list[int]], None]] = None
+                  ) -> Generator[object, object, list[int]]:
     """A run of up to `steps` lookup steps queued ahead of the host from the request's last emitted
     token; each counts as a plain step to the policy (its probe schedule) with the chain tokens it
     accepted. Yields each step's forward (AtDeviceLength) and StepEvent; returns the tokens emitted.
+    `heard(tokens)`: each step's tokens once read (an overlapping draft's tells: draft_link.RunTells).
     At its end the cache's length and the host index hold exactly the emitted tokens (the request's
     end may leave a queued step unread: nothing follows it)."""
     hist.sync(lookup.index)
@@ -196,6 +198,8 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
         ev = out.emit(host[2:3 + n].tolist())
         emitted += ev.token_ids
         lookup.commit_ahead(ev.token_ids)
+        if heard is not None:
+            heard(ev.token_ids)
         stats.lookup_steps += count > 0
         stats.lookup_nodes += count
         stats.lookup_accepted += n
@@ -224,19 +228,21 @@ def in_step(target: TargetSession, lookup: RequestLookup) -> bool:
 
 def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float, gen: torch.Generator,
               ctl: TreeController, lookup: Optional[RequestLookup], speculative: bool, load: Optional["Load"],
-              forced: Optional[bool] = None) -> Optional[Generator[object, object, list[int]]]:
+              forced: Optional[bool] = None, heard: Optional[Callable[[list[int]], None]] = None
+              ) -> Optional[Generator[object, object, list[int]]]:
     """The run a step without a tree begins now from the last emitted token `last`, if any: a lookup
     run where `runs_ahead`, else a run of plain steps ahead where plain_ahead.run_length allows one
-    (none: the step goes the host's way, plain_step.plain_step_co)."""
+    (none: the step goes the host's way, plain_step.plain_step_co). `heard`: told the run's tokens
+    as the host reads them (an overlapping draft's tells, draft_link.RunTells)."""
     if runs_ahead(target.model, out.params, lookup, load, forced) and in_step(target, lookup):
         k = run_room(ctl, out, stats, speculative, LOOKUP_RUN_STEPS)
         if not k:
             return None
         if target.history is None:
             target.history = DeviceHistory(target.cache.capacity, lookup.max_tokens, target.model.device)
-        return lookup_run_co(target, target.history, out, stats, t1, gen, k, ctl, lookup, speculative)
+        return lookup_run_co(target, target.history, out, stats, t1, gen, k, ctl, lookup, speculative, heard)
     k = run_length(ctl, out, stats, lookup, speculative)
-    return plain_run_co(target, last, out, stats, t1, gen, k, ctl, lookup, speculative, load) if k else None
+    return plain_run_co(target, last, out, stats, t1, gen, k, ctl, lookup, speculative, load, heard) if k else None
 
 
 def runs_ahead(model, params, lookup: Optional[RequestLookup], load: Optional["Load"], forced: Optional[bool]) -> bool:

@@ -127,11 +127,12 @@ def run_room(ctl: TreeController, out: Emitter, stats: RequestStats, speculative
 def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float,
                  gen: torch.Generator, k: int, ctl: TreeController,
                  lookup: Optional[RequestLookup], speculative: bool = True,
-                 load: Optional[Load] = None) -> Generator[object, object, list[int]]:
+                 load: Optional[Load] = None,
+                 heard: Optional[Callable[[list[int]], None]] = None) -> Generator[object, object, list[int]]:
     """A run of `k` plain steps ahead (run_length) from the last committed token `last`: the tokens
     emitted, each counted as a plain step by the policy (its probe schedule), the request's stats
     and the context lookup (RequestLookup.commit_run). The draft hears of them with the next tree step's call, as of
-    any plain step's (the run is taken only without tells). Where run_length allows another run when
+    any plain step's, or, overlapping, through `heard` once its part of the run is read (draft_link.RunTells). Where run_length allows another run when
     this one's forwards are queued, it follows at once, queued on the last token before the host
     reads it: between runs the device does not wait for the host (in a batched round, for the host
     of any one session at a run's end). A speculative request's policy is asked too whether a
@@ -145,6 +146,8 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
         for _ in new:
             ctl.record_plain()
         stats.plain_steps += len(new)
+        if heard is not None and new:
+            heard(new)
         if lookup is not None and new:  # (each token teaches the gate what the chain skipped there would have given)
             lookup.commit_run(new)
             stats.lookup_skipped = lookup.skipped

@@ -13,7 +13,7 @@ import pytest
 from specextend.config import RetrievalConfig, SamplingParams
 from specextend.controller import TreeController
 from specextend.draft.worker import DraftWorker
-from specextend.engine import TELL_BOUND
+from specextend.draft_link import TELL_BOUND
 from specextend.ladder import PLAIN, ladder
 
 from test_told import Recorder, Runs, TreesOnly, assert_calls_in_order, engine_for, prompt, recorded_run

@@ -18,7 +18,8 @@ from specextend.ladder import PLAIN, ladder
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, TreeBound
 from specextend.draft.session import DraftSession
 from specextend.draft.worker import DraftWorker
-from specextend.engine import LANE_BACKLOG, TELL_BOUND, Engine
+from specextend.draft_link import LANE_BACKLOG, TELL_BOUND
+from specextend.engine import Engine
 
 from test_overlap import grow
 
@@ -326,3 +327,74 @@ def test_a_session_s_draft_close_never_runs_on_the_thread_that_steps_it(pair, fa
     assert stats.fallback == (fail_at >= 0) and len(out) == 12
     assert closed and left == 0
     assert draft.closed_on.startswith("draft-tell") and draft.closed_on != threading.current_thread().name
+
+
+class MostlyPlain(TreeController):
+    """Plain steps (taken as runs ahead where they may be: no probe due), a tree after every 20 of them."""
+
+    def choose(self, sessions=1):
+        return self.top if self._tree_due() else PLAIN
+
+    def plain_still_best(self, sessions):  # (asked between runs of plain steps)
+        return not self._tree_due()
+
+    def _tree_due(self):
+        return self.plain_steps >= 20 * (self.spec_steps + self.unready_steps + 1)
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("lookup", [0, 6], ids=["plain-runs", "lookup-runs"])
+def test_runs_ahead_tell_an_overlapping_draft_their_tokens(pair, monkeypatch, sampling, lookup):
+    """With an overlapping draft, runs ahead are taken too (lookup runs where the request has a
+    context lookup, else runs of plain steps; forced on the CPU): the tokens each run's steps read go
+    to the draft as tells (draft_link.RunTells), every token once and in order, lossless (float64),
+    and the trees after a run find the draft told (ready_only asks)."""
+    import specextend.engine as engine_mod
+    from helpers import make_engine
+
+    taken = []
+
+    def counted(*args, **kw):
+        run = real(*args, **kw)
+        taken.append(run is not None)
+        return run
+
+    real = engine_mod.run_ahead
+    monkeypatch.setattr(engine_mod, "run_ahead", counted)
+    params = SamplingParams(60, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=5)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, delay_s=0.001)
+    engine = engine_for(pair, draft, lookup_tokens=lookup)
+    engine.lookup_ahead = True
+    engine.new_controller = lambda tree: MostlyPlain(ladder(tree), probe_every=10 ** 6)
+    out, _, stats = engine.generate(prompt(), params)
+    deadline = time.time() + 5
+    while ("close", None) not in draft.events and time.time() < deadline:
+        time.sleep(0.01)
+    worker.shutdown()
+    assert out == ref
+    assert sum(taken) >= 2  # runs were taken, with tells
+    told = [b == TELL_BOUND for _, _, b in draft.calls]
+    assert sum(told) == stats.told_steps > sum(taken)  # a run tells more than once
+    assert_calls_in_order(draft, out, unsent=len(out) - sum(len(t) for _, t, _ in draft.calls))
+    sent = [t for _, tokens, _ in draft.calls for t in tokens]
+    assert len(sent) >= len(out) - 30  # all but the last run's or step's unsent tail
+    trees = [b for _, _, b in draft.calls if b != TELL_BOUND]
+    assert trees and all(b.ready_only for b in trees[1:])
+
+
+def test_a_draft_failing_on_a_runs_tell_leaves_plain_decoding(pair):
+    from helpers import make_engine
+
+    params = SamplingParams(50, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, fail_at=3)  # a tell from inside the first lookup run
+    engine = engine_for(pair, draft, lookup_tokens=6)
+    engine.lookup_ahead = True
+    engine.new_controller = lambda tree: MostlyPlain(ladder(tree), probe_every=10 ** 6)
+    out, _, stats = engine.generate(prompt(), params)
+    worker.shutdown()
+    assert out == ref and stats.fallback
+    assert max(s for s, _, _ in draft.calls) <= 5  # nothing asked of the draft once the failure surfaced
