@@ -31,9 +31,11 @@ from specextend.warmup import warm_up
 OUT = Path(__file__).parent / "results" / "lookup_ahead"
 
 
-def decode(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[float, list[int], dict]:
+def decode(engine: Engine, prompt: list[int], new_tokens: int, temperature: float = 0.0,
+           seed: int = 0) -> tuple[float, list[int], dict]:
     import time
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, top_p=0.95,
+                            seed=seed if temperature else None)
     tokens, t_first, stats = [], None, None
     t0 = time.perf_counter()
     for ev in engine.stream(prompt, params):
@@ -57,6 +59,9 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--target", default="default")
     p.add_argument("--draft", default="default")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampled requests (top_p 0.95, seed = the rep's number): outputs compared with ar's "
+                        "of the same seed, equal or not (bf16 rounding moves samples near a CDF step)")
     a = p.parse_args(argv)
     base = EngineConfig(target=a.target, draft=a.draft, mode="specextend", device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32")
     target, draft = load_pair(base)
@@ -74,22 +79,25 @@ def main(argv=None) -> int:
         for engine in configs.values():
             warm_up(engine, prompt[:64])
         rates = {k: [] for k in configs}
-        info, checks, ref = {}, [], None
-        for _ in range(a.reps):
+        info, checks, ref, same = {}, [], None, {k: 0 for k in configs}
+        for rep in range(a.reps):
             for key, engine in configs.items():
-                rate, tokens, info[key] = decode(engine, prompt, a.new_tokens)
+                rate, tokens, info[key] = decode(engine, prompt, a.new_tokens, a.temperature, rep)
                 rates[key].append(rate)
+                same[key] += key != "ar" and tokens == ref
                 if key == "ar":
                     ref = tokens
-                elif tokens != ref:
+                elif tokens != ref and not a.temperature:
                     c = lossless_check(target.decoder, prompt, ref, tokens, TIE_TOLERANCE.get(target.decoder.dtype, 0.125))
                     checks.append(dict(config=key, **c))
         med = {k: statistics.median(v) for k, v in rates.items()}
-        row = dict(doc=doc, prompt_tokens=len(prompt), medians=med, runs=rates, chosen=info, checks=checks,
+        row = dict(doc=doc, prompt_tokens=len(prompt), temperature=a.temperature, same_as_ar=same,
+                   medians=med, runs=rates, chosen=info, checks=checks,
                    lossless=all(c["near_tie"] for c in checks), vs_ar={k: v / med["ar"] for k, v in med.items()})
         rows.append(row)
         print(f"{doc} {len(prompt)} tokens: " + "  ".join(f"{k} {v:.1f} ({v / med['ar']:.2f}x)" for k, v in med.items())
-              + f"  lossless={row['lossless']} ({len(checks)} differ)")
+              + (f"  lossless={row['lossless']} ({len(checks)} differ)" if not a.temperature
+                 else f"  same as ar's seeded output: {same}"))
         for k in configs:
             print(f"   {k:14s} {info[k]}")
     worker.shutdown()
