@@ -344,11 +344,13 @@ class Engine(RequestLimits, DraftLink):
                     # an overlapping draft hears the tokens so far: a plain step's once its forward is queued (the
                     # call's host work while the device runs: start_ask), a run's as read; after the lane's calls, unwaited
                     tells = RunTells(self.draft, lane, sid, step, pending, retrieval, held, stats) if tell else None
-                    run = (cfg.plain_ahead and not opening_pending and feed is None and ref is None
+                    run = (cfg.plain_ahead and not opening_pending and ref is None
                            and run_ahead(target, committed[-1], out, stats, t1, gen, ctl, lookup, use_draft, load,
-                                         self.lookup_ahead, tells))  # ("Plain steps ahead", "Lookup runs ahead")
-                    send, scoring = None, retrieval  # (scoring: launched once this step's forward is queued)
+                                         self.lookup_ahead, feed.push if feed is not None else tells))  # ("Plain
+                    send, scoring = None, retrieval  # steps ahead", "Lookup runs ahead"; scoring: once the forward is queued)
                     if run:
+                        if feed is not None:  # (a selection held goes with the run's first tokens)
+                            retrieval = feed.take(retrieval)
                         committed = yield from run
                     elif tells is not None and not opening_pending:
                         send = tells.due()
@@ -357,7 +359,7 @@ class Engine(RequestLimits, DraftLink):
                         if tells.error is not None:
                             use_draft = tell = self._fall_back(stats, sid, tells.error)
                     if run:
-                        pending = pending if tells is not None else pending + committed  # (told: in the state)
+                        pending = pending if tells is not None or feed is not None else pending + committed  # (told)
                         if tell and ask_early and not out.ends(committed):  # (as after a plain step)
                             chosen, asked, step, pending, retrieval = ask_ahead(
                                 self.draft, lane, ctl, lookup, load.sessions, sid, step, pending, retrieval)

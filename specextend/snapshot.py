@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Generator, Optional, Sequence
 
 from specextend.draft.base import DraftError, DraftTree, TreeBound
+from specextend.retrieval import launch_scoring
 from specextend.session_calls import DraftCall
 
 SNAPSHOT_NODES = 128  # pool nodes asked for per verdict (best first): deep enough to hold the
@@ -207,6 +208,12 @@ class DraftFeed:
         self.inflight = (fut, self.length)
         self.unsent, self.retrieval = [], None
         return fut
+
+    def take(self, retrieval) -> None:
+        """A selection the engine holds, to go with the next tokens sent (a run's: their calls may
+        start on another thread, so its scoring is launched now). -> None, the engine's new value."""
+        launch_scoring(retrieval)
+        self.commit([], retrieval)
 
     def push(self, tokens: Sequence[int], retrieval=None, send: bool = True) -> None:
         """`commit`, then `send` (unless `send` is False: the draft has not joined yet)."""

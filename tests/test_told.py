@@ -398,3 +398,32 @@ def test_a_draft_failing_on_a_runs_tell_leaves_plain_decoding(pair):
     worker.shutdown()
     assert out == ref and stats.fallback
     assert max(s for s, _, _ in draft.calls) <= 5  # nothing asked of the draft once the failure surfaced
+
+
+@pytest.mark.parametrize("lookup", [0, 6], ids=["plain-runs", "lookup-runs"])
+def test_runs_ahead_feed_a_snapshot_draft_their_tokens(pair, monkeypatch, lookup):
+    """With pool snapshots (every step's tokens to the draft at once, snapshot.DraftFeed) runs ahead
+    are taken too and push each part read to the feed: lossless (float64), every token sent once
+    and in order, one call at a time."""
+    import specextend.engine as engine_mod
+    from helpers import make_engine
+
+    taken = []
+    real = engine_mod.run_ahead
+    monkeypatch.setattr(engine_mod, "run_ahead", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
+    params = SamplingParams(60, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    draft = Recorder(worker, delay_s=0.001)
+    engine = engine_for(pair, draft, lookup_tokens=lookup, draft_snapshots="on")
+    engine.lookup_ahead = True
+    engine.new_controller = lambda tree: MostlyPlain(ladder(tree), probe_every=10 ** 6)
+    out, _, stats = engine.generate(prompt(), params)
+    deadline = time.time() + 5
+    while ("close", None) not in draft.events and time.time() < deadline:
+        time.sleep(0.01)
+    worker.shutdown()
+    assert out == ref and not stats.fallback
+    assert sum(r is not None for r in taken) >= 2 and stats.told_steps == 0
+    assert_calls_in_order(draft, out, unsent=30)
+    assert len(draft.calls) > sum(r is not None for r in taken)  # runs pushed their parts as they were read
