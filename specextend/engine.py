@@ -344,9 +344,9 @@ class Engine(RequestLimits, DraftLink):
                     # an overlapping draft hears the tokens so far: a plain step's once its forward is queued (the
                     # call's host work while the device runs: start_ask), a run's as read; after the lane's calls, unwaited
                     tells = RunTells(self.draft, lane, sid, step, pending, retrieval, held, stats) if tell else None
-                    run = (cfg.plain_ahead and not opening_pending and ref is None
+                    run = (cfg.plain_ahead and not opening_pending
                            and run_ahead(target, committed[-1], out, stats, t1, gen, ctl, lookup, use_draft, load,
-                                         self.lookup_ahead, feed.push if feed is not None else tells))  # ("Plain
+                                         self.lookup_ahead, feed.push if feed is not None else tells, ref))  # ("Plain
                     send, scoring = None, retrieval  # steps ahead", "Lookup runs ahead"; scoring: once the forward is queued)
                     if run:
                         if feed is not None:  # (a selection held goes with the run's first tokens)

@@ -45,6 +45,7 @@ from specextend.plain_ahead import plain_run_co, run_length, run_room
 from specextend.sampling import sample_rows
 from specextend.stats import RequestStats
 from specextend.target import TargetSession
+from specextend.verify import Reference
 
 if TYPE_CHECKING:
     from specextend.session_calls import Load
@@ -83,6 +84,10 @@ class DeviceHistory:
         self.uniforms: Optional[torch.Tensor] = None  # [R] float64: the run's draws, one per position
         self.drawn = torch.zeros(1, dtype=torch.long, device=device)  # [1] of them used (tokens emitted)
         self._state: Optional[torch.Tensor] = None  # the generator's state before the run's draws
+        self.ref: Optional[Reference] = None  # benchmarks: a greedy run's reference tokens (begin)
+        self.ref_ids: Optional[torch.Tensor] = None  # [len + q + 2] int64 its tokens, -1 past their end
+        self.base = 0  # output position of the run's first token (the reference's index)
+        self.noted: Optional[torch.Tensor] = None  # [q + 1, 3] float32 the last verdict's own tokens and logits
 
     def sync(self, index: ContextIndex) -> None:
         n = index.length
@@ -91,17 +96,23 @@ class DeviceHistory:
         copy_from_host(self.length, [n])
         self.synced = n
 
-    def begin(self, params: SamplingParams, gen: torch.Generator, tokens: int) -> None:
+    def begin(self, params: SamplingParams, gen: torch.Generator, tokens: int, ref: Optional[Reference] = None,
+              emitted: int = 0) -> None:
         """A run that emits at most `tokens`: a sampled request's uniforms for those positions, drawn
         from its generator now (one per position, in order, as plain decoding draws them); `end`
-        puts the generator where the tokens actually emitted leave it."""
+        puts the generator where the tokens actually emitted leave it. `ref` (benchmarks, greedy):
+        the request's reference tokens, `emitted` the output position the run starts at."""
         self.params = None if params.greedy else params
+        self.drawn.zero_()
+        self.ref, self.base = ref, emitted
+        if ref is not None and (self.ref_ids is None or self.ref_ids.shape[0] != len(ref.tokens) + self.q + 2):
+            ids = torch.tensor(list(ref.tokens) + [-1] * (self.q + 2), dtype=torch.long)
+            self.ref_ids = to_device(ids, torch.long, self.hist.device)
         if self.params is None:
             return
         self._state = gen.get_state()
         draws = torch.rand((max(tokens, 1),), generator=gen, dtype=torch.float64)
         self.uniforms = to_device(draws, torch.float64, self.hist.device)  # [R]
-        self.drawn.zero_()
 
     def end(self, gen: torch.Generator, emitted: int) -> None:
         """The run emitted `emitted` tokens: the generator as if it had drawn exactly that many."""
@@ -127,8 +138,11 @@ class DeviceHistory:
     def verdict(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [q + 1, V] of the step's forward -> [n, count, y...] (n the chain tokens accepted, y
         the target's token after each row); the history advanced by the n + 1 emitted tokens."""
+        self.noted = None
         if self.params is None:
             y = logits.argmax(-1)  # [q + 1]
+            if self.ref is not None:
+                y = self._reference(logits, y)
         else:  # row r stands for the run's position drawn + r
             u = self.uniforms[(self.drawn + self.rows).clamp_(max=self.uniforms.shape[0] - 1)]  # [q + 1]
             y = sample_rows(logits, self.params, u)
@@ -141,9 +155,19 @@ class DeviceHistory:
             self.hist.index_copy_(0, self.length + self.rows, y)  # y[:n + 1] count; the rest is overwritten later
             self.length.add_(n + 1)
             packed = torch.cat([n, self.count, y])
-        if self.params is not None:
+        if self.params is not None or self.ref is not None:
             self.drawn.add_(packed[:1] + 1)
         return packed
+
+    def _reference(self, logits: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """Benchmarks (verify.Reference.pick, on the device): each row's token where the reference
+        has one is the reference's; `noted` keeps each row's own token and the two logits for the
+        host, which records the rows emitted where they differ. -> y [q + 1]."""
+        at = (self.drawn + self.rows + self.base).clamp_(max=self.ref_ids.shape[0] - 1)  # [q + 1]
+        want = self.ref_ids[at]  # [q + 1], -1 past the reference's end
+        vals = logits.gather(1, torch.stack([own, want.clamp(min=0)], 1)).float()  # [q + 1, 2]
+        self.noted = torch.cat([own.unsqueeze(1).float(), vals], 1)  # [q + 1, 3]
+        return torch.where(want >= 0, want, own)
 
     @property
     def _qp(self) -> int:
@@ -152,11 +176,12 @@ class DeviceHistory:
     def step_co(self, target: TargetSession) -> Generator[AtDeviceLength, object, tuple]:
         """Queues one step: the chain found from the tokens on the device, the forward over [root] +
         chain at the cache's length (length - 1), its verdict, and the emitted tokens appended.
-        -> (host copy of [n, count, y...] (valid once `event` has passed), event)."""
+        -> (host copy of [n, count, y...], of `noted` or None (both valid once `event` has passed), event)."""
         self.match()
         logits, _ = yield AtDeviceLength(self.ids, self.length - 1, target.cache, CAUSAL)
         packed = self.verdict(logits)
-        return to_host(packed), record_event(packed.device)
+        noted = to_host(self.noted) if self.noted is not None else None
+        return to_host(packed), noted, record_event(packed.device)
 
 
 MATCH_BLOCK = 1024  # history tokens per program of match_orders
@@ -170,16 +195,18 @@ def _kernels():
 
 def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stats: RequestStats, t1: float,
                   gen: torch.Generator, steps: int, ctl: TreeController, lookup: RequestLookup,
-                  speculative: bool = True, heard: Optional[Callable[[list[int]], None]] = None
-                  ) -> Generator[object, object, list[int]]:
+                  speculative: bool = True, heard: Optional[Callable[[list[int]], None]] = None,
+                  ref: Optional[Reference] = None) -> Generator[object, object, list[int]]:
     """A run of up to `steps` lookup steps queued ahead of the host from the request's last emitted
     token; each counts as a plain step to the policy (its probe schedule) with the chain tokens it
     accepted. Yields each step's forward (AtDeviceLength) and StepEvent; returns the tokens emitted.
     `heard(tokens)`: each step's tokens once read (an overlapping draft's tells: draft_link.RunTells).
+    `ref` (benchmarks, greedy): the reference tokens emitted where the target's differ (verify.Reference).
     At its end the cache's length and the host index hold exactly the emitted tokens (the request's
     end may leave a queued step unread: nothing follows it)."""
     hist.sync(lookup.index)
-    hist.begin(out.params, gen, min(steps * (hist.q + 1), out.params.max_new_tokens - stats.num_generated))
+    hist.begin(out.params, gen, min(steps * (hist.q + 1), out.params.max_new_tokens - stats.num_generated), ref,
+               stats.num_generated)
     inflight: deque = deque()
     queued, emitted = 0, []
     t_step = time.perf_counter()
@@ -191,11 +218,15 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
             continue
         if not inflight:
             break
-        host, event = inflight.popleft()
+        host, noted, event = inflight.popleft()
         if event is not None:
             event.synchronize()  # this step's verdict, not the step queued after it
         n, count = int(host[0]), int(host[1])
+        at = stats.num_generated
         ev = out.emit(host[2:3 + n].tolist())
+        for r in range(len(ev.token_ids) if noted is not None else 0):  # (the reference's overrides)
+            if int(noted[r, 0]) != ev.token_ids[r]:
+                ref.note(float(noted[r, 1]), float(noted[r, 2]), at + r, int(noted[r, 0]), target.model.dtype)
         emitted += ev.token_ids
         lookup.commit_ahead(ev.token_ids)
         if heard is not None:
@@ -228,19 +259,23 @@ def in_step(target: TargetSession, lookup: RequestLookup) -> bool:
 
 def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float, gen: torch.Generator,
               ctl: TreeController, lookup: Optional[RequestLookup], speculative: bool, load: Optional["Load"],
-              forced: Optional[bool] = None, heard: Optional[Callable[[list[int]], None]] = None
-              ) -> Optional[Generator[object, object, list[int]]]:
+              forced: Optional[bool] = None, heard: Optional[Callable[[list[int]], None]] = None,
+              ref: Optional[Reference] = None) -> Optional[Generator[object, object, list[int]]]:
     """The run a step without a tree begins now from the last emitted token `last`, if any: a lookup
     run where `runs_ahead`, else a run of plain steps ahead where plain_ahead.run_length allows one
     (none: the step goes the host's way, plain_step.plain_step_co). `heard`: told the run's tokens
-    as the host reads them (an overlapping draft's tells, draft_link.RunTells)."""
-    if runs_ahead(target.model, out.params, lookup, load, forced) and in_step(target, lookup):
+    as the host reads them (an overlapping draft's tells, draft_link.RunTells). `ref` (benchmarks): a
+    greedy request's reference tokens, which lookup runs take (runs of plain steps do not: None)."""
+    if runs_ahead(target.model, out.params, lookup, load, forced) and in_step(target, lookup) and (
+            ref is None or out.params.greedy):
         k = run_room(ctl, out, stats, speculative, LOOKUP_RUN_STEPS)
         if not k:
             return None
         if target.history is None:
             target.history = DeviceHistory(target.cache.capacity, lookup.max_tokens, target.model.device)
-        return lookup_run_co(target, target.history, out, stats, t1, gen, k, ctl, lookup, speculative, heard)
+        return lookup_run_co(target, target.history, out, stats, t1, gen, k, ctl, lookup, speculative, heard, ref)
+    if ref is not None:
+        return None
     k = run_length(ctl, out, stats, lookup, speculative)
     return plain_run_co(target, last, out, stats, t1, gen, k, ctl, lookup, speculative, load, heard) if k else None
 

@@ -56,12 +56,16 @@ class Reference:
         if position >= len(self.tokens) or int(self.tokens[position]) == tok:
             return tok
         want = int(self.tokens[position])
-        mine, theirs = float(logits[row, tok].float()), float(logits[row, want].float())
+        self.note(float(logits[row, tok].float()), float(logits[row, want].float()), position, tok, logits.dtype)
+        return want
+
+    def note(self, mine: float, theirs: float, position: int, tok: int, dtype: torch.dtype) -> None:
+        """An override at output `position`: the target chose `tok` (logit `mine`) over the
+        reference's token (`theirs`); logits of `dtype` (pick's, and lookup runs' from the device)."""
         self.gaps.append(mine - theirs)
-        self.steps.append(rounding_step(max(abs(mine), abs(theirs)), self.dtype or logits.dtype))
+        self.steps.append(rounding_step(max(abs(mine), abs(theirs)), self.dtype or dtype))
         self.positions.append(position)
         self.chosen.append(tok)
-        return want
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ def warm_lookup_runs(engine: Engine, prompt_ids: Sequence[int], steps: int = 2) 
     history = DeviceHistory(session.cache.capacity, q, engine.target.decoder.device)
     history.sync(index)
     for _ in range(steps):
-        _, event = session.run(history.step_co(session))
+        _, _, event = session.run(history.step_co(session))
         if event is not None:
             event.synchronize()
     return steps

@@ -197,6 +197,30 @@ def test_sampled_runs_emit_the_seeded_plain_tokens(pair, monkeypatch, ar_engine,
         assert total > 0
 
 
+@pytest.mark.parametrize("kw", [dict(mode="lookup"), dict(mode="sd", tree_policy="adaptive")], ids=["lookup", "adaptive"])
+def test_runs_take_a_reference_as_the_hosts_steps_do(pair, device_oracle, kw):
+    """Benchmarks' reference tokens (verify.Reference) in runs: the reference's tokens are emitted
+    where the target's differ, and the overrides recorded (position, the target's own token, its gap)
+    are those of the host's steps on the same request (float64)."""
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ref, oracle = device_oracle(prompt(), params)
+    other = list(ref)
+    for i in (3, 17, 30):
+        other[i] = (ref[i] + 1) % pair[0].args.vocab_size
+    got = {}
+    for ahead_on in (False, True):
+        engine = make_engine(pair, tree=TreeConfig(8, 3, 2), lookup_tokens=6, **kw)
+        engine.lookup_ahead = ahead_on
+        calls = oracle.calls
+        out, _, st = engine.generate(prompt(), params, reference=other)
+        assert out == other
+        got[ahead_on] = (st.reference_positions, st.reference_chosen, st.reference_gaps)
+        if ahead_on and kw["mode"] == "lookup":
+            assert oracle.calls > calls  # runs were taken
+    assert got[True][:2] == got[False][:2] and 3 in got[True][0]
+    assert got[True][2] == pytest.approx(got[False][2], abs=1e-9)
+
+
 def test_sample_rows_equal_the_hosts_sampler_row_by_row():
     """sampling.sample_rows (a run's rows, each with its own uniform) against next_token's host
     sampler drawing the same uniforms one by one."""
