@@ -78,10 +78,15 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -
     the logits' device): sample_row's inverse-CDF search and its walk back from a zero-probability
     boundary token, for every row at once on the device -> [R] int64. Plain steps ahead sample one
     row (next_token_tensor); a lookup run every row of its path, each with its position's uniform
-    (lookup_ahead.py)."""
+    (lookup_ahead.py).
+
+    No walk back is needed here: the search returns the first index whose cumulative sum reaches
+    u * total (u in [0, 1), so never past the total), and a zero-probability token's sum equals its
+    predecessor's, which reached it first; so the index is a token of nonzero probability, or 0
+    where u is 0 (the walk's own answer there). The walk as sample_row writes it, over every row at
+    once (a cummax over the vocabulary), was 0.42 of a one-row sample's 0.51 ms on an H200
+    (2026-11-30); tests compare this with it."""
     probs = target_probs(logits, params)  # [R, V]
     cdf = probs.to(torch.float64).cumsum(-1)  # [R, V]
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
-    positions = torch.arange(probs.shape[-1], device=probs.device)  # [V]
-    nonzero_at_or_before = torch.where(probs > 0, positions, 0).cummax(-1).values  # [R, V]: 0 where none
-    return nonzero_at_or_before.gather(-1, idx).squeeze(-1)  # [R]
+    return idx.squeeze(-1)  # [R]

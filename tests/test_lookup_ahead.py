@@ -235,6 +235,42 @@ def test_sample_rows_equal_the_hosts_sampler_row_by_row():
     assert rows.tolist() == [next_token(logits[r], params, draws) for r in range(6)]
 
 
+def walked_rows(logits, params, u):
+    """sample_rows' twin with sample_row's walk back from a zero-probability token, every row at once."""
+    from specextend.sampling import target_probs
+
+    probs = target_probs(logits, params)  # [R, V]
+    cdf = probs.to(torch.float64).cumsum(-1)  # [R, V]
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
+    positions = torch.arange(probs.shape[-1])  # [V]
+    nonzero_at_or_before = torch.where(probs > 0, positions, 0).cummax(-1).values  # [R, V]: 0 where none
+    return nonzero_at_or_before.gather(-1, idx).squeeze(-1)  # [R]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_sample_rows_needs_no_walk_back(dtype):
+    """Without the walk back, sample_rows still never returns a zero-probability token: on
+    distributions full of them (top-k, top-p, a tiny temperature, logits at -inf) and at the
+    uniforms' edges (0, just below 1, and draws that land on a token's cumulative sum)."""
+    from specextend.sampling import sample_rows, target_probs
+
+    g = torch.Generator().manual_seed(1)
+    settings = [SamplingParams(4, temperature=0.7, top_k=3), SamplingParams(4, temperature=1.0, top_p=0.5),
+                SamplingParams(4, temperature=1e-6), SamplingParams(4, temperature=0.9, top_k=7, top_p=0.8)]
+    for trial in range(40):
+        logits = torch.randn(6, 50, generator=g).to(dtype)
+        logits[:, torch.randperm(50, generator=g)[:20]] = float("-inf")
+        params = settings[trial % len(settings)]
+        probs = target_probs(logits, params)
+        cdf = probs.to(torch.float64).cumsum(-1)
+        edges = [0.0, 1.0 - 2.0 ** -53] + (cdf[:, :4] / cdf[:, -1:]).flatten().tolist()
+        for e in range(0, len(edges), 6):
+            u = torch.tensor((edges[e:e + 6] + [0.5] * 6)[:6], dtype=torch.float64)
+            got = sample_rows(logits, params, u)
+            assert got.tolist() == walked_rows(logits, params, u).tolist()
+            assert all(probs[r, t] > 0 or t == 0 for r, t in enumerate(got.tolist()))
+
+
 def test_no_run_from_an_index_out_of_step_with_the_cache(pair):
     from specextend.lookup import RequestLookup
     from specextend.lookup_ahead import in_step
