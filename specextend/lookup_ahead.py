@@ -199,7 +199,11 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
                   ref: Optional[Reference] = None) -> Generator[object, object, list[int]]:
     """A run of up to `steps` lookup steps queued ahead of the host from the request's last emitted
     token; each counts as a plain step to the policy (its probe schedule) with the chain tokens it
-    accepted. Yields each step's forward (AtDeviceLength) and StepEvent; returns the tokens emitted.
+    accepted, and its cost: the time between two reads of the run (the first excepted) is what a
+    step costs with the host's work hidden, the device's step, which the policy records as the
+    forward of the path's rows with no host work beyond it (so it prices steps without a tree at
+    what a run makes them cost, not at a host step's). Yields each step's forward (AtDeviceLength)
+    and StepEvent; returns the tokens emitted.
     `heard(tokens)`: each step's tokens once read (an overlapping draft's tells: draft_link.RunTells).
     `ref` (benchmarks, greedy): the reference tokens emitted where the target's differ (verify.Reference).
     At its end the cache's length and the host index hold exactly the emitted tokens (the request's
@@ -209,7 +213,7 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
                stats.num_generated)
     inflight: deque = deque()
     queued, emitted = 0, []
-    t_step = time.perf_counter()
+    t_step, t_read = time.perf_counter(), None
     while out.finish is None:
         room = stats.num_generated + len(inflight) < out.params.max_new_tokens  # (each step emits one at least)
         if room and queued < steps and len(inflight) < RUN_DEPTH:
@@ -221,6 +225,7 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
         host, noted, event = inflight.popleft()
         if event is not None:
             event.synchronize()  # this step's verdict, not the step queued after it
+        t_prev, t_read = t_read, time.perf_counter()
         n, count = int(host[0]), int(host[1])
         at = stats.num_generated
         ev = out.emit(host[2:3 + n].tolist())
@@ -235,7 +240,9 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
         stats.lookup_nodes += count
         stats.lookup_accepted += n
         stats.plain_steps += speculative
-        ctl.record_plain(lookup=n)
+        if t_prev is not None:  # (the device's step: its forward, no host work beyond it)
+            ctl.record_forward(hist.q + 1, t_read - t_prev)
+        ctl.record_plain(step_s=None if t_prev is None else t_read - t_prev, lookup=n)
         now = time.perf_counter()
         stats.step_done("lookup" if count else "plain", len(ev.token_ids), now - t_step)
         stats.decode_s = now - t1

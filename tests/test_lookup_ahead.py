@@ -312,3 +312,29 @@ def test_sampled_requests_take_runs_only_when_forced():
     assert runs_ahead(model, sampled, lookup, None, True) and not runs_ahead(model, greedy, lookup, None, False)
     model.graphs = None  # (the CPU: no full-step graphs)
     assert not runs_ahead(model, greedy, lookup, None, None)
+
+
+def test_a_run_teaches_the_policy_its_steps_cost(pair, device_oracle):
+    """Every read of a run but its first records the time since the read before as the forward of
+    the path's rows and as the step's wall time (no host work beyond the forward): the policy
+    prices steps without a tree at what runs make them cost."""
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    device_oracle(prompt(), params)
+    engine = make_engine(pair, mode="lookup", lookup_tokens=6)
+    engine.lookup_ahead = True
+    calls = []
+
+    def controller(tree):
+        ctl = engine.__class__.new_controller(engine, tree)
+        real_forward, real_plain = ctl.record_forward, ctl.record_plain
+        ctl.record_forward = lambda rows, s: (calls.append(("forward", rows, s)), real_forward(rows, s))[1]
+        ctl.record_plain = lambda step_s=None, lookup=0: (calls.append(("plain", step_s)), real_plain(step_s, lookup))[1]
+        return ctl
+
+    engine.new_controller = controller
+    engine.generate(prompt(), params)
+    taught = [a for a, b in zip(calls, calls[1:])
+              if a[0] == "forward" and b[0] == "plain" and isinstance(a[2], float) and a[2] == b[1]]
+    assert len(taught) >= 5 and all(rows == 7 for _, rows, _ in taught)  # root + 6 chain rows
+    untimed = [c for c in calls if c == ("plain", None)]
+    assert untimed  # each run's first read teaches nothing (its time includes the run's start)
