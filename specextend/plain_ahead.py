@@ -133,9 +133,10 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     emitted, each counted as a plain step by the policy (its probe schedule), the request's stats
     and the context lookup (RequestLookup.commit_run). The draft hears of them with the next tree
     step's call, as of any plain step's, or, overlapping, through `heard` once its part of the run
-    is read (draft_link.RunTells). Where run_length allows another run when this one's forwards are queued, it follows at once, queued on the last token before the host
-    reads it: between runs the device does not wait for the host (in a batched round, for the host
-    of any one session at a run's end). A speculative request's policy is asked too whether a
+    is read (draft_link.RunTells). Where run_length allows another run when this one's forwards
+    are queued, it follows at once, queued on the last token before the host reads it: between
+    runs the device does not wait for the host (in a batched round, for the host of any one
+    session at a run's end). A speculative request's policy is asked too whether a
     plain step is still its best (`plain_still_best`, with the sessions that share the forwards now,
     `load`): a run changes none of its costs, but a batch that grew may make trees pay."""
     taught, behind = 0, ctl.behind  # (the draft's tokens to catch up on before a tree: the run's too)
