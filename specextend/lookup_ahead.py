@@ -240,6 +240,7 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
         stats.lookup_nodes += count
         stats.lookup_accepted += n
         stats.plain_steps += speculative
+        stats.ahead_steps += 1
         if t_prev is not None:  # (the device's step: its forward, no host work beyond it)
             ctl.record_forward(hist.q + 1, t_read - t_prev)
         ctl.record_plain(step_s=None if t_prev is None else t_read - t_prev, lookup=n)

@@ -92,6 +92,7 @@ def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: Reque
         stats.clock("plain", t_step).add("step", now - t_step)  # from the last token read to this one
         stats.decode_s = time.perf_counter() - t1
         stats.step_done("plain", len(ev.token_ids), time.perf_counter() - t_step)
+        stats.ahead_steps += 1
         yield ev
         t_step = time.perf_counter()
     return emitted

@@ -59,7 +59,8 @@ class RequestStats:
     lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain instead
     lookup_skipped: int = 0  # ... and those with a chain found that the lookup gate left out (RequestLookup.skipped)
     open_steps: int = 0  # plain steps decoded while the draft still prefilled (adaptive policy: it joins when done)
-    told_steps: int = 0  # plain steps whose tokens went to an overlapping draft at once (engine.TELL_BOUND)
+    told_steps: int = 0  # plain steps whose tokens went to an overlapping draft at once (draft_link.TELL_BOUND)
+    ahead_steps: int = 0  # steps decoded ahead of the host: plain steps ahead and lookup runs' steps
     asked_steps: int = 0  # tree steps whose tree was asked for at the verdict before (draft_ask_early)
     snapshot_trees: int = 0  # tree steps whose tree came from the draft's latest snapshot (draft_snapshots)
     lookup_nodes: int = 0  # nodes that context-lookup chains added to the trees verified
@@ -269,6 +270,7 @@ class RequestStats:
                     draft_cache_tokens=self.draft_cache_tokens,
                     target_wait_ms_per_step=self.target_wait_ms_per_step, plain_steps=self.plain_steps,
                     unready_steps=self.unready_steps, lookup_steps=self.lookup_steps, told_steps=self.told_steps, asked_steps=self.asked_steps,
+                    ahead_steps=self.ahead_steps,
                     snapshot_trees=self.snapshot_trees, ask_ms=self.ask_ms, phase_ms=self.phase_ms,
                     open_steps=self.open_steps, max_step_s=self.max_step_s, draft_open_s=self.draft_open_s,
                     target_prefill_s=self.target_prefill_s, step_kinds=self.step_kinds,

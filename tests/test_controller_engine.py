@@ -134,7 +134,8 @@ def test_policy_metrics_and_response_fields():
 
     stats = RequestStats(num_steps=3, accepted_per_step=[2, 0, 1], nodes_per_step=[16, 4, 4], draft_tokens=24,
                          plain_steps=5, probe_steps=1, num_generated=11, lookup_steps=2, lookup_accepted=7,
-                         told_steps=4, open_steps=6, draft_open_s=0.25, asked_steps=2, snapshot_trees=1)
+                         told_steps=4, open_steps=6, draft_open_s=0.25, asked_steps=2, snapshot_trees=1,
+                         ahead_steps=9)
     m = ReplicaMetrics(use_ray=False)
     m.record_request(stats, "length")
     text = m.exposition()
@@ -146,6 +147,7 @@ def test_policy_metrics_and_response_fields():
     assert "specextend_spec_decode_num_lookup_steps_total 2.0" in text
     assert "specextend_spec_decode_num_lookup_accepted_tokens_total 7.0" in text
     assert "specextend_spec_decode_num_told_steps_total 4.0" in text
+    assert "specextend_spec_decode_num_ahead_steps_total 9.0" in text
     assert "specextend_spec_decode_num_open_steps_total 6.0" in text
     assert "specextend_spec_decode_num_asked_steps_total 2.0" in text
     assert "specextend_spec_decode_num_snapshot_trees_total 1.0" in text
@@ -153,7 +155,7 @@ def test_policy_metrics_and_response_fields():
     spec = SpeculativeDecoding(**spec_decoding(stats)).model_dump()
     assert (spec["mean_tree_nodes"], spec["plain_steps"], spec["probe_steps"]) == (8.0, 5, 1)
     assert spec["told_steps"] == 4 and spec["open_steps"] == 6 and spec["draft_open_ms"] == 250.0
-    assert spec["asked_steps"] == 2 and spec["snapshot_trees"] == 1
+    assert spec["asked_steps"] == 2 and spec["snapshot_trees"] == 1 and spec["ahead_steps"] == 9
 
 
 def test_the_drafts_catch_up_after_plain_steps_is_not_charged_to_speculation(tiny_models, monkeypatch):

@@ -159,6 +159,7 @@ def test_runs_ahead_are_lossless_and_accept_chains(pair, device_oracle, kw, new)
         assert out == ref and finish == "length"
         if kw["mode"] == "lookup":
             assert oracle.calls > 0  # (the adaptive policy may take trees throughout a short request)
+            assert 0 < stats.ahead_steps < len(out)  # (the first token: the prefill's)
         total_accepted += stats.lookup_accepted
     if new > 3 and kw["mode"] == "lookup":
         assert total_accepted > 0

@@ -60,6 +60,8 @@ def test_ahead_equals_its_twin_and_queues_one_forward_ahead(pair, max_new):
     assert want[2] == "E" + "FE" * (max_new - 1)
     assert got[2] == ("E" if max_new == 1 else "EF" + "FE" * (max_new - 2) + "E")
     assert got[2].count("F") == want[2].count("F")
+    steps = [ahead.generate(_prompt(40, 1), params)[2], twin.generate(_prompt(40, 1), params)[2]]
+    assert [st.ahead_steps for st in steps] == [max_new - 1, 0]  # (responses and /metrics report it)
 
 
 def test_a_stop_token_ends_it_where_the_twin_ends(pair):

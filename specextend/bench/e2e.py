@@ -171,7 +171,7 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         prepared_steps=st.prepared_steps, max_step_ms=1e3 * st.max_step_s, open_steps=st.open_steps,
         draft_open_ms=1e3 * st.draft_open_s, target_prefill_ms=1e3 * st.target_prefill_s,
         mean_tree_nodes=st.mean_tree_nodes, draft_ahead_depth=st.draft_ahead_depth, probe_steps=st.probe_steps, asked_steps=st.asked_steps,
-        snapshot_trees=st.snapshot_trees,
+        snapshot_trees=st.snapshot_trees, ahead_steps=st.ahead_steps,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec, wait_ms=1e3 * w, forward_ms=1e3 * f)
                     for k, (n, t, sec, w, f) in st.step_kinds.items()},
         predicted_tok_per_s=st.predicted_tok_per_s, ask_ms=st.ask_ms, phase_ms=st.phase_ms, **wait_split(st))
@@ -207,6 +207,8 @@ def kinds_line(r: dict) -> str:
     parts = [f"{k} {v['steps']} x {v['tokens'] / max(v['steps'], 1):.2f} tok / {v['ms'] / max(v['steps'], 1):.2f} ms"
              + _split(v) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["steps"])]
     out = "; " + ", ".join(parts) + f"; longest {r.get('max_step_ms', 0.0):.1f} ms"
+    if r.get("ahead_steps"):  # decoded ahead of the host (plain steps ahead, lookup runs)
+        out += f"; {r['ahead_steps']} ahead of the host"
     if r.get("lookup_skipped"):  # chains found at steps without a tree that the lookup gate left out
         out += f"; {r['lookup_skipped']} chains skipped"
     if r.get("mean_tree_nodes"):  # the trees verified: their size, and the pool's depth below the root when asked

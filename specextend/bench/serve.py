@@ -225,6 +225,7 @@ def one_request(url: str, model: str, prompt: list[int], max_tokens: int,
                    reference_max_gap_steps=spec.get("reference_max_gap_steps"),
                    reference_override_at=spec.get("reference_override_at"))
     out.update(max_step_ms=spec.get("max_step_ms", 0.0), step_kinds=spec.get("step_kinds", {}),  # every mode
+               ahead_steps=spec.get("ahead_steps", 0),
                predicted_tok_per_s=spec.get("predicted_tok_per_s", {}), ask_ms=spec.get("ask_ms", {}),
                phase_ms=spec.get("phase_ms", {}),
                draft_open_ms=spec.get("draft_open_ms", 0.0), target_prefill_ms=spec.get("target_prefill_ms", 0.0))

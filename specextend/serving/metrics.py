@@ -73,6 +73,9 @@ FAMILIES = {
         "counter", "Accepted tokens that only a context-lookup chain proposed (lookup_tokens).", ()),
     "specextend_spec_decode_num_told_steps": (
         "counter", "Plain steps whose tokens went to the overlapping draft at once (draft_tell).", ()),
+    "specextend_spec_decode_num_ahead_steps": (
+        "counter", "Steps decoded ahead of the host: queued before the step before was read (plain steps ahead, "
+        "lookup runs).", ()),
     "specextend_spec_decode_num_asked_steps": (
         "counter", "Tree steps whose tree was asked for as soon as the verdict before was known (draft_ask_early).", ()),
     "specextend_spec_decode_num_snapshot_trees": (
@@ -193,6 +196,7 @@ class ReplicaMetrics:
         self.inc("specextend_spec_decode_num_lookup_steps", stats.lookup_steps)
         self.inc("specextend_spec_decode_num_lookup_accepted_tokens", stats.lookup_accepted)
         self.inc("specextend_spec_decode_num_told_steps", stats.told_steps)
+        self.inc("specextend_spec_decode_num_ahead_steps", stats.ahead_steps)
         self.inc("specextend_spec_decode_num_asked_steps", stats.asked_steps)
         self.inc("specextend_spec_decode_num_snapshot_trees", stats.snapshot_trees)
         self.inc("specextend_spec_decode_num_open_steps", stats.open_steps)

@@ -203,6 +203,7 @@ class SpeculativeDecoding(BaseModel):
     lookup_steps: int = 0  # steps without a draft tree that verified a context-lookup chain
     lookup_accepted: int = 0  # accepted tokens that only a context-lookup chain proposed
     told_steps: int = 0  # plain steps whose tokens the overlapping draft was sent at once (its pool follows them)
+    ahead_steps: int = 0  # steps whose forward was queued before the host read the step before (plain, lookup)
     asked_steps: int = 0  # tree steps whose tree was asked for as soon as the verdict before was known
     snapshot_trees: int = 0  # tree steps whose tree came from the draft's latest pool snapshot, no call
     open_steps: int = 0  # plain steps decoded while the draft still prefilled the prompt (it joined after them)
@@ -248,7 +249,7 @@ def spec_decoding(stats: RequestStats) -> dict:
            "unready_steps": stats.unready_steps,
            "mean_tree_nodes": stats.mean_tree_nodes,
            "lookup_steps": stats.lookup_steps, "lookup_accepted": stats.lookup_accepted,
-           "told_steps": stats.told_steps, "asked_steps": stats.asked_steps,
+           "told_steps": stats.told_steps, "asked_steps": stats.asked_steps, "ahead_steps": stats.ahead_steps,
            "snapshot_trees": stats.snapshot_trees, "open_steps": stats.open_steps, "max_step_ms": 1e3 * stats.max_step_s,
            "draft_open_ms": 1e3 * stats.draft_open_s, "target_prefill_ms": 1e3 * stats.target_prefill_s,
            "predicted_tok_per_s": stats.predicted_tok_per_s, "ask_ms": stats.ask_ms, "phase_ms": stats.phase_ms,
