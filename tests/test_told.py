@@ -427,3 +427,27 @@ def test_runs_ahead_feed_a_snapshot_draft_their_tokens(pair, monkeypatch, lookup
     assert sum(r is not None for r in taken) >= 2 and stats.told_steps == 0
     assert_calls_in_order(draft, out, unsent=30)
     assert len(draft.calls) > sum(r is not None for r in taken)  # runs pushed their parts as they were read
+
+
+@pytest.mark.parametrize("transport", ["grpc", "zmq"])
+def test_runs_tell_a_draft_over_the_wire(pair, transport):
+    """The two-GPU app's shape: the overlapping draft behind a real server on 127.0.0.1 (gRPC, or the
+    ZeroMQ step channel); lookup runs (forced on the CPU) tell it their tokens through the client's
+    start_step: lossless (float64), tells sent, steps decoded ahead, no fallback."""
+    from helpers import make_engine
+    from specextend.rpc import DraftServerThread, GrpcDraftBackend
+
+    params = SamplingParams(60, ignore_eos=True)
+    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
+    worker = DraftWorker(pair[1].decoder, overlap=True)
+    with DraftServerThread(worker) as server:
+        client = GrpcDraftBackend(server.address, transport=transport)
+        engine = engine_for(pair, client, lookup_tokens=6)
+        engine.lookup_ahead = True
+        engine.new_controller = lambda tree: MostlyPlain(ladder(tree), probe_every=10 ** 6)
+        out, _, stats = engine.generate(prompt(), params)
+        client.shutdown()
+    worker.shutdown()
+    assert out == ref and not stats.fallback
+    assert stats.told_steps > 2 and stats.ahead_steps > stats.told_steps // 2
+    assert stats.num_steps + stats.unready_steps > 0  # trees asked after runs
