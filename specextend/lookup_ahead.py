@@ -86,6 +86,7 @@ class DeviceHistory:
         self._state: Optional[torch.Tensor] = None  # the generator's state before the run's draws
         self.ref: Optional[Reference] = None  # benchmarks: a greedy run's reference tokens (begin)
         self.ref_ids: Optional[torch.Tensor] = None  # [len + q + 2] int64 its tokens, -1 past their end
+        self._ref_of: Optional[Reference] = None  # the reference ref_ids holds
         self.base = 0  # output position of the run's first token (the reference's index)
         self.noted: Optional[torch.Tensor] = None  # [q + 1, 3] float32 the last verdict's own tokens and logits
 
@@ -105,9 +106,9 @@ class DeviceHistory:
         self.params = None if params.greedy else params
         self.drawn.zero_()
         self.ref, self.base = ref, emitted
-        if ref is not None and (self.ref_ids is None or self.ref_ids.shape[0] != len(ref.tokens) + self.q + 2):
+        if ref is not None and self._ref_of is not ref:  # (uploaded once per reference)
             ids = torch.tensor(list(ref.tokens) + [-1] * (self.q + 2), dtype=torch.long)
-            self.ref_ids = to_device(ids, torch.long, self.hist.device)
+            self.ref_ids, self._ref_of = to_device(ids, torch.long, self.hist.device), ref
         if self.params is None:
             return
         self._state = gen.get_state()
