@@ -71,9 +71,10 @@ class Recorder(DraftBackend):
         self.inner.close(session_id)
 
 
-def recorded_run(pair, policy, params, delay_s, **kw):
+def recorded_run(pair, policy, params, delay_s, lookup_ahead=None, **kw):
     """The request under `policy` with a real overlapping worker behind a Recorder answering `delay_s`
-    late; waits (up to 5 s) for the session's close. -> (ar's ids, the ids, stats, the Recorder)."""
+    late; waits (up to 5 s) for the session's close. `lookup_ahead`: the engine's (True: lookup runs
+    forced on the CPU). -> (ar's ids, the ids, stats, the Recorder)."""
     from helpers import make_engine
 
     ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
@@ -81,6 +82,7 @@ def recorded_run(pair, policy, params, delay_s, **kw):
     draft = Recorder(worker, delay_s=delay_s)
     engine = engine_for(pair, draft, **kw)
     engine.new_controller = lambda tree: policy(ladder(tree))
+    engine.lookup_ahead = lookup_ahead
     out, _, stats = engine.generate(prompt(), params)
     deadline = time.time() + 5
     while ("close", None) not in draft.events and time.time() < deadline:
@@ -328,126 +330,3 @@ def test_a_session_s_draft_close_never_runs_on_the_thread_that_steps_it(pair, fa
     assert closed and left == 0
     assert draft.closed_on.startswith("draft-tell") and draft.closed_on != threading.current_thread().name
 
-
-class MostlyPlain(TreeController):
-    """Plain steps (taken as runs ahead where they may be: no probe due), a tree after every 20 of them."""
-
-    def choose(self, sessions=1):
-        return self.top if self._tree_due() else PLAIN
-
-    def plain_still_best(self, sessions):  # (asked between runs of plain steps)
-        return not self._tree_due()
-
-    def _tree_due(self):
-        return self.plain_steps >= 20 * (self.spec_steps + self.unready_steps + 1)
-
-
-@pytest.mark.parametrize("sampling", [False, True])
-@pytest.mark.parametrize("lookup", [0, 6], ids=["plain-runs", "lookup-runs"])
-def test_runs_ahead_tell_an_overlapping_draft_their_tokens(pair, monkeypatch, sampling, lookup):
-    """With an overlapping draft, runs ahead are taken too (lookup runs where the request has a
-    context lookup, else runs of plain steps; forced on the CPU): the tokens each run's steps read go
-    to the draft as tells (draft_link.RunTells), every token once and in order, lossless (float64),
-    and the trees after a run find the draft told (ready_only asks)."""
-    import specextend.engine as engine_mod
-    from helpers import make_engine
-
-    taken = []
-
-    def counted(*args, **kw):
-        run = real(*args, **kw)
-        taken.append(run is not None)
-        return run
-
-    real = engine_mod.run_ahead
-    monkeypatch.setattr(engine_mod, "run_ahead", counted)
-    params = SamplingParams(60, ignore_eos=True, temperature=0.8 if sampling else 0.0, seed=5)
-    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
-    draft = Recorder(worker, delay_s=0.001)
-    engine = engine_for(pair, draft, lookup_tokens=lookup)
-    engine.lookup_ahead = True
-    engine.new_controller = lambda tree: MostlyPlain(ladder(tree), probe_every=10 ** 6)
-    out, _, stats = engine.generate(prompt(), params)
-    deadline = time.time() + 5
-    while ("close", None) not in draft.events and time.time() < deadline:
-        time.sleep(0.01)
-    worker.shutdown()
-    assert out == ref
-    assert sum(taken) >= 2  # runs were taken, with tells
-    told = [b == TELL_BOUND for _, _, b in draft.calls]
-    assert sum(told) == stats.told_steps > sum(taken)  # a run tells more than once
-    assert_calls_in_order(draft, out, unsent=len(out) - sum(len(t) for _, t, _ in draft.calls))
-    sent = [t for _, tokens, _ in draft.calls for t in tokens]
-    assert len(sent) >= len(out) - 30  # all but the last run's or step's unsent tail
-    trees = [b for _, _, b in draft.calls if b != TELL_BOUND]
-    assert trees and all(b.ready_only for b in trees[1:])
-
-
-def test_a_draft_failing_on_a_runs_tell_leaves_plain_decoding(pair):
-    from helpers import make_engine
-
-    params = SamplingParams(50, ignore_eos=True)
-    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
-    draft = Recorder(worker, fail_at=3)  # a tell from inside the first lookup run
-    engine = engine_for(pair, draft, lookup_tokens=6)
-    engine.lookup_ahead = True
-    engine.new_controller = lambda tree: MostlyPlain(ladder(tree), probe_every=10 ** 6)
-    out, _, stats = engine.generate(prompt(), params)
-    worker.shutdown()
-    assert out == ref and stats.fallback
-    assert max(s for s, _, _ in draft.calls) <= 5  # nothing asked of the draft once the failure surfaced
-
-
-@pytest.mark.parametrize("lookup", [0, 6], ids=["plain-runs", "lookup-runs"])
-def test_runs_ahead_feed_a_snapshot_draft_their_tokens(pair, monkeypatch, lookup):
-    """With pool snapshots (every step's tokens to the draft at once, snapshot.DraftFeed) runs ahead
-    are taken too and push each part read to the feed: lossless (float64), every token sent once
-    and in order, one call at a time."""
-    import specextend.engine as engine_mod
-    from helpers import make_engine
-
-    taken = []
-    real = engine_mod.run_ahead
-    monkeypatch.setattr(engine_mod, "run_ahead", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
-    params = SamplingParams(60, ignore_eos=True)
-    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
-    draft = Recorder(worker, delay_s=0.001)
-    engine = engine_for(pair, draft, lookup_tokens=lookup, draft_snapshots="on")
-    engine.lookup_ahead = True
-    engine.new_controller = lambda tree: MostlyPlain(ladder(tree), probe_every=10 ** 6)
-    out, _, stats = engine.generate(prompt(), params)
-    deadline = time.time() + 5
-    while ("close", None) not in draft.events and time.time() < deadline:
-        time.sleep(0.01)
-    worker.shutdown()
-    assert out == ref and not stats.fallback
-    assert sum(r is not None for r in taken) >= 2 and stats.told_steps == 0
-    assert_calls_in_order(draft, out, unsent=30)
-    assert len(draft.calls) > sum(r is not None for r in taken)  # runs pushed their parts as they were read
-
-
-@pytest.mark.parametrize("transport", ["grpc", "zmq"])
-def test_runs_tell_a_draft_over_the_wire(pair, transport):
-    """The two-GPU app's shape: the overlapping draft behind a real server on 127.0.0.1 (gRPC, or the
-    ZeroMQ step channel); lookup runs (forced on the CPU) tell it their tokens through the client's
-    start_step: lossless (float64), tells sent, steps decoded ahead, no fallback."""
-    from helpers import make_engine
-    from specextend.rpc import DraftServerThread, GrpcDraftBackend
-
-    params = SamplingParams(60, ignore_eos=True)
-    ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
-    worker = DraftWorker(pair[1].decoder, overlap=True)
-    with DraftServerThread(worker) as server:
-        client = GrpcDraftBackend(server.address, transport=transport)
-        engine = engine_for(pair, client, lookup_tokens=6)
-        engine.lookup_ahead = True
-        engine.new_controller = lambda tree: MostlyPlain(ladder(tree), probe_every=10 ** 6)
-        out, _, stats = engine.generate(prompt(), params)
-        client.shutdown()
-    worker.shutdown()
-    assert out == ref and not stats.fallback
-    assert stats.told_steps > 2 and stats.ahead_steps > stats.told_steps // 2
-    assert stats.num_steps + stats.unready_steps > 0  # trees asked after runs
