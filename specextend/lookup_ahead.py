@@ -13,7 +13,8 @@ step verifies a path of `q` + 1 rows, chain or not (a padded chain's junk rows a
 on a GPU a row costs about 1% of the forward, less than the host's work that a step without a chain
 would otherwise expose.
 
-A sampled request's run draws, at its start, one uniform for each position it may emit from the
+Where runs are forced (runs_ahead: by default greedy requests only, sampled ones having measured
+slower in runs), a sampled request's run draws, at its start, one uniform for each position it may emit from the
 request's generator, in order, as plain decoding would; each row's token is the inverse-CDF sample
 of the target's distribution there with its position's uniform (sampling.sample_rows), and
 a chain token is accepted where it is that sample, so the run emits plain decoding's seeded tokens;

@@ -76,9 +76,8 @@ def next_token_tensor(logits_row: torch.Tensor, params: SamplingParams, generato
 def sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
     """The sampled token of each row of logits [R, V], row r with the uniform u[r] ([R] float64 on
     the logits' device): sample_row's inverse-CDF search, for every row at once on the device ->
-    [R] int64. Plain steps ahead sample one
-    row (next_token_tensor); a lookup run every row of its path, each with its position's uniform
-    (lookup_ahead.py).
+    [R] int64. Plain steps ahead sample one row (next_token_tensor); a lookup run every row of its
+    path, each with its position's uniform (lookup_ahead.py).
 
     No walk back is needed here: the search returns the first index whose cumulative sum reaches
     u * total (u in [0, 1), so never past the total), and a zero-probability token's sum equals its
