@@ -14,11 +14,11 @@ on a GPU a row costs about 1% of the forward, less than the host's work that a s
 would otherwise expose.
 
 Where runs are forced (runs_ahead: by default greedy requests only, sampled ones having measured
-slower in runs), a sampled request's run draws, at its start, one uniform for each position it may emit from the
-request's generator, in order, as plain decoding would; each row's token is the inverse-CDF sample
-of the target's distribution there with its position's uniform (sampling.sample_rows), and
-a chain token is accepted where it is that sample, so the run emits plain decoding's seeded tokens;
-at its end the generator is put where the tokens actually emitted leave it. Where the forward would
+slower in runs), a sampled request's run draws, at its start, one uniform for each position it
+may emit from the request's generator, in order, as plain decoding would; each row's token is the
+inverse-CDF sample of the target's distribution there with its position's uniform
+(sampling.sample_rows), and a chain token is accepted where it is that sample, so the run emits
+plain decoding's seeded tokens; at its end the generator is put where the tokens actually emitted leave it. Where the forward would
 read the length back anyway (no full-step graphs: the CPU, whose twin `forward_at` synchronises),
 steps take the host's way (plain_step.plain_step_co); tests force runs on the CPU to compare their
 tokens with plain decoding's.
