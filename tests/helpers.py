@@ -88,12 +88,27 @@ def start_local_ray(**kw):
 
 
 def free_port() -> int:
-    """A free local port: the machine may run other Serve apps (other test runs) on 8000."""
+    """A free local port for a served app, below the kernel's ephemeral range and above Ray's worker
+    ports (10002-19999). Suites pick their port when pytest collects them and start their app minutes
+    later; a port from the ephemeral range (what binding to port 0 gives) can be taken by then by any
+    outgoing connection or by one of Ray's own processes, which failed a CI run ("Failed to bind to
+    address"). The machine may run other Serve apps (other test runs) on 8000."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except OSError:  # not Linux: the IANA ephemeral range's start
+        ephemeral = 49152
+    for port in random.sample(range(20000, max(ephemeral, 20001)), k=min(200, max(ephemeral - 20000, 1))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def app_fixture(settings: dict):
