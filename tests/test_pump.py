@@ -51,6 +51,15 @@ def engine(batches, max_batch=8):
     return EngineThread(Batcher(None, max_batch, forward=fake_forward(batches)))
 
 
+def slow_engine(batches, seconds):
+    """An engine whose steps take a while: a consumer that holds a batch open sees them arrive."""
+    def slow_forward(model, calls):
+        time.sleep(seconds)
+        return fake_forward(batches)(model, calls)
+
+    return EngineThread(Batcher(None, 8, forward=slow_forward))
+
+
 def test_steps_run_ahead_are_coalesced_and_sessions_share_rounds():
     async def main():
         log, batches = [], []
@@ -125,12 +134,7 @@ def test_a_held_batch_takes_later_steps_and_ends_at_a_finish():
     async def main():
         log, batches = [], []
         loop = asyncio.get_running_loop()
-
-        def slow_forward(model, calls):  # steps that take a while: the hold sees them arrive
-            time.sleep(0.01)
-            return fake_forward(batches)(model, calls)
-
-        th = EngineThread(Batcher(None, 8, forward=slow_forward))
+        th = slow_engine(batches, 0.01)
         pump = SessionPump(th.batcher, engine_steps("a", 12, log), loop, max_ahead=100)
         got = []
         while not any(e is not None and e.finish_reason for e in got):
@@ -152,6 +156,31 @@ def test_a_hold_ends_at_its_deadline_and_when_run_ahead_is_full():
         held = await asyncio.wait_for(pump.events(until=loop.time() + 0.05), 60)
         assert held[0].token_ids[0] == len(full) and not held[-1].finish_reason
         pump.stop()
+        th.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_hold_without_deadline_ends_at_the_finish_or_a_pause():
+    """until=math.inf (a whole response: nothing to look at before its finish) waits with no timer:
+    the finish ends it, and so does run-ahead filling up."""
+    import math
+
+    async def main():
+        log, batches = [], []
+        loop = asyncio.get_running_loop()
+        th = slow_engine(batches, 0.005)
+        whole = SessionPump(th.batcher, engine_steps("a", 40, log), loop, max_ahead=41)
+        first = await asyncio.wait_for(whole.events(), 60)  # the first step, at once
+        rest = await asyncio.wait_for(whole.events(until=math.inf), 60)  # every other in one batch
+        got = first + rest
+        done = [e for e in rest if e is not None and e.finish_reason]
+        assert len(first) < 40 and len(done) == 1
+        assert [e.token_ids[0] for e in got if e is not None] == list(range(40))
+        paused = SessionPump(th.batcher, engine_steps("b", 10_000, log), loop, max_ahead=5)
+        full = await asyncio.wait_for(paused.events(until=math.inf), 60)
+        assert 1 <= len(full) <= 5 and not full[-1].finish_reason
+        paused.stop()
         th.shutdown()
 
     asyncio.run(main())

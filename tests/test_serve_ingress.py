@@ -197,3 +197,59 @@ def test_streamed_prompt_token_ids_come_first(server, tokenizer):
         want = chat_ids(tokenizer, messages) if chat else ids
         assert len(chunks) >= 2 and got[0] == want and not any(got[1:])
         assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _items(handle, req: dict) -> list[dict]:
+    """The replica's items for `req`, through its streaming handle."""
+    import asyncio
+
+    async def collect():
+        return [item async for item in handle.options(stream=True).generate.remote(req)]
+
+    return asyncio.run(collect())
+
+
+def test_a_whole_response_is_one_item(server, tokenizer):
+    """A request answered whole (not streamed) leaves the replica as one item, with what the
+    streamed items carry together: every item is a Ray object the ingress awaits. With a stop
+    string the replica still reads the tokens as they come (the stop ends the steps early)."""
+    ids = tokenizer.encode(PROMPT)
+    base = {"prompt_ids": ids, "max_tokens": 120, "temperature": 0.0, "ignore_eos": True, "return_prompt_ids": True}
+    streamed = _items(server, base)
+    text = "".join(i["text"] for i in streamed)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    for req in (base, {**base, "stop": [stop]}):
+        streamed = _items(server, req)
+        whole = _items(server, {**req, "stream": False})
+        assert len(streamed) > 1 and len(whole) == 1, (len(streamed), len(whole))
+        item = whole[0]
+        assert item["token_ids"] == [t for i in streamed for t in i["token_ids"]]
+        assert item["text"] == "".join(i["text"] for i in streamed)
+        assert item["prompt_token_ids"] == ids and item["finish_reason"] == streamed[-1]["finish_reason"]
+        assert item["completion_tokens"] == streamed[-1]["completion_tokens"] and "speculative_decoding" in item
+    assert item["finish_reason"] == "stop" and stop not in item["text"] and len(item["text"]) < len(text)
+
+
+def _aborted() -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{BASE}/metrics").text
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "specextend_request_success"
+               for s in fam.samples if s.labels.get("finish_reason") == "abort" and s.name.endswith("_total"))
+
+
+def test_a_client_that_leaves_a_whole_response_frees_its_session(server):
+    """A whole response is held in the replica until its finish; a client that leaves before it
+    ends the request there (counted as an abort) and frees its session."""
+    before = _aborted()
+    body = {"prompt": PROMPT, "max_tokens": 256, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{BASE}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        health = httpx.get(f"{BASE}/health").json()
+        if health["active_sessions"] == 0 and _aborted() > before:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the request was not ended as an abort: {health}, aborts {_aborted()} (before {before})")

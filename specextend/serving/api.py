@@ -209,7 +209,8 @@ class OpenAIIngress:
         rid = p.request_id(chat)
         gen = None
         try:  # the first item (after admission and prefill) decides the HTTP status
-            req = {**prompt, **body.sampling(), "request_id": rid, "return_prompt_ids": body.return_token_ids}
+            req = {**prompt, **body.sampling(), "request_id": rid, "return_prompt_ids": body.return_token_ids,
+                   "stream": body.stream}  # a whole response comes as one item
             gen = self.stream_handle.generate.remote(req)
             first = await gen.__anext__()
         except BaseException as e:

@@ -16,6 +16,7 @@ docs/architecture.md, "Serving surface".
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from typing import Any, Generator, Optional
 
@@ -78,8 +79,9 @@ class SessionPump:
 
     async def events(self, until: float = 0.0) -> list[StepEvent]:
         """The next events: at least one, and every other one already there; then, until the loop's
-        clock reads `until`, every one that arrives, unless the session ends or finishes first (a
-        finish is never held). An event of None ends the steps; an engine error is raised here."""
+        clock reads `until` (math.inf: until the finish or a pause), every one that arrives, unless
+        the session ends or finishes first (a finish is never held). An event of None ends the
+        steps; an engine error is raised here."""
         while True:
             with self._lock:
                 ready = self._ready
@@ -92,7 +94,8 @@ class SessionPump:
             if done:
                 break
             if ready:  # hold the batch open until `until`, or until its end arrives
-                await asyncio.wait((waiter,), timeout=max(until - self._loop.time(), 0.0))
+                left = None if until == math.inf else max(until - self._loop.time(), 0.0)
+                await asyncio.wait((waiter,), timeout=left)
             else:
                 await waiter
             with self._lock:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import sys
 import time
 import uuid
@@ -66,6 +67,16 @@ def kv_budget(available: int, fraction: float, prefix_cache_gb: float, draft_sha
     where the draft runs on the same device (the target's lives in the budget, in what the sessions
     leave free: Admission; docs/architecture.md, "Prefix caching")."""
     return max(int(available * fraction) - (int(prefix_cache_gb * 2**30) if draft_shares else 0), 0)
+
+
+def merged(held: Optional[dict], item: dict) -> dict:
+    """`item` after the held items before it: their text and token ids first, the first's prompt ids."""
+    if held is None:
+        return item
+    out = {**item, "text": held["text"] + item["text"], "token_ids": held["token_ids"] + item["token_ids"]}
+    if "prompt_token_ids" in held:
+        out["prompt_token_ids"] = held["prompt_token_ids"]
+    return out
 
 
 class SpecExtendReplica(DraftRecovery):
@@ -287,8 +298,17 @@ class SpecExtendReplica(DraftRecovery):
                                  speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"], load=load,
                                  replay_bonus=self.settings.replay_bonus, reference=spec.get("reference_token_ids"))
         stats, finish, last = None, None, None
-        pump = SessionPump(self.engine_thread.batcher, session, loop, load=load)  # steps ahead of the streaming
+        # a request answered whole (not streamed) yields one item, at the finish: every item is a
+        # Ray object the ingress awaits (docs/architecture.md, "Serving surface")
+        whole, held = req.get("stream") is False, None
+        # a whole response without stop strings has nothing to look at before its finish: after the
+        # first token (its time to first token) the loop wakes only at the finish, its steps never pause
+        hold_all = whole and not req.get("stop")
+        pump = SessionPump(self.engine_thread.batcher, session, loop, load=load,  # steps ahead of the streaming
+                           **({"max_ahead": params.max_new_tokens + 1} if hold_all else {}))
         interval, sent = self.settings.stream_interval_ms / 1e3, None  # docs/architecture.md, "Serving surface"
+        if hold_all:
+            interval = math.inf
         try:
             while finish is None:
                 tokens, reason, ended = [], None, False
@@ -323,10 +343,16 @@ class SpecExtendReplica(DraftRecovery):
                 if sent is None and req.get("return_prompt_ids"):
                     item["prompt_token_ids"] = list(prompt_ids)
                 if item["text"] or item["token_ids"] or finish:
-                    yield item
+                    if whole and not finish:  # a whole response: its tokens wait for the finish
+                        held = merged(held, item)
+                    else:
+                        yield merged(held, item)
+                        held = None
                     sent = loop.time()
                 if ended:
                     break
+            if held is not None:  # the steps ended with no finish: what was held still goes
+                yield held
         finally:
             # No more steps; then, on the engine thread, the engine's `finally` closes the draft session.
             pump.stop()
