@@ -208,6 +208,7 @@ class EngineConfig:
 
 
 STREAM_INTERVAL_MS = 10.0  # docs/architecture.md, "Serving surface": what it saves, what it costs
+STREAM_ITEMS_PER_S = 200.0  # the same section: every item costs the replica, the ingress and the proxy
 
 
 def _default_num_gpus() -> float:
@@ -235,6 +236,9 @@ class ServingConfig:
     stream_interval_ms: float = Field(
         STREAM_INTERVAL_MS, ge=0, le=1000, description="a stream's tokens leave the replica at most once per this "
         "interval (the first token and the finish at once): fast steps share one item and one SSE chunk; 0: every step")
+    stream_items_per_s: float = Field(
+        STREAM_ITEMS_PER_S, ge=0, le=100_000, description="streamed items a second that leave a replica, shared by "
+        "its streams: with N streams each waits at least N / this between items (above the interval); 0: no bound")
     served_model_name: Optional[str] = Field(None, min_length=1, description="model id of the API (default: the target's)")
     switch_interval_ms: Optional[float] = Field(
         None, gt=0, le=100, description="the replica's and the draft actor's interpreter switch interval "

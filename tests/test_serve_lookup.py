@@ -10,7 +10,8 @@ import pytest
 from helpers import SERVE_SETTINGS, SERVE_TARGET, app_fixture, openai_client, served_target_greedy
 
 SETTINGS = {k: v for k, v in SERVE_SETTINGS.items() if k not in ("draft", "draft_overlap")}
-SETTINGS.update(mode="lookup", lookup_tokens=6)
+SETTINGS.update(mode="lookup", lookup_tokens=6,
+                stream_items_per_s=0.5)  # a stream alone: an item every 2 s at most (no test here streams but one)
 PORT, BASE, server = app_fixture(SETTINGS)
 # a prompt that repeats itself: the index finds chains (a tiny random model never repeats on its own)
 PROMPT = "alpha beta gamma delta epsilon zeta eta theta " * 3
@@ -39,3 +40,25 @@ def test_lookup_mode_serves_greedy_output_with_its_chains(server, greedy):
                                     extra_body={"return_token_ids": True, "ignore_eos": True,
                                                 "speculative_decoding": {"enabled": False}})
     assert off.choices[0].token_ids == ref and off.model_extra["speculative_decoding"]["lookup_steps"] == 0
+
+
+def test_streams_share_the_replicas_items_a_second(server, greedy):
+    """stream_items_per_s bounds the items a second that leave the replica, shared by its streams
+    (docs/architecture.md, "Serving surface"): at 0.5 a second a stream alone waits 2 s between
+    items, so a 60-token stream that decodes in well under that comes as its first token and the
+    rest at the finish (the stream interval alone, 10 ms, would send an item every few steps)."""
+    ids = greedy.tokenizer.encode(PROMPT)
+    stream = openai_client(BASE).completions.create(model=SERVE_TARGET, prompt=ids, max_tokens=60, temperature=0,
+                                                    stream=True, extra_body={"return_token_ids": True,
+                                                                             "ignore_eos": True})
+    chunks = [c.choices[0].token_ids for c in stream if c.choices and c.choices[0].token_ids]
+    assert [t for c in chunks for t in c] == greedy(ids, 60)
+    assert 2 <= len(chunks) <= 3 and len(chunks[0]) == 1, [len(c) for c in chunks]
+
+
+def test_item_wait():
+    from specextend.serving.replica import item_wait
+
+    assert item_wait(0.01, 1, 1 / 200) == 0.01  # one stream: the interval
+    assert item_wait(0.01, 8, 1 / 200) == 8 / 200  # eight share 200 items a second
+    assert item_wait(0.01, 8, 0.0) == 0.01  # no bound

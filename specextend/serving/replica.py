@@ -69,6 +69,12 @@ def kv_budget(available: int, fraction: float, prefix_cache_gb: float, draft_sha
     return max(int(available * fraction) - (int(prefix_cache_gb * 2**30) if draft_shares else 0), 0)
 
 
+def item_wait(interval: float, streams: int, item_s: float) -> float:
+    """Seconds a stream's next item waits after its last: the stream interval, or, where `streams`
+    share the replica's items a second (one every `item_s`), each one's share of them."""
+    return max(interval, streams * item_s)
+
+
 def merged(held: Optional[dict], item: dict) -> dict:
     """`item` after the held items before it: their text and token ids first, the first's prompt ids."""
     if held is None:
@@ -128,6 +134,8 @@ class SpecExtendReplica(DraftRecovery):
             self.draft_actor.warmed.remote()  # its own late work is logged from now on
         self.admission = Admission(s.max_concurrent_sessions, s.max_queued_requests, self._kv_budget(),
                                    self.engine.prefix_cache)
+        # streams running, and the seconds between items that the replica's items a second give each
+        self._streams, self._item_s = 0, 1.0 / s.stream_items_per_s if s.stream_items_per_s else 0.0
         self.draft_ok = (self.draft is not None and not warm.fallback) or cfg.mode == "lookup"
         # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
         self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions, max_tokens=s.max_batch_tokens,
@@ -309,11 +317,14 @@ class SpecExtendReplica(DraftRecovery):
         interval, sent = self.settings.stream_interval_ms / 1e3, None  # docs/architecture.md, "Serving surface"
         if hold_all:
             interval = math.inf
+        self._streams += not whole
         try:
             while finish is None:
                 tokens, reason, ended = [], None, False
-                # every step ready now, and those that come within the stream interval, in one item
-                for ev in await pump.events(until=0.0 if sent is None else sent + interval):
+                # every step ready now, and those that come within the stream interval (longer where
+                # many streams share the replica's items a second), in one item
+                wait = interval if whole else item_wait(interval, self._streams, self._item_s)
+                for ev in await pump.events(until=0.0 if sent is None else sent + wait):
                     if ev is None:
                         ended = True
                         break
@@ -354,6 +365,7 @@ class SpecExtendReplica(DraftRecovery):
             if held is not None:  # the steps ended with no finish: what was held still goes
                 yield held
         finally:
+            self._streams -= not whole
             # No more steps; then, on the engine thread, the engine's `finally` closes the draft session.
             pump.stop()
             if stats is not None:
