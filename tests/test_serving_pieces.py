@@ -78,8 +78,8 @@ def test_the_prefix_cache_holds_what_admitted_sessions_leave_free():
 
 
 def test_a_publish_that_fails_waits_for_the_next_period(monkeypatch, caplog):
-    """A request's end publishes the replica's metrics on an executor whose future nobody reads: a
-    failure there (the GCS unreachable) must not surface as "Future exception was never retrieved"."""
+    """A request's end publishes the replica's metrics from the publisher's thread, whose failures
+    nobody reads: one there (the GCS unreachable) is logged at debug level, never raised."""
     import logging
 
     from specextend.serving import metrics as m
@@ -93,6 +93,30 @@ def test_a_publish_that_fails_waits_for_the_next_period(monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger=m.__name__):
         publisher.publish()  # (no exception)
     assert "GCS unreachable" in caplog.text
+    publisher.stop()
+
+
+def test_requests_ending_together_publish_once(monkeypatch):
+    """A request's end asks for a publish soon (at most one every min_gap_s), not one per request:
+    fifty requests ending together publish once or twice, within a few gaps, and nothing after."""
+    import time
+
+    from specextend.serving import metrics as m
+
+    times = []
+    monkeypatch.setattr(m, "publish", lambda key, text: times.append(time.monotonic()))
+    monkeypatch.setattr(m, "unpublish", lambda key: None)
+    publisher = m.Publisher("replica-1", ReplicaMetrics(use_ray=False), every_s=3600, min_gap_s=0.1)
+    t0 = time.monotonic()
+    for _ in range(50):
+        publisher.soon()
+        time.sleep(0.002)
+    deadline = time.monotonic() + 10
+    while not times and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    assert 1 <= len(times) <= 2 and times[0] - t0 < 5, times
+    assert publisher.published == len(times)
     publisher.stop()
 
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 KV_PREFIX = "specextend:metrics:"
 KV_NAMESPACE = "specextend"
 PUBLISH_EVERY_S = 2.0
+PUBLISH_MIN_GAP_S = 0.25  # at most one publish this often for requests that end
 STALE_AFTER_S = 10.0  # an entry not refreshed for this long belongs to a replica that is gone
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -232,30 +233,56 @@ def unpublish(key: str) -> None:
 
 
 class Publisher:
-    """Publishes one replica's exposition every PUBLISH_EVERY_S from a daemon thread (the
-    replica's event loop may be busy), and on demand; `stop` unpublishes."""
+    """Publishes one replica's exposition every `every_s` from a daemon thread (the replica's event
+    loop may be busy), and soon after a request ends (`soon`): at once where the last publish is
+    `min_gap_s` old, else that long after it, so that many requests ending together publish once
+    (an exposition and a GCS write cost a couple of milliseconds of the replica's interpreter);
+    `stop` unpublishes."""
 
-    def __init__(self, key: str, metrics: ReplicaMetrics, every_s: float = PUBLISH_EVERY_S) -> None:
-        self.key, self.metrics, self.every_s = key, metrics, every_s
+    def __init__(self, key: str, metrics: ReplicaMetrics, every_s: float = PUBLISH_EVERY_S,
+                 min_gap_s: float = PUBLISH_MIN_GAP_S) -> None:
+        self.key, self.metrics, self.every_s, self.min_gap_s = key, metrics, every_s, min_gap_s
+        self.published = 0  # publishes made (tests)
         self._stop = threading.Event()
+        self._wake = threading.Condition()
+        self._due = False  # a request ended since the last publish
+        self._last = time.monotonic()
         threading.Thread(target=self._loop, name="metrics-publisher", daemon=True).start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while not self._stop.is_set():
+            with self._wake:
+                at = self._last + (self.min_gap_s if self._due else self.every_s)
+                left = at - time.monotonic()
+                if left > 0:
+                    self._wake.wait(left)
+                    continue
+                self._due = False
             self.publish()
 
+    def soon(self) -> None:
+        """A request ended: publish within `min_gap_s` (never on the caller's thread)."""
+        with self._wake:
+            if not self._due:
+                self._due = True
+                self._wake.notify()
+
     def publish(self) -> None:
-        """Now (a request ended), or from the loop; a failure (the GCS briefly unreachable, or no
-        Ray at all: a replica built in process) waits for the next period, logged at debug level."""
+        """Now; a failure (the GCS briefly unreachable, or no Ray at all: a replica built in
+        process) waits for the next period, logged at debug level."""
         if self._stop.is_set():
             return
+        self._last = time.monotonic()
         try:
             publish(self.key, self.metrics.exposition())
+            self.published += 1
         except Exception as e:  # noqa: BLE001
             log.debug("metrics not published (%s); next period", e)
 
     def stop(self) -> None:
         self._stop.set()
+        with self._wake:
+            self._wake.notify()
         unpublish(self.key)
 
 

@@ -275,7 +275,7 @@ class SpecExtendReplica(DraftRecovery):
         finally:
             self.admission.release(need)
             self.metrics.set("specextend_num_requests_running", self.admission.active)
-            asyncio.get_running_loop().run_in_executor(None, self.publisher.publish)  # after the release
+            self.publisher.soon()  # after the release
 
     async def _admit(self, req: dict) -> tuple:
         """Tokenizes, checks and admits a request: (engine, prompt ids, params, speculation, KV bytes)."""
