@@ -143,3 +143,14 @@ def test_the_replica_and_draft_actor_modules_import_no_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_short_prompts_are_tokenized_on_the_loop():
+    """replica._short: prompts up to INLINE_PROMPT ids or characters skip the worker thread."""
+    from specextend.serving.replica import INLINE_PROMPT, _short
+
+    n = INLINE_PROMPT
+    assert _short({"prompt_ids": [1] * n}) and not _short({"prompt_ids": [1] * (n + 1)})
+    assert _short({"prompt": "a" * n}) and not _short({"prompt": "a" * (n + 1)})
+    assert _short({"messages": [{"role": "user", "content": "a" * (n // 2)}] * 2})
+    assert not _short({"messages": [{"role": "user", "content": "a" * (n // 2)}] * 3})

@@ -69,6 +69,20 @@ def kv_budget(available: int, fraction: float, prefix_cache_gb: float, draft_sha
     return max(int(available * fraction) - (int(prefix_cache_gb * 2**30) if draft_shares else 0), 0)
 
 
+INLINE_PROMPT = 4096  # prompt ids (or characters of text) that the event loop tokenizes itself
+
+
+def _short(req: dict) -> bool:
+    """A prompt short enough to tokenize on the event loop (well under a millisecond), where a
+    worker thread's round trip would wait for the interpreter lock twice behind the engine thread
+    (up to the switch interval each)."""
+    if req.get("messages") is not None:
+        return sum(len(str(m.get("content") or "")) for m in req["messages"]) <= INLINE_PROMPT
+    if req.get("prompt_ids") is not None:
+        return len(req["prompt_ids"]) <= INLINE_PROMPT
+    return len(req.get("prompt") or "") <= INLINE_PROMPT
+
+
 def item_wait(interval: float, streams: int, item_s: float) -> float:
     """Seconds a stream's next item waits after its last: the stream interval, or, where `streams`
     share the replica's items a second (one every `item_s`), each one's share of them."""
@@ -217,8 +231,9 @@ class SpecExtendReplica(DraftRecovery):
     # ------------------------------------------------------------------ requests
 
     def _prompt_ids(self, req: dict) -> list[int]:
-        """In a worker thread: megabytes of text take seconds to tokenize (the fast tokenizer
-        releases the GIL, so the event loop keeps serving). Chat content is encoded as text."""
+        """In a worker thread unless the prompt is short (`_short`): megabytes of text take seconds
+        to tokenize (the fast tokenizer releases the GIL, so the event loop keeps serving). Chat
+        content is encoded as text."""
         tok = self.tokenizer
         if req.get("messages") is not None:
             try:
@@ -279,7 +294,10 @@ class SpecExtendReplica(DraftRecovery):
 
     async def _admit(self, req: dict) -> tuple:
         """Tokenizes, checks and admits a request: (engine, prompt ids, params, speculation, KV bytes)."""
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+        if _short(req):  # on the loop: a thread's round trip is two waits for the interpreter lock
+            prompt_ids = self._prompt_ids(req)
+        else:
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
         params = self._params(req, len(prompt_ids))
         spec = self._speculation(req)  # a bad value is a 400 before admission
         engine = self.engine if self.draft_ok else self.ar_engine
