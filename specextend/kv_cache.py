@@ -21,6 +21,9 @@ class KVCache:
         self.capacity = capacity
         self.data = torch.zeros(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.length = 0
+        # each layer's k, v views, made once: an eager decode step asks for them every layer, and on
+        # the CPU each view op costs microseconds (docs/architecture.md, "Batched steps")
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -28,7 +31,7 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [G, S_max, D] views of layer i."""
-        return self.data[i, 0], self.data[i, 1]
+        return self._layers[i]
 
     def stage(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> None:
         """Write T new tokens' k, v [G, T, D] at `offset` after the committed prefix (uncommitted)."""
@@ -36,8 +39,9 @@ class KVCache:
         t = k.shape[1]
         if lo + t > self.capacity:
             raise CacheFull(f"KV cache full: {lo} + {t} > {self.capacity}")
-        self.data[layer, 0, :, lo:lo + t] = k
-        self.data[layer, 1, :, lo:lo + t] = v
+        kl, vl = self._layers[layer]
+        kl[:, lo:lo + t].copy_(k)
+        vl[:, lo:lo + t].copy_(v)
 
     def stage_all(self, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> None:
         """`stage` for every layer at once: k, v [layers, G, T, D] (the step graphs' scratch)."""

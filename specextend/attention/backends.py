@@ -100,7 +100,7 @@ class TorchBackend(AttentionBackend):
             return out[0], None
         if mask is None:  # the fused kernel with the GQA fold reads each K/V once
             out, lse = sdpa_lse(_fold_gqa(q, g)[None], k[None], v[None], False, scale)
-            return out.reshape(h, t, d), lse.reshape(h, t).to(compute_dtype(q.dtype))
+            return out.reshape(h, t, d), lse.reshape(h, t).to(compute_dtype(q.dtype)) if need_lse else None
         if not need_lse:
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
                                                  enable_gqa=True)
