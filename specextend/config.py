@@ -235,7 +235,8 @@ class ServingConfig:
     max_queued_requests: int = Field(64, ge=0, le=65536, description="requests a replica queues beyond that; then 429")
     stream_interval_ms: float = Field(
         STREAM_INTERVAL_MS, ge=0, le=1000, description="a stream's tokens leave the replica at most once per this "
-        "interval (the first token and the finish at once): fast steps share one item and one SSE chunk; 0: every step")
+        "interval (the first token and the finish at once): fast steps share one item and one SSE chunk; 0: every step "
+        "(while the streams' share of stream_items_per_s allows)")
     stream_items_per_s: float = Field(
         STREAM_ITEMS_PER_S, ge=0, le=100_000, description="streamed items a second that leave a replica, shared by "
         "its streams: with N streams each waits at least N / this between items (above the interval); 0: no bound")
