@@ -159,28 +159,3 @@ def test_a_hold_ends_at_its_deadline_and_when_run_ahead_is_full():
         th.shutdown()
 
     asyncio.run(main())
-
-
-def test_a_hold_without_deadline_ends_at_the_finish_or_a_pause():
-    """until=math.inf (a whole response: nothing to look at before its finish) waits with no timer:
-    the finish ends it, and so does run-ahead filling up."""
-    import math
-
-    async def main():
-        log, batches = [], []
-        loop = asyncio.get_running_loop()
-        th = slow_engine(batches, 0.005)
-        whole = SessionPump(th.batcher, engine_steps("a", 40, log), loop, max_ahead=41)
-        first = await asyncio.wait_for(whole.events(), 60)  # the first step, at once
-        rest = await asyncio.wait_for(whole.events(until=math.inf), 60)  # every other in one batch
-        got = first + rest
-        done = [e for e in rest if e is not None and e.finish_reason]
-        assert len(first) < 40 and len(done) == 1
-        assert [e.token_ids[0] for e in got if e is not None] == list(range(40))
-        paused = SessionPump(th.batcher, engine_steps("b", 10_000, log), loop, max_ahead=5)
-        full = await asyncio.wait_for(paused.events(until=math.inf), 60)
-        assert 1 <= len(full) <= 5 and not full[-1].finish_reason
-        paused.stop()
-        th.shutdown()
-
-    asyncio.run(main())

@@ -16,7 +16,6 @@ docs/architecture.md, "Serving surface".
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 from typing import Any, Generator, Optional
 
@@ -79,9 +78,8 @@ class SessionPump:
 
     async def events(self, until: float = 0.0) -> list[StepEvent]:
         """The next events: at least one, and every other one already there; then, until the loop's
-        clock reads `until` (math.inf: until the finish or a pause), every one that arrives, unless
-        the session ends or finishes first (a finish is never held). An event of None ends the
-        steps; an engine error is raised here."""
+        clock reads `until`, every one that arrives, unless the session ends or finishes first (a
+        finish is never held). An event of None ends the steps; an engine error is raised here."""
         while True:
             with self._lock:
                 ready = self._ready
@@ -94,8 +92,7 @@ class SessionPump:
             if done:
                 break
             if ready:  # hold the batch open until `until`, or until its end arrives
-                left = None if until == math.inf else max(until - self._loop.time(), 0.0)
-                await asyncio.wait((waiter,), timeout=left)
+                await asyncio.wait((waiter,), timeout=max(until - self._loop.time(), 0.0))
             else:
                 await waiter
             with self._lock:

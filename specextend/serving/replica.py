@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import sys
 import time
 import uuid
@@ -69,6 +68,7 @@ def kv_budget(available: int, fraction: float, prefix_cache_gb: float, draft_sha
     return max(int(available * fraction) - (int(prefix_cache_gb * 2**30) if draft_shares else 0), 0)
 
 
+WHOLE_WAKE_S = 0.25  # how often the loop reads a whole response's steps (no stop strings) before its finish
 INLINE_PROMPT = 4096  # prompt ids (or characters of text) that the event loop tokenizes itself
 
 
@@ -328,13 +328,14 @@ class SpecExtendReplica(DraftRecovery):
         # Ray object the ingress awaits (docs/architecture.md, "Serving surface")
         whole, held = req.get("stream") is False, None
         # a whole response without stop strings has nothing to look at before its finish: after the
-        # first token (its time to first token) the loop wakes only at the finish, its steps never pause
+        # first token (its time to first token) the loop wakes every WHOLE_WAKE_S (a draft's failure
+        # is noticed then) or at the finish, and its steps never pause
         hold_all = whole and not req.get("stop")
         pump = SessionPump(self.engine_thread.batcher, session, loop, load=load,  # steps ahead of the streaming
                            **({"max_ahead": params.max_new_tokens + 1} if hold_all else {}))
         interval, sent = self.settings.stream_interval_ms / 1e3, None  # docs/architecture.md, "Serving surface"
         if hold_all:
-            interval = math.inf
+            interval = WHOLE_WAKE_S
         self._streams += not whole
         try:
             while finish is None:
