@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 import torch
 
 from specextend.config import SamplingParams
-from specextend.sampling import next_token
-from specextend.tree import children_of
+from specextend.models.transfer import to_device
+from specextend.sampling import next_token, sample_rows
+from specextend.tree import children_of, node_depths
 
 
 def rounding_step(magnitude: float, dtype: torch.dtype) -> float:
@@ -79,18 +80,37 @@ class Verdict:
         return len(self.accepted)
 
 
+def sampled_rows(logits: torch.Tensor, parents: Sequence[int], params: SamplingParams,
+                 generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+    """Every row's sample at once: row r (the root 0, node i at i + 1) with the uniform of its
+    depth, the draw that plain decoding would make for the token at that position, all drawn now
+    (sampling.sample_rows: one search over the rows on the device, one read). -> (the samples, the
+    generator's state before the draws: `verify_tree` leaves it as if it had drawn only one per
+    emitted token)."""
+    depth = [0] + node_depths(parents)  # [N + 1]: the root's row, then each node's
+    state = generator.get_state()
+    u = torch.rand((max(depth) + 1,), generator=generator, dtype=torch.float64)  # [D + 1]
+    rows = sample_rows(logits, params, to_device(u[depth], torch.float64, logits.device))  # [N + 1]
+    return rows.tolist(), state
+
+
 def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int],
                 params: SamplingParams, generator: Optional[torch.Generator],
                 forced_length: Optional[int] = None, draft_bonus: bool = False,
-                reference: Optional[Reference] = None, emitted: int = 0) -> Verdict:
+                reference: Optional[Reference] = None, emitted: int = 0, at_once: bool = True) -> Verdict:
     """logits [N+1, V] of [root] + nodes. `forced_length` (acceptance replay, not lossless)
     accepts that many nodes along the draft's best branch (first child) instead; its bonus token is
     the target's, or with `draft_bonus` the draft's second choice where the path stops (its second
     child, if it has one there): a verdict that an overlapping draft can have in its pool, as real
     verdicts mostly are (random weights' own bonus tokens never are). `reference` (benchmarks,
-    greedy): the tokens to emit from output position `emitted` on (Reference)."""
+    greedy): the tokens to emit from output position `emitted` on (Reference). Sampled, every row
+    is sampled at once (`sampled_rows`) and the generator then set to one draw per emitted token;
+    `at_once=False` is its twin, one row's sample after another along the path (`next_token`)."""
     children = children_of(parents)
     greedy_rows = torch.argmax(logits, dim=-1).tolist() if params.greedy else None
+    state = None
+    if greedy_rows is None and at_once and forced_length is None and generator is not None:
+        greedy_rows, state = sampled_rows(logits, parents, params, generator)  # (the rows' samples)
     accepted: list[int] = []
     row = 0  # verification row of the current node (root = 0)
     while True:
@@ -108,4 +128,7 @@ def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[i
                 break
         accepted.append(nxt)
         row = nxt + 1
+    if state is not None:  # one draw per emitted token, as plain decoding's
+        generator.set_state(state)
+        torch.rand((len(accepted) + 1,), generator=generator, dtype=torch.float64)
     return Verdict(accepted=accepted, tokens=[tokens[c] for c in accepted] + [tok], bonus_token=tok)
