@@ -44,15 +44,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_row(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Inverse-CDF sample of one row probs [V] with one uniform draw from `generator`."""
-    u = torch.rand((), generator=generator, dtype=torch.float64).item()
-    cdf = probs.to(torch.float64).cumsum(0)
-    u = u * cdf[-1].item()
-    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device)).item())
-    idx = min(idx, probs.shape[0] - 1)
-    while probs[idx] == 0 and idx > 0:  # never return a zero-probability token at the boundary
-        idx -= 1
-    return idx
+    """Inverse-CDF sample of one row probs [V] with one uniform draw from `generator`: `search` on
+    the device, one read (no walk back from a zero-probability token is needed: `sample_rows`)."""
+    u = torch.rand((1,), generator=generator, dtype=torch.float64)  # [1]
+    return int(search(probs[None], to_device(u, torch.float64, probs.device))[0])
 
 
 def next_token(logits_row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -77,15 +72,22 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -
     """The sampled token of each row of logits [R, V], row r with the uniform u[r] ([R] float64 on
     the logits' device): sample_row's inverse-CDF search, for every row at once on the device ->
     [R] int64. Plain steps ahead sample one row (next_token_tensor); a lookup run every row of its
-    path, each with its position's uniform (lookup_ahead.py).
+    path, each with its position's uniform (lookup_ahead.py); a sampled tree every row, each with
+    its depth's (verify.sampled_rows); the host's steps one (sample_row).
 
     No walk back is needed here: the search returns the first index whose cumulative sum reaches
     u * total (u in [0, 1), so never past the total), and a zero-probability token's sum equals its
     predecessor's, which reached it first; so the index is a token of nonzero probability, or 0
-    where u is 0 (the walk's own answer there). The walk as sample_row writes it, over every row at
-    once (a cummax over the vocabulary), was 0.42 of a one-row sample's 0.51 ms on an H200
-    (2026-11-30); tests compare this with it."""
-    probs = target_probs(logits, params)  # [R, V]
+    where u is 0 (the walk's own answer there). The walk (sample_row walked back row by row until
+    2026-11-30; over every row at once, a cummax over the vocabulary) was 0.42 of a one-row sample's
+    0.51 ms on an H200 (2026-11-30); tests compare this with it."""
+    return search(target_probs(logits, params), u)  # [R]
+
+
+def search(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [R, V], u [R] float64 on their device -> [R] int64: each row's first index whose
+    cumulative sum reaches u * the row's total (sample_rows says why it is never a token of zero
+    probability, but where u is 0)."""
     cdf = probs.to(torch.float64).cumsum(-1)  # [R, V]
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
     return idx.squeeze(-1)  # [R]
