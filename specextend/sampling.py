@@ -87,7 +87,23 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -
 def search(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [R, V], u [R] float64 on their device -> [R] int64: each row's first index whose
     cumulative sum reaches u * the row's total (sample_rows says why it is never a token of zero
-    probability, but where u is 0)."""
+    probability, but where u is 0). Several rows on a GPU: `search_flat`; this is its twin."""
+    if probs.shape[0] > 1 and probs.is_cuda:
+        return search_flat(probs, u)
     cdf = probs.to(torch.float64).cumsum(-1)  # [R, V]
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
     return idx.squeeze(-1)  # [R]
+
+
+def search_flat(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`search` with one cumulative sum over the rows laid end to end: on an H200 a float64 cumsum
+    over [9, V] took 241 us against 31 for one row of V (2026-11-30; the per-row scan does not
+    spread a few long rows over the device). Row r's sums are the flat sums less the rows before
+    it, which costs their total's last bits (about R * 2**-52 absolute): a sample can differ from
+    the per-row search only where u lands within that of a step of the CDF."""
+    r, v = probs.shape
+    cdf = probs.to(torch.float64).reshape(-1).cumsum(0)  # [R * V]
+    ends = cdf[v - 1::v]  # [R] sums through each row's end
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])  # [R]
+    idx = torch.searchsorted(cdf, starts + u * (ends - starts))  # [R] flat indices
+    return (idx - torch.arange(r, device=idx.device) * v).clamp_(0, v - 1)  # [R]

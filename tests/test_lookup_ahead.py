@@ -339,3 +339,22 @@ def test_a_run_teaches_the_policy_its_steps_cost(pair, device_oracle):
     assert len(taught) >= 5 and all(rows == 7 for _, rows, _ in taught)  # root + 6 chain rows
     untimed = [c for c in calls if c == ("plain", None)]
     assert untimed  # each run's first read teaches nothing (its time includes the run's start)
+
+
+def test_the_flat_search_equals_the_per_row_one():
+    """sampling.search_flat (several rows on a GPU: one cumulative sum over the rows end to end)
+    against the per-row search, on distributions full of zeros and at u = 0: the same token, never
+    one of zero probability (but where u is 0, as the per-row search)."""
+    from specextend.sampling import search, search_flat, target_probs
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(50):
+        rows = 1 + trial % 9
+        logits = torch.randn(rows, 60, generator=g, dtype=torch.float64) * 3
+        logits[:, torch.randperm(60, generator=g)[:25]] = float("-inf")
+        probs = target_probs(logits, SamplingParams(4, temperature=0.8, top_p=0.9))
+        u = torch.rand(rows, generator=g, dtype=torch.float64)
+        u[0] = 0.0 if trial % 5 == 0 else u[0]
+        got = search_flat(probs, u)
+        assert got.tolist() == search(probs, u).tolist()
+        assert all(probs[r, t] > 0 or u[r] == 0 for r, t in enumerate(got.tolist()))
