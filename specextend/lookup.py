@@ -176,6 +176,16 @@ def graft(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int]) -
     return out_t, out_p, new
 
 
+# A chain step's host work is measured only by chain steps: where that average prices every chain
+# out (measured under contention, carried from another request), every `recheck_every`-th chain
+# that would pay by its rows alone is verified anyway and its measurement replaces the average.
+# The interval starts at HOST_RECHECK, doubles (up to MAX_HOST_RECHECK) after each recheck whose
+# measurement still prices the chains out, returns to HOST_RECHECK after one that lets them pay,
+# and is carried with the gate (docs/architecture.md, "Context lookup").
+HOST_RECHECK = 16
+MAX_HOST_RECHECK = 1024
+
+
 class LookupGate:
     """Whether a step without a draft tree verifies a chain found through an n-gram of order n or
     decodes one token plainly: per order, the chains' expected added tokens (how often their first
@@ -193,13 +203,20 @@ class LookupGate:
         # seconds of a step beyond its forward (the host's work, the device idle), for steps that
         # verified a chain and for plain steps (averages; None until measured: observe_host)
         self.host: dict[bool, Optional[float]] = {True: None, False: None}
+        self.recheck_every = HOST_RECHECK  # host-bound chains skipped before one is verified anyway
 
     def carried(self) -> "LookupGate":
         """A copy to start the engine's next request from (its hit rates, runs and host costs; the
         next text's chains correct the rates at no cost: a skipped chain still teaches the gate)."""
         out = LookupGate(self.alpha, self.hit_prior, self.run_prior)
         out.hit, out.run, out.host = dict(self.hit), dict(self.run), dict(self.host)
+        out.recheck_every = self.recheck_every
         return out
+
+    def rechecked(self, still_bound: bool) -> None:
+        """A recheck's measurement is in: the next one comes twice as late if the chains are still
+        priced out by their host work, else at the first interval again."""
+        self.recheck_every = min(2 * self.recheck_every, MAX_HOST_RECHECK) if still_bound else HOST_RECHECK
 
     def gain(self, n: int) -> float:
         return self.hit.get(n, self.hit_prior) * self.run.get(n, self.run_prior)
@@ -253,12 +270,6 @@ def chain_run(chain: Sequence[int], emitted: Sequence[int]) -> int:
     return k
 
 
-# A chain step's host work is measured only by chain steps: where that average prices every chain
-# out (measured under contention, carried from another request), every HOST_RECHECK-th chain that
-# would pay by its rows alone is verified anyway and its measurement replaces the average.
-HOST_RECHECK = 16
-
-
 class RequestLookup:
     """A request's lookup: its context index, the gate and the target's forward cost line
     (`cost(rows)`, seconds; None: every chain is verified). Each step asks for a chain (`chain`,
@@ -293,7 +304,7 @@ class RequestLookup:
         """The orders whose chains of `max_tokens` nodes are host-bound now, for a run's tokens to
         count (the cost line and the rates barely move within a run; once per run, not per token:
         2.6 us a token on this project's CPU); none once a recheck is due."""
-        if self._host_skips >= HOST_RECHECK - 1:
+        if self._host_skips >= self.gate.recheck_every - 1:
             return frozenset()
         return frozenset(n for n in self.index.ns if self._host_bound(n, self.max_tokens))
 
@@ -314,7 +325,7 @@ class RequestLookup:
                                 or (self.cost_known is not None and not self.cost_known()))
         if chain and not used and self._host_bound(n, len(chain)):  # (docs: "Context lookup", recheck)
             self._host_skips += 1
-            used = self._recheck = self._host_skips >= HOST_RECHECK
+            used = self._recheck = self._host_skips >= self.gate.recheck_every
             self._host_skips = 0 if used else self._host_skips
         self._step = (n, chain, used) if chain else None
         self.skipped += bool(chain) and not used
@@ -361,7 +372,7 @@ class RequestLookup:
         where a row costs ~1.5% of a forward, it paid at hit rates where the chains actually found
         did not, so such a request took neither chains nor runs: docs/architecture.md, "Plain steps
         ahead".)"""
-        return any(self._pays(n, self.max_tokens, alone=True) or (self._host_skips >= HOST_RECHECK - 1
+        return any(self._pays(n, self.max_tokens, alone=True) or (self._host_skips >= self.gate.recheck_every - 1
                    and self._host_bound(n, self.max_tokens)) for n in self.index.ns)
 
     @property
@@ -380,6 +391,8 @@ class RequestLookup:
         docs/architecture.md, "Context lookup")."""
         if step_s is not None and self._rows and self.cost is not None and self.cost(1) > 0:
             self.gate.observe_host(self._rows > 1, max(step_s - self.cost(self._rows), 0.0), fresh=self._recheck)
+            if self._recheck and self._step is not None:
+                self.gate.rechecked(self._host_bound(self._step[0], self.max_tokens))
         self._rows, self._recheck = 0, False
         if self._step is not None:
             n, chain, used = self._step

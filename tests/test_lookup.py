@@ -148,6 +148,36 @@ def test_a_chain_step_s_host_work_that_prices_chains_out_is_rechecked():
     assert run.could_pay() and run.chain() == [9, 1, 4]  # the run ends, and the next step rechecks
 
 
+def test_rechecks_that_still_price_chains_out_back_off_and_are_carried():
+    """A recheck whose measurement still prices the chains out (their host work is really that
+    slow: a chain step on the CPU costs 2.5 plain ones) doubles the interval to the next, carried to
+    the next request's gate; one that lets them pay brings it back to HOST_RECHECK."""
+    from specextend.lookup import HOST_RECHECK
+
+    line, cycle = _cost(2.34e-3, 0.036e-3), [4, 9, 1]
+
+    def steps(lookup, n, chain_host_s):
+        verified, last = [], 4
+        for _ in range(n):
+            lookup.gate.hit[3], lookup.gate.run[3] = 1 / 3, 1.0  # pays by rows, not at 2 ms of host work
+            chain = lookup.chain()
+            verified.append(bool(chain))
+            nxt = cycle[(cycle.index(chain[-1] if chain else last) + 1) % 3]
+            emitted = chain + [nxt]
+            lookup.commit(emitted, step_s=line(len(chain) + 1) + (chain_host_s if chain else 0.15e-3))
+            last = emitted[-1]
+        return [i for i, v in enumerate(verified) if v]
+
+    lookup = RequestLookup(ContextIndex(cycle * 3 + [4], 16), 3, cost=line)
+    lookup.gate.host = {True: 2e-3, False: 0.15e-3}
+    assert steps(lookup, 3 * HOST_RECHECK + 2, 2e-3) == [HOST_RECHECK - 1, 3 * HOST_RECHECK - 1]  # 16, then 32 later
+    assert lookup.gate.recheck_every == 4 * HOST_RECHECK
+    nxt = RequestLookup(ContextIndex(cycle * 3 + [4], 16), 3, cost=line, gate=lookup.gate.carried())
+    assert nxt.gate.recheck_every == 4 * HOST_RECHECK  # carried: no recheck in the next request's first 64
+    assert steps(nxt, 4 * HOST_RECHECK - 1, 2e-3) == []
+    assert steps(nxt, 1, 0.2e-3) == [0] and nxt.gate.recheck_every == HOST_RECHECK  # the chains pay again
+
+
 def test_a_request_s_lookup_skips_chains_that_do_not_pay_and_still_learns_from_them():
     ids = [4, 9, 1, 4]  # the last token repeats: a unigram chain [9, 1, 4]
     lookup = RequestLookup(ContextIndex(ids, 16), 3, cost=_cost(1.0, 1.0))  # rows cost as much as a forward
