@@ -57,7 +57,7 @@ def test_streams_share_the_replicas_items_a_second(server, greedy):
 
 
 def test_item_wait():
-    from specextend.serving.replica import item_wait
+    from specextend.serving.items import item_wait
 
     assert item_wait(0.01, 1, 1 / 200) == 0.01  # one stream: the interval
     assert item_wait(0.01, 8, 1 / 200) == 8 / 200  # eight share 200 items a second

@@ -44,7 +44,7 @@ def test_admission_queue_limit():
 
 
 def test_the_kv_budget_leaves_room_for_the_prefix_caches():
-    from specextend.serving.replica import kv_budget
+    from specextend.serving.admission import kv_budget
 
     gib = 2**30
     assert kv_budget(100 * gib, 0.9, 2.0, False) == 90 * gib  # the draft on its own GPU (the target's cache:
@@ -146,11 +146,11 @@ def test_the_replica_and_draft_actor_modules_import_no_torch():
 
 
 def test_short_prompts_are_tokenized_on_the_loop():
-    """replica._short: prompts up to INLINE_PROMPT ids or characters skip the worker thread."""
-    from specextend.serving.replica import INLINE_PROMPT, _short
+    """items.short_prompt: prompts up to INLINE_PROMPT ids or characters skip the worker thread."""
+    from specextend.serving.items import INLINE_PROMPT, short_prompt
 
     n = INLINE_PROMPT
-    assert _short({"prompt_ids": [1] * n}) and not _short({"prompt_ids": [1] * (n + 1)})
-    assert _short({"prompt": "a" * n}) and not _short({"prompt": "a" * (n + 1)})
-    assert _short({"messages": [{"role": "user", "content": "a" * (n // 2)}] * 2})
-    assert not _short({"messages": [{"role": "user", "content": "a" * (n // 2)}] * 3})
+    assert short_prompt({"prompt_ids": [1] * n}) and not short_prompt({"prompt_ids": [1] * (n + 1)})
+    assert short_prompt({"prompt": "a" * n}) and not short_prompt({"prompt": "a" * (n + 1)})
+    assert short_prompt({"messages": [{"role": "user", "content": "a" * (n // 2)}] * 2})
+    assert not short_prompt({"messages": [{"role": "user", "content": "a" * (n // 2)}] * 3})

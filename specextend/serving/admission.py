@@ -74,3 +74,14 @@ class Admission:
                 continue
             self._admit(need_next)
             fut.set_result(None)
+
+
+CPU_KV_FRACTION = 0.25  # default KV budget on CPU: this share of the host's memory
+GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory after warm-up
+
+
+def kv_budget(available: int, fraction: float, prefix_cache_gb: float, draft_shares: bool) -> int:
+    """Admission's KV bytes by default: `fraction` of `available`, less the draft's prefix cache
+    where the draft runs on the same device (the target's lives in the budget, in what the sessions
+    leave free: Admission; docs/architecture.md, "Prefix caching")."""
+    return max(int(available * fraction) - (int(prefix_cache_gb * 2**30) if draft_shares else 0), 0)

@@ -31,10 +31,11 @@ from specextend.models import late_work
 from specextend.models.chat import encode_chat
 from specextend.rpc.auth import new_token
 from specextend.serving import metrics as m
-from specextend.serving.admission import Admission
+from specextend.serving.admission import CPU_KV_FRACTION, GPU_KV_FRACTION, Admission, kv_budget
 from specextend.serving.draft_actor import DraftActor, draft_client
 from specextend.serving.draft_recovery import DRAFT_START_TIMEOUT_S, DraftRecovery
 from specextend.serving.errors import APIError, BadRequestError
+from specextend.serving.items import WHOLE_WAKE_S, item_wait, merged, short_prompt
 from specextend.serving.protocol import spec_decoding
 from specextend.serving.settings import MODEL_CPUS, AppSettings
 from specextend.serving.textstream import TextStream
@@ -57,46 +58,6 @@ def import_engine_side() -> None:
     from specextend.warmup import warm_long, warm_up
 
 DRAFT_MAX_RESTARTS = 3  # Ray restarts of one draft actor; after that a new actor is started
-CPU_KV_FRACTION = 0.25  # default KV budget on CPU: this share of the host's memory
-GPU_KV_FRACTION = 0.9  # default KV budget on CUDA: this share of free memory after warm-up
-
-
-def kv_budget(available: int, fraction: float, prefix_cache_gb: float, draft_shares: bool) -> int:
-    """Admission's KV bytes by default: `fraction` of `available`, less the draft's prefix cache
-    where the draft runs on the same device (the target's lives in the budget, in what the sessions
-    leave free: Admission; docs/architecture.md, "Prefix caching")."""
-    return max(int(available * fraction) - (int(prefix_cache_gb * 2**30) if draft_shares else 0), 0)
-
-
-WHOLE_WAKE_S = 0.25  # how often the loop reads a whole response's steps (no stop strings) before its finish
-INLINE_PROMPT = 4096  # prompt ids (or characters of text) that the event loop tokenizes itself
-
-
-def _short(req: dict) -> bool:
-    """A prompt short enough to tokenize on the event loop (well under a millisecond), where a
-    worker thread's round trip would wait for the interpreter lock twice behind the engine thread
-    (up to the switch interval each)."""
-    if req.get("messages") is not None:
-        return sum(len(str(m.get("content") or "")) for m in req["messages"]) <= INLINE_PROMPT
-    if req.get("prompt_ids") is not None:
-        return len(req["prompt_ids"]) <= INLINE_PROMPT
-    return len(req.get("prompt") or "") <= INLINE_PROMPT
-
-
-def item_wait(interval: float, streams: int, item_s: float) -> float:
-    """Seconds a stream's next item waits after its last: the stream interval, or, where `streams`
-    share the replica's items a second (one every `item_s`), each one's share of them."""
-    return max(interval, streams * item_s)
-
-
-def merged(held: Optional[dict], item: dict) -> dict:
-    """`item` after the held items before it: their text and token ids first, the first's prompt ids."""
-    if held is None:
-        return item
-    out = {**item, "text": held["text"] + item["text"], "token_ids": held["token_ids"] + item["token_ids"]}
-    if "prompt_token_ids" in held:
-        out["prompt_token_ids"] = held["prompt_token_ids"]
-    return out
 
 
 class SpecExtendReplica(DraftRecovery):
@@ -231,9 +192,9 @@ class SpecExtendReplica(DraftRecovery):
     # ------------------------------------------------------------------ requests
 
     def _prompt_ids(self, req: dict) -> list[int]:
-        """In a worker thread unless the prompt is short (`_short`): megabytes of text take seconds
-        to tokenize (the fast tokenizer releases the GIL, so the event loop keeps serving). Chat
-        content is encoded as text."""
+        """In a worker thread unless the prompt is short (`items.short_prompt`): megabytes of text
+        take seconds to tokenize (the fast tokenizer releases the GIL, so the event loop keeps
+        serving). Chat content is encoded as text."""
         tok = self.tokenizer
         if req.get("messages") is not None:
             try:
@@ -294,7 +255,7 @@ class SpecExtendReplica(DraftRecovery):
 
     async def _admit(self, req: dict) -> tuple:
         """Tokenizes, checks and admits a request: (engine, prompt ids, params, speculation, KV bytes)."""
-        if _short(req):  # on the loop: a thread's round trip is two waits for the interpreter lock
+        if short_prompt(req):  # on the loop: a thread's round trip is two waits for the interpreter lock
             prompt_ids = self._prompt_ids(req)
         else:
             prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
