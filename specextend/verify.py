@@ -97,18 +97,20 @@ def sampled_rows(logits: torch.Tensor, parents: Sequence[int], params: SamplingP
 def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int],
                 params: SamplingParams, generator: Optional[torch.Generator],
                 forced_length: Optional[int] = None, draft_bonus: bool = False,
-                reference: Optional[Reference] = None, emitted: int = 0, at_once: bool = True) -> Verdict:
+                reference: Optional[Reference] = None, emitted: int = 0, at_once: Optional[bool] = None) -> Verdict:
     """logits [N+1, V] of [root] + nodes. `forced_length` (acceptance replay, not lossless)
     accepts that many nodes along the draft's best branch (first child) instead; its bonus token is
     the target's, or with `draft_bonus` the draft's second choice where the path stops (its second
     child, if it has one there): a verdict that an overlapping draft can have in its pool, as real
     verdicts mostly are (random weights' own bonus tokens never are). `reference` (benchmarks,
-    greedy): the tokens to emit from output position `emitted` on (Reference). Sampled, every row
-    is sampled at once (`sampled_rows`) and the generator then set to one draw per emitted token;
-    `at_once=False` is its twin, one row's sample after another along the path (`next_token`)."""
+    greedy): the tokens to emit from output position `emitted` on (Reference). Sampled on a GPU
+    (`at_once`, by default where the logits are on CUDA), every row is sampled at once
+    (`sampled_rows`) and the generator then set to one draw per emitted token: its twin, the CPU's
+    way, samples one row after another along the path (`next_token`), which there costs a row's
+    work per row sampled (a GPU's extra rows cost next to nothing; a CPU's cost what they hold)."""
     children = children_of(parents)
     greedy_rows = torch.argmax(logits, dim=-1).tolist() if params.greedy else None
-    state = None
+    state, at_once = None, logits.is_cuda if at_once is None else at_once
     if greedy_rows is None and at_once and forced_length is None and generator is not None:
         greedy_rows, state = sampled_rows(logits, parents, params, generator)  # (the rows' samples)
     accepted: list[int] = []

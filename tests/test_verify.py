@@ -150,9 +150,9 @@ def test_target_probs_at_the_limits_is_the_argmax(dtype, temperature, top_p):
 @pytest.mark.parametrize("params", [SamplingParams(8, temperature=1.0), SamplingParams(8, temperature=0.7, top_p=0.9),
                                     SamplingParams(8, temperature=1.3, top_k=5, top_p=0.8)])
 def test_rows_sampled_at_once_verify_as_one_after_another(params):
-    """verify_tree samples every row at once (one search over the rows, each with its depth's
-    uniform) and then sets the generator to one draw per emitted token: its twin samples row after
-    row along the path. The same verdicts, and the generators in the same state after, on random
+    """verify_tree on a GPU samples every row at once (one search over the rows, each with its
+    depth's uniform) and then sets the generator to one draw per emitted token: its twin samples
+    row after row along the path. The same verdicts, and the generators in the same state after, on random
     trees whose rows' distributions make the draft's children likely (long accepted paths)."""
     g = torch.Generator().manual_seed(5)
     for trial in range(60):
@@ -162,7 +162,7 @@ def test_rows_sampled_at_once_verify_as_one_after_another(params):
         logits = torch.randn(n + 1, 6, generator=g, dtype=torch.float64) * 0.5  # flat: paths run deep
         a, b = make_generator(trial), make_generator(trial)
         for _ in range(3):  # the generator carries on from each verdict
-            va = verify_tree(logits, tokens, parents, params, a)
+            va = verify_tree(logits, tokens, parents, params, a, at_once=True)
             vb = verify_tree(logits, tokens, parents, params, b, at_once=False)
             assert (va.accepted, va.tokens) == (vb.accepted, vb.tokens)
         assert torch.equal(a.get_state(), b.get_state())
