@@ -43,7 +43,7 @@ from specextend.lookup_device import accepted, device_match
 from specextend.models.batch import AtDeviceLength
 from specextend.models.transfer import copy_from_host, record_event, to_device, to_host
 from specextend.plain_ahead import plain_run_co, run_length, run_room
-from specextend.sampling import sample_rows
+from specextend.sampling import rewind, sample_rows
 from specextend.stats import RequestStats
 from specextend.target import TargetSession
 from specextend.verify import Reference
@@ -119,9 +119,7 @@ class DeviceHistory:
     def end(self, gen: torch.Generator, emitted: int) -> None:
         """The run emitted `emitted` tokens: the generator as if it had drawn exactly that many."""
         if self.params is not None and self._state is not None:
-            gen.set_state(self._state)
-            if emitted:
-                torch.rand((emitted,), generator=gen, dtype=torch.float64)
+            rewind(gen, self._state, emitted)
         self.params = self._state = None
 
     def match(self) -> None:

@@ -18,6 +18,14 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def rewind(generator: torch.Generator, state: torch.Tensor, draws: int) -> None:
+    """`generator` as if, from `state`, it had drawn only `draws` float64 uniforms: uniforms drawn
+    ahead for every position that may emit (a lookup run's, a sampled tree's rows), fewer used."""
+    generator.set_state(state)
+    if draws:
+        torch.rand((draws,), generator=generator, dtype=torch.float64)
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [R, V] -> probabilities [R, V] after temperature, top-k and top-p (float32/64).
 

@@ -15,7 +15,7 @@ import torch
 
 from specextend.config import SamplingParams
 from specextend.models.transfer import to_device
-from specextend.sampling import next_token, sample_rows
+from specextend.sampling import next_token, rewind, sample_rows
 from specextend.tree import children_of, node_depths
 
 
@@ -131,6 +131,5 @@ def verify_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[i
         accepted.append(nxt)
         row = nxt + 1
     if state is not None:  # one draw per emitted token, as plain decoding's
-        generator.set_state(state)
-        torch.rand((len(accepted) + 1,), generator=generator, dtype=torch.float64)
+        rewind(generator, state, len(accepted) + 1)
     return Verdict(accepted=accepted, tokens=[tokens[c] for c in accepted] + [tok], bonus_token=tok)
