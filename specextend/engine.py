@@ -20,7 +20,8 @@ from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree
 from specextend.draft_link import DraftLink, Lane, RunTells, ask_ahead, prepared_tree, send_prepare, settled, start_ask
 from specextend.emit import Emitter, StepEvent
-from specextend.lookup import ContextIndex, LookupGate, RequestLookup, drafted_prefix
+from specextend.lookup import ContextIndex, RequestLookup, drafted_prefix
+from specextend.lookup_gate import LookupGate
 from specextend.models.args import ModelArgs
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
@@ -51,7 +52,7 @@ class Engine(RequestLimits, DraftLink):
         self.target = target
         self.draft = draft
         self._costs: Optional[Costs] = None  # the costs the last session that measured them left
-        self._gate: Optional[LookupGate] = None  # ... and its context lookup's gate (lookup.LookupGate)
+        self._gate: Optional[LookupGate] = None  # ... and its context lookup's gate (lookup_gate.LookupGate)
         self._first_tree = True  # the first tree after start-up: its wait carries one-off costs, not recorded
         self.snapshots = SnapshotChoice(config.draft_snapshots)  # per request: walk snapshots or ask ("Pool snapshots")
         self.prefix_cache = PrefixCache.of(config)  # recent prompts' K/V ("Prefix caching"; None: off)

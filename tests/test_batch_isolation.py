@@ -18,7 +18,7 @@ def test_lookup_sessions_batched_equal_each_alone(tiny_models, monkeypatch):
     """Mode lookup (context chains verified, no draft model): prompts that repeat themselves, so
     chains are found and verified in the shared forwards. Every chain found is verified (the gate,
     which weighs measured costs, would make that depend on the host's timing: CI, 2026-11-28)."""
-    from specextend.lookup import LookupGate
+    from specextend.lookup_gate import LookupGate
 
     monkeypatch.setattr(LookupGate, "use", lambda self, *a, **k: True)
     engine = make_engine(tiny_models("float64"), "lookup")

@@ -159,12 +159,12 @@ def test_steps_during_the_open_teach_no_host_cost(pair, ar_engine, monkeypatch):
     on an H200 (2026-11-29) chain steps during a 1K open took 1.98 ms of host against 0.2 after it,
     the gate (carried to the next requests) then priced every chain out, and `specextend` decoded
     plainly at 0.84x `ar` where context lookup alone ran 1.59x. Lossless as ever."""
-    from specextend import controller_record, lookup
+    from specextend import controller_record, lookup_gate
 
     learned, plain = [], []
     draft = HeldOpen(pair[1].decoder)
-    seen = lookup.LookupGate.observe_host
-    monkeypatch.setattr(lookup.LookupGate, "observe_host",
+    seen = lookup_gate.LookupGate.observe_host
+    monkeypatch.setattr(lookup_gate.LookupGate, "observe_host",
                         lambda self, *a, **kw: (learned.append(draft.opened.is_set()), seen(self, *a, **kw))[1])
     record = controller_record.Recording.record_plain
     monkeypatch.setattr(controller_record.Recording, "record_plain",

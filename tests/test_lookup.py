@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from specextend.lookup import ContextIndex, LookupGate, RequestLookup, continuation_scan, graft
+from specextend.lookup import ContextIndex, RequestLookup, continuation_scan, graft
+from specextend.lookup_gate import LookupGate
 from specextend.tree import children_of
 
 
@@ -121,7 +122,7 @@ def test_a_chain_step_s_host_work_that_prices_chains_out_is_rechecked():
     HOST_RECHECK-th chain that pays by its rows alone is verified anyway, its measurement replaces
     the average, and chains pay again. Runs of plain steps count their host-bound chains too, and
     end (could_pay) when the recheck is due."""
-    from specextend.lookup import HOST_RECHECK
+    from specextend.lookup_gate import HOST_RECHECK
 
     line, cycle = _cost(2.34e-3, 0.036e-3), [4, 9, 1]
     lookup = RequestLookup(ContextIndex(cycle * 3 + [4], 16), 3, cost=line)
@@ -152,7 +153,7 @@ def test_rechecks_that_still_price_chains_out_back_off_and_are_carried():
     """A recheck whose measurement still prices the chains out (their host work is really that
     slow: a chain step on the CPU costs 2.5 plain ones) doubles the interval to the next, carried to
     the next request's gate; one that lets them pay brings it back to HOST_RECHECK."""
-    from specextend.lookup import HOST_RECHECK
+    from specextend.lookup_gate import HOST_RECHECK
 
     line, cycle = _cost(2.34e-3, 0.036e-3), [4, 9, 1]
 

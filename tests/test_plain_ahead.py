@@ -239,7 +239,7 @@ def test_lookup_only_requests_run_ahead_where_no_chain_pays(pair, ar_engine, mon
     """Mode lookup (no draft): where the context lookup's gate takes no chain, plain steps run
     ahead; where it takes every chain found, those steps verify chains as before; plain
     decoding's output either way, with a prompt that repeats itself (chains to find)."""
-    from specextend.lookup import LookupGate
+    from specextend.lookup_gate import LookupGate
 
     monkeypatch.setattr(LookupGate, "use", lambda self, *a, **k: chains_pay)
     prompt = _prompt(40, 6) * 3
