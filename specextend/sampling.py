@@ -2,12 +2,13 @@
 request's own seeded generator. One uniform draw per emitted token, so a speculative run and an
 autoregressive run with the same seed consume the generator identically. `next_token` returns a
 host int; `next_token_tensor` the same token as a device tensor without waiting for the device
-(plain steps ahead, docs/architecture.md: "Plain steps ahead"): `next_token` is its twin."""
+(plain steps ahead, docs/architecture.md: "Plain steps ahead"): `next_token` reads it on the host."""
 
 from __future__ import annotations
 
 import torch
 
+from specextend import fused_sample
 from specextend.config import SamplingParams
 from specextend.models.transfer import to_device
 
@@ -51,18 +52,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_row(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Inverse-CDF sample of one row probs [V] with one uniform draw from `generator`: `search` on
-    the device, one read (no walk back from a zero-probability token is needed: `sample_rows`)."""
-    u = torch.rand((1,), generator=generator, dtype=torch.float64)  # [1]
-    return int(search(probs[None], to_device(u, torch.float64, probs.device))[0])
-
-
 def next_token(logits_row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """logits_row [V] -> token id."""
+    """logits_row [V] -> token id: the host's read of next_token_tensor (one path for every step
+    that samples, so that a seed gives the same tokens whichever step emits them)."""
     if params.greedy:
         return int(torch.argmax(logits_row).item())
-    return sample_row(target_probs(logits_row[None], params)[0], generator)
+    return int(next_token_tensor(logits_row, params, generator)[0])
 
 
 def next_token_tensor(logits_row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
@@ -78,17 +73,21 @@ def next_token_tensor(logits_row: torch.Tensor, params: SamplingParams, generato
 
 def sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
     """The sampled token of each row of logits [R, V], row r with the uniform u[r] ([R] float64 on
-    the logits' device): sample_row's inverse-CDF search, for every row at once on the device ->
+    the logits' device): an inverse-CDF search, for every row at once on the device ->
     [R] int64. Plain steps ahead sample one row (next_token_tensor); a lookup run every row of its
     path, each with its position's uniform (lookup_ahead.py); a sampled tree every row, each with
-    its depth's (verify.sampled_rows); the host's steps one (sample_row).
+    its depth's (verify.sampled_rows); the host's steps one (next_token).
 
     No walk back is needed here: the search returns the first index whose cumulative sum reaches
     u * total (u in [0, 1), so never past the total), and a zero-probability token's sum equals its
     predecessor's, which reached it first; so the index is a token of nonzero probability, or 0
-    where u is 0 (the walk's own answer there). The walk (sample_row walked back row by row until
+    where u is 0 (the walk's own answer there). The walk (the host's sampler walked back row by row until
     2026-11-30; over every row at once, a cummax over the vocabulary) was 0.42 of a one-row sample's
-    0.51 ms on an H200 (2026-11-30); tests compare this with it."""
+    0.51 ms on an H200 (2026-11-30); tests compare this with it.
+
+    On a GPU without top-p: fused_sample's two kernels (this path is their twin)."""
+    if fused_sample.supported(logits, params):
+        return fused_sample.fused_sample(logits, params, u)  # [R]
     return search(target_probs(logits, params), u)  # [R]
 
 
