@@ -32,9 +32,9 @@ OUT = Path(__file__).parent / "results" / "lookup_ahead"
 
 
 def decode(engine: Engine, prompt: list[int], new_tokens: int, temperature: float = 0.0,
-           seed: int = 0) -> tuple[float, list[int], dict]:
+           seed: int = 0, top_p: float = 0.95) -> tuple[float, list[int], dict]:
     import time
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, top_p=0.95,
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, top_p=top_p,
                             seed=seed if temperature else None)
     tokens, t_first, stats = [], None, None
     t0 = time.perf_counter()
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampled requests (top_p 0.95, seed = the rep's number): outputs compared with ar's "
                         "of the same seed, equal or not (bf16 rounding moves samples near a CDF step)")
+    p.add_argument("--top-p", type=float, default=0.95, help="sampled requests' top_p (1: fused_sample's kernels)")
     a = p.parse_args(argv)
     base = EngineConfig(target=a.target, draft=a.draft, mode="specextend", device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32")
     target, draft = load_pair(base)
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
         info, checks, ref, same = {}, [], None, {k: 0 for k in configs}
         for rep in range(a.reps):
             for key, engine in configs.items():
-                rate, tokens, info[key] = decode(engine, prompt, a.new_tokens, a.temperature, rep)
+                rate, tokens, info[key] = decode(engine, prompt, a.new_tokens, a.temperature, rep, a.top_p)
                 rates[key].append(rate)
                 same[key] += key != "ar" and tokens == ref
                 if key == "ar":
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
                     c = lossless_check(target.decoder, prompt, ref, tokens, TIE_TOLERANCE.get(target.decoder.dtype, 0.125))
                     checks.append(dict(config=key, **c))
         med = {k: statistics.median(v) for k, v in rates.items()}
-        row = dict(doc=doc, prompt_tokens=len(prompt), temperature=a.temperature, same_as_ar=same,
+        row = dict(doc=doc, prompt_tokens=len(prompt), temperature=a.temperature, top_p=a.top_p, same_as_ar=same,
                    medians=med, runs=rates, chosen=info, checks=checks,
                    lossless=all(c["near_tie"] for c in checks), vs_ar={k: v / med["ar"] for k, v in med.items()})
         rows.append(row)

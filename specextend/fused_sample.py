@@ -26,10 +26,15 @@ from specextend.config import SamplingParams
 BLOCK = 4096  # columns per program: 38 blocks a row for a 152K vocabulary
 
 
+def takes(params: SamplingParams) -> bool:
+    """Whether the kernels sample with these parameters (no top-p), where Triton imports."""
+    return params.top_p >= 1.0 and triton_available()
+
+
 def supported(logits: torch.Tensor, params: SamplingParams) -> bool:
-    """Rows of a CUDA tensor in a dtype the kernels take, no top-p, Triton importable."""
-    return (logits.is_cuda and logits.dim() == 2 and logits.dtype in TRITON_DTYPES and params.top_p >= 1.0
-            and logits.stride(-1) == 1 and triton_available())
+    """Rows of a CUDA tensor in a dtype the kernels take, and parameters they take."""
+    return (logits.is_cuda and logits.dim() == 2 and logits.dtype in TRITON_DTYPES and logits.stride(-1) == 1
+            and takes(params))
 
 
 def fused_sample(logits: torch.Tensor,  # [R, V], last dim contiguous

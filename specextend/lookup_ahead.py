@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Optional
 
 import torch
 
+from specextend import fused_sample
 from specextend.attention.backends import CAUSAL
 from specextend.attention.triton_prefix import triton_available
 from specextend.config import SamplingParams
@@ -289,15 +290,17 @@ def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStat
 
 
 def runs_ahead(model, params, lookup: Optional[RequestLookup], load: Optional["Load"], forced: Optional[bool]) -> bool:
-    """Whether this step may begin a lookup run: a greedy request with a context lookup, alone on
-    its forwards, where the forward keeps the length on the device (`forced` True or False
-    overrides: tests, A/Bs; forced runs take sampled requests too). Sampled requests take the
-    host's steps: a run samples every row of its path over the whole vocabulary, and on an H200
-    (2026-11-30, 16K, top_p 0.95) sampled lookup ran at 0.94x `ar` with runs against 1.24x without."""
+    """Whether this step may begin a lookup run: a request with a context lookup, alone on its
+    forwards, where the forward keeps the length on the device, greedy or sampled by fused_sample's
+    kernels (`forced` True or False overrides: tests, A/Bs; forced runs take any request). A run
+    samples every row of its path: with top-p (PyTorch's sort) that cost ~1.1 ms a step and sampled
+    lookup ran at 0.94x `ar` with runs against 1.24x without (H200, 2026-11-30, 16K, top_p 0.95),
+    so those take the host's steps; with the kernels (temperature alone) runs 1.06x, the host's
+    steps 0.96x (H200, 2026-11-30, temperature 0.8; docs/architecture.md, "Lookup runs ahead")."""
     if (lookup is None or (load is not None and load.sessions > 1)
             or tuple(lookup.index.ns) != NGRAMS):  # (the kernels' orders)
         return False
     if forced is not None:
         return forced
-    return (params.greedy and model.graphs is not None
+    return ((params.greedy or fused_sample.takes(params)) and model.graphs is not None
             and model.graphs.takes_device_length(lookup.max_tokens + 1))

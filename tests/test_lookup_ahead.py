@@ -297,9 +297,10 @@ def test_warm_up_runs_lookup_steps_where_requests_would(pair):
     assert warm_lookup_runs(make_engine(pair, mode="ar"), prompt()) == 0
 
 
-def test_sampled_requests_take_runs_only_when_forced():
-    """Where the forward would take runs, greedy requests run ahead and sampled ones take the host's
-    steps (measured slower in runs), unless forced (tests, A/Bs)."""
+def test_sampled_requests_take_runs_where_the_kernels_sample_them():
+    """Where the forward would take runs, greedy requests and those fused_sample's kernels sample
+    (no top-p) run ahead; top-p ones take the host's steps (PyTorch's sort per row: measured slower
+    in runs), unless forced (tests, A/Bs)."""
     from types import SimpleNamespace
 
     from specextend.lookup import RequestLookup
@@ -308,9 +309,10 @@ def test_sampled_requests_take_runs_only_when_forced():
     model = SimpleNamespace(graphs=SimpleNamespace(takes_device_length=lambda t: True))
     lookup = RequestLookup(ContextIndex(list(range(11)), 64), 6)
     greedy, sampled = SamplingParams(8), SamplingParams(8, temperature=0.7, seed=1)
-    assert runs_ahead(model, greedy, lookup, None, None)
-    assert not runs_ahead(model, sampled, lookup, None, None)
-    assert runs_ahead(model, sampled, lookup, None, True) and not runs_ahead(model, greedy, lookup, None, False)
+    top_p = SamplingParams(8, temperature=0.7, top_p=0.9, seed=1)
+    assert runs_ahead(model, greedy, lookup, None, None) and runs_ahead(model, sampled, lookup, None, None)
+    assert not runs_ahead(model, top_p, lookup, None, None)
+    assert runs_ahead(model, top_p, lookup, None, True) and not runs_ahead(model, greedy, lookup, None, False)
     model.graphs = None  # (the CPU: no full-step graphs)
     assert not runs_ahead(model, greedy, lookup, None, None)
 
