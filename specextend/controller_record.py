@@ -152,7 +152,14 @@ class Recording:
         self._probing, self._probe_misses = False, 0
         self.probe_steps += 1
         self.since_probe = 0
-        moved_up = self.rungs.index(self.best()) > self.rungs.index(self._best)
+        # a probe that found a larger rung best, where a rung larger than its own is left unmeasured,
+        # is followed by probes worked out anew (a larger tree pays: maybe a larger one still); a
+        # probe of the top rung measured every rung at once, so it doubles whatever it found. Two
+        # rungs a hair apart (4 and 8 nodes 3 deep, acceptance replayed at 3 on the 8B geometry:
+        # one node's cost against a miss now and then) trade places after many probes, and each
+        # trade reset the schedule to a probe of the full tree every ~5 steps at ~1.5 steps' cost
+        # (H200, 2026-11-30; docs/architecture.md, "Adaptive speculation")
+        moved_up = self.rungs.index(self.best()) > self.rungs.index(self._best) and rung != self.top
         # a prior-priced probe (the smallest tree) is followed by probes whose interval is worked
         # out anew from the costs just measured, not doubled from its own
         again = moved_up or self._probe_by_prior

@@ -312,3 +312,28 @@ def test_a_tree_after_steps_without_one_is_priced_with_the_drafts_catch_up():
     assert ctl.step_seconds(PLAIN) == plain  # (a step without a tree: nothing to catch up on)
     ctl.see_chain(None, -3)  # (the engine's count after a snapshot feed: never negative)
     assert ctl.behind == 0
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_rungs_trading_places_after_a_probe_of_the_top_do_not_restart_the_probes(seed):
+    """Acceptance replayed at 3 with GPU-like costs (a row nearly free): the 4-node tree misses a
+    level now and then where the 8-node one does not, so the two trade places after some probes of
+    the full tree. That probe measured every rung at once: its interval doubles whatever it found
+    (a reset after each trade probed the full tree every ~5 steps on an H200)."""
+    import random
+
+    rng, ctl, chosen = random.Random(seed), TreeController(list(RUNGS)), []
+    for _ in range(600):
+        r = ctl.choose()
+        ctl.record_forward(r.nodes + 1, FIXED + 0.00002 * (r.nodes + 1))
+        if r.plain:
+            ctl.record_plain()
+        else:
+            miss = rng.random() < 0.15
+            ctl.record_spec(r, LEVEL * r.depth, {q: 2.0 if q.nodes == 4 and miss else 3.0 for q in ctl.rungs[1:]
+                                                 if q.nodes <= r.nodes and q.depth <= r.depth})
+        chosen.append(r)
+    probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]][2:]  # after the warm-up's two
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 4 and all(g2 >= 2 * g1 - 1 for g1, g2 in zip(gaps, gaps[1:])), probes
+    assert {r for r in chosen[100:] if r != RUNGS[-1] and not r.plain} <= {Rung(4, 3), Rung(8, 3)}
