@@ -65,10 +65,11 @@ def test_triton_step_kernels_equal_their_twins(q):
     torch twin: the step's input ids and chain count, then the verdict, the history and its length."""
     rng = random.Random(q)
     g = torch.Generator().manual_seed(q)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (Triton compiles for a GPU where there is one)
     for trial in range(20):
         n, vocab = rng.randrange(1, 60), rng.choice([3, 7, 40])
-        ids = torch.tensor([rng.randrange(vocab) for _ in range(n)])
-        hs = [DeviceHistory(n + 8, q, "cpu", fast=f) for f in (False, True)]
+        ids = torch.tensor([rng.randrange(vocab) for _ in range(n)], device=dev)
+        hs = [DeviceHistory(n + 8, q, dev, fast=f) for f in (False, True)]
         for h in hs:
             h.hist[:n] = ids
             h.length.fill_(n)
@@ -78,6 +79,7 @@ def test_triton_step_kernels_equal_their_twins(q):
         keep = rng.randrange(0, q + 1)  # the target agrees with the chain's first `keep` tokens
         for i, t in enumerate(hs[0].ids[1:].tolist()):
             logits[i, t] = 10.0 if i < keep else -10.0  # ... and not with the next
+        logits = logits.to(dev)
         packed = [h.verdict(logits).clone() for h in hs]
         assert torch.equal(packed[0], packed[1])
         assert torch.equal(hs[0].length, hs[1].length) and torch.equal(hs[0].hist, hs[1].hist)
