@@ -1,7 +1,7 @@
-"""fused_sample.py's kernels against sampling's PyTorch path (their twin) on a 152K vocabulary,
-then end to end: `ar` on the 1.5B geometry (random weights) at 16K, greedy and sampled, with the
-kernels and without (docs/architecture.md, "Kernels": *Fused sampling*). Prints a table, writes
-results/kernels/fused_sample-<device>.json.
+"""fused_sample.py's kernels against sampling's PyTorch path (their twin) on a 152K vocabulary
+(temperature, top-k, top-p), then end to end: `ar` on the 1.5B geometry (random weights) at 16K,
+greedy and sampled, with the kernels and without (docs/architecture.md, "Kernels": *Fused
+sampling*). Prints a table, writes results/kernels/fused_sample-<device>.json.
 
   python benchmarks/fused_sample_bench.py --rows 1,9,17 --length 16384 --reps 3
 """
@@ -50,18 +50,20 @@ def twin(logits, params, u):
 def kernels(rows: list[int], vocab: int) -> list[dict]:
     out = []
     for dt in (torch.bfloat16, torch.float32):
-        for top_k in (0, 50):
-            params = SamplingParams(8, temperature=0.8, top_k=top_k)
+        for top_k, top_p in ((0, 1.0), (50, 1.0), (0, 0.95)):
+            params = SamplingParams(8, temperature=0.8, top_k=top_k, top_p=top_p)
             for r in rows:
                 x = torch.randn(r, vocab, device="cuda", dtype=dt) * 4  # [R, V]
                 u = torch.rand(r, device="cuda", dtype=torch.float64)  # [R]
                 same = float((fused_sample.fused_sample(x, params, u) == twin(x.float(), params, u)).float().mean())
-                row = dict(dtype=str(dt)[6:], top_k=top_k, rows=r, torch_us=eager_us(lambda: twin(x, params, u)),
+                row = dict(dtype=str(dt)[6:], top_k=top_k, top_p=top_p, rows=r,
+                           torch_us=eager_us(lambda: twin(x, params, u)),
                            fused_us=eager_us(lambda: fused_sample.fused_sample(x, params, u)),
                            fused_graphed_us=bench(lambda: fused_sample.fused_sample(x, params, u), reps=10),
                            torch_graphed_us=bench(lambda: twin(x, params, u), reps=10), same=same)
                 out.append(row)
-                print(f"{row['dtype']:9s} top_k {top_k:2d} rows {r:2d}: torch {row['torch_us']:6.0f} us eager,"
+                print(f"{row['dtype']:9s} top_k {top_k:2d} top_p {top_p:.2f} rows {r:2d}:"
+                      f" torch {row['torch_us']:6.0f} us eager,"
                       f" {row['torch_graphed_us']:6.1f} graphed; fused {row['fused_us']:5.0f} eager,"
                       f" {row['fused_graphed_us']:5.1f} graphed; same samples {same:.2f}", flush=True)
     return out
@@ -88,7 +90,8 @@ def end_to_end(length: int, new_tokens: int, reps: int) -> dict:
     cases = (("greedy", SamplingParams(**kw), True),
              ("t0.8 fused", SamplingParams(temperature=0.8, seed=1, **kw), True),
              ("t0.8 torch", SamplingParams(temperature=0.8, seed=1, **kw), False),
-             ("t0.8 top_p0.95 (torch)", SamplingParams(temperature=0.8, top_p=0.95, seed=1, **kw), True))
+             ("t0.8 top_p0.95 fused", SamplingParams(temperature=0.8, top_p=0.95, seed=1, **kw), True),
+             ("t0.8 top_p0.95 torch", SamplingParams(temperature=0.8, top_p=0.95, seed=1, **kw), False))
     real, rates = fused_sample.supported, {name: [] for name, _, _ in cases}
     try:
         for _ in range(reps):  # interleaved

@@ -302,5 +302,5 @@ def runs_ahead(model, params, lookup: Optional[RequestLookup], load: Optional["L
         return False
     if forced is not None:
         return forced
-    return ((params.greedy or fused_sample.takes(params)) and model.graphs is not None
+    return ((params.greedy or fused_sample.runs_cheaply(params)) and model.graphs is not None
             and model.graphs.takes_device_length(lookup.max_tokens + 1))

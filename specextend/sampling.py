@@ -34,7 +34,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     maximum is 0 before dividing, so a tiny temperature sends the others to -inf (no overflow to
     +inf and NaN); as temperature -> 0 this is the uniform distribution over the argmax ties, i.e.
     greedy. top_p keeps at least the most likely token, however small it is (it may round to 0 in
-    the logits' dtype)."""
+    the logits' dtype), and every token tied with the least likely one it keeps."""
     shifted = logits - logits.amax(dim=-1, keepdim=True)  # max 0; a temperature below float32's range
     x = torch.where(shifted == 0, 0.0, shifted / params.temperature)  # divides by 0: 0/0 -> 0, <0 -> -inf
     if params.top_k > 0 and params.top_k < x.shape[-1]:
@@ -42,12 +42,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        sorted_p = torch.sort(probs, dim=-1, descending=True).values  # [R, V]
         cum = sorted_p.cumsum(-1)
         drop = (cum - sorted_p) >= params.top_p  # keep the smallest prefix reaching top_p
         drop[..., 0] = False  # ... and the top token always (top_p -> 0 is greedy)
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        # ... and every token tied with its last one: the sort orders ties as it likes, so which of
+        # them a prefix would keep is arbitrary; all of them is what fused_sample's radix select
+        # keeps (the columns whose mass strictly above is under top_p)
+        least = sorted_p.masked_fill(drop, float("inf")).amin(-1, keepdim=True)  # [R, 1]
+        probs = torch.where(probs >= least, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

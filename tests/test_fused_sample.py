@@ -37,15 +37,40 @@ def _check(logits, params, u, block):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,v,block", [(9, 1000, 256), (1, 300, 64), (4, 517, 128), (2, 2048, 4096)])
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.5, 0), (2.0, 7), (0.25, 1)])
-def test_fused_sample_equals_its_twin(dtype, rows, v, block, temperature, top_k):
-    """Blocks that do not divide the vocabulary, one block, one row; temperatures and top-k
-    (k = 1: greedy through the floor); logits spread as a model's (a few large, a long tail)."""
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 7, 1.0), (0.25, 1, 1.0),
+                                                     (1.0, 0, 0.9), (0.5, 0, 0.3), (2.0, 7, 0.8)])
+def test_fused_sample_equals_its_twin(dtype, rows, v, block, temperature, top_k, top_p):
+    """Blocks that do not divide the vocabulary, one block, one row; temperatures, top-k (k = 1:
+    greedy through the floor) and top-p; logits spread as a model's (a few large, a long tail)."""
     g = torch.Generator().manual_seed(rows * v + top_k)
     logits = (torch.randn(rows, v, generator=g) * 3).to(dtype)
-    params = SamplingParams(8, temperature=temperature, top_k=top_k)
-    for _ in range(8):  # uniforms over [0, 1): every part of each row's CDF
+    params = SamplingParams(8, temperature=temperature, top_k=top_k, top_p=top_p)
+    for _ in range(4):  # uniforms over [0, 1): every part of each row's CDF
         _check(logits, params, torch.rand(rows, generator=g, dtype=torch.float64), block)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_top_p_keeps_the_sorted_prefix(top_p, top_k):
+    """top_p_floor's kept set (the columns at or above it) is target_probs' (a sort and a
+    cumulative sum): the fewest most likely columns holding top_p of the mass, over every sign and
+    exponent of the logits (the radix key's four bytes), ties included."""
+    g = torch.Generator().manual_seed(int(top_p * 1000) + top_k)
+    logits = torch.randn(5, 900, generator=g) * torch.tensor([0.01, 1.0, 4.0, 30.0, 300.0])[:, None]
+    logits[0, :50] = 2.5  # fifty equal maxima: kept together, or not at all
+    params = SamplingParams(8, temperature=0.7, top_k=top_k, top_p=top_p)
+    x = logits.to(DEVICE)
+    has_floor = top_k > 0
+    floor = torch.topk(x, top_k, dim=-1).values[:, -1].float().contiguous() if has_floor else x[:, 0].contiguous()
+    stat = torch.empty(5, 8, 2, dtype=torch.float32, device=DEVICE)
+    from specextend._triton_sample import block_stats
+
+    block_stats[(5, 8)](x, x.stride(0), floor, stat, 0.7, V=900, NB=8, BLOCK=128, HAS_FLOOR=has_floor)
+    got = fused_sample.top_p_floor(x, params, floor, has_floor, stat, 128, 8, 8).cpu()
+    kept = target_probs(logits, params) > 0  # [R, V]
+    for r in range(5):
+        assert got[r] == logits[r][kept[r]].min(), r
+    assert int(kept[0, :50].sum()) == 50  # (row 0's ties: all kept, however few top_p needs)
 
 
 def test_the_ends_of_the_uniform_and_masked_blocks():

@@ -138,13 +138,13 @@ def test_lossless_check_measures_the_rounding_noise_only_for_reduced_precision_d
 @pytest.mark.parametrize("temperature,top_p", [(1e-38, 1.0), (1e-46, 1.0), (1e-300, 1.0), (5e-324, 1.0),
                                                (1.0, 1e-46), (0.7, 1e-300)])
 def test_target_probs_at_the_limits_is_the_argmax(dtype, temperature, top_p):
-    """temperature -> 0 and top_p -> 0 tend to greedy: all mass on the argmax (ties share it),
-    never NaN (which inverse-CDF sampling turned into the last vocabulary id)."""
+    """temperature -> 0 and top_p -> 0 tend to greedy: all mass on the argmax (ties share it,
+    under top_p too: it keeps every token tied with the least likely one it keeps), never NaN
+    (which inverse-CDF sampling turned into the last vocabulary id)."""
     logits = torch.tensor([[4.0, 9.5, -3.0, 7.0, 0.0], [2.0, 2.0, -1.0, 1.0, 2.0]], dtype=dtype) * 10
     probs = target_probs(logits, SamplingParams(temperature=temperature, top_p=top_p))
     assert torch.equal(probs[0], torch.tensor([0, 1, 0, 0, 0], dtype=dtype))
-    tied = torch.tensor([1, 1, 0, 0, 1], dtype=dtype) / 3 if top_p == 1.0 else torch.tensor([1, 0, 0, 0, 0], dtype=dtype)
-    assert torch.allclose(probs[1], tied)
+    assert torch.allclose(probs[1], torch.tensor([1, 1, 0, 0, 1], dtype=dtype) / 3)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(8, temperature=1.0), SamplingParams(8, temperature=0.7, top_p=0.9),
