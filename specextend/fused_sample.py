@@ -26,12 +26,16 @@ from specextend.attention.triton_prefix import TRITON_DTYPES, triton_available
 from specextend.config import SamplingParams
 
 BLOCK = 4096  # columns per program: 38 blocks a row for a 152K vocabulary
+# top-p through the kernels (top_p_floor): built and tested in Triton's interpreter, not yet
+# compiled or timed on a GPU (the session's device time ran out, 2026-11-30), so off: top-p takes
+# the PyTorch path, whose ties it now keeps as the kernels do
+TOP_P_KERNELS = False
 
 
 def takes(params: SamplingParams) -> bool:
-    """Whether the kernels sample with these parameters (any: temperature, top-k, top-p), where
-    Triton imports."""
-    return triton_available()
+    """Whether the kernels sample with these parameters (temperature and top-k; top-p where
+    TOP_P_KERNELS), where Triton imports."""
+    return (params.top_p >= 1.0 or TOP_P_KERNELS) and triton_available()
 
 
 def runs_cheaply(params: SamplingParams) -> bool:

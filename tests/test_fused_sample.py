@@ -112,12 +112,14 @@ def test_fused_samples_follow_the_distribution():
 
 
 def test_sample_rows_takes_the_kernels_only_where_they_apply():
-    """On a CUDA tensor without top-p the kernels; with top-p, on the CPU or in float64 the PyTorch
-    path (supported)."""
+    """On a CUDA tensor the kernels (top-p only where TOP_P_KERNELS); on the CPU or in float64 the
+    PyTorch path (supported); lookup runs only where the kernels sample without top-p."""
     cpu = torch.zeros(2, 10)
     assert not fused_sample.supported(cpu, SamplingParams(4, temperature=1.0))
+    assert fused_sample.runs_cheaply(SamplingParams(4, temperature=1.0, top_k=3))
+    assert not fused_sample.runs_cheaply(SamplingParams(4, temperature=1.0, top_p=0.9))
     if DEVICE == "cuda":
         gpu = cpu.cuda()
         assert fused_sample.supported(gpu, SamplingParams(4, temperature=1.0, top_k=3))
-        assert not fused_sample.supported(gpu, SamplingParams(4, temperature=1.0, top_p=0.9))
+        assert fused_sample.supported(gpu, SamplingParams(4, temperature=1.0, top_p=0.9)) == fused_sample.TOP_P_KERNELS
         assert not fused_sample.supported(gpu.double(), SamplingParams(4, temperature=1.0))
