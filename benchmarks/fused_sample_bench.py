@@ -92,14 +92,15 @@ def end_to_end(length: int, new_tokens: int, reps: int) -> dict:
              ("t0.8 torch", SamplingParams(temperature=0.8, seed=1, **kw), False),
              ("t0.8 top_p0.95 fused", SamplingParams(temperature=0.8, top_p=0.95, seed=1, **kw), True),
              ("t0.8 top_p0.95 torch", SamplingParams(temperature=0.8, top_p=0.95, seed=1, **kw), False))
-    real, rates = fused_sample.supported, {name: [] for name, _, _ in cases}
+    real, top_p_on, rates = fused_sample.supported, fused_sample.TOP_P_KERNELS, {name: [] for name, _, _ in cases}
     try:
         for _ in range(reps):  # interleaved
             for name, params, fused in cases:
                 fused_sample.supported = real if fused else (lambda *a: False)
+                fused_sample.TOP_P_KERNELS = fused  # (top-p through the kernels, on or off by default)
                 rates[name].append(rate(params))
     finally:
-        fused_sample.supported = real
+        fused_sample.supported, fused_sample.TOP_P_KERNELS = real, top_p_on
     med = {k: statistics.median(v) for k, v in rates.items()}
     for k, v in med.items():
         print(f"ar, 1.5B geometry, {length} tokens, {k:24s} {v:6.1f} tok/s ({1e3 / v:.2f} ms a token)")
