@@ -85,6 +85,9 @@ def test_no_open_for_a_probe_past_the_requests_end(rig, injected):
     assert engine.defers_open(ctl, len(PROMPT)) and not engine.open_due(ctl, len(PROMPT), 1000)
     ctl.since_probe = 30  # 30 steps in: the probe within the lead, due in a request with 31+ tokens left
     assert engine.open_due(ctl, len(PROMPT), 1000) and not engine.open_due(ctl, len(PROMPT), 30)
+    ctl.since_probe = 55  # the probe due in 5 steps, but the open takes ~45: not with 30 tokens left
+    assert engine.open_due(ctl, len(PROMPT), 1000) and not engine.open_due(ctl, len(PROMPT), 30)
+    ctl.since_probe = 30
     tokens, _, stats = engine.generate(PROMPT, params)
     assert tokens == ref and len(worker.opened) == 1 and stats.open_steps == 0
 
