@@ -45,7 +45,7 @@ def test_fused_sample_equals_its_twin(dtype, rows, v, block, temperature, top_k,
     g = torch.Generator().manual_seed(rows * v + top_k)
     logits = (torch.randn(rows, v, generator=g) * 3).to(dtype)
     params = SamplingParams(8, temperature=temperature, top_k=top_k, top_p=top_p)
-    for _ in range(4):  # uniforms over [0, 1): every part of each row's CDF
+    for _ in range(4 if top_p == 1.0 else 2):  # uniforms over [0, 1): every part of each row's CDF
         _check(logits, params, torch.rand(rows, generator=g, dtype=torch.float64), block)
 
 
