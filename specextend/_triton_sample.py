@@ -102,16 +102,16 @@ def mass_hist(logits_ptr, row_stride, floor_ptr, stat_ptr, pref_ptr, hist_ptr, t
 
 @triton.jit
 def mass_select(hist_ptr, pref_ptr, mass_ptr, floor_ptr, top_p, shift,
-                NB: tl.constexpr, NBP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+                NB: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
     """Program r, one pass of top-p's radix select: the lowest bucket of mass whose columns have less
     than top_p of the row's mass strictly above them (mass [R, 2] float64: above the prefix, and
     top_p times the total, set on the first pass) joins the prefix pref [R] int64; on the last pass
     the prefix is the kept set's smallest key, written to floor [R] as its float32."""
     r = tl.program_id(0)
-    nb = tl.arange(0, NBP)
     bins = tl.arange(0, 256)
-    h = tl.load(hist_ptr + (r * NB + nb[:, None]) * 256 + bins[None, :], mask=(nb < NB)[:, None], other=0.0)
-    h = tl.sum(h.to(tl.float64), 0)  # [256] the buckets' mass, blocks summed in order
+    h = tl.zeros([256], dtype=tl.float64)  # the buckets' mass, blocks summed in order
+    for i in tl.static_range(NB):
+        h += tl.load(hist_ptr + (r * NB + i) * 256 + bins).to(tl.float64)
     pref = tl.load(pref_ptr + r)  # (0 before the first pass)
     if FIRST:
         above0 = tl.sum(h, 0) * 0.0

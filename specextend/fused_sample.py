@@ -53,8 +53,8 @@ def supported(logits: torch.Tensor, params: SamplingParams) -> bool:
 def fused_sample(logits: torch.Tensor,  # [R, V], last dim contiguous
                  params: SamplingParams, u: torch.Tensor,  # [R] float64 on the logits' device
                  block: int = BLOCK) -> torch.Tensor:
-    """-> [R] int64: row r's inverse-CDF sample of softmax(logits / temperature) (top-k applied)
-    with the uniform u[r]."""
+    """-> [R] int64: row r's inverse-CDF sample of softmax(logits / temperature) (top-k and top-p
+    applied) with the uniform u[r]."""
     from specextend._triton_sample import block_stats, pick
 
     r, v = logits.shape
@@ -101,6 +101,6 @@ def top_p_floor(logits: torch.Tensor, params: SamplingParams, floor: torch.Tenso
     for i, shift in enumerate((24, 16, 8, 0)):
         mass_hist[(r, nb)](logits, logits.stride(0), floor, stat, pref, hist, t, shift, V=v, NB=nb, NBP=nbp,
                            BLOCK=block, CH=min(64, block), HAS_FLOOR=has_floor, num_warps=4)
-        mass_select[(r,)](hist, pref, mass, out, float(params.top_p), shift, NB=nb, NBP=nbp,
+        mass_select[(r,)](hist, pref, mass, out, float(params.top_p), shift, NB=nb,
                           FIRST=i == 0, LAST=shift == 0, num_warps=4)
     return out
