@@ -13,6 +13,21 @@ def _scaled(x, m, temperature):
 
 
 @triton.jit
+def _row(logits_ptr, row_stride, floor_ptr, r, offs, V: tl.constexpr, HAS_FLOOR: tl.constexpr):
+    """Row r's logits at `offs` as float32, -inf past V and (top-k, top-p) below the row's floor."""
+    x = tl.load(logits_ptr + r * row_stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if HAS_FLOOR:
+        x = tl.where(x >= tl.load(floor_ptr + r), x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _weight(x, m, temperature):
+    """exp((x - m) / temperature), 0 where x is -inf (also where m is: a block with nothing left)."""
+    return tl.where(x == float("-inf"), 0.0, tl.exp(_scaled(x, m, temperature)))
+
+
+@triton.jit
 def block_stats(logits_ptr, row_stride, floor_ptr, stat_ptr, temperature,
                 V: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, HAS_FLOOR: tl.constexpr):
     """Program (row r, block b) of logits [R, V]: the block's max m and sum of
@@ -21,13 +36,9 @@ def block_stats(logits_ptr, row_stride, floor_ptr, stat_ptr, temperature,
     nothing is left)."""
     r = tl.program_id(0)
     b = tl.program_id(1)
-    offs = b * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    x = tl.load(logits_ptr + r * row_stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    if HAS_FLOOR:
-        x = tl.where(x >= tl.load(floor_ptr + r), x, float("-inf"))
+    x = _row(logits_ptr, row_stride, floor_ptr, r, b * BLOCK + tl.arange(0, BLOCK), V, HAS_FLOOR)  # [BLOCK]
     m = tl.max(x, 0)
-    s = tl.sum(tl.exp(_scaled(x, m, temperature)), 0)
-    s = tl.where(m == float("-inf"), 0.0, s)  # (a block of -inf scales to 0 there: exp(0) each)
+    s = tl.sum(_weight(x, m, temperature), 0)
     tl.store(stat_ptr + (r * NB + b) * 2, m)
     tl.store(stat_ptr + (r * NB + b) * 2 + 1, s)
 
@@ -52,12 +63,8 @@ def pick(logits_ptr, row_stride, floor_ptr, stat_ptr, u_ptr, out_ptr, temperatur
     b = tl.minimum(tl.sum((cum < target).to(tl.int32), 0), NB - 1)
     before = tl.sum(tl.where(nb == b, cum - w, 0.0), 0)  # the blocks before b
     cols = tl.arange(0, BLOCK)
-    offs = b * BLOCK + cols  # [BLOCK]
-    x = tl.load(logits_ptr + r * row_stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    if HAS_FLOOR:
-        x = tl.where(x >= tl.load(floor_ptr + r), x, float("-inf"))
-    e = tl.exp(_scaled(x, m, temperature))  # [BLOCK] float32, 0 at -inf
-    e = tl.where(x == float("-inf"), 0.0, e)
+    x = _row(logits_ptr, row_stride, floor_ptr, r, b * BLOCK + cols, V, HAS_FLOOR)  # [BLOCK]
+    e = _weight(x, m, temperature)  # [BLOCK] float32
     run = before + tl.cumsum(e.to(tl.float64), 0)  # [BLOCK]
     j = tl.sum((run < target).to(tl.int32), 0)
     last = tl.max(tl.where(e > 0, cols, -1), 0)  # the block's last column of nonzero weight
@@ -88,11 +95,8 @@ def mass_hist(logits_ptr, row_stride, floor_ptr, stat_ptr, pref_ptr, hist_ptr, t
     bins = tl.arange(0, 256)
     acc = tl.zeros([256], dtype=tl.float32)
     for c in range(0, BLOCK, CH):
-        offs = b * BLOCK + c + tl.arange(0, CH)  # [CH]
-        x = tl.load(logits_ptr + r * row_stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        if HAS_FLOOR:
-            x = tl.where(x >= tl.load(floor_ptr + r), x, float("-inf"))
-        e = tl.where(x == float("-inf"), 0.0, tl.exp(_scaled(x, m, temperature)))  # [CH]
+        x = _row(logits_ptr, row_stride, floor_ptr, r, b * BLOCK + c + tl.arange(0, CH), V, HAS_FLOOR)  # [CH]
+        e = _weight(x, m, temperature)
         key = _key(x)
         e = tl.where((key >> (shift + 8)) == pref, e, 0.0)
         digit = ((key >> shift) & 255).to(tl.int32)

@@ -61,7 +61,7 @@ def fused_sample(logits: torch.Tensor,  # [R, V], last dim contiguous
     assert logits.stride(-1) == 1 and block & (block - 1) == 0
     block = min(block, 1 << (v - 1).bit_length())
     nb = -(-v // block)
-    nbp = 1 << max(0, (nb - 1).bit_length())
+    nbp = _pow2(nb)
     has_floor = 0 < params.top_k < v
     floor = (torch.topk(logits, params.top_k, dim=-1).values[:, -1].float().contiguous() if has_floor
              else u)  # [R] the k-th largest logit (unused without top-k)
@@ -72,7 +72,7 @@ def fused_sample(logits: torch.Tensor,  # [R, V], last dim contiguous
     block_stats[(r, nb)](logits, logits.stride(0), floor, stat, t, V=v, NB=nb, BLOCK=block,
                          HAS_FLOOR=has_floor, num_warps=warps)
     if params.top_p < 1.0:  # the kept set's smallest logit becomes the floor; the stats again above it
-        floor, has_floor = top_p_floor(logits, params, floor, has_floor, stat, block, nb, nbp), True
+        floor, has_floor = top_p_floor(logits, params, floor, has_floor, stat, block), True
         block_stats[(r, nb)](logits, logits.stride(0), floor, stat, t, V=v, NB=nb, BLOCK=block,
                              HAS_FLOOR=True, num_warps=warps)
     pick[(r,)](logits, logits.stride(0), floor, stat, u.contiguous(), out, t, V=v, NB=nb,
@@ -81,7 +81,8 @@ def fused_sample(logits: torch.Tensor,  # [R, V], last dim contiguous
 
 
 def top_p_floor(logits: torch.Tensor, params: SamplingParams, floor: torch.Tensor, has_floor: bool,
-                stat: torch.Tensor, block: int, nb: int, nbp: int) -> torch.Tensor:
+                stat: torch.Tensor,  # [R, NB, 2] block_stats' of the same floor
+                block: int) -> torch.Tensor:
     """-> [R] float32: each row's smallest logit that top-p keeps (the most likely columns, fewest
     first, until they hold top_p of the mass; every column tied with the last one kept too), over
     the columns at or above `floor` where `has_floor` (top-k). A radix select on the logits' 32
@@ -92,6 +93,7 @@ def top_p_floor(logits: torch.Tensor, params: SamplingParams, floor: torch.Tenso
     from specextend._triton_sample import mass_hist, mass_select
 
     r, v = logits.shape
+    nb = stat.shape[1]
     dev = logits.device
     pref = torch.zeros(r, dtype=torch.int64, device=dev)  # [R] the key's bits chosen so far
     mass = torch.empty(r, 2, dtype=torch.float64, device=dev)  # [R, (mass above the prefix, top_p * total)]
@@ -99,8 +101,13 @@ def top_p_floor(logits: torch.Tensor, params: SamplingParams, floor: torch.Tenso
     out = torch.empty(r, dtype=torch.float32, device=dev)  # [R]
     t = float(params.temperature)
     for i, shift in enumerate((24, 16, 8, 0)):
-        mass_hist[(r, nb)](logits, logits.stride(0), floor, stat, pref, hist, t, shift, V=v, NB=nb, NBP=nbp,
+        mass_hist[(r, nb)](logits, logits.stride(0), floor, stat, pref, hist, t, shift, V=v, NB=nb, NBP=_pow2(nb),
                            BLOCK=block, CH=min(64, block), HAS_FLOOR=has_floor, num_warps=4)
         mass_select[(r,)](hist, pref, mass, out, float(params.top_p), shift, NB=nb,
                           FIRST=i == 0, LAST=shift == 0, num_warps=4)
     return out
+
+
+def _pow2(n: int) -> int:
+    """The power of two at or above n (a Triton range's length)."""
+    return 1 << max(0, (n - 1).bit_length())

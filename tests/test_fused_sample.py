@@ -66,7 +66,7 @@ def test_top_p_keeps_the_sorted_prefix(top_p, top_k):
     from specextend._triton_sample import block_stats
 
     block_stats[(5, 8)](x, x.stride(0), floor, stat, 0.7, V=900, NB=8, BLOCK=128, HAS_FLOOR=has_floor)
-    got = fused_sample.top_p_floor(x, params, floor, has_floor, stat, 128, 8, 8).cpu()
+    got = fused_sample.top_p_floor(x, params, floor, has_floor, stat, 128).cpu()
     kept = target_probs(logits, params) > 0  # [R, V]
     for r in range(5):
         assert got[r] == logits[r][kept[r]].min(), r
