@@ -394,9 +394,9 @@ class Engine(RequestLimits, DraftLink):
                     clock = stats.clock(kind, t_step)
                     clock.add("step", t_plain - t_step)  # its forward, verdict and commit (plain_step_co)
                 ev = out.emit(committed)
-                clock("books")  # (the stats, the policy's record, the emit)
-                stats.decode_s = time.perf_counter() - t1
-                stats.step_done(kind, len(ev.token_ids), time.perf_counter() - t_step, *split)
+                end = clock("books")  # (the stats, the policy's record, the emit; the step's end)
+                stats.decode_s = end - t1
+                stats.step_done(kind, len(ev.token_ids), end - t_step, *split)
                 yield ev
                 t_back = time.perf_counter()
         finally:

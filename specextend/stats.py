@@ -24,10 +24,14 @@ class PhaseClock:
     def __init__(self, sums: dict, t0: float) -> None:
         self._sums, self._t = sums, t0
 
-    def __call__(self, name: str) -> None:
+    def __call__(self, name: str) -> float:
+        """-> the mark's time (perf_counter): a step that ends here reads its wall time from it,
+        so that its phases add up to it (read twice, a pause between the reads, a collection say,
+        once left 1.7% of a tiny pair's tree steps outside every phase in a CI run)."""
         now = time.perf_counter()
         self._sums[name] = self._sums.get(name, 0.0) + (now - self._t)
         self._t = now
+        return now
 
     def add(self, name: str, seconds: float) -> None:
         """A phase timed elsewhere (the clock's next phase starts where it ended)."""
