@@ -15,6 +15,12 @@ tree the best, up to the controller's `max_probe`; its reading replaces the plai
 (the reading in question is the one it rechecks). The schedule goes on across sessions with the
 carried costs, as the probes' does. Only a session alone on its forwards, without overlap: the
 plain forward's own price is used only there (a batch prices plain steps by the forwards' line).
+And only while the reading is in doubt: none where the plain forward costs no more than the best
+tree's verification forward (a forward of more rows, its line: so the reading is not a slow outlier)
+and the best tree's predicted rate is PLAIN_DOUBT times the plain step's or more (the plain step
+could only be best were its reading that far off). There a recheck only lost a step: the 8B
+geometry replayed at 5 on an H200 took one of 5.5 ms for 1 token in a 22-step answer whose trees
+made 6 in 8.2 ms (~2% of its time, 2026-11-30). The slow reading above was 1.9x and above the line.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from typing import TYPE_CHECKING
 
 from specextend.costs import probe_interval
 from specextend.ladder import PLAIN, Rung
+
+# a plain step's measured rate times this below the best tree's, and its forward within the tree's
+# verification line: no recheck
+PLAIN_DOUBT = 2.0
 
 if TYPE_CHECKING:
     from specextend.controller import TreeController
@@ -41,6 +51,8 @@ class PlainRecheck:
         pending until its plain step is recorded)."""
         if best.plain or ctl.overlap or ctl.sessions > 1 or ctl.plain_forward is None:
             return False
+        if ctl.plain_forward <= ctl.forward(best.nodes + 1) and PLAIN_DOUBT * ctl.value(PLAIN) < ctl.value(best):
+            return False  # not in doubt (the steps since go on counting: a recheck comes once it is)
         if not self.every:
             self.every = min(probe_interval(ctl.step_seconds(PLAIN), ctl.step_seconds(best), ctl.value(PLAIN),
                                             ctl.value(best), ctl.min_probe, ctl.probe_ratio), ctl.max_probe)

@@ -11,6 +11,7 @@ from specextend.config import TreeConfig
 from specextend.controller import TreeController
 from specextend.costs import LinearCost
 from specextend.ladder import PLAIN, Rung, ladder, prefix_accepts
+from specextend.recheck import PLAIN_DOUBT
 
 
 TREE = TreeConfig(16, 6, 4)
@@ -220,8 +221,9 @@ def test_a_plain_forward_once_timed_slow_is_rechecked_and_plain_steps_come_back(
 
 def test_rechecks_back_off_where_trees_pay():
     """Where a tree really is best a recheck loses a step's worth now and then: its interval doubles
-    after each (as far as max_probe), and the schedule goes on in the next session (carried costs)."""
-    accepted = dict(zip(RUNGS[1:], PROFILES["easy"]))
+    after each (as far as max_probe), and the schedule goes on in the next session (carried costs).
+    ("hard": the best tree 1.3x a plain step's rate, within PLAIN_DOUBT: a slow reading could be it.)"""
+    accepted = dict(zip(RUNGS[1:], PROFILES["hard"]))
     ctl = TreeController(list(RUNGS))
     chosen = simulate(ctl, accepted, 300)
     plain = [i for i, r in enumerate(chosen) if r.plain][1:]  # after the warm-up's
@@ -230,6 +232,20 @@ def test_rechecks_back_off_where_trees_pay():
     nxt = TreeController(list(RUNGS))
     nxt.start_from(ctl.costs())
     assert (nxt.recheck.since, nxt.recheck.every) == (ctl.recheck.since, ctl.recheck.every)
+
+
+def test_no_recheck_where_a_tree_outruns_plain_steps_by_far():
+    """A tree predicted at PLAIN_DOUBT times a plain step's rate or more takes no recheck where the
+    plain forward's reading is within the verification line: it would have to be that far off
+    ("easy": the full tree at 2.8x); the steps go on counting, so that a recheck comes at once when
+    the tree falls within reach. (A reading above the line is rechecked whatever the rates: the
+    test above, a 3x slow reading.)"""
+    ctl = TreeController(list(RUNGS))
+    chosen = simulate(ctl, dict(zip(RUNGS[1:], PROFILES["easy"])), 300)
+    assert ctl.value(ctl.best()) >= PLAIN_DOUBT * ctl.value(PLAIN)
+    assert ctl.recheck.done == 0 and chosen.count(PLAIN) == 1  # (the warm-up's)
+    chosen = simulate(ctl, dict(zip(RUNGS[1:], PROFILES["hard"])), 20)  # the text got hard: 1.3x
+    assert ctl.recheck.done >= 1 and chosen.index(PLAIN) < 5  # within reach: rechecked at once
 
 
 def test_no_probe_interval_exceeds_max_probe():
