@@ -31,13 +31,15 @@ class Recording:
         of 0.26 ms a row that kept every tree at 4 nodes, 2026-11-29)."""
         self._pending.append((rows, seconds, self.prefill))
 
-    def _settle(self, treeless: bool = False) -> None:
+    def _settle(self, treeless: bool = False, lines: bool = True) -> None:
         """The recorded forwards' durations into their cost lines (and the step's forward time);
-        `treeless`: a step without a tree's, into the chain steps' line too (`chains`)."""
+        `treeless`: a step without a tree's, into the chain steps' line too (`chains`); not `lines`:
+        the step's forward time only (forwards that shared the device with a draft's open)."""
         for rows, span, line in self._pending:
             seconds = seconds_of(span)
-            line.add(rows, seconds)
-            if treeless and line is self.forward:
+            if lines:
+                line.add(rows, seconds)
+            if lines and treeless and line is self.forward:
                 self.chains.add(rows, seconds)
             self._forward_s += seconds
             self._rows += rows
@@ -51,15 +53,19 @@ class Recording:
     def _ready_alpha(self) -> float:
         return SWITCH_ALPHA if self.overlap else self.alpha
 
-    def record_plain(self, step_s: Optional[float] = None, lookup: int = 0) -> None:
+    def record_plain(self, step_s: Optional[float] = None, lookup: int = 0, contended: bool = False) -> None:
         """A plain step; `step_s`: its wall time, when the driver measured it; `lookup`: the tokens a
-        context-lookup chain added to it."""
-        self._settle(treeless=True)
+        context-lookup chain added to it; `contended`: its forward shared the device with the draft's
+        open (a prefill beside it), so its time prices nothing (the tiny pair on a CPU: open steps'
+        forwards took 0.8-2 ms against 0.7 alone, and as plain_forward's readings, carried from
+        request to request, they priced plain steps at 1.1-1.7 ms, so that trees that could never
+        pay looked close enough to probe every few hundred steps; 2026-11-30)."""
+        self._settle(treeless=True, lines=not contended)
         self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
         recheck = self.recheck.plain_step()  # (a recheck's reading replaces the one it rechecks)
-        if self._forward_s and self.sessions <= 1:  # a chain's rows beyond the first cost the line's slope
+        if self._forward_s and self.sessions <= 1 and not contended:  # (a chain's rows beyond the first: the slope)
             one = self._forward_s - self.chains.line()[1] * max(self._rows - 1, 0)  # (chain_now prices them)
             self.plain_forward = self._average(self.plain_forward, max(one, 0.0), 1.0 if recheck else None)
         self._end_step()

@@ -379,7 +379,7 @@ class Engine(RequestLimits, DraftLink):
                     split = (0.0, 0.0)
                     if use_draft or lookup is not None:  # (mode lookup: the forwards into the gate's cost line)
                         ctl.record_plain(step_s=None if opening_pending else load.wall(t_step),  # (an open's
-                                         lookup=len(committed) - 1)  # steps: host work not a plain step's)
+                                         lookup=len(committed) - 1, contended=opening_pending)  # steps: no price)
                         split = (0.0, ctl.last_forward_s)
                     if use_draft:
                         pending = [] if feed is not None else pending + committed

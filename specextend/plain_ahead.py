@@ -54,19 +54,23 @@ class _Queued:
 
 def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: RequestStats, t1: float,
                    gen: torch.Generator, limit: Optional[int] = None,
-                   more: Optional[Callable[[list[int]], int]] = None) -> Generator[object, object, list[int]]:
+                   more: Optional[Callable[[list[int]], int]] = None,
+                   intervals: Optional[dict[int, float]] = None) -> Generator[object, object, list[int]]:
     """Decodes from `first`, the last committed token (emitted, not yet in the cache), to the
     request's end, or `limit` tokens (a run: plain_run_co); yields each forward (ForwardCall,
     answered with its result) and each token's StepEvent; returns the tokens emitted. `t1`: when
     decoding began (perf_counter, for stats.decode_s); `gen`: the request's generator (sampling).
     `more(emitted so far)`, asked once the `limit` forwards are queued and the last one's token is
     still on the device: how many more it may take (0: the run ends there), so that the next run
-    begins from that token without the host reading it first. The cache's invariant holds at the
-    end: every token in it but the last emitted."""
+    begins from that token without the host reading it first. `intervals`: filled with each
+    token's seconds since the token before it was read, where a forward was queued between the
+    reads (by its index in the tokens emitted; the first read and the run's last have none): what a
+    plain step costs in a steady run, forward and host together. The
+    cache's invariant holds at the end: every token in it but the last emitted."""
     queued: Optional[_Queued] = None  # the token whose forward is queued, not yet read
     ids: Union[int, torch.Tensor] = first  # the next forward's input: then a [1] tensor on the device
     emitted: list[int] = []
-    forwards, t_step = 0, time.perf_counter()
+    forwards, t_step, t_read = 0, time.perf_counter(), None
     while out.finish is None:
         # tokens emitted once `queued` is read: a forward past max_new_tokens (or the run) would be wasted
         room = stats.num_generated + (queued is not None) < out.params.max_new_tokens
@@ -87,6 +91,9 @@ def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: Reque
         token = queued.read()
         queued = ahead
         now = time.perf_counter()
+        if intervals is not None and t_read is not None and ahead is not None:  # (a forward queued between
+            intervals[len(emitted)] = now - t_read  # the reads: a whole step; the run's last reads lack one)
+        t_read = now
         ev: StepEvent = out.emit([token])
         emitted += ev.token_ids
         stats.clock("plain", t_step).add("step", now - t_step)  # from the last token read to this one
@@ -139,14 +146,23 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     runs the device does not wait for the host (in a batched round, for the host of any one
     session at a run's end). A speculative request's policy is asked too whether a
     plain step is still its best (`plain_still_best`, with the sessions that share the forwards now,
-    `load`): a run changes none of its costs, but a batch that grew may make trees pay."""
+    `load`): a run prices the plain step anew (`teach`), and a batch that grew may make trees pay."""
     taught, behind = 0, ctl.behind  # (the draft's tokens to catch up on before a tree: the run's too)
+    intervals: dict[int, float] = {}  # token index -> seconds since the token before it was read
 
-    def teach(emitted: list[int]) -> None:  # (no forward timed: the policy keeps its plain step's measured cost)
+    def teach(emitted: list[int]) -> None:
+        """Each new token a plain step of the policy's, priced at the interval between its read and
+        the one before (a session alone: in a batch the interval is the batch's): without it a run
+        taught nothing, and a plain price measured slow once (a cold first step, an open beside it)
+        stayed while plain steps ran ahead (docs/architecture.md, "Plain steps ahead")."""
         nonlocal taught
-        new, taught = emitted[taught:], len(emitted)
-        for _ in new:
-            ctl.record_plain()
+        new, alone = emitted[taught:], load is None or load.sessions <= 1
+        for i in range(taught, len(emitted)):
+            dt = intervals.pop(i, None)
+            if dt is not None and alone:
+                ctl.record_forward(1, dt)  # (the step's whole cost, as a lookup run's: host work overlaps it)
+            ctl.record_plain(step_s=dt if alone else None)
+        taught = len(emitted)
         stats.plain_steps += len(new)
         if heard is not None and new:
             heard(new)
@@ -163,6 +179,6 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
                 return 0
         return k
 
-    tokens = yield from plain_ahead_co(target, last, out, stats, t1, gen, limit=k, more=more)
+    tokens = yield from plain_ahead_co(target, last, out, stats, t1, gen, limit=k, more=more, intervals=intervals)
     teach(tokens)
     return tokens

@@ -248,6 +248,22 @@ def test_no_recheck_where_a_tree_outruns_plain_steps_by_far():
     assert ctl.recheck.done >= 1 and chosen.index(PLAIN) < 5  # within reach: rechecked at once
 
 
+def test_a_plain_step_beside_a_draft_open_prices_nothing():
+    """A plain step whose forward shared the device with the draft's open (`contended`) leaves the
+    plain price and the cost lines as they were; it still counts as a plain step."""
+    ctl = TreeController(list(RUNGS))
+    ctl.record_forward(1, 0.001)
+    ctl.record_plain(step_s=0.0012)
+    before = (ctl.plain_forward, ctl.forward.line(), ctl.chains.line(), ctl.extra_plain)
+    ctl.record_forward(1, 0.003)  # (three times as slow: a prefill beside it)
+    ctl.record_plain(contended=True)
+    assert (ctl.plain_forward, ctl.forward.line(), ctl.chains.line(), ctl.extra_plain) == before
+    assert ctl.plain_steps == 2 and ctl.last_forward_s == 0.003
+    ctl.record_forward(1, 0.003)
+    ctl.record_plain()
+    assert ctl.plain_forward > before[0]  # (uncontended: priced)
+
+
 def test_no_probe_interval_exceeds_max_probe():
     """The interval from measured costs is capped too, not only its doublings: a probe that loses
     much against a cheap plain step still comes within `max_probe` steps."""

@@ -155,7 +155,8 @@ def test_the_engine_seeds_its_controller_from_the_drafts_open(tiny_models):
 
 def test_steps_during_the_open_teach_no_host_cost(pair, ar_engine, monkeypatch):
     """While the draft's open runs beside them (holding the host), plain and chain steps teach the
-    lookup's gate their chains but not their host work, nor the policy its plain steps' host work:
+    lookup's gate their chains but not their host work, nor the policy its plain steps' host work
+    or forwards (`contended`: they share the device with the open's prefill):
     on an H200 (2026-11-29) chain steps during a 1K open took 1.98 ms of host against 0.2 after it,
     the gate (carried to the next requests) then priced every chain out, and `specextend` decoded
     plainly at 0.84x `ar` where context lookup alone ran 1.59x. Lossless as ever."""
@@ -168,8 +169,9 @@ def test_steps_during_the_open_teach_no_host_cost(pair, ar_engine, monkeypatch):
                         lambda self, *a, **kw: (learned.append(draft.opened.is_set()), seen(self, *a, **kw))[1])
     record = controller_record.Recording.record_plain
     monkeypatch.setattr(controller_record.Recording, "record_plain",
-                        lambda self, step_s=None, lookup=0: (plain.append((draft.opened.is_set(), step_s)),
-                                                             record(self, step_s, lookup))[1])
+                        lambda self, step_s=None, lookup=0, contended=False: (
+                            plain.append((draft.opened.is_set(), step_s, contended)),
+                            record(self, step_s, lookup, contended))[1])
     params = SamplingParams(40, ignore_eos=True)
     ref, _, _ = ar_engine.generate(prompt(), params)
     engine = make_engine(pair, "sd", draft_backend=draft, tree=TreeConfig(8, 4, 2), tree_policy="adaptive",
@@ -177,9 +179,9 @@ def test_steps_during_the_open_teach_no_host_cost(pair, ar_engine, monkeypatch):
     try:
         out, stats = run(engine, draft, prompt(), params, join_at=17)
         assert out == ref and stats.open_steps >= 10
-        during = [s for opened, s in plain if not opened]
-        assert len(during) == stats.open_steps and all(s is None for s in during)  # recorded, no host
+        during = [(s, c) for opened, s, c in plain if not opened]
+        assert len(during) == stats.open_steps and all(s is None and c for s, c in during)  # recorded, unpriced
         assert learned and all(learned)  # the gate learned host work only once the open was done
-        assert any(s is not None for opened, s in plain if opened)
+        assert any(s is not None and not c for opened, s, c in plain if opened)
     finally:
         draft.shutdown()

@@ -290,6 +290,29 @@ def test_runs_follow_one_another_without_the_host_reading_between(pair, ar_engin
     assert traces[True].count("F") == traces[False].count("F")
 
 
+def test_runs_price_the_plain_step_anew(pair, ar_engine):
+    """Each token of a run ahead is a plain step priced at the interval between its read and the one
+    before (plain_run_co's `teach`): a plain price measured slow once (a cold first step, a draft's
+    open beside it: here 1 s) comes down to what the run's steps take. Before, runs taught the
+    policy nothing and the price stayed, carried from request to request."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    want = ar_engine.generate(_prompt(50, 4), params)[0]
+    made = []
+
+    def new_controller(tree):
+        ctl = _ProbeLate(ladder(tree))
+        ctl.plain_forward = ctl.extra_plain = 1.0
+        made.append(ctl)
+        return ctl
+
+    engine = make_engine(pair, "specextend", tree_policy="adaptive", lookup_tokens=0)
+    engine.new_controller = new_controller
+    tokens, finish, order = _trace(engine, _prompt(50, 4), params)
+    assert tokens == want and "FF" in order  # (runs ran)
+    ctl = made[0]
+    assert ctl.plain_forward + ctl.extra_plain < 0.05 and ctl.forward.known
+
+
 class _TreesLater(TreeController):
     """Plain steps are best until 20 tokens in (as if a growing batch then made trees pay); the next
     probe is far off."""
