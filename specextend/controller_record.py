@@ -75,6 +75,21 @@ class Recording:
         if recheck:
             self.recheck.after(self)
 
+    def record_plain_run(self, n: int, step_s: Optional[float] = None) -> None:
+        """`n` plain steps of a run ahead (plain_ahead.plain_run_co), counted as `n` record_plain()
+        calls count them (their twin, tested), priced by one reading: `step_s`, their mean interval
+        as a whole step's cost (forward and host together; None: unpriced). One call a run, not a
+        token: on a CPU the tiny pair's run tokens cost ~8 us of bookkeeping each (0.7 ms steps)."""
+        if n <= 0:
+            return
+        if step_s is not None:
+            self.record_forward(1, step_s)
+        self.record_plain(step_s=step_s)
+        k = n - 1  # (the rest: no chain, no reading)
+        self.lookup_plain *= (1 - self.alpha) ** k
+        self.plain_steps += k
+        self.since_probe += k
+
     def record_spec(self, rung: Rung, draft_s: Optional[float], accepts: dict, step_s: Optional[float] = None,
                     lookup: Optional[int] = 0, catchup: Optional[tuple[int, float]] = None) -> None:
         """A speculative step of `rung`: the wait for its tree (None when the draft first caught up

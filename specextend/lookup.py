@@ -101,6 +101,44 @@ class ContextIndex:
                 if s < hi - n:
                     latest[k] = s
 
+    def extend_matching(self, tokens: Sequence[int], max_tokens: int) -> list[tuple[int, Optional[int]]]:
+        """extend(tokens) one token at a time, and before each token the match of the context so far:
+        (its order, the continuation's first token), (0, None) where match finds none. The same
+        index and the same answers as match() then extend([t]) per token (tests/test_lookup.py),
+        with the last n-grams' keys rolled in Python ints: a run of plain steps ahead teaches the
+        gate with it, where the per-token calls cost the tiny pair on a CPU ~4% of `ar`'s speed
+        (docs/architecture.md, "Plain steps ahead")."""
+        L, bits, ids, out = self.length, self.bits, self.ids, []
+        self._grow(L + len(tokens))
+        ids = self.ids
+        cur = {n: int(self.keys[n][L - n]) if L >= n else None for n in self.ns}  # the last n-grams' keys
+        for t in tokens:
+            t = int(t)
+            found = (0, None)
+            for n in self.ns if max_tokens > 0 else ():
+                if L > n:
+                    start = self.latest[n].get(cur[n])
+                    if start is not None:
+                        found = (n, int(ids[start + n]))
+                        break
+            out.append(found)
+            ids[L] = t
+            L += 1
+            for n in self.ns:
+                k = cur[n]
+                if k is not None:
+                    self.latest[n][k] = L - 1 - n  # (no longer the last n-gram)
+                    k = ((k << bits) | t) & ((1 << (n * bits)) - 1)
+                elif L == n:  # (the first n-gram)
+                    k = 0
+                    for x in ids[:n].tolist():
+                        k = (k << bits) | x
+                if k is not None:
+                    self.keys[n][L - n] = k
+                cur[n] = k
+        self.length = L
+        return out
+
     def continuation(self, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that followed the latest earlier occurrence of the context's
         last n tokens, for the longest n that occurred before; [] if none did."""
@@ -257,12 +295,13 @@ class RequestLookup:
         each token teaches the gate what the chain a plain step would have skipped there (if any)
         would have given, as such a step's commit does, and extends the index."""
         bound = self._bound_orders()
-        for tok in emitted:  # each as a plain step whose chain (if any) was skipped: chain(), then commit
-            n, chain = self.index.match(self.max_tokens)
-            self._host_skips += bool(chain) and n in bound
-            self.skipped += bool(chain)
-            self._step, self._rows = ((n, chain, False) if chain else None), 0  # (no host work to learn)
-            self.commit([tok])
+        # each as a plain step whose chain (if any) was skipped: chain(), then commit (no host work to learn)
+        for tok, (n, first) in zip(emitted, self.index.extend_matching(emitted, self.max_tokens)):
+            if first is not None:
+                self._host_skips += n in bound
+                self.skipped += 1
+                self.gate.observe_skipped(n, int(tok) == first)
+        self._step, self._rows, self._recheck = None, 0, False
 
     def commit_ahead(self, emitted: Sequence[int]) -> None:
         """A step of a lookup run (lookup_ahead.py), whose chain the device found and verified: its

@@ -151,17 +151,15 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     intervals: dict[int, float] = {}  # token index -> seconds since the token before it was read
 
     def teach(emitted: list[int]) -> None:
-        """Each new token a plain step of the policy's, priced at the interval between its read and
-        the one before (a session alone: in a batch the interval is the batch's): without it a run
-        taught nothing, and a plain price measured slow once (a cold first step, an open beside it)
-        stayed while plain steps ran ahead (docs/architecture.md, "Plain steps ahead")."""
+        """Each new token a plain step of the policy's, priced at the mean interval between a read
+        and the one before (a session alone: in a batch the interval is the batch's): without it a
+        run taught nothing, and a plain price measured slow once (a cold first step, an open beside
+        it) stayed while plain steps ran ahead (docs/architecture.md, "Plain steps ahead")."""
         nonlocal taught
         new, alone = emitted[taught:], load is None or load.sessions <= 1
-        for i in range(taught, len(emitted)):
-            dt = intervals.pop(i, None)
-            if dt is not None and alone:
-                ctl.record_forward(1, dt)  # (the step's whole cost, as a lookup run's: host work overlaps it)
-            ctl.record_plain(step_s=dt if alone else None)
+        dts = [intervals.pop(i) for i in range(taught, len(emitted)) if i in intervals]
+        # (the steps' whole cost, as a lookup run's: host work overlaps the forwards)
+        ctl.record_plain_run(len(new), sum(dts) / len(dts) if dts and alone else None)
         taught = len(emitted)
         stats.plain_steps += len(new)
         if heard is not None and new:

@@ -264,6 +264,34 @@ def test_a_plain_step_beside_a_draft_open_prices_nothing():
     assert ctl.plain_forward > before[0]  # (uncontended: priced)
 
 
+def test_a_run_s_plain_steps_count_as_the_same_plain_steps_one_by_one():
+    """record_plain_run(n) (a run ahead's tokens, one call) leaves the controller as n
+    record_plain() calls do (its twin), and with a reading prices the plain step as one
+    record_forward + record_plain with that reading."""
+    def fresh():
+        ctl = TreeController(list(RUNGS))
+        ctl.record_forward(1, 0.001)
+        ctl.record_plain(step_s=0.0012, lookup=3)  # (a chain's tokens in the average, to decay)
+        ctl.recheck.since = 7
+        return ctl
+
+    one, twin = fresh(), fresh()
+    one.record_plain_run(5)
+    for _ in range(5):
+        twin.record_plain()
+    fields = ("plain_steps", "since_probe", "plain_forward", "extra_plain", "in_run", "asking")
+    assert [getattr(one, f) for f in fields] == [getattr(twin, f) for f in fields]
+    assert one.lookup_plain == pytest.approx(twin.lookup_plain) and one.recheck == twin.recheck
+    priced, twin = fresh(), fresh()
+    priced.record_plain_run(3, 0.0005)
+    twin.record_forward(1, 0.0005)
+    twin.record_plain(step_s=0.0005)
+    twin.record_plain()
+    twin.record_plain()
+    assert (priced.plain_forward, priced.extra_plain, priced.forward.line(), priced.plain_steps) == \
+        (twin.plain_forward, twin.extra_plain, twin.forward.line(), twin.plain_steps)
+
+
 def test_no_probe_interval_exceeds_max_probe():
     """The interval from measured costs is capped too, not only its doublings: a probe that loses
     much against a cheap plain step still comes within `max_probe` steps."""

@@ -262,6 +262,34 @@ def test_index_of_a_long_prompt_equals_its_twin():
         idx.extend([t])
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_extend_matching_equals_match_then_extend_per_token(seed):
+    """ContextIndex.extend_matching (a run's tokens, keys rolled in Python ints) answers, before
+    each token, what match() answers (its order, the continuation's first token) and leaves the
+    index as extend([t]) per token does: ids, keys, latest-start dicts; from an empty or short
+    context too (fewer tokens than an order)."""
+    rng = random.Random(seed)
+    vocab = rng.choice([5, 50, 151936])
+    ids = [rng.randrange(min(vocab, 6)) for _ in range(rng.randrange(0, 12))]
+    fast, slow = ContextIndex(ids, vocab, capacity=4), ContextIndex(ids, vocab, capacity=4)
+    firsts = []
+    for i in range(12):
+        new = [rng.randrange(min(vocab, 6)) for _ in range(rng.randrange(1, 12))]
+        k = [0, 1, 4][i % 3]
+        want = []
+        for t in new:
+            n, chain = slow.match(k)
+            want.append((n, chain[0] if chain else None))
+            slow.extend([t])
+        assert fast.extend_matching(new, k) == want
+        n = fast.length
+        assert n == slow.length and fast.ids[:n].tolist() == slow.ids[:n].tolist()
+        assert all(fast.keys[o][:n].tolist() == slow.keys[o][:n].tolist() for o in fast.ns)
+        assert fast.latest == slow.latest
+        firsts += [f for _, f in want]
+    assert any(f is not None for f in firsts)  # (matches were found)
+
+
 def test_a_run_teaches_the_gate_as_plain_steps_that_skip_their_chains_do():
     """RequestLookup.commit_run (a run of plain steps ahead): the index and the gate's hit rates
     end as after one plain step per token whose chain the gate skipped (chain(), then commit)."""
@@ -279,6 +307,7 @@ def test_a_run_teaches_the_gate_as_plain_steps_that_skip_their_chains_do():
         assert steps.chain() == []  # skipped: a plain step
         steps.commit([tok])
     assert run.gate.hit == steps.gate.hit and run.gate.hit
+    assert (run.skipped, run._host_skips) == (steps.skipped, steps._host_skips) and run.skipped
     assert run.index.ids[:run.index.length].tolist() == steps.index.ids[:steps.index.length].tolist() == prompt + tokens
     assert not run.priced  # (a run measures no host work)
 

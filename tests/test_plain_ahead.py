@@ -295,7 +295,7 @@ def test_runs_price_the_plain_step_anew(pair, ar_engine):
     before (plain_run_co's `teach`): a plain price measured slow once (a cold first step, a draft's
     open beside it: here 1 s) comes down to what the run's steps take. Before, runs taught the
     policy nothing and the price stayed, carried from request to request."""
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=80, ignore_eos=True)
     want = ar_engine.generate(_prompt(50, 4), params)[0]
     made = []
 
@@ -310,7 +310,7 @@ def test_runs_price_the_plain_step_anew(pair, ar_engine):
     tokens, finish, order = _trace(engine, _prompt(50, 4), params)
     assert tokens == want and "FF" in order  # (runs ran)
     ctl = made[0]
-    assert ctl.plain_forward + ctl.extra_plain < 0.05 and ctl.forward.known
+    assert ctl.plain_forward + ctl.extra_plain < 0.25 and ctl.forward.known  # (one reading a run, from 2 s)
 
 
 class _TreesLater(TreeController):
