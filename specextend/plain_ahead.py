@@ -19,6 +19,7 @@ plain_ahead=false), which reads each token before the next forward; tests compar
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import TYPE_CHECKING, Callable, Generator, Optional, Union
 
@@ -151,15 +152,17 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     intervals: dict[int, float] = {}  # token index -> seconds since the token before it was read
 
     def teach(emitted: list[int]) -> None:
-        """Each new token a plain step of the policy's, priced at the mean interval between a read
-        and the one before (a session alone: in a batch the interval is the batch's): without it a
-        run taught nothing, and a plain price measured slow once (a cold first step, an open beside
-        it) stayed while plain steps ran ahead (docs/architecture.md, "Plain steps ahead")."""
+        """Each new token a plain step of the policy's, priced at the median interval between a read
+        and the one before (a session alone: in a batch the interval is the batch's; the median,
+        so that one interval that held the driver's other work, a request joining, does not price
+        the run): without it a run taught nothing, and a plain price measured slow once (a cold
+        first step, an open beside it) stayed while plain steps ran ahead (docs/architecture.md,
+        "Plain steps ahead")."""
         nonlocal taught
         new, alone = emitted[taught:], load is None or load.sessions <= 1
         dts = [intervals.pop(i) for i in range(taught, len(emitted)) if i in intervals]
         # (the steps' whole cost, as a lookup run's: host work overlaps the forwards)
-        ctl.record_plain_run(len(new), sum(dts) / len(dts) if dts and alone else None)
+        ctl.record_plain_run(len(new), statistics.median(dts) if dts and alone else None)
         taught = len(emitted)
         stats.plain_steps += len(new)
         if heard is not None and new:
