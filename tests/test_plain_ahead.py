@@ -5,6 +5,8 @@ reasons and the forwards' count must be those of the twin, alone and batched."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -311,6 +313,36 @@ def test_runs_price_the_plain_step_anew(pair, ar_engine):
     assert tokens == want and "FF" in order  # (runs ran)
     ctl = made[0]
     assert ctl.plain_forward + ctl.extra_plain < 0.25 and ctl.forward.known  # (one reading a run, from 2 s)
+
+
+def test_one_slow_interval_does_not_price_a_run(pair, monkeypatch):
+    """A run's reading is the median of its intervals: one read that waited on the driver's other
+    work (here the consumer holding the stream for 0.5 s at one token) leaves every reading at what
+    the run's steps take; a mean would have read over 60 ms for that run."""
+    readings = []
+    real = TreeController.record_plain_run
+    monkeypatch.setattr(TreeController, "record_plain_run",
+                        lambda self, n, step_s=None: (readings.append(step_s), real(self, n, step_s))[1])
+    engine = make_engine(pair, "specextend", tree_policy="adaptive", lookup_tokens=0)
+    engine.new_controller = lambda tree: _ProbeLate(ladder(tree))
+    co, send, events = engine.session(_prompt(50, 4), SamplingParams(max_new_tokens=40, ignore_eos=True)), None, 0
+    with torch.inference_mode():
+        try:
+            while True:
+                item = co.send(send)
+                send = None
+                if isinstance(item, ForwardCall):
+                    send = item.run(engine.target.decoder)
+                elif isinstance(item, DraftCall):
+                    send = item.result()
+                elif isinstance(item, StepEvent):
+                    events += 1
+                    if events == 12:  # (inside a run of RUN_TOKENS)
+                        time.sleep(0.5)
+        except StopIteration:
+            pass
+    priced = [r for r in readings if r is not None]
+    assert len(priced) >= 3 and max(priced) < 0.05, priced
 
 
 class _TreesLater(TreeController):
