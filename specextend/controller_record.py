@@ -77,8 +77,8 @@ class Recording:
 
     def record_plain_run(self, n: int, step_s: Optional[float] = None) -> None:
         """`n` plain steps of a run ahead (plain_ahead.plain_run_co), counted as `n` record_plain()
-        calls count them (their twin, tested), priced by one reading: `step_s`, their mean interval
-        as a whole step's cost (forward and host together; None: unpriced). One call a run, not a
+        calls count them (their twin, tested), priced by one reading: `step_s`, a step of the run's
+        whole cost (forward and host together; None: unpriced). One call a run, not a
         token: on a CPU the tiny pair's run tokens cost ~8 us of bookkeeping each (0.7 ms steps)."""
         if n <= 0:
             return

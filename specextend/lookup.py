@@ -108,7 +108,7 @@ class ContextIndex:
         with the last n-grams' keys rolled in Python ints: a run of plain steps ahead teaches the
         gate with it, where the per-token calls cost the tiny pair on a CPU ~4% of `ar`'s speed
         (docs/architecture.md, "Plain steps ahead")."""
-        L, bits, ids, out = self.length, self.bits, self.ids, []
+        L, bits, out = self.length, self.bits, []
         self._grow(L + len(tokens))
         ids = self.ids
         cur = {n: int(self.keys[n][L - n]) if L >= n else None for n in self.ns}  # the last n-grams' keys

@@ -66,8 +66,8 @@ def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: Reque
     begins from that token without the host reading it first. `intervals`: filled with each
     token's seconds since the token before it was read, where a forward was queued between the
     reads (by its index in the tokens emitted; the first read and the run's last have none): what a
-    plain step costs in a steady run, forward and host together. The
-    cache's invariant holds at the end: every token in it but the last emitted."""
+    plain step costs in a steady run, forward and host together. The cache's invariant holds at
+    the end: every token in it but the last emitted."""
     queued: Optional[_Queued] = None  # the token whose forward is queued, not yet read
     ids: Union[int, torch.Tensor] = first  # the next forward's input: then a [1] tensor on the device
     emitted: list[int] = []
