@@ -7,8 +7,8 @@ by what the try could lose. Without rechecks nothing was the way back to plain s
 one plain step was timed slow (a noisy CPU: 1.47 ms where plain steps take 0.75-0.8) priced every
 plain step at that, and where trees then looked better it took no plain step that would correct
 it; the carried costs handed the price on to the next session (the tiny pair replayed at 5 on a
-CPU: trees every step at half `ar`'s rate, 2026-11-29). A recheck is one plain step, timed (never
-a run of plain steps ahead, whose forwards time nothing), taken where trees are best once the
+CPU: trees every step at half `ar`'s rate, 2026-11-29). A recheck is one plain step, its forward timed
+alone (never a run of plain steps ahead, whose readings are a run's intervals), taken where trees are best once the
 steps since the last plain step reach an interval set as a probe's is (costs.probe_interval:
 about a tenth of the time lost against the best rung) and doubled after each recheck that leaves a
 tree the best, up to the controller's `max_probe`; its reading replaces the plain forward's price
