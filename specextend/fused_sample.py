@@ -55,13 +55,15 @@ def fused_sample(logits: torch.Tensor,  # [R, V], last dim contiguous
                  block: int = BLOCK) -> torch.Tensor:
     """-> [R] int64: row r's inverse-CDF sample of softmax(logits / temperature) (top-k and top-p
     applied) with the uniform u[r]."""
+    from triton import next_power_of_2
+
     from specextend._triton_sample import block_stats, pick
 
     r, v = logits.shape
     assert logits.stride(-1) == 1 and block & (block - 1) == 0
     block = min(block, 1 << (v - 1).bit_length())
     nb = -(-v // block)
-    nbp = _pow2(nb)
+    nbp = next_power_of_2(nb)
     has_floor = 0 < params.top_k < v
     floor = (torch.topk(logits, params.top_k, dim=-1).values[:, -1].float().contiguous() if has_floor
              else u)  # [R] the k-th largest logit (unused without top-k)
@@ -90,6 +92,8 @@ def top_p_floor(logits: torch.Tensor, params: SamplingParams, floor: torch.Tenso
     their next 8 bits (one program per row and block, `mass_hist`) and keeps, per row, the lowest
     bucket whose columns have less than top_p of the mass above them (`mass_select`). The sums
     are in a fixed order: the same logits give the same floor."""
+    from triton import next_power_of_2
+
     from specextend._triton_sample import mass_hist, mass_select
 
     r, v = logits.shape
@@ -101,13 +105,8 @@ def top_p_floor(logits: torch.Tensor, params: SamplingParams, floor: torch.Tenso
     out = torch.empty(r, dtype=torch.float32, device=dev)  # [R]
     t = float(params.temperature)
     for i, shift in enumerate((24, 16, 8, 0)):
-        mass_hist[(r, nb)](logits, logits.stride(0), floor, stat, pref, hist, t, shift, V=v, NB=nb, NBP=_pow2(nb),
-                           BLOCK=block, CH=min(64, block), HAS_FLOOR=has_floor, num_warps=4)
+        mass_hist[(r, nb)](logits, logits.stride(0), floor, stat, pref, hist, t, shift, V=v, NB=nb,
+                           NBP=next_power_of_2(nb), BLOCK=block, CH=min(64, block), HAS_FLOOR=has_floor, num_warps=4)
         mass_select[(r,)](hist, pref, mass, out, float(params.top_p), shift, NB=nb,
                           FIRST=i == 0, LAST=shift == 0, num_warps=4)
     return out
-
-
-def _pow2(n: int) -> int:
-    """The power of two at or above n (a Triton range's length)."""
-    return 1 << max(0, (n - 1).bit_length())
