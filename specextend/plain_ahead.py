@@ -56,17 +56,17 @@ class _Queued:
 def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: RequestStats, t1: float,
                    gen: torch.Generator, limit: Optional[int] = None,
                    more: Optional[Callable[[list[int]], int]] = None,
-                   intervals: Optional[dict[int, float]] = None) -> Generator[object, object, list[int]]:
+                   intervals: Optional[list[float]] = None) -> Generator[object, object, list[int]]:
     """Decodes from `first`, the last committed token (emitted, not yet in the cache), to the
     request's end, or `limit` tokens (a run: plain_run_co); yields each forward (ForwardCall,
     answered with its result) and each token's StepEvent; returns the tokens emitted. `t1`: when
     decoding began (perf_counter, for stats.decode_s); `gen`: the request's generator (sampling).
     `more(emitted so far)`, asked once the `limit` forwards are queued and the last one's token is
     still on the device: how many more it may take (0: the run ends there), so that the next run
-    begins from that token without the host reading it first. `intervals`: filled with each
-    token's seconds since the token before it was read, where a forward was queued between the
-    reads (by its index in the tokens emitted; the first read and the run's last have none): what a
-    plain step costs in a steady run, forward and host together. The cache's invariant holds at
+    begins from that token without the host reading it first. `intervals`: appended at each read
+    with the seconds since the read before, where a forward was queued between the reads (the
+    first read and the run's last have none): what a plain step costs in a steady run, forward and
+    host together. The cache's invariant holds at
     the end: every token in it but the last emitted."""
     queued: Optional[_Queued] = None  # the token whose forward is queued, not yet read
     ids: Union[int, torch.Tensor] = first  # the next forward's input: then a [1] tensor on the device
@@ -93,7 +93,7 @@ def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: Reque
         queued = ahead
         now = time.perf_counter()
         if intervals is not None and t_read is not None and ahead is not None:  # (a forward queued between
-            intervals[len(emitted)] = now - t_read  # the reads: a whole step; the run's last reads lack one)
+            intervals.append(now - t_read)  # the reads: a whole step; the run's last reads lack one)
         t_read = now
         ev: StepEvent = out.emit([token])
         emitted += ev.token_ids
@@ -149,7 +149,7 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     plain step is still its best (`plain_still_best`, with the sessions that share the forwards now,
     `load`): a run prices the plain step anew (`teach`), and a batch that grew may make trees pay."""
     taught, behind = 0, ctl.behind  # (the draft's tokens to catch up on before a tree: the run's too)
-    intervals: dict[int, float] = {}  # token index -> seconds since the token before it was read
+    intervals: list[float] = []  # seconds between reads, of the tokens read since the last teach
 
     def teach(emitted: list[int]) -> None:
         """Each new token a plain step of the policy's, priced at the median interval between a read
@@ -160,7 +160,7 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
         "Plain steps ahead")."""
         nonlocal taught
         new, alone = emitted[taught:], load is None or load.sessions <= 1
-        dts = [intervals.pop(i) for i in range(taught, len(emitted)) if i in intervals]
+        dts, intervals[:] = list(intervals), []  # (every token they time is among the new ones)
         # (the steps' whole cost, as a lookup run's: host work overlaps the forwards)
         ctl.record_plain_run(len(new), statistics.median(dts) if dts and alone else None)
         taught = len(emitted)
