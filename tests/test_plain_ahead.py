@@ -29,9 +29,9 @@ def _prompt(n, seed):
 
 
 @torch.inference_mode()
-def _trace(engine, prompt, params, **kw):
+def _trace(engine, prompt, params, on_event=None, **kw):
     """Drives a session by hand: (tokens, finish, the sequence of 'F' (a one-token forward), 'V' (a
-    verification's) and 'E' (an event))."""
+    verification's) and 'E' (an event)); `on_event(n)` is called at the n-th event (1, 2, ...)."""
     co, send, order, tokens, finish = engine.session(prompt, params, **kw), None, [], [], None
     try:
         while True:
@@ -46,6 +46,8 @@ def _trace(engine, prompt, params, **kw):
                 order.append("E")
                 tokens += item.token_ids
                 finish = item.finish_reason
+                if on_event is not None:
+                    on_event(order.count("E"))
     except StopIteration:
         pass
     return tokens, finish, "".join(o for o in order if o != "P")
@@ -325,22 +327,8 @@ def test_one_slow_interval_does_not_price_a_run(pair, monkeypatch):
                         lambda self, n, step_s=None: (readings.append(step_s), real(self, n, step_s))[1])
     engine = make_engine(pair, "specextend", tree_policy="adaptive", lookup_tokens=0)
     engine.new_controller = lambda tree: _ProbeLate(ladder(tree))
-    co, send, events = engine.session(_prompt(50, 4), SamplingParams(max_new_tokens=40, ignore_eos=True)), None, 0
-    with torch.inference_mode():
-        try:
-            while True:
-                item = co.send(send)
-                send = None
-                if isinstance(item, ForwardCall):
-                    send = item.run(engine.target.decoder)
-                elif isinstance(item, DraftCall):
-                    send = item.result()
-                elif isinstance(item, StepEvent):
-                    events += 1
-                    if events == 12:  # (inside a run of RUN_TOKENS)
-                        time.sleep(0.5)
-        except StopIteration:
-            pass
+    _trace(engine, _prompt(50, 4), SamplingParams(max_new_tokens=40, ignore_eos=True),
+           on_event=lambda n: time.sleep(0.5) if n == 12 else None)  # (inside a run of RUN_TOKENS)
     priced = [r for r in readings if r is not None]
     assert len(priced) >= 3 and max(priced) < 0.05, priced
 
