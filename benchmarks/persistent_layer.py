@@ -16,7 +16,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.bench.kernels import copy_bandwidth, graph_us
-from specextend.models import persistent
+from specextend.models import persistent, skinny
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs
 from specextend.models.loader import load_model
@@ -32,8 +32,8 @@ def setup(a):
     ids = torch.randint(0, dec.args.vocab_size, (a.rows,), device="cuda")
     pos = torch.arange(a.keys, a.keys + a.rows, device="cuda")
 
-    def forward(persist: bool):
-        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=persist)
+    def forward(persist: bool, skinny: bool = False):
+        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=persist, skinny=skinny)
         gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
         return gr, next(iter(gr.plans.values()))
     return dec, forward
@@ -53,8 +53,9 @@ def main() -> None:
     args, t = dec.args, a.rows
     n = args.num_layers
     rows = []
-    for name, persist in (("fused", False), ("persistent", True)):
-        gr, p = forward(persist)
+    for name, persist, skinny_on in (("fused", False, False), ("fused + skinny.choose", False, True),
+                                     ("persistent", True, False)):
+        gr, p = forward(persist, skinny_on)
         us = graph_us(lambda gr=gr, p=p: gr._body(p, range(n)), a.reps)  # the layers, not the head
         rows.append(dict(what=f"{name}: {n} layers", us=us, per_layer_us=us / n))
     for stage, what in enumerate(("qkv+rope", "prefix", "combine", "o-proj", "gate/up", "down"), start=1):
@@ -69,6 +70,7 @@ def main() -> None:
     rows.append(dict(what="floor: one layer's weights at the copy bandwidth", us=floor * args.num_layers,
                      per_layer_us=floor))
     print(f"{a.model}, {t} rows, {a.keys} keys, {torch.cuda.get_device_name()}")
+    print("skinny.choose:", skinny.choices())
     print("| what | us | us per layer |\n|---|---|---|")
     for r in rows:
         print(f"| {r['what']} | {r['us']:.1f} | {r['per_layer_us']:.2f} |")

@@ -33,6 +33,7 @@ from specextend.models import fused_layer, skinny
 SHAPES = {
     "0.5b-level-qkv": (4, 1152, 896, "qkv"), "0.5b-level-glu": (4, 4864, 896, "glu"),
     "0.5b-level-o": (4, 896, 896, "res"), "0.5b-level-down": (4, 896, 4864, "res"),
+    "0.5b-8-glu": (8, 4864, 896, "glu"), "0.5b-16-glu": (16, 4864, 896, "glu"),
     "0.5b-16-qkv": (16, 1152, 896, "qkv"), "0.5b-16-down": (16, 896, 4864, "res"),
     "1.5b-ar-qkv": (1, 2048, 1536, "qkv"), "1.5b-ar-glu": (1, 8960, 1536, "glu"),
     "1.5b-ar-o": (1, 1536, 1536, "res"), "1.5b-ar-down": (1, 1536, 8960, "res"),
@@ -60,10 +61,25 @@ def streamed_tiles(kind: str, t: int, n: int, k: int) -> list:
     return out
 
 
+def persistent_tiles(kind: str, t: int, n: int, k: int, sms: int) -> list:
+    """The persistent kernel's grid (skinny_tiles): column blocks x K chunk x stages x warps x
+    programs (one or two per multiprocessor, or the fewest that keep every program's count of
+    blocks equal but for the last), each where it has fewer programs than column blocks."""
+    out = []
+    for bn, bk, stages, warps in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6), (4, 8)):
+        blocks = -(-n // bn)
+        per = -(-blocks // sms)
+        for progs in sorted({sms, 2 * sms, -(-blocks // per)}):
+            if progs < blocks and bk <= skinny._pow2(k):
+                out.append(skinny.Tile(bn, 1, warps, bk, stages, progs))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also every tile of a wider grid")
     ap.add_argument("--streamed", action="store_true", help="also the streamed kernel's tiles")
+    ap.add_argument("--persistent", action="store_true", help="also the persistent kernel's tiles")
     ap.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default all)")
     ap.add_argument("--compile-only", action="store_true", help="run each tile once, time nothing")
     ap.add_argument("--shard", default="0/1", help="i/n: this process's share of the tiles (--compile-only)")
@@ -102,13 +118,15 @@ def main() -> None:
 
             def kern(ww, c):
                 skinny.linear_residual_(y, x, ww, c)
-        cands = skinny.candidates(kind, t, n, k)
+        cands = skinny.candidates(kind, t, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)
         tiles = list(cands)
         if a.sweep:
             tiles += [skinny.Tile(bn, s, wp) for bn, s, wp in itertools.product((16, 32, 64), (1, 2, 3, 4, 6, 8, 12, 16, 24),
                                                                                   (4, 8))]
         if a.streamed:
             tiles += streamed_tiles(kind, t, n, k)
+        if a.persistent:
+            tiles += persistent_tiles(kind, t, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)
         tiles = list(dict.fromkeys(tiles))
         if a.compile_only:
             for c in tiles:
@@ -122,7 +140,7 @@ def main() -> None:
             continue
         row = dict(shape=name, t=t, n=n, k=k, kind=kind, floor_us=w.numel() * 2 / bw * 1e6,
                    torch_us=skinny.time_op(twin, copies) * 1e6, tiles=[])
-        for c, on in itertools.product(tiles, (False, True) if pdl.enabled(dev) and not a.streamed else (pdl.enabled(dev),)):
+        for c, on in itertools.product(tiles, (False, True) if pdl.enabled(dev) and not (a.streamed or a.persistent) else (pdl.enabled(dev),)):
             pdl.SWITCH = None if on else False
             try:
                 us = skinny.time_op(lambda ww, c=c: kern(ww, c), copies) * 1e6
@@ -130,6 +148,7 @@ def main() -> None:
                 us = float("nan")
                 print(name, c, type(e).__name__)
             row["tiles"].append(dict(bn=c.bn, split=c.split, warps=c.warps, bk=c.bk, stages=c.stages, pdl=on, us=us,
+                                     programs=c.programs,
                                      candidate=c in cands))
         pdl.SWITCH = None
         ok = [r for r in row["tiles"] if r["us"] == r["us"]]
@@ -137,7 +156,9 @@ def main() -> None:
         row["best_candidate"] = min((r for r in ok if r["candidate"] and r["pdl"] == pdl.enabled(dev)),
                                     key=lambda r: r["us"])
         row["best_no_pdl"] = min((r for r in ok if not r["pdl"]), key=lambda r: r["us"], default=row["best"])
-        row["best_streamed"] = min((r for r in ok if r["bk"]), key=lambda r: r["us"], default=row["best"])
+        row["best_streamed"] = min((r for r in ok if r["bk"] and not r["programs"]), key=lambda r: r["us"],
+                                   default=row["best"])
+        row["best_persistent"] = min((r for r in ok if r["programs"]), key=lambda r: r["us"], default=row["best"])
         rows.append(row)
         del copies
         torch.cuda.empty_cache()
@@ -160,6 +181,15 @@ def main() -> None:
             print(f"| {r['shape']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {b['us']:.1f} | "
                   f"{b['us'] / r['floor_us']:.2f} | {b['us'] / r['torch_us']:.2f} | "
                   f"{b['bn']}/{b['split']}/{b['warps']}/{b['bk']}/{b['stages']} |")
+    if a.persistent:
+        print("\n| shape | floor us | torch us | best streamed us | best persistent us | x floor | x torch | "
+              "bn/warps/bk/stages/programs |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            b, st = r["best_persistent"], r["best_streamed"]
+            print(f"| {r['shape']} | {r['floor_us']:.1f} | {r['torch_us']:.1f} | {st['us']:.1f} | {b['us']:.1f} | "
+                  f"{b['us'] / r['floor_us']:.2f} | {b['us'] / r['torch_us']:.2f} | "
+                  f"{b['bn']}/{b['warps']}/{b['bk']}/{b['stages']}/{b['programs']} |")
     out = dict(suite="skinny_tune", commit=record.commit(), date=datetime.date.today().isoformat(),
                command="python " + " ".join(sys.argv), device=torch.cuda.get_device_name(), copy_bandwidth_Bps=bw,
                rows=rows)

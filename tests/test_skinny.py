@@ -187,3 +187,34 @@ def test_streamed_k_slices_cover_k_in_whole_steps():
     for k, split, bk in ((896, 1, 128), (4864, 4, 256), (200, 3, 32), (8960, 6, 128)):
         ks, ksp, s = skinny.k_slice("res", 4, k, skinny.Tile(16, split, bk=bk))
         assert ks % bk == 0 and ks == ksp and ks * s >= k > ks * (s - 1) and s <= split
+
+
+TILES_TILES = [skinny.Tile(bn=16, bk=32, programs=2), skinny.Tile(bn=16, bk=64, stages=2, programs=3),
+               skinny.Tile(bn=32, bk=128, programs=64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", TILES_TILES, ids=lambda c: f"bn{c.bn}-bk{c.bk}-p{c.programs}")
+def test_persistent_tiles_kernel_equals_twin(dtype, tile):
+    """The persistent kernel (skinny_tiles: P programs, each one loop over its column blocks'
+    K chunks) in all three uses: blocks shared unevenly (2 or 3 programs for 3-5 blocks), more
+    programs asked for than there are blocks, K not a multiple of the chunk (a masked last unit),
+    N not of the column block, rows padded to the tile. Each block's epilogue is stored by the
+    unit that ends it and its sums reset: a block that kept its predecessor's sums, or stored an
+    unfinished sum, differs from the twin."""
+    gen = torch.Generator().manual_seed(tile.bn + tile.bk + tile.programs)
+    t, k, n = 5, 200, 72
+    x = _rnd(gen, t, k, dtype=dtype) * 3
+    nw = 1 + 0.5 * _rnd(gen, k, dtype=dtype)
+    w = _rnd(gen, 2 * n, k, dtype=dtype) * 0.1
+    b = _rnd(gen, n, dtype=dtype)
+    got = skinny.norm_linear(x, nw, 1e-6, w[:n].contiguous(), b, tile)
+    ref = skinny.reference(x.float(), nw.float(), 1e-6, w[:n].float(), b.float())
+    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    got = skinny.norm_glu(x, nw, 1e-6, w, tile)
+    ref = skinny.reference(x.float(), nw.float(), 1e-6, w.float(), glu=True)
+    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    y = _rnd(gen, t, n, dtype=dtype)
+    ref = skinny.reference(x.float(), None, 0.0, w[:n].float(), residual=y.float())
+    assert skinny.linear_residual_(y, x, w[:n].contiguous(), tile) is y
+    torch.testing.assert_close(y.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])

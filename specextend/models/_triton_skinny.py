@@ -188,3 +188,92 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
         acc2 = acc2 * rstd[:, None]
     _finish(acc, acc2, bias, y_ptr, ws_ptr, cnt_ptr, pid, pk, offs_t, offs_n, t_ok, n_ok, N, BT, BN, SPLIT, BIAS, GLU,
             RESIDUAL)
+
+
+@triton.jit
+def skinny_tiles(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, eps, T, progs,
+                 K: tl.constexpr, N: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                 GLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                 BKX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+    """skinny_linear's maths with a persistent grid: `progs` programs (fewer than the column blocks)
+    each take the column blocks pid, pid + progs, ... and run *one* loop over all their (block,
+    K chunk) units, BK columns of K a unit, with the weight loads of the next STAGES - 1 units in
+    flight across block boundaries. Where K is short (the 0.5B draft's 896: 7 chunks of 128) a
+    program per block, looping over its K alone, ends before its pipeline fills, and a second wave
+    of programs pays the ramp again; here each program's weight stream runs unbroken from its first
+    block to its last. No split-K: each block's sums stay in one program, in K order.
+
+    The norm's statistics are computed once per program before the loop (x is T * K values, read
+    from L2), and each x chunk is normalized as the RMSNorm kernel does, x * rstd * nw in float32
+    rounded once to x's dtype, before its dot. A block's epilogue (bias, SiLU * up, residual) is
+    stored masked to the unit that ends the block, and its sums reset, inside the loop: no branch,
+    so the loop stays one software-pipelined body. Every program runs the same count of units
+    (blocks past the last are masked out: no memory traffic)."""
+    pid = tl.program_id(0)  # of `progs`, the grid
+    KC: tl.constexpr = (K + BK - 1) // BK  # K chunks per column block
+    units = (tl.cdiv(N, BN) + progs - 1) // progs * KC
+    offs_t = tl.arange(0, BT)  # [BT]
+    t_ok = offs_t < T
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # the kernels before this one are done: x and y may be read
+    rstd = tl.full([BT], 1.0, tl.float32)
+    if NORM:
+        ss = _row_sumsq(x_ptr, offs_t, t_ok, K, BT, BKX)  # [BT]
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    acc = tl.zeros([BT, BN], tl.float32)
+    acc2 = tl.zeros([BT, BN], tl.float32)
+    if INTERPRET:  # the interpreter's scalars cannot bound a range()
+        u = 0
+        while u < units:
+            acc, acc2 = _tiles_unit(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, u, pid, progs, offs_t, t_ok, rstd, acc, acc2,
+                                    K, N, KC, NORM, BIAS, GLU, RESIDUAL, IEEE, BN, BK)
+            u += 1
+    else:
+        for u in tl.range(0, units, num_stages=STAGES):
+            acc, acc2 = _tiles_unit(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, u, pid, progs, offs_t, t_ok, rstd, acc, acc2,
+                                    K, N, KC, NORM, BIAS, GLU, RESIDUAL, IEEE, BN, BK)
+
+
+@triton.jit
+def _tiles_unit(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, u, pid, progs, offs_t, t_ok, rstd, acc, acc2,
+                K: tl.constexpr, N: tl.constexpr, KC: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                GLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Unit u of skinny_tiles' program pid: K chunk u % KC of its (u // KC)-th column block, added
+    to acc (and acc2: up) [BT, BN]; the block's epilogue stored if the chunk is its last."""
+    blk = pid + (u // KC) * progs
+    kc = u % KC
+    offs_n = blk * BN + tl.arange(0, BN)  # [BN]
+    offs_k = kc * BK + tl.arange(0, BK)  # [BK]
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    wmask = n_ok[:, None] & k_ok[None, :]
+    wk = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK]
+    xk = tl.load(x_ptr + offs_t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                 other=0.0)  # [BT, BK]
+    if NORM:
+        nwk = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        xk = (xk.to(tl.float32) * rstd[:, None] * nwk[None, :]).to(xk.dtype)
+    if IEEE:
+        acc += tl.dot(xk, tl.trans(wk), input_precision="ieee")  # [BT, BN]
+    else:
+        acc += tl.dot(xk, tl.trans(wk))
+    if GLU:
+        uk = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK] up rows
+        if IEEE:
+            acc2 += tl.dot(xk, tl.trans(uk), input_precision="ieee")
+        else:
+            acc2 += tl.dot(xk, tl.trans(uk))
+    last = kc == KC - 1
+    io = t_ok[:, None] & n_ok[None, :] & last  # [BT, BN]: only the unit that ends the block stores
+    dst = y_ptr + offs_t[:, None] * N + offs_n[None, :]
+    out = acc
+    if BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_ok & last, other=0.0).to(tl.float32)[None, :]
+    if GLU:
+        out = out / (1.0 + tl.exp(-out)) * acc2
+    if RESIDUAL:
+        out += tl.load(dst, mask=io, other=0.0).to(tl.float32)
+    tl.store(dst, out.to(y_ptr.dtype.element_ty), mask=io)
+    return tl.where(last, 0.0, acc), tl.where(last, 0.0, acc2)

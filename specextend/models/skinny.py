@@ -25,6 +25,7 @@ through Triton's interpreter.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -46,6 +47,7 @@ class Tile:
     warps: int = 4
     bk: int = 0  # > 0: the streamed kernel (skinny_loop), K columns per loop step; 0: whole slice
     stages: int = 3  # the streamed kernel's loads in flight (software pipelining)
+    programs: int = 0  # > 0: the persistent kernel (skinny_tiles) on at most this many programs, bk a unit
 
 
 # Weight and x elements one program holds in registers (its [BN, KS] weight slice, twice for the
@@ -66,6 +68,8 @@ def k_slice(kind: str, t: int, k: int, c: Tile) -> tuple[int, int, int]:
     """(KS, KSP, split): K columns per program (a multiple of 32, or of the loop step bk), that
     rounded up to a power of two (the register tile of the whole-slice kernel), and the programs
     per column block that cover K."""
+    if c.programs:
+        return k, k, 1
     if c.bk:
         ks = -(-(-(-k // c.split)) // c.bk) * c.bk
         return ks, ks, -(-k // ks)
@@ -129,7 +133,14 @@ def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None):
     flags = dict(K=k, N=n, NORM=nw is not None, BIAS=b is not None, GLU=glu, RESIDUAL=residual,
                  IEEE=x.dtype == torch.float32, BT=bt, BN=c.bn, KS=ks, SPLIT=split, BKX=min(256, _pow2(k)), PDL=on,
                  num_warps=c.warps, **launch_args(on))
-    if c.bk:
+    if c.programs:
+        assert c.bk and split == 1, c
+        flags = {f: v for f, v in flags.items() if f not in ("KS", "SPLIT")}
+        progs = min(c.programs, tiles)
+        from specextend.attention._triton_kernels import INTERPRETED
+        kernels.skinny_tiles[(progs,)](x, args[1], w, args[3], y, float(eps), t, progs, BK=c.bk, STAGES=c.stages,
+                                       INTERPRET=INTERPRETED, **flags)
+    elif c.bk:
         kernels.skinny_loop[(tiles, split)](*args, BK=c.bk, STAGES=c.stages, **flags)
     else:
         kernels.skinny_linear[(tiles, split)](*args, KSP=ksp, **flags)
@@ -185,14 +196,19 @@ def streamed_tile(n: int, k: int, bn: int, bk: int = 128, programs: int = 128) -
     return Tile(bn, split, 4, bk, 3)
 
 
-def candidates(kind: str, t: int, n: int, k: int) -> list[Tile]:
+def candidates(kind: str, t: int, n: int, k: int, sms: int = 0) -> list[Tile]:
     """The streamed kernel at 16- and 32-column blocks, with the split streamed_tile picks and
-    half of it; the whole-slice kernel's default tile."""
+    half of it; the whole-slice kernel's default tile; where the output has more column blocks
+    than the device has multiprocessors (`sms`), the persistent kernel on one and two programs per
+    multiprocessor."""
     out = []
     for bn in (16, 32):
         c = streamed_tile(n, k, bn)
         out += [c, Tile(bn, max(1, c.split // 2), 4, 128, 3)]
     out.append(default_tile(kind, t, n, k, 8))
+    for bn, per_sm in itertools.product((16, 32), (1, 2)) if sms else ():
+        if -(-n // bn) > per_sm * sms:
+            out.append(Tile(bn, 1, 4, 128, 4, per_sm * sms))
     return list(dict.fromkeys(out))
 
 
@@ -211,7 +227,8 @@ def choose(kind: str, x: torch.Tensor, w: torch.Tensor, twin: Op, kernel: Callab
         return None  # and the ordinary ops are the known quantity
     copies = _weight_copies(w)
     times = {None: time_op(twin, copies)}
-    for c in candidates(kind, t, n, k):
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    for c in candidates(kind, t, n, k, sms):
         try:
             times[c] = time_op(lambda ww, c=c: kernel(ww, c), copies)
         except Exception:  # noqa: BLE001 - a tile that does not compile here (resources) is not chosen
