@@ -133,12 +133,12 @@ class DeviceOracle:
 
     def __call__(self, hist, length, q, ns=None):
         self.calls += 1
-        pos = int(length) - self.prompt_len  # (the CPU: reading it back is free)
+        pos = int(length) - self.prompt_len  # (a read back: a test's cost)
         chain = list(self.ref[pos:pos + q]) + [0] * q
         for i in range(self.rng.randrange(0, 2 * q + 1), q):
             chain[i] = (chain[i] + 1) % 251
         count = self.rng.choice([0, q, q, min(q, 2)])
-        return torch.tensor(chain[:q]), torch.tensor([count])
+        return torch.tensor(chain[:q], device=hist.device), torch.tensor([count], device=hist.device)
 
 
 def _oracle_matches(monkeypatch, oracle) -> None:
