@@ -16,10 +16,14 @@ import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.bench.kernels import copy_bandwidth, graph_us
+from specextend import pdl
 from specextend.models import persistent, skinny
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs
 from specextend.models.loader import load_model
+
+
+CHOSEN: dict = {}  # row -> skinny.choices() after it
 
 
 def setup(a):
@@ -46,7 +50,10 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=1024, help="committed keys (the draft's retrieval cache: ~1K)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tiles", default="", help="BK:KS:warps[:programs per SM[:columns]],... : the persistent kernel's tiles to sweep")
+    ap.add_argument("--pdl", default="auto", choices=("auto", "off"), help="off: no Programmatic Dependent Launch")
     a = ap.parse_args()
+    if a.pdl == "off":
+        pdl.SWITCH = False
     if a.tiles:
         return sweep(a)
     dec, forward = setup(a)
@@ -54,10 +61,13 @@ def main() -> None:
     n = args.num_layers
     rows = []
     for name, persist, skinny_on in (("fused", False, False), ("fused + skinny.choose", False, True),
-                                     ("persistent", True, False)):
-        gr, p = forward(persist, skinny_on)
+                                     ("fused + skinny kernels only", False, "only"), ("persistent", True, False)):
+        skinny.KERNELS_ONLY = skinny_on == "only"
+        skinny._CHOICES.clear()
+        gr, p = forward(persist, bool(skinny_on))
         us = graph_us(lambda gr=gr, p=p: gr._body(p, range(n)), a.reps)  # the layers, not the head
         rows.append(dict(what=f"{name}: {n} layers", us=us, per_layer_us=us / n))
+        CHOSEN[name] = skinny.choices()
     for stage, what in enumerate(("qkv+rope", "prefix", "combine", "o-proj", "gate/up", "down"), start=1):
         def one(stage=stage):
             for i in range(args.num_layers):
@@ -70,7 +80,8 @@ def main() -> None:
     rows.append(dict(what="floor: one layer's weights at the copy bandwidth", us=floor * args.num_layers,
                      per_layer_us=floor))
     print(f"{a.model}, {t} rows, {a.keys} keys, {torch.cuda.get_device_name()}")
-    print("skinny.choose:", skinny.choices())
+    for name, c in CHOSEN.items():
+        print(name, c)
     print("| what | us | us per layer |\n|---|---|---|")
     for r in rows:
         print(f"| {r['what']} | {r['us']:.1f} | {r['per_layer_us']:.2f} |")

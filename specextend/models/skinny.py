@@ -183,6 +183,10 @@ def reference(x, nw, eps, w, b=None, glu: bool = False, residual: Optional[torch
 
 # ---------------------------------------------------------------- the per-shape choice
 _CHOICES: dict[tuple, Optional[Tile]] = {}
+# True (benchmarks): `choose` weighs only this module's kernels, never the ordinary ops, so that
+# every projection of a layer is a PDL-launched kernel of ours (a cuBLAS GEMM in the chain neither
+# starts early nor lets the next kernel do so: docs/architecture.md, "Kernels")
+KERNELS_ONLY = False
 Op = Callable[[torch.Tensor], None]  # runs the layer's op on one weight matrix (timing inputs bound)
 
 
@@ -226,7 +230,7 @@ def choose(kind: str, x: torch.Tensor, w: torch.Tensor, twin: Op, kernel: Callab
     if torch.cuda.is_current_stream_capturing():  # a shape the warm-up did not run: no timing now,
         return None  # and the ordinary ops are the known quantity
     copies = _weight_copies(w)
-    times = {None: time_op(twin, copies)}
+    times = {} if KERNELS_ONLY else {None: time_op(twin, copies)}
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     for c in candidates(kind, t, n, k, sms):
         try:
