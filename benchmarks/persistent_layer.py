@@ -50,10 +50,12 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=1024, help="committed keys (the draft's retrieval cache: ~1K)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tiles", default="", help="BK:KS:warps[:programs per SM[:columns]],... : the persistent kernel's tiles to sweep")
-    ap.add_argument("--pdl", default="auto", choices=("auto", "off"), help="off: no Programmatic Dependent Launch")
+    ap.add_argument("--pdl", default="auto", choices=("auto", "off", "late"),
+                    help="off: no Programmatic Dependent Launch; late: the skinny kernels trigger after their main loop")
     a = ap.parse_args()
     if a.pdl == "off":
         pdl.SWITCH = False
+    skinny.LATE_TRIGGER = a.pdl == "late"
     if a.tiles:
         return sweep(a)
     dec, forward = setup(a)

@@ -11,7 +11,8 @@ def skinny_linear(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
                   K: tl.constexpr, N: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                   GLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                   BT: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, KSP: tl.constexpr,
-                  SPLIT: tl.constexpr, BKX: tl.constexpr, PDL: tl.constexpr):
+                  SPLIT: tl.constexpr, BKX: tl.constexpr, PDL: tl.constexpr,
+                  LATE: tl.constexpr = False):
     """Program (pid, pk): output columns [pid * BN, +BN) of all T (<= BT) rows, over the K columns
     [pk * KS, +KS) (KSP: KS rounded up to a power of two; SPLIT * KS >= K).
 
@@ -53,7 +54,8 @@ def skinny_linear(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
     if BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
     if PDL:
-        gdc_launch_dependents()
+        if not LATE:  # (LATE: once this program's main loop is done; docs/architecture.md, "Kernels")
+            gdc_launch_dependents()
         gdc_wait()  # the kernels before this one are done: x and y may be read
     xk = tl.load(x_ptr + offs_t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                  other=0.0)  # [BT, KSP]
@@ -74,6 +76,8 @@ def skinny_linear(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
         rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT] (linear: applied to each partial)
         acc = acc * rstd[:, None]
         acc2 = acc2 * rstd[:, None]
+    if PDL and LATE:
+        gdc_launch_dependents()
     _finish(acc, acc2, bias, y_ptr, ws_ptr, cnt_ptr, pid, pk, offs_t, offs_n, t_ok, n_ok, N, BT, BN, SPLIT, BIAS, GLU,
             RESIDUAL)
 
@@ -135,7 +139,8 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
                 K: tl.constexpr, N: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                 GLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                 BT: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, BK: tl.constexpr,
-                SPLIT: tl.constexpr, STAGES: tl.constexpr, BKX: tl.constexpr, PDL: tl.constexpr):
+                SPLIT: tl.constexpr, STAGES: tl.constexpr, BKX: tl.constexpr, PDL: tl.constexpr,
+                LATE: tl.constexpr = False):
     """skinny_linear with the weight slice streamed: program (pid, pk) loops over its K columns
     [pk * KS, +KS) (KS a multiple of BK) BK at a time, the loads of the next STAGES - 1 steps in
     flight while one multiplies (software pipelining), so a program needs no register budget for
@@ -153,7 +158,8 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
     if BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
     if PDL:
-        gdc_launch_dependents()
+        if not LATE:  # (LATE: once this program's main loop is done; docs/architecture.md, "Kernels")
+            gdc_launch_dependents()
         gdc_wait()  # the kernels before this one are done: x and y may be read
     acc = tl.zeros([BT, BN], tl.float32)
     acc2 = tl.zeros([BT, BN], tl.float32)
@@ -186,6 +192,8 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
         rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT]
         acc = acc * rstd[:, None]
         acc2 = acc2 * rstd[:, None]
+    if PDL and LATE:
+        gdc_launch_dependents()
     _finish(acc, acc2, bias, y_ptr, ws_ptr, cnt_ptr, pid, pk, offs_t, offs_n, t_ok, n_ok, N, BT, BN, SPLIT, BIAS, GLU,
             RESIDUAL)
 
@@ -195,7 +203,8 @@ def skinny_tiles(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, eps, T, progs,
                  K: tl.constexpr, N: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                  GLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                  BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                 BKX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+                 BKX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+                 LATE: tl.constexpr = False):
     """skinny_linear's maths with a persistent grid: `progs` programs (fewer than the column blocks)
     each take the column blocks pid, pid + progs, ... and run *one* loop over all their (block,
     K chunk) units, BK columns of K a unit, with the weight loads of the next STAGES - 1 units in
@@ -216,7 +225,8 @@ def skinny_tiles(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, eps, T, progs,
     offs_t = tl.arange(0, BT)  # [BT]
     t_ok = offs_t < T
     if PDL:
-        gdc_launch_dependents()
+        if not LATE:  # (LATE: once this program's main loop is done; docs/architecture.md, "Kernels")
+            gdc_launch_dependents()
         gdc_wait()  # the kernels before this one are done: x and y may be read
     rstd = tl.full([BT], 1.0, tl.float32)
     if NORM:
@@ -234,6 +244,8 @@ def skinny_tiles(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, eps, T, progs,
         for u in tl.range(0, units, num_stages=STAGES):
             acc, acc2 = _tiles_unit(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, u, pid, progs, offs_t, t_ok, rstd, acc, acc2,
                                     K, N, KC, NORM, BIAS, GLU, RESIDUAL, IEEE, BN, BK)
+    if PDL and LATE:
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -132,7 +132,7 @@ def _launch(x, nw, w, b, y, eps, n, glu, residual, tile: Optional[Tile] = None):
     args = (x, nw if nw is not None else dummy, w, b if b is not None else dummy, y, ws, cnt, float(eps), t)
     flags = dict(K=k, N=n, NORM=nw is not None, BIAS=b is not None, GLU=glu, RESIDUAL=residual,
                  IEEE=x.dtype == torch.float32, BT=bt, BN=c.bn, KS=ks, SPLIT=split, BKX=min(256, _pow2(k)), PDL=on,
-                 num_warps=c.warps, **launch_args(on))
+                 LATE=LATE_TRIGGER, num_warps=c.warps, **launch_args(on))
     if c.programs:
         assert c.bk and split == 1, c
         flags = {f: v for f, v in flags.items() if f not in ("KS", "SPLIT")}
@@ -187,6 +187,9 @@ _CHOICES: dict[tuple, Optional[Tile]] = {}
 # every projection of a layer is a PDL-launched kernel of ours (a cuBLAS GEMM in the chain neither
 # starts early nor lets the next kernel do so: docs/architecture.md, "Kernels")
 KERNELS_ONLY = False
+# True (benchmarks): the kernels let the next kernel launch once their main loop is done, not at their
+# start (with PDL)
+LATE_TRIGGER = False
 Op = Callable[[torch.Tensor], None]  # runs the layer's op on one weight matrix (timing inputs bound)
 
 
