@@ -11,7 +11,8 @@ launch cost, for ~30 MB of weights, 10 us at the copy bandwidth).
 The norm's statistics come from the x tiles the dot reads anyway, and its scale is applied to the
 accumulator (rstd * ((x * w_norm) @ W.T)), so no normalized copy of x is written. Rows are padded
 to 16 for the tensor cores; the weights are read once, by cdiv(N, BN) * SPLIT programs (split-K for
-the narrow outputs of linear_residual_: _triton_skinny.py).
+the narrow outputs of linear_residual_: _triton_skinny.py), or by a persistent grid of fewer
+programs, each streaming several column blocks (`Tile.programs`: skinny_tiles).
 
 Which tile, and whether this kernel at all, is measured per shape on the GPU the first time a
 shape is met outside a graph capture (`choose`: the plan's warm-up forward, before its capture),
