@@ -36,8 +36,8 @@ def setup(a):
     ids = torch.randint(0, dec.args.vocab_size, (a.rows,), device="cuda")
     pos = torch.arange(a.keys, a.keys + a.rows, device="cuda")
 
-    def forward(persist: bool, skinny: bool = False):
-        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=persist, skinny=skinny)
+    def forward(persist: bool, skinny: bool = False, fold: bool = False):
+        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=persist, skinny=skinny, fold_norms=fold)
         gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
         return gr, next(iter(gr.plans.values()))
     return dec, forward
@@ -62,11 +62,12 @@ def main() -> None:
     args, t = dec.args, a.rows
     n = args.num_layers
     rows = []
-    for name, persist, skinny_on in (("fused", False, False), ("fused + skinny.choose", False, True),
+    for name, persist, skinny_on in (("fused", False, False), ("fused, norms folded", False, "fold"),
+                                     ("fused + skinny.choose", False, True),
                                      ("fused + skinny kernels only", False, "only"), ("persistent", True, False)):
         skinny.KERNELS_ONLY = skinny_on == "only"
         skinny._CHOICES.clear()
-        gr, p = forward(persist, bool(skinny_on))
+        gr, p = forward(persist, skinny_on in (True, "only"), skinny_on == "fold")
         us = graph_us(lambda gr=gr, p=p: gr._body(p, range(n)), a.reps)  # the layers, not the head
         rows.append(dict(what=f"{name}: {n} layers", us=us, per_layer_us=us / n))
         CHOSEN[name] = skinny.choices()

@@ -76,8 +76,14 @@ def main():
     ap.add_argument("--trace", help="a folder: write each step kind's chrome trace there (.json.gz)")
     ap.add_argument("--accepted", type=int, default=1, help="tokens the draft step commits (1: the bonus only)")
     ap.add_argument("--wall-reps", type=int, default=0, help="also time this many draft steps without the profiler")
+    ap.add_argument("--fold", default="auto", choices=("auto", "on", "off"),
+                    help="the draft's norms folded into its products (fused_layer.fold_norms; auto: the loader's)")
     a = ap.parse_args()
     TRACE["dir"] = a.trace
+    if a.fold != "auto":
+        from specextend.models import loader
+
+        loader.FOLD_DRAFT_NORMS = a.fold == "on"
     kw = dict(execution=a.execution)
     target = load_model(a.target, "target", **kw)
     draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, **kw)

@@ -21,6 +21,7 @@ from test_full_graphs import DEVICE, DTYPES
 from test_graphs import assert_same_run, decoder_on, run_calls
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+FOLD_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}  # folded weights, rounded once
 
 
 def _gen(seed):
@@ -97,6 +98,62 @@ def test_silu_mul_equals_torch(dtype, t, i):
     gu = torch.randn(t, 2 * i, generator=_gen(i)).to(DEVICE, dtype) * 4
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(fused_layer.silu_mul(gu), F.silu(gate) * up, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_folded_norm_kernels_equal_norm_then_product(dtype):
+    """Folded norms (fused_layer.fold_norms): rope_scatter and silu_mul given x @ (W * w_norm).T
+    scale each row by x's 1/RMS (and add the QKV bias) before their own work; equal, within the
+    rounding of the products, to RMSNorm, the product and the bias in order (E of 40: a masked
+    tail of the row's statistics)."""
+    from specextend.models.decoder import rms_norm
+
+    a = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6)
+    t, (h, g, d), e, i = 5, (4, 2, 16), 40, 24
+    gen = _gen(11)
+    x = (torch.randn(t, e, generator=gen) * 3).to(DEVICE, dtype)
+    nw = (torch.rand(e, generator=gen) + 0.5).to(DEVICE, dtype)
+    w = (torch.randn((h + 2 * g) * d, e, generator=gen) * 0.2).to(DEVICE, dtype)
+    b = torch.randn((h + 2 * g) * d, generator=gen).to(DEVICE, dtype)
+    gu_w = (torch.randn(2 * i, e, generator=gen) * 0.2).to(DEVICE, dtype)
+    pos = torch.arange(t, device=DEVICE) + 7
+    cos, sin = Rope(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))).to(DEVICE).cos_sin(pos, dtype)
+    folded = fused_layer.fold_norms(_layer_of(w, b, gu_w, nw))
+    dst = torch.zeros(2, 2, g, t, d, dtype=dtype, device=DEVICE)  # [folded | reference, k | v, G, T, D]
+    got = fused_layer.rope_scatter(a, torch.mm(x, folded.qkv.t()), cos, sin, dst[0, 0], dst[0, 1], None,
+                                   norm_x=x, bias=b)
+    ref = fused_layer.rope_scatter(a, F.linear(rms_norm(x, nw, 1e-6), w, b), cos, sin, dst[1, 0], dst[1, 1], None)
+    tol = dict(atol=FOLD_TOL[dtype], rtol=FOLD_TOL[dtype])  # (the products' rounding: values of ~1-5)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(dst[0], dst[1], **tol)
+    got = fused_layer.silu_mul(torch.mm(x, folded.gate_up.t()), norm_x=x, eps=1e-6)
+    gate, up = F.linear(rms_norm(x, nw, 1e-6), gu_w).chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.silu(gate) * up, **tol)
+
+
+def _layer_of(qkv, bias, gate_up, nw):
+    """A LayerWeights of the given products with both norms' weights nw (fold_norms' input)."""
+    from specextend.models.decoder import LayerWeights
+
+    return LayerWeights(qkv=qkv, qkv_bias=bias, o=qkv, q_norm=None, k_norm=None, gate_up=gate_up, down=qkv,
+                        input_norm=nw, post_norm=nw)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_folded_norms_full_step_twin_equals_eager(name):
+    """A draft's fused plan with its norms folded (8 kernels a layer) equals the plain forward
+    within the rounding the folding adds, for every decode-time call kind; QK-norm models and the
+    unfused plan refuse it."""
+    dec = decoder_on(name, DEVICE, torch.float32)
+    ref = run_calls(dec, dec.forward_eager, DEVICE)
+    graphs = FullStepGraphs(dec, capture=False, fused=True, fold_norms=True)
+    folded = fused_layer.FoldedLayerWeights
+    assert all(isinstance(lw, folded) for lw in graphs.layers) and not any(isinstance(lw, folded) for lw in dec.w.layers)
+    assert_same_run(ref, run_calls(dec, graphs.forward, DEVICE), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="folded norms"):
+        FullStepGraphs(dec, capture=False, fold_norms=True)
+    with pytest.raises(ValueError, match="folded norms"):
+        FullStepGraphs(decoder_on("qwen3", DEVICE, torch.float32), capture=False, fused=True, fold_norms=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -200,11 +200,15 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
 def rope_scatter(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kpre_ptr,
                  stride_kg, stride_kt, stride_vg, stride_vt, stride_pg, stride_pt, T,
                  H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                 STORE_PRE: tl.constexpr, PDL: tl.constexpr = False):
+                 STORE_PRE: tl.constexpr, PDL: tl.constexpr = False,
+                 x_ptr=None, b_ptr=None, eps=0.0, E: tl.constexpr = 1, EP: tl.constexpr = 1,
+                 NORM: tl.constexpr = False, BIAS: tl.constexpr = False):
     """One program per (token t, head j of the H + 2G in qkv [T, (H + 2G) * D]): RoPE (rotate-half,
     signed sine) on q and k heads, then q -> q [H, T, D], k -> k [G, T, D], v -> v [G, T, D] and the
     pre-RoPE k -> kpre (strided destinations). Rounds x * cos to the storage dtype before adding
-    x_rot * sin, as apply_rope's two kernels do."""
+    x_rot * sin, as apply_rope's two kernels do. NORM (folded norms: fused_layer.fold_norms): qkv
+    is x @ (W * w_norm).T, so each value is first scaled by row t's 1/RMS of x [T, E] (read here)
+    and the bias b added (BIAS), rounded once to the storage dtype."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -215,6 +219,17 @@ def rope_scatter(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kpre_ptr,
     src = qkv_ptr + t * (H + 2 * G) * D + j * D
     x = tl.load(src + offs_d, mask=d_ok, other=0.0)
     xr = tl.load(src + (offs_d + D // 2) % D, mask=d_ok, other=0.0)
+    if NORM:
+        offs_e = tl.arange(0, EP)
+        xe = tl.load(x_ptr + t * E + offs_e, mask=offs_e < E, other=0.0).to(tl.float32)  # [EP] row t of x
+        rstd = 1.0 / tl.sqrt(tl.sum(xe * xe, 0) / E + eps)
+        xf = x.to(tl.float32) * rstd
+        xrf = xr.to(tl.float32) * rstd
+        if BIAS:
+            xf += tl.load(b_ptr + j * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            xrf += tl.load(b_ptr + j * D + (offs_d + D // 2) % D, mask=d_ok, other=0.0).to(tl.float32)
+        x = xf.to(x.dtype)
+        xr = xrf.to(x.dtype)
     c = tl.load(cos_ptr + t * D + offs_d, mask=d_ok, other=0.0)
     sn = tl.load(sin_ptr + t * D + offs_d, mask=d_ok, other=0.0)
     xc = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
@@ -230,14 +245,23 @@ def rope_scatter(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kpre_ptr,
 
 
 @triton.jit
-def silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr,
+             x_ptr=None, eps=0.0, E: tl.constexpr = 1, EP: tl.constexpr = 1, NORM: tl.constexpr = False):
     """gu [T, 2I] (gate | up) -> out [T, I] = silu(gate) * up, silu rounded to the storage dtype
-    first (as F.silu(gate) * up)."""
+    first (as F.silu(gate) * up). NORM (folded norms: fused_layer.fold_norms): gu is
+    x @ (W * w_norm).T, so gate and up are first scaled by row t's 1/RMS of x [T, E] (read here),
+    each rounded once to the storage dtype."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
     gate = tl.load(gu_ptr + t * 2 * I + offs, mask=ok, other=0.0)
     up = tl.load(gu_ptr + t * 2 * I + I + offs, mask=ok, other=0.0)
+    if NORM:
+        offs_e = tl.arange(0, EP)
+        xe = tl.load(x_ptr + t * E + offs_e, mask=offs_e < E, other=0.0).to(tl.float32)  # [EP] row t of x
+        rstd = 1.0 / tl.sqrt(tl.sum(xe * xe, 0) / E + eps)
+        gate = (gate.to(tl.float32) * rstd).to(up.dtype)
+        up = (up.to(tl.float32) * rstd).to(up.dtype)
     gf = gate.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)
     tl.store(out_ptr + t * I + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)

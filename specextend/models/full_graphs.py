@@ -34,6 +34,7 @@ import torch
 from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
                                                  triton_available)
 from specextend.kv_cache import KVCache
+from specextend.models import fused_layer
 from specextend.models import persistent as persistent_mod
 from specextend.models.capture import capture
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room, path_mask
@@ -75,8 +76,13 @@ def launch_pieces(steps: int, split: bool = True) -> list[range]:
 
 class FullStepGraphs(StepGraphs):
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False,
-                 fused: bool = False, split_launch: bool = True, skinny: bool = False, persistent: bool = False):
+                 fused: bool = False, split_launch: bool = True, skinny: bool = False, persistent: bool = False,
+                 fold_norms: bool = False):
         super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile, fused=fused, skinny=skinny)
+        if fold_norms:  # the norms' weights in the products after them (fused_layer.fold_norms: a draft's plan)
+            if not fused or persistent or any(lw.q_norm is not None for lw in model.w.layers):
+                raise ValueError("folded norms take the fused layer kernels, without QK-norm or the persistent layer")
+            self.layers = [fused_layer.fold_norms(lw) for lw in model.w.layers]
         if persistent and not persistent_mod.supported(model):
             raise ValueError("the persistent layer kernel takes half-precision or float32 models without QK-norm")
         self.persistent = persistent  # a layer per launch (persistent.py) for plans of <= MAX_ROWS queries

@@ -17,6 +17,7 @@ forward with Decoder.forward_eager, on the CPU through Triton's interpreter.
 from __future__ import annotations
 
 import math
+import dataclasses
 from typing import Optional
 
 import torch
@@ -82,9 +83,13 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
 def rope_scatter(a: ModelArgs, qkv: torch.Tensor,  # [T, (H + 2G) * D] contiguous
                  cos: torch.Tensor, sin: torch.Tensor,  # [T, D] (Rope.cos_sin: signed sine)
                  k_dst: torch.Tensor, v_dst: torch.Tensor,  # [G, T, D], last dim contiguous
-                 kpre_dst: Optional[torch.Tensor]) -> torch.Tensor:
+                 kpre_dst: Optional[torch.Tensor],
+                 norm_x: Optional[torch.Tensor] = None,  # [T, E] contiguous: qkv scaled by its rows' 1/RMS
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:  # [(H + 2G) * D], with norm_x
     """RoPE and the head copies in one kernel -> q [H, T, D] (k, v, pre-RoPE k into the dsts).
-    Twin: decoder.layer_pre's split and apply_rope plus segments._pre's copies."""
+    With norm_x (folded norms, fold_norms), qkv is x @ (W * w_norm).T: each row is first scaled by
+    its 1/RMS of norm_x and the bias added. Twin: decoder.layer_pre's split and apply_rope plus
+    segments._pre's copies."""
     from specextend.models._triton_layer import rope_scatter as kernel
 
     t = qkv.shape[0]
@@ -94,23 +99,53 @@ def rope_scatter(a: ModelArgs, qkv: torch.Tensor,  # [T, (H + 2G) * D] contiguou
     q = torch.empty(h, t, d, dtype=qkv.dtype, device=qkv.device)
     pre = kpre_dst if kpre_dst is not None else k_dst
     on = pdl.enabled(qkv.device)
+    e = norm_x.shape[1] if norm_x is not None else 1
+    assert norm_x is None or norm_x.is_contiguous()
     kernel[(t, h + 2 * g)](qkv, cos, sin, q, k_dst, v_dst, pre, k_dst.stride(0), k_dst.stride(1),
                            v_dst.stride(0), v_dst.stride(1), pre.stride(0), pre.stride(1),
-                           T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=kpre_dst is not None, PDL=on, num_warps=1,
-                           **launch_args(on))
+                           T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=kpre_dst is not None, PDL=on,
+                           x_ptr=qkv if norm_x is None else norm_x, b_ptr=qkv if bias is None else bias,
+                           eps=float(a.rms_norm_eps) if norm_x is not None else 0.0, E=e, EP=_pow2(e, 1), NORM=norm_x is not None,
+                           BIAS=bias is not None, num_warps=1, **launch_args(on))
     return q
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """gu [T, 2I] contiguous -> silu(gate) * up [T, I]. Twin: F.silu(gate) * up."""
+def silu_mul(gu: torch.Tensor, norm_x: Optional[torch.Tensor] = None, eps: float = 0.0) -> torch.Tensor:
+    """gu [T, 2I] contiguous -> silu(gate) * up [T, I]. With norm_x [T, E] (folded norms,
+    fold_norms), gu is x @ (W * w_norm).T: gate and up are first scaled by their row's 1/RMS of
+    norm_x. Twin: F.silu(gate) * up."""
     from specextend.models._triton_layer import silu_mul as kernel
 
     t, i2 = gu.shape
     i = i2 // 2
     out = torch.empty(t, i, dtype=gu.dtype, device=gu.device)
     block = min(1024, _pow2(i))
-    kernel[(t, -(-i // block))](gu, out, I=i, BLOCK=block, num_warps=4)
+    e = norm_x.shape[1] if norm_x is not None else 1
+    assert norm_x is None or norm_x.is_contiguous()
+    kernel[(t, -(-i // block))](gu, out, I=i, BLOCK=block, x_ptr=gu if norm_x is None else norm_x, eps=float(eps),
+                                E=e, EP=_pow2(e, 1), NORM=norm_x is not None, num_warps=4)
     return out
+
+
+class FoldedLayerWeights(LayerWeights):
+    """A layer whose input_norm and post_norm weights are folded into qkv's and gate_up's columns
+    (fold_norms): the norms' 1/RMS is applied after those products (a draft's fused plan only)."""
+
+
+def fold_norms(lw: LayerWeights) -> FoldedLayerWeights:
+    """The layer with its two RMSNorms' weights folded into the columns of the products after them:
+    qkv * w_in and gate_up * w_post (computed in float32, rounded once), so that the norm kernels
+    leave a fused forward (layer_pre / layer_post then scale the products' rows by 1/RMS inside
+    rope_scatter and silu_mul: 10 kernels a layer -> 8). The rounding of the folded weights makes the
+    forward differ from its twin's by rounding: a draft's fused plan only (what a draft proposes is
+    verified; the target's forward stays as written)."""
+    assert lw.q_norm is None and not isinstance(lw, FoldedLayerWeights)
+
+    def fold(w: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:  # w [N, E], nw [E]
+        return (w.float() * nw.float()[None, :]).to(w.dtype).contiguous()
+    fields = {f.name: getattr(lw, f.name) for f in dataclasses.fields(lw)}
+    fields.update(qkv=fold(lw.qkv, lw.input_norm), gate_up=fold(lw.gate_up, lw.post_norm))
+    return FoldedLayerWeights(**fields)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,6 +169,8 @@ def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_ds
     faster at this shape (skinny.choose)."""
     assert lw.q_norm is None, "QK-norm models take segments._pre"
     eps = a.rms_norm_eps
+    if isinstance(lw, FoldedLayerWeights):  # the norm's weight is in qkv's columns, its 1/RMS and the bias applied in rope_scatter
+        return rope_scatter(a, torch.mm(x, lw.qkv.t()), cos, sin, k_dst, v_dst, kpre_dst, norm_x=x, bias=lw.qkv_bias)
     tile = _skinny_tile("qkv", x, lw.qkv, lw.input_norm, lw.qkv_bias, eps) if skinny else None
     if tile is not None:
         qkv = skinny_mod.norm_linear(x, lw.input_norm, eps, lw.qkv, lw.qkv_bias, tile)  # [T, (H + 2G) * D]
@@ -149,6 +186,9 @@ def layer_post(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, attn: torch.Tens
     profile, 2026-11-23). `skinny`: each projection through skinny.py where it was measured faster
     at this shape (three kernels instead of six when all three are)."""
     eps = a.rms_norm_eps
+    if isinstance(lw, FoldedLayerWeights):  # the post-attention norm's weight is in gate_up's columns, its 1/RMS applied in silu_mul
+        x = x.addmm_(attn, lw.o.t())
+        return x.addmm_(silu_mul(torch.mm(x, lw.gate_up.t()), norm_x=x, eps=eps), lw.down.t())
     tile = _skinny_tile("res", attn, lw.o, None, None, eps) if skinny else None
     x = skinny_mod.linear_residual_(x, attn, lw.o, tile) if tile is not None else x.addmm_(attn, lw.o.t())
     tile = _skinny_tile("glu", x, lw.gate_up, lw.post_norm, None, eps) if skinny else None

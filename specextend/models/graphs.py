@@ -115,6 +115,7 @@ class StepGraphs:
         if fused and model.dtype not in TRITON_DTYPES:
             raise ValueError(f"the fused layer kernels take bf16, fp16 or fp32 models, not {model.dtype}")
         self.seg = Segments(compile, fused=fused, skinny=skinny)  # as written, Inductor or Triton-fused
+        self.layers = model.w.layers  # the weights the segments run (FullStepGraphs: folded norms)
         self.capture = capture and model.device.type == "cuda"
         self.max_tokens = max_tokens
         self.plans: dict[ShapeKey, _Plan] = {}
@@ -201,20 +202,21 @@ class StepGraphs:
     def _segment(self, p: _Plan, i: int) -> None:
         m = self.model
         a, w, st = m.args, m.w, p.key.staged
+        layers = self.layers
         n = a.num_layers
         if i < n:
             dst = (p.scratch[i, 0, :, st:], p.scratch[i, 1, :, st:],
                    None if p.store_k is None else p.store_k[i])  # [G, T, D] each
         if i == 0:
-            p.x, p.q[0], p.cos, p.sin, p.bias = self.seg.first(a, m.rope, w.embed, w.layers[0], p.ids,
+            p.x, p.q[0], p.cos, p.sin, p.bias = self.seg.first(a, m.rope, w.embed, layers[0], p.ids,
                                                                p.pos, p.mask, *dst)
             return
         tree = (p.scratch[i - 1, 0], p.scratch[i - 1, 1], p.bias, p.out_p, p.lse_p)  # layer i-1's
         if i < n:
-            p.x, p.q[i] = self.seg.mid(a, m.scale, w.layers[i - 1], w.layers[i], p.x, p.q[i - 1], *tree,
+            p.x, p.q[i] = self.seg.mid(a, m.scale, layers[i - 1], layers[i], p.x, p.q[i - 1], *tree,
                                        p.cos, p.sin, *dst)
             return
-        p.logits, lse = self.seg.last(a, m.scale, w.layers[i - 1], w.norm, w.lm_head, p.x, p.q[i - 1],
+        p.logits, lse = self.seg.last(a, m.scale, layers[i - 1], w.norm, w.lm_head, p.x, p.q[i - 1],
                                       *tree, p.rows, p.key.capture)
         if p.key.capture:
             p.cap_q, p.cap_lse = p.q[i - 1], lse

@@ -187,11 +187,13 @@ def _hf_state_dict(meta: ModelMeta) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def attach_plan(decoder: Decoder, execution: str = "auto") -> None:
+def attach_plan(decoder: Decoder, execution: str = "auto", fold_norms: bool = False) -> None:
     """The execution plan, chosen once: `graphs` replays every decode-time forward as CUDA graphs
     with the Triton prefix and fused layer kernels where supported (full_graphs.py; else piecewise
     graphs around an eager prefix call, graphs.py); `eager` runs op by op; `auto` is graphs on
-    CUDA, eager elsewhere. (Benchmarks compare other variants by setting decoder.graphs to one.)"""
+    CUDA, eager elsewhere. `fold_norms` (a draft): its fused plan folds the norms' weights into the
+    products after them (fused_layer.fold_norms), where FOLD_DRAFT_NORMS. (Benchmarks compare other
+    variants by setting decoder.graphs to one.)"""
     dev = decoder.device
     if execution == "eager" or (execution == "auto" and dev.type != "cuda"):
         return
@@ -202,10 +204,16 @@ def attach_plan(decoder: Decoder, execution: str = "auto") -> None:
 
     if full_graphs_supported(decoder):
         fused = fused_kernels_supported(decoder)
+        persist = fused and persistent_kernels_supported(decoder)
+        fold = (fold_norms and FOLD_DRAFT_NORMS and fused and not persist
+                and all(lw.q_norm is None for lw in decoder.w.layers))
         decoder.graphs = FullStepGraphs(decoder, fused=fused, skinny=fused and skinny_kernels_supported(decoder),
-                                        persistent=fused and persistent_kernels_supported(decoder))
+                                        persistent=persist, fold_norms=fold)
     else:
         decoder.graphs = StepGraphs(decoder)
+
+
+FOLD_DRAFT_NORMS = True  # a draft's fused plan with its norms folded (attach_plan; benchmarks switch it)
 
 
 def fused_kernels_supported(decoder: Decoder) -> bool:
@@ -276,6 +284,6 @@ def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "a
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
     if isinstance(backend, FlashBackend):  # its kernels compile now, not in the first long prompt
         backend.warm_up(args.num_heads, args.num_kv_heads, args.head_dim, dt, dev, windowed=role == "draft")
-    attach_plan(decoder, execution)
+    attach_plan(decoder, execution, fold_norms=role == "draft")
     decoder.load_seconds = time.perf_counter() - t0
     return LoadedModel(name=meta.name, decoder=decoder, tokenizer=tokenizer, hf_config=config)
