@@ -9,6 +9,9 @@ graph nodes per 0.5B draft forward, ~2.5 us each, against 0.3 ms of weights).
     silu_mul       the MLP's activation                                                    2 -> 1
     rms_norm       the two norms, one program per row (PyTorch's took 5.8 us for 17 rows)  1 -> 1
 
+A draft's plan also folds its two norms' weights into the products after them (fold_norms): the
+rms_norm kernels leave it and rope_scatter / silu_mul apply each row's 1/RMS, 8 kernels a layer.
+
 The slow twins are the torch functions the plain segments use (decoder.layer_pre / layer_post,
 tree_merge.tree_attention_merged); tests compare each kernel with its twin and the whole fused
 forward with Decoder.forward_eager, on the CPU through Triton's interpreter.
