@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tiles", default="", help="BK:KS:warps[:programs per SM[:columns]],... : the persistent kernel's tiles to sweep")
     ap.add_argument("--pdl", default="auto", choices=("auto", "off", "late"),
-                    help="off: no Programmatic Dependent Launch; late: the skinny kernels trigger after their main loop")
+                    help="off: no Programmatic Dependent Launch; late: skinny kernels signal after their main loop")
     a = ap.parse_args()
     if a.pdl == "off":
         pdl.SWITCH = False

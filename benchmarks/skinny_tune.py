@@ -140,7 +140,8 @@ def main() -> None:
             continue
         row = dict(shape=name, t=t, n=n, k=k, kind=kind, floor_us=w.numel() * 2 / bw * 1e6,
                    torch_us=skinny.time_op(twin, copies) * 1e6, tiles=[])
-        for c, on in itertools.product(tiles, (False, True) if pdl.enabled(dev) and not (a.streamed or a.persistent) else (pdl.enabled(dev),)):
+        both = pdl.enabled(dev) and not (a.streamed or a.persistent)  # (with and without PDL)
+        for c, on in itertools.product(tiles, (False, True) if both else (pdl.enabled(dev),)):
             pdl.SWITCH = None if on else False
             try:
                 us = skinny.time_op(lambda ww, c=c: kern(ww, c), copies) * 1e6

@@ -148,7 +148,8 @@ def test_folded_norms_full_step_twin_equals_eager(name):
     ref = run_calls(dec, dec.forward_eager, DEVICE)
     graphs = FullStepGraphs(dec, capture=False, fused=True, fold_norms=True)
     folded = fused_layer.FoldedLayerWeights
-    assert all(isinstance(lw, folded) for lw in graphs.layers) and not any(isinstance(lw, folded) for lw in dec.w.layers)
+    assert all(isinstance(lw, folded) for lw in graphs.layers)
+    assert not any(isinstance(lw, folded) for lw in dec.w.layers)  # (the eager path's weights unchanged)
     assert_same_run(ref, run_calls(dec, graphs.forward, DEVICE), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="folded norms"):
         FullStepGraphs(dec, capture=False, fold_norms=True)

@@ -19,8 +19,8 @@ forward with Decoder.forward_eager, on the CPU through Triton's interpreter.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -108,8 +108,8 @@ def rope_scatter(a: ModelArgs, qkv: torch.Tensor,  # [T, (H + 2G) * D] contiguou
                            v_dst.stride(0), v_dst.stride(1), pre.stride(0), pre.stride(1),
                            T=t, H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=kpre_dst is not None, PDL=on,
                            x_ptr=qkv if norm_x is None else norm_x, b_ptr=qkv if bias is None else bias,
-                           eps=float(a.rms_norm_eps) if norm_x is not None else 0.0, E=e, EP=_pow2(e, 1), NORM=norm_x is not None,
-                           BIAS=bias is not None, num_warps=1, **launch_args(on))
+                           eps=float(a.rms_norm_eps) if norm_x is not None else 0.0, E=e, EP=_pow2(e, 1),
+                           NORM=norm_x is not None, BIAS=bias is not None, num_warps=1, **launch_args(on))
     return q
 
 
@@ -172,8 +172,9 @@ def layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_ds
     faster at this shape (skinny.choose)."""
     assert lw.q_norm is None, "QK-norm models take segments._pre"
     eps = a.rms_norm_eps
-    if isinstance(lw, FoldedLayerWeights):  # the norm's weight is in qkv's columns, its 1/RMS and the bias applied in rope_scatter
-        return rope_scatter(a, torch.mm(x, lw.qkv.t()), cos, sin, k_dst, v_dst, kpre_dst, norm_x=x, bias=lw.qkv_bias)
+    if isinstance(lw, FoldedLayerWeights):  # the norm's weight in qkv's columns; its 1/RMS, the bias: rope_scatter
+        qkv = torch.mm(x, lw.qkv.t())  # [T, (H + 2G) * D]
+        return rope_scatter(a, qkv, cos, sin, k_dst, v_dst, kpre_dst, norm_x=x, bias=lw.qkv_bias)
     tile = _skinny_tile("qkv", x, lw.qkv, lw.input_norm, lw.qkv_bias, eps) if skinny else None
     if tile is not None:
         qkv = skinny_mod.norm_linear(x, lw.input_norm, eps, lw.qkv, lw.qkv_bias, tile)  # [T, (H + 2G) * D]
@@ -189,9 +190,10 @@ def layer_post(a: ModelArgs, lw: LayerWeights, x: torch.Tensor, attn: torch.Tens
     profile, 2026-11-23). `skinny`: each projection through skinny.py where it was measured faster
     at this shape (three kernels instead of six when all three are)."""
     eps = a.rms_norm_eps
-    if isinstance(lw, FoldedLayerWeights):  # the post-attention norm's weight is in gate_up's columns, its 1/RMS applied in silu_mul
+    if isinstance(lw, FoldedLayerWeights):  # the norm's weight in gate_up's columns; its 1/RMS: silu_mul
         x = x.addmm_(attn, lw.o.t())
-        return x.addmm_(silu_mul(torch.mm(x, lw.gate_up.t()), norm_x=x, eps=eps), lw.down.t())
+        act = silu_mul(torch.mm(x, lw.gate_up.t()), norm_x=x, eps=eps)  # [T, I]
+        return x.addmm_(act, lw.down.t())
     tile = _skinny_tile("res", attn, lw.o, None, None, eps) if skinny else None
     x = skinny_mod.linear_residual_(x, attn, lw.o, tile) if tile is not None else x.addmm_(attn, lw.o.t())
     tile = _skinny_tile("glu", x, lw.gate_up, lw.post_norm, None, eps) if skinny else None
