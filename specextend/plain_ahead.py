@@ -66,8 +66,7 @@ def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: Reque
     begins from that token without the host reading it first. `intervals`: appended at each read
     with the seconds since the read before, where a forward was queued between the reads (the
     first read and the run's last have none): what a plain step costs in a steady run, forward and
-    host together. The cache's invariant holds at
-    the end: every token in it but the last emitted."""
+    host together. The cache's invariant holds at the end: every token in it but the last emitted."""
     queued: Optional[_Queued] = None  # the token whose forward is queued, not yet read
     ids: Union[int, torch.Tensor] = first  # the next forward's input: then a [1] tensor on the device
     emitted: list[int] = []

@@ -164,8 +164,15 @@ def test_streamed_kernel_equals_twin(dtype, tile):
     three uses: K not a multiple of the step (a masked last step) nor of the split's range, N not
     of the column block, rows padded to the tile; without a split the norm's statistics come from
     the loop's own x tiles, with one from a pass over the whole row."""
-    gen = torch.Generator().manual_seed(tile.bn + tile.bk + tile.split)
-    t, k, n = 5, 200, 40
+    # the residual call twice: on the same split-K counters
+    _three_uses_equal_twin(dtype, tile, tile.bn + tile.bk + tile.split, n=40, residual_calls=2)
+
+
+def _three_uses_equal_twin(dtype, tile, seed: int, n: int, residual_calls: int) -> None:
+    """norm_linear (norm + bias), norm_glu and linear_residual_ at `tile` against their twin: 5 rows,
+    K = 200, N = n; the residual call `residual_calls` times on fresh outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    t, k = 5, 200
     x = _rnd(gen, t, k, dtype=dtype) * 3
     nw = 1 + 0.5 * _rnd(gen, k, dtype=dtype)
     w = _rnd(gen, 2 * n, k, dtype=dtype) * 0.1
@@ -176,7 +183,7 @@ def test_streamed_kernel_equals_twin(dtype, tile):
     got = skinny.norm_glu(x, nw, 1e-6, w, tile)
     ref = skinny.reference(x.float(), nw.float(), 1e-6, w.float(), glu=True)
     torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    for _ in range(2):  # twice on the same split-K counters
+    for _ in range(residual_calls):
         y = _rnd(gen, t, n, dtype=dtype)
         ref = skinny.reference(x.float(), None, 0.0, w[:n].float(), residual=y.float())
         assert skinny.linear_residual_(y, x, w[:n].contiguous(), tile) is y
@@ -202,19 +209,4 @@ def test_persistent_tiles_kernel_equals_twin(dtype, tile):
     N not of the column block, rows padded to the tile. Each block's epilogue is stored by the
     unit that ends it and its sums reset: a block that kept its predecessor's sums, or stored an
     unfinished sum, differs from the twin."""
-    gen = torch.Generator().manual_seed(tile.bn + tile.bk + tile.programs)
-    t, k, n = 5, 200, 72
-    x = _rnd(gen, t, k, dtype=dtype) * 3
-    nw = 1 + 0.5 * _rnd(gen, k, dtype=dtype)
-    w = _rnd(gen, 2 * n, k, dtype=dtype) * 0.1
-    b = _rnd(gen, n, dtype=dtype)
-    got = skinny.norm_linear(x, nw, 1e-6, w[:n].contiguous(), b, tile)
-    ref = skinny.reference(x.float(), nw.float(), 1e-6, w[:n].float(), b.float())
-    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    got = skinny.norm_glu(x, nw, 1e-6, w, tile)
-    ref = skinny.reference(x.float(), nw.float(), 1e-6, w.float(), glu=True)
-    torch.testing.assert_close(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    y = _rnd(gen, t, n, dtype=dtype)
-    ref = skinny.reference(x.float(), None, 0.0, w[:n].float(), residual=y.float())
-    assert skinny.linear_residual_(y, x, w[:n].contiguous(), tile) is y
-    torch.testing.assert_close(y.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    _three_uses_equal_twin(dtype, tile, tile.bn + tile.bk + tile.programs, n=72, residual_calls=1)

@@ -62,16 +62,10 @@ def skinny_linear(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
     if NORM:
         ss = _row_sumsq(x_ptr, offs_t, t_ok, K, BT, BKX)  # [BT]
         xk = (xk.to(tl.float32) * nwk[None, :]).to(xk.dtype)
-    if IEEE:
-        acc = tl.dot(xk, tl.trans(wk), input_precision="ieee")  # [BT, BN]
-    else:
-        acc = tl.dot(xk, tl.trans(wk))
+    acc = _dot(xk, wk, IEEE)  # [BT, BN]
     acc2 = acc
     if GLU:
-        if IEEE:
-            acc2 = tl.dot(xk, tl.trans(uk), input_precision="ieee")
-        else:
-            acc2 = tl.dot(xk, tl.trans(uk))
+        acc2 = _dot(xk, uk, IEEE)
     if NORM:
         rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BT] (linear: applied to each partial)
         acc = acc * rstd[:, None]
@@ -121,6 +115,16 @@ def _finish(acc, acc2, bias, y_ptr, ws_ptr, cnt_ptr, pid, pk, offs_t, offs_n, t_
                     total2 += tl.load(part + (s * 2 + 1) * BT * N, mask=io, other=0.0, cache_modifier=".cg")
             _epilogue(total, total2, bias, dst, io, BIAS, GLU, RESIDUAL, y_ptr)
             tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (and the next graph replay)
+
+
+@triton.jit
+def _dot(x, w, IEEE: tl.constexpr):
+    """x [BT, BK] @ w [BN, BK].T -> [BT, BN] float32 (float32 inputs: IEEE dots, not TF32)."""
+    if IEEE:
+        out = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        out = tl.dot(x, tl.trans(w))
+    return out
 
 
 @triton.jit
@@ -176,16 +180,10 @@ def skinny_loop(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, eps, T,
             ss += tl.sum(xf * xf, 1)
             nwk = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
             xk = (xf * nwk[None, :]).to(xk.dtype)
-        if IEEE:
-            acc += tl.dot(xk, tl.trans(wk), input_precision="ieee")  # [BT, BN]
-        else:
-            acc += tl.dot(xk, tl.trans(wk))
+        acc += _dot(xk, wk, IEEE)  # [BT, BN]
         if GLU:
             uk = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK] up rows
-            if IEEE:
-                acc2 += tl.dot(xk, tl.trans(uk), input_precision="ieee")
-            else:
-                acc2 += tl.dot(xk, tl.trans(uk))
+            acc2 += _dot(xk, uk, IEEE)
     if NORM:
         if SPLIT > 1:  # this program saw only its K range: the whole row's sum of squares
             ss = _row_sumsq(x_ptr, offs_t, t_ok, K, BT, BKX)  # [BT]
@@ -267,25 +265,14 @@ def _tiles_unit(x_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, u, pid, progs, offs_t, t_ok,
     if NORM:
         nwk = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
         xk = (xk.to(tl.float32) * rstd[:, None] * nwk[None, :]).to(xk.dtype)
-    if IEEE:
-        acc += tl.dot(xk, tl.trans(wk), input_precision="ieee")  # [BT, BN]
-    else:
-        acc += tl.dot(xk, tl.trans(wk))
+    acc += _dot(xk, wk, IEEE)  # [BT, BN]
     if GLU:
         uk = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK] up rows
-        if IEEE:
-            acc2 += tl.dot(xk, tl.trans(uk), input_precision="ieee")
-        else:
-            acc2 += tl.dot(xk, tl.trans(uk))
+        acc2 += _dot(xk, uk, IEEE)
     last = kc == KC - 1
     io = t_ok[:, None] & n_ok[None, :] & last  # [BT, BN]: only the unit that ends the block stores
-    dst = y_ptr + offs_t[:, None] * N + offs_n[None, :]
-    out = acc
+    bias = tl.zeros([BN], tl.float32)
     if BIAS:
-        out += tl.load(b_ptr + offs_n, mask=n_ok & last, other=0.0).to(tl.float32)[None, :]
-    if GLU:
-        out = out / (1.0 + tl.exp(-out)) * acc2
-    if RESIDUAL:
-        out += tl.load(dst, mask=io, other=0.0).to(tl.float32)
-    tl.store(dst, out.to(y_ptr.dtype.element_ty), mask=io)
+        bias = tl.load(b_ptr + offs_n, mask=n_ok & last, other=0.0).to(tl.float32)  # [BN]
+    _epilogue(acc, acc2, bias, y_ptr + offs_t[:, None] * N + offs_n[None, :], io, BIAS, GLU, RESIDUAL, y_ptr)
     return tl.where(last, 0.0, acc), tl.where(last, 0.0, acc2)

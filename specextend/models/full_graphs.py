@@ -74,13 +74,18 @@ def launch_pieces(steps: int, split: bool = True) -> list[range]:
     return cuts
 
 
+def can_fold_norms(model, fused: bool, persistent: bool) -> bool:
+    """Whether a plan of these kernels may fold the model's norms (fused_layer.fold_norms)."""
+    return fused and not persistent and all(lw.q_norm is None for lw in model.w.layers)
+
+
 class FullStepGraphs(StepGraphs):
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False,
                  fused: bool = False, split_launch: bool = True, skinny: bool = False, persistent: bool = False,
                  fold_norms: bool = False):
         super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile, fused=fused, skinny=skinny)
         if fold_norms:  # the norms' weights in the products after them (fused_layer.fold_norms: a draft's plan)
-            if not fused or persistent or any(lw.q_norm is not None for lw in model.w.layers):
+            if not can_fold_norms(model, fused, persistent):
                 raise ValueError("folded norms take the fused layer kernels, without QK-norm or the persistent layer")
             self.layers = [fused_layer.fold_norms(lw) for lw in model.w.layers]
         if persistent and not persistent_mod.supported(model):

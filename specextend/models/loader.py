@@ -199,14 +199,13 @@ def attach_plan(decoder: Decoder, execution: str = "auto", fold_norms: bool = Fa
         return
     if dev.type != "cuda":
         raise ModelLoadError("execution=graphs needs CUDA; use execution=auto or eager on the CPU")
-    from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported
+    from specextend.models.full_graphs import FullStepGraphs, can_fold_norms, full_graphs_supported
     from specextend.models.graphs import StepGraphs
 
     if full_graphs_supported(decoder):
         fused = fused_kernels_supported(decoder)
         persist = fused and persistent_kernels_supported(decoder)
-        fold = (fold_norms and FOLD_DRAFT_NORMS and fused and not persist
-                and all(lw.q_norm is None for lw in decoder.w.layers))
+        fold = fold_norms and FOLD_DRAFT_NORMS and can_fold_norms(decoder, fused, persist)
         decoder.graphs = FullStepGraphs(decoder, fused=fused, skinny=fused and skinny_kernels_supported(decoder),
                                         persistent=persist, fold_norms=fold)
     else:
