@@ -10,6 +10,8 @@ Prints a table; the JSON on the last line.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 
 import torch
@@ -17,7 +19,7 @@ import torch
 from specextend.attention.backends import CAUSAL
 from specextend.bench.kernels import copy_bandwidth, graph_us
 from specextend import pdl
-from specextend.models import persistent, skinny
+from specextend.models import fused_layer, persistent, skinny
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs
 from specextend.models.loader import load_model
@@ -36,8 +38,12 @@ def setup(a):
     ids = torch.randint(0, dec.args.vocab_size, (a.rows,), device="cuda")
     pos = torch.arange(a.keys, a.keys + a.rows, device="cuda")
 
+    folded = copy.copy(dec)  # the same model with its norms folded (fused_layer.fold_model_norms)
+    folded.w = dataclasses.replace(dec.w, layers=list(dec.w.layers))
+    fused_layer.fold_model_norms(folded)
+
     def forward(persist: bool, skinny: bool = False, fold: bool = False):
-        gr = FullStepGraphs(dec, capture=False, fused=True, persistent=persist, skinny=skinny, fold_norms=fold)
+        gr = FullStepGraphs(folded if fold else dec, capture=False, fused=True, persistent=persist, skinny=skinny)
         gr.forward(ids, pos, cache, CAUSAL, ForwardOptions())
         return gr, next(iter(gr.plans.values()))
     return dec, forward

@@ -59,6 +59,21 @@ def prof(name, fn, reps, out, rows=10):
     out[name] = dict(wall_ms=wall * 1e3, device_ms=dev_us / 1e3, device_ops=kernels)
 
 
+def unprofiled(name, fn, reps, out):
+    """Without the profiler: the median wall time of `reps` steps (none: nothing)."""
+    if not reps:
+        return
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    out[name]["wall_ms_unprofiled"] = statistics.median(times)
+    print(f"{name}: {statistics.median(times):.2f} ms median wall without the profiler ({reps} steps)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="random:llama-3.1-8b")
@@ -75,15 +90,15 @@ def main():
                     help="a decoder layer per launch (models/persistent.py; auto: the loader's choice)")
     ap.add_argument("--trace", help="a folder: write each step kind's chrome trace there (.json.gz)")
     ap.add_argument("--accepted", type=int, default=1, help="tokens the draft step commits (1: the bonus only)")
-    ap.add_argument("--wall-reps", type=int, default=0, help="also time this many draft steps without the profiler")
+    ap.add_argument("--wall-reps", type=int, default=0, help="also time this many steps of each kind without the profiler")
     ap.add_argument("--fold", default="auto", choices=("auto", "on", "off"),
-                    help="the draft's norms folded into its products (fused_layer.fold_norms; auto: the loader's)")
+                    help="both models' norms folded into their products (fused_layer.fold_model_norms; auto: the loader's)")
     a = ap.parse_args()
     TRACE["dir"] = a.trace
     if a.fold != "auto":
         from specextend.models import loader
 
-        loader.FOLD_DRAFT_NORMS = a.fold == "on"
+        loader.FOLD_NORMS = a.fold == "on"
     kw = dict(execution=a.execution)
     target = load_model(a.target, "target", **kw)
     draft = load_model(a.draft, "draft", vocab_size=target.args.vocab_size, **kw)
@@ -105,6 +120,7 @@ def main():
     def verify():
         sess.verify(5, [11] * len(parents), parents, capture=False)
     prof(f"verify_hta_{len(parents) + 1}", verify, a.reps, out, a.rows)
+    unprofiled(f"verify_hta_{len(parents) + 1}", verify, a.wall_reps, out)
     if a.only_verify:
         print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, **out)))
         return
@@ -113,6 +129,7 @@ def main():
         sess.decode(7)
         sess.cache.truncate(a.length)
     prof("ar_decode", ar, a.reps, out)
+    unprofiled("ar_decode", ar, a.wall_reps, out)
     params = DraftSessionParams(TreeConfig(16, 6, 4), RetrievalConfig(enabled=True, draft_prefill_window=512),
                                 max_new_tokens=256)
 
@@ -128,16 +145,7 @@ def main():
             ds.step(k[0], [3] * a.accepted, None)
             k[0] += 1
         prof(name, dstep, a.reps, out)
-        if a.wall_reps:  # without the profiler: wall time per step, median of a.wall_reps
-            times = []
-            for _ in range(a.wall_reps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                dstep()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
-            out[name]["wall_ms_unprofiled"] = statistics.median(times)
-            print(f"{name}: {statistics.median(times):.2f} ms median wall without the profiler ({a.wall_reps} steps)")
+        unprofiled(name, dstep, a.wall_reps, out)
     print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, draft=a.draft,
                           persistent=a.persistent, **out)))
 

@@ -79,7 +79,6 @@ def kernels_for(geo: str, call: str, dt: str):
     m = r * t
     c = config(m, dt == "fp32")
     splits = num_splits(m, g, H100_SMS, dt == "fp32")
-    folded = call == "draft-level"  # a draft's plan folds its norms (fused_layer.fold_norms)
     p = f"*{dt}"
     yield "prefix_partials", PK.prefix_partials, dict(
         q_ptr=(p, 0), kv_ptr=(p, 0), meta_ptr=("*i64", 0), out_ptr=("*fp32", 0), lse_ptr=("*fp32", 0),
@@ -93,16 +92,17 @@ def kernels_for(geo: str, call: str, dt: str):
         stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d),
         T=("i32", t), N=("i32", n), S=("i32", splits)), dict(R=r, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
         SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False, PDL=True), dict(num_warps=cc["warps"], num_stages=1, launch_pdl=True)
-    yield "rope_scatter", LK.rope_scatter, dict(
-        qkv_ptr=(p, 0), cos_ptr=(p, 0), sin_ptr=(p, 0), q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0),
-        kpre_ptr=(p, 0), stride_kg=("i32", n * d), stride_kt=("i32", d), stride_vg=("i32", n * d),
-        stride_vt=("i32", d), stride_pg=("i32", t * d), stride_pt=("i32", d), T=("i32", t),
-        x_ptr=(p, 0), b_ptr=(p, 0), eps=("fp32", 0)), dict(
-        H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=call == "draft-level", PDL=True, E=h * d, EP=_pow2(h * d, 1),
-        NORM=folded, BIAS=folded), dict(num_warps=1, launch_pdl=True)
-    block = min(1024, _pow2(inter))
-    yield "silu_mul", LK.silu_mul, dict(gu_ptr=(p, 0), out_ptr=(p, 0), x_ptr=(p, 0), eps=("fp32", 0)), dict(
-        I=inter, BLOCK=block, E=h * d, EP=_pow2(h * d, 1), NORM=folded), dict(num_warps=4)
+    for folded in (True, False):  # norms folded (fused_layer.fold_model_norms), as loaded; QK-norm models not
+        yield "rope_scatter", LK.rope_scatter, dict(
+            qkv_ptr=(p, 0), cos_ptr=(p, 0), sin_ptr=(p, 0), q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0),
+            kpre_ptr=(p, 0), stride_kg=("i32", n * d), stride_kt=("i32", d), stride_vg=("i32", n * d),
+            stride_vt=("i32", d), stride_pg=("i32", t * d), stride_pt=("i32", d), T=("i32", t),
+            x_ptr=(p, 0), b_ptr=(p, 0), eps=("fp32", 0)), dict(
+            H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=call == "draft-level", PDL=True, E=h * d, EP=_pow2(h * d, 1),
+            NORM=folded, BIAS=folded), dict(num_warps=1, launch_pdl=True)
+        block = min(1024, _pow2(inter))
+        yield "silu_mul", LK.silu_mul, dict(gu_ptr=(p, 0), out_ptr=(p, 0), x_ptr=(p, 0), eps=("fp32", 0)), dict(
+            I=inter, BLOCK=block, E=h * d, EP=_pow2(h * d, 1), NORM=folded), dict(num_warps=4)
     e = h * d  # the presets' hidden size
     # the skinny projections (models/skinny.py): QKV with the norm and bias, gate/up, down + residual
     for what, n, k, norm, bias, glu, res in (("qkv", (h + 2 * g) * d, e, True, True, False, False),
@@ -193,7 +193,7 @@ def main() -> None:
             for dt in dtypes:
                 for name, fn, args, const, opts in kernels_for(geo, call, dt):
                     key = (name, json.dumps(const, sort_keys=True), dt, json.dumps(opts))
-                    if key in seen:  # silu_mul depends on the call only through its folded norm
+                    if key in seen:  # (silu_mul does not depend on the call)
                         continue
                     seen.add(key)
                     try:

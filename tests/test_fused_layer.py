@@ -141,20 +141,26 @@ def _layer_of(qkv, bias, gate_up, nw):
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2"])
 def test_folded_norms_full_step_twin_equals_eager(name):
-    """A draft's fused plan with its norms folded (8 kernels a layer) equals the plain forward
-    within the rounding the folding adds, for every decode-time call kind; QK-norm models and the
-    unfused plan refuse it."""
+    """A model with its norms folded into its weights (fold_model_norms: 8 kernels a layer under the
+    fused plan) computes the unfolded model's function within the rounding the folding adds, for
+    every decode-time call kind, through the fused plan and through the paths that run the norms as
+    written (eager, the unfused plan); folding again changes nothing; QK-norm models refuse it."""
     dec = decoder_on(name, DEVICE, torch.float32)
     ref = run_calls(dec, dec.forward_eager, DEVICE)
-    graphs = FullStepGraphs(dec, capture=False, fused=True, fold_norms=True)
+    originals = list(dec.w.layers)
+    fused_layer.fold_model_norms(dec)
     folded = fused_layer.FoldedLayerWeights
-    assert all(isinstance(lw, folded) for lw in graphs.layers)
-    assert not any(isinstance(lw, folded) for lw in dec.w.layers)  # (the eager path's weights unchanged)
-    assert_same_run(ref, run_calls(dec, graphs.forward, DEVICE), atol=1e-4, rtol=1e-4)
+    assert all(isinstance(lw, folded) for lw in dec.w.layers)
+    assert all(bool((lw.input_norm == 1).all() and (lw.post_norm == 1).all()) for lw in dec.w.layers)
+    assert not any(torch.equal(lw.qkv, o.qkv) for lw, o in zip(dec.w.layers, originals))  # (norms not all ones)
+    layers = list(dec.w.layers)
+    fused_layer.fold_model_norms(dec)
+    assert all(a is b for a, b in zip(layers, dec.w.layers))
+    for fwd in (FullStepGraphs(dec, capture=False, fused=True).forward, dec.forward_eager,
+                FullStepGraphs(dec, capture=False).forward):
+        assert_same_run(ref, run_calls(dec, fwd, DEVICE), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="folded norms"):
-        FullStepGraphs(dec, capture=False, fold_norms=True)
-    with pytest.raises(ValueError, match="folded norms"):
-        FullStepGraphs(decoder_on("qwen3", DEVICE, torch.float32), capture=False, fused=True, fold_norms=True)
+        fused_layer.fold_model_norms(decoder_on("qwen3", DEVICE, torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -210,6 +216,19 @@ def test_captured_fused_full_graphs_equal_twin(dtype, tol, skinny):
     assert graphs.num_graphs == 5 * len(graphs.pieces)
     assert_same_run(ref, got, atol=tol, rtol=tol)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused plan is CUDA's")
+def test_the_loader_folds_the_norms_of_every_model_under_the_fused_plan(monkeypatch):
+    """Target and draft alike (loader.FOLD_NORMS); off, the weights stay as loaded."""
+    from specextend.models import loader
+
+    for role in ("target", "draft"):
+        m = loader.load_model("random:llama-tiny", role, dtype="bfloat16", device="cuda")
+        assert all(isinstance(lw, fused_layer.FoldedLayerWeights) for lw in m.decoder.w.layers)
+    monkeypatch.setattr(loader, "FOLD_NORMS", False)
+    m = loader.load_model("random:llama-tiny", "target", dtype="bfloat16", device="cuda")
+    assert not any(isinstance(lw, fused_layer.FoldedLayerWeights) for lw in m.decoder.w.layers)
 
 
 def test_the_execution_plan_is_chosen_once_from_the_configuration(tiny_models):

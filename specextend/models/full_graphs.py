@@ -34,7 +34,6 @@ import torch
 from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
                                                  triton_available)
 from specextend.kv_cache import KVCache
-from specextend.models import fused_layer
 from specextend.models import persistent as persistent_mod
 from specextend.models.capture import capture
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room, path_mask
@@ -75,19 +74,15 @@ def launch_pieces(steps: int, split: bool = True) -> list[range]:
 
 
 def can_fold_norms(model, fused: bool, persistent: bool) -> bool:
-    """Whether a plan of these kernels may fold the model's norms (fused_layer.fold_norms)."""
+    """Whether folding the model's norms (fused_layer.fold_model_norms) takes kernels out of a plan
+    of these kernels: only the fused layer kernels skip the norms of folded layers."""
     return fused and not persistent and all(lw.q_norm is None for lw in model.w.layers)
 
 
 class FullStepGraphs(StepGraphs):
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False,
-                 fused: bool = False, split_launch: bool = True, skinny: bool = False, persistent: bool = False,
-                 fold_norms: bool = False):
+                 fused: bool = False, split_launch: bool = True, skinny: bool = False, persistent: bool = False):
         super().__init__(model, capture=capture, max_tokens=max_tokens, compile=compile, fused=fused, skinny=skinny)
-        if fold_norms:  # the norms' weights in the products after them (fused_layer.fold_norms: a draft's plan)
-            if not can_fold_norms(model, fused, persistent):
-                raise ValueError("folded norms take the fused layer kernels, without QK-norm or the persistent layer")
-            self.layers = [fused_layer.fold_norms(lw) for lw in model.w.layers]
         if persistent and not persistent_mod.supported(model):
             raise ValueError("the persistent layer kernel takes half-precision or float32 models without QK-norm")
         self.persistent = persistent  # a layer per launch (persistent.py) for plans of <= MAX_ROWS queries

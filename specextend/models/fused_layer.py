@@ -9,8 +9,9 @@ graph nodes per 0.5B draft forward, ~2.5 us each, against 0.3 ms of weights).
     silu_mul       the MLP's activation                                                    2 -> 1
     rms_norm       the two norms, one program per row (PyTorch's took 5.8 us for 17 rows)  1 -> 1
 
-A draft's plan also folds its two norms' weights into the products after them (fold_norms): the
-rms_norm kernels leave it and rope_scatter / silu_mul apply each row's 1/RMS, 8 kernels a layer.
+A model under the fused plan has its two norms' weights folded into the products after them
+(fold_model_norms, at load): the rms_norm kernels leave the plan and rope_scatter / silu_mul
+apply each row's 1/RMS, 8 kernels a layer.
 
 The slow twins are the torch functions the plain segments use (decoder.layer_pre / layer_post,
 tree_merge.tree_attention_merged); tests compare each kernel with its twin and the whole fused
@@ -132,23 +133,38 @@ def silu_mul(gu: torch.Tensor, norm_x: Optional[torch.Tensor] = None, eps: float
 
 class FoldedLayerWeights(LayerWeights):
     """A layer whose input_norm and post_norm weights are folded into qkv's and gate_up's columns
-    (fold_norms): the norms' 1/RMS is applied after those products (a draft's fused plan only)."""
+    (fold_norms) and are ones: the fused plan applies the norms' 1/RMS after those products; every
+    other path runs the norms as written (with unit weights) and computes the same function."""
 
 
 def fold_norms(lw: LayerWeights) -> FoldedLayerWeights:
     """The layer with its two RMSNorms' weights folded into the columns of the products after them:
-    qkv * w_in and gate_up * w_post (computed in float32, rounded once), so that the norm kernels
-    leave a fused forward (layer_pre / layer_post then scale the products' rows by 1/RMS inside
-    rope_scatter and silu_mul: 10 kernels a layer -> 8). The rounding of the folded weights makes the
-    forward differ from its twin's by rounding: a draft's fused plan only (what a draft proposes is
-    verified; the target's forward stays as written)."""
-    assert lw.q_norm is None and not isinstance(lw, FoldedLayerWeights)
+    qkv * w_in and gate_up * w_post (computed in float32, rounded once), the norms' weights then
+    ones, so that the norm kernels leave a fused forward (layer_pre / layer_post scale the products'
+    rows by 1/RMS inside rope_scatter and silu_mul: 10 kernels a layer -> 8) while the eager path,
+    the piecewise plans and the persistent layer compute the same function with the folded weights.
+    A folded layer differs from the original by the folded weights' rounding (docs/architecture.md,
+    "Kernels"). Idempotent."""
+    if isinstance(lw, FoldedLayerWeights):
+        return lw
+    if lw.q_norm is not None:
+        raise ValueError("folded norms take models without QK-norm")
 
     def fold(w: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:  # w [N, E], nw [E]
         return (w.float() * nw.float()[None, :]).to(w.dtype).contiguous()
     fields = {f.name: getattr(lw, f.name) for f in dataclasses.fields(lw)}
-    fields.update(qkv=fold(lw.qkv, lw.input_norm), gate_up=fold(lw.gate_up, lw.post_norm))
+    fields.update(qkv=fold(lw.qkv, lw.input_norm), gate_up=fold(lw.gate_up, lw.post_norm),
+                  input_norm=torch.ones_like(lw.input_norm), post_norm=torch.ones_like(lw.post_norm))
     return FoldedLayerWeights(**fields)
+
+
+def fold_model_norms(model) -> None:
+    """Folds every layer of the model's weights in place (fold_norms), one layer at a time, so the
+    original qkv and gate_up are freed as their folded copies are made (a layer's worth of memory
+    at most, where nothing else holds them)."""
+    layers = model.w.layers
+    for i in range(len(layers)):
+        layers[i] = fold_norms(layers[i])
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

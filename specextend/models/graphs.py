@@ -115,7 +115,7 @@ class StepGraphs:
         if fused and model.dtype not in TRITON_DTYPES:
             raise ValueError(f"the fused layer kernels take bf16, fp16 or fp32 models, not {model.dtype}")
         self.seg = Segments(compile, fused=fused, skinny=skinny)  # as written, Inductor or Triton-fused
-        self.layers = model.w.layers  # the weights the segments run (FullStepGraphs: folded norms)
+        self.layers = model.w.layers  # the weights the segments run (folded where the loader folded them)
         self.capture = capture and model.device.type == "cuda"
         self.max_tokens = max_tokens
         self.plans: dict[ShapeKey, _Plan] = {}

@@ -187,32 +187,34 @@ def _hf_state_dict(meta: ModelMeta) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def attach_plan(decoder: Decoder, execution: str = "auto", fold_norms: bool = False) -> None:
+def attach_plan(decoder: Decoder, execution: str = "auto") -> None:
     """The execution plan, chosen once: `graphs` replays every decode-time forward as CUDA graphs
     with the Triton prefix and fused layer kernels where supported (full_graphs.py; else piecewise
     graphs around an eager prefix call, graphs.py); `eager` runs op by op; `auto` is graphs on
-    CUDA, eager elsewhere. `fold_norms` (a draft): its fused plan folds the norms' weights into the
-    products after them (fused_layer.fold_norms), where FOLD_DRAFT_NORMS. (Benchmarks compare other
-    variants by setting decoder.graphs to one.)"""
+    CUDA, eager elsewhere. Under the fused plan the model's norms are folded into its weights first
+    (fused_layer.fold_model_norms, in place: two kernels a layer fewer), where FOLD_NORMS. (Benchmarks
+    compare other variants by setting decoder.graphs to one.)"""
     dev = decoder.device
     if execution == "eager" or (execution == "auto" and dev.type != "cuda"):
         return
     if dev.type != "cuda":
         raise ModelLoadError("execution=graphs needs CUDA; use execution=auto or eager on the CPU")
     from specextend.models.full_graphs import FullStepGraphs, can_fold_norms, full_graphs_supported
+    from specextend.models.fused_layer import fold_model_norms
     from specextend.models.graphs import StepGraphs
 
     if full_graphs_supported(decoder):
         fused = fused_kernels_supported(decoder)
         persist = fused and persistent_kernels_supported(decoder)
-        fold = fold_norms and FOLD_DRAFT_NORMS and can_fold_norms(decoder, fused, persist)
+        if FOLD_NORMS and can_fold_norms(decoder, fused, persist):
+            fold_model_norms(decoder)
         decoder.graphs = FullStepGraphs(decoder, fused=fused, skinny=fused and skinny_kernels_supported(decoder),
-                                        persistent=persist, fold_norms=fold)
+                                        persistent=persist)
     else:
         decoder.graphs = StepGraphs(decoder)
 
 
-FOLD_DRAFT_NORMS = True  # a draft's fused plan with its norms folded (attach_plan; benchmarks switch it)
+FOLD_NORMS = True  # the fused plan's models with their norms folded (attach_plan; benchmarks switch it)
 
 
 def fused_kernels_supported(decoder: Decoder) -> bool:
@@ -283,6 +285,6 @@ def load_model(spec, role: str = "target", dtype: str = "auto", device: str = "a
     decoder = Decoder(args, weights, Rope(inv_freq, scaling), backend)
     if isinstance(backend, FlashBackend):  # its kernels compile now, not in the first long prompt
         backend.warm_up(args.num_heads, args.num_kv_heads, args.head_dim, dt, dev, windowed=role == "draft")
-    attach_plan(decoder, execution, fold_norms=role == "draft")
+    attach_plan(decoder, execution)
     decoder.load_seconds = time.perf_counter() - t0
     return LoadedModel(name=meta.name, decoder=decoder, tokenizer=tokenizer, hf_config=config)
