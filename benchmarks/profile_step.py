@@ -90,9 +90,11 @@ def main():
                     help="a decoder layer per launch (models/persistent.py; auto: the loader's choice)")
     ap.add_argument("--trace", help="a folder: write each step kind's chrome trace there (.json.gz)")
     ap.add_argument("--accepted", type=int, default=1, help="tokens the draft step commits (1: the bonus only)")
-    ap.add_argument("--wall-reps", type=int, default=0, help="also time this many steps of each kind without the profiler")
+    ap.add_argument("--wall-reps", type=int, default=0,
+                    help="also time this many steps of each kind without the profiler")
     ap.add_argument("--fold", default="auto", choices=("auto", "on", "off"),
-                    help="both models' norms folded into their products (fused_layer.fold_model_norms; auto: the loader's)")
+                    help="both models' norms folded into their products (fused_layer.fold_model_norms; "
+                         "auto: the loader's)")
     a = ap.parse_args()
     TRACE["dir"] = a.trace
     if a.fold != "auto":
