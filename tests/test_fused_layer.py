@@ -156,6 +156,7 @@ def test_folded_norms_full_step_twin_equals_eager(name):
     layers = list(dec.w.layers)
     fused_layer.fold_model_norms(dec)
     assert all(a is b for a, b in zip(layers, dec.w.layers))
+    assert all(isinstance(lw, folded) for lw in dec.w.to(dtype=torch.float64).layers)  # moved or cast: still folded
     for fwd in (FullStepGraphs(dec, capture=False, fused=True).forward, dec.forward_eager,
                 FullStepGraphs(dec, capture=False).forward):
         assert_same_run(ref, run_calls(dec, fwd, DEVICE), atol=1e-4, rtol=1e-4)

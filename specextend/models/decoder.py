@@ -47,8 +47,8 @@ class Weights:
 
         tied = self.lm_head is self.embed
         embed = cv(self.embed)
-        layers = [LayerWeights(**{k: cv(getattr(lw, k)) for k in LayerWeights.__dataclass_fields__})
-                  for lw in self.layers]
+        layers = [type(lw)(**{k: cv(getattr(lw, k)) for k in LayerWeights.__dataclass_fields__})
+                  for lw in self.layers]  # (a folded layer stays one: fused_layer.FoldedLayerWeights)
         return Weights(embed, layers, cv(self.norm), embed if tied else cv(self.lm_head))
 
 
