@@ -92,6 +92,7 @@ def kernels_for(geo: str, call: str, dt: str):
         stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d),
         T=("i32", t), N=("i32", n), S=("i32", splits)), dict(R=r, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
         SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False, PDL=True), dict(num_warps=cc["warps"], num_stages=1, launch_pdl=True)
+    block = min(1024, _pow2(inter))
     for folded in (True, False):  # norms folded (fused_layer.fold_model_norms), as loaded; QK-norm models not
         yield "rope_scatter", LK.rope_scatter, dict(
             qkv_ptr=(p, 0), cos_ptr=(p, 0), sin_ptr=(p, 0), q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0),
@@ -100,7 +101,6 @@ def kernels_for(geo: str, call: str, dt: str):
             x_ptr=(p, 0), b_ptr=(p, 0), eps=("fp32", 0)), dict(
             H=h, G=g, D=d, DP=_pow2(d, 2), STORE_PRE=call == "draft-level", PDL=True, E=h * d, EP=_pow2(h * d, 1),
             NORM=folded, BIAS=folded), dict(num_warps=1, launch_pdl=True)
-        block = min(1024, _pow2(inter))
         yield "silu_mul", LK.silu_mul, dict(gu_ptr=(p, 0), out_ptr=(p, 0), x_ptr=(p, 0), eps=("fp32", 0)), dict(
             I=inter, BLOCK=block, E=h * d, EP=_pow2(h * d, 1), NORM=folded), dict(num_warps=4)
     e = h * d  # the presets' hidden size

@@ -73,12 +73,6 @@ def launch_pieces(steps: int, split: bool = True) -> list[range]:
     return cuts
 
 
-def can_fold_norms(model, fused: bool, persistent: bool) -> bool:
-    """Whether folding the model's norms (fused_layer.fold_model_norms) takes kernels out of a plan
-    of these kernels: only the fused layer kernels skip the norms of folded layers."""
-    return fused and not persistent and all(lw.q_norm is None for lw in model.w.layers)
-
-
 class FullStepGraphs(StepGraphs):
     def __init__(self, model, capture: bool = True, max_tokens: int = MAX_GRAPH_TOKENS, compile: bool = False,
                  fused: bool = False, split_launch: bool = True, skinny: bool = False, persistent: bool = False):

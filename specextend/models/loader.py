@@ -199,7 +199,7 @@ def attach_plan(decoder: Decoder, execution: str = "auto") -> None:
         return
     if dev.type != "cuda":
         raise ModelLoadError("execution=graphs needs CUDA; use execution=auto or eager on the CPU")
-    from specextend.models.full_graphs import FullStepGraphs, can_fold_norms, full_graphs_supported
+    from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported
     from specextend.models.fused_layer import fold_model_norms
     from specextend.models.graphs import StepGraphs
 
@@ -215,6 +215,12 @@ def attach_plan(decoder: Decoder, execution: str = "auto") -> None:
 
 
 FOLD_NORMS = True  # the fused plan's models with their norms folded (attach_plan; benchmarks switch it)
+
+
+def can_fold_norms(decoder: Decoder, fused: bool, persistent: bool) -> bool:
+    """Whether folding the model's norms (fused_layer.fold_model_norms) takes kernels out of a plan
+    of these kernels: only the fused layer kernels skip the norms of folded layers."""
+    return fused and not persistent and all(lw.q_norm is None for lw in decoder.w.layers)
 
 
 def fused_kernels_supported(decoder: Decoder) -> bool:
