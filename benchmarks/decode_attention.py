@@ -6,7 +6,6 @@ as a forward runs them (PDL where the device has it), against the bytes floor.
   python benchmarks/decode_attention.py --cases 1.5b:16384:1 --json out.json
   python benchmarks/decode_attention.py --compare      # the merge's two ways to read the splits, twice
   python benchmarks/decode_attention.py --split        # the prefix kernel and the merge apart
-  python benchmarks/decode_attention.py --merged       # the two kernels against prefix_merged, twice
 
 A case is GEOMETRY:L:T (1.5b, 0.5b, 8b; L committed keys; T new tokens). For each case: the
 production configuration, then the merge's splits-per-iteration `sb` and warps, then the split
@@ -157,35 +156,6 @@ def compare(case: str, bw: float, sms: int) -> list[dict]:
     return rows
 
 
-def merged(case: str, bw: float, sms: int) -> list[dict]:
-    """The prefix kernel then tree_combine (two kernels) against fused_layer.prefix_merged (the
-    last split merges), at the production split count and twice it, alternating, twice."""
-    c, S0, floor_us = setup(case, bw, sms)
-    G, R, T, D = c["G"], c["R"], c["T"], c["D"]
-    if R * T > fused_layer.MERGE_ROWS:
-        return []
-    rows = []
-    counts = torch.zeros(4 * G, dtype=torch.int32, device=c["q"].device)
-    for S in (S0, 2 * S0):
-        for label in ("two kernels", "merged", "two kernels", "merged"):
-            if label == "merged":
-                out_p = torch.zeros(G, S, R * T, D, device=c["q"].device, dtype=torch.float32)
-                lse_p = torch.zeros(G, S, R * T, device=c["q"].device, dtype=torch.float32)
-
-                def run(layer: int, out_p=out_p, lse_p=lse_p) -> torch.Tensor:
-                    return fused_layer.prefix_merged(c["q"], c["anchor"], c["meta"], layer, c["scale"], out_p, lse_p,
-                                                     c["kt"], c["vt"], c["bias"], counts)[0]
-                ref = reference(c, c["layers"] // 2)
-                err = ((run(c["layers"] // 2).float() - ref).norm() / ref.norm()).item()
-            else:
-                run, err = variant(c, S)
-            us = time_us(c, run)
-            rows.append(dict(case=case, variant=label, S=S, us=us, floor_us=floor_us, rel_err=err))
-            print(f"{case:16s} {label:11s} S={S:3d}  {us:7.2f} us  ({us / floor_us:5.2f}x floor {floor_us:5.2f})"
-                  f"  err {err:.1e}", flush=True)
-    return rows
-
-
 def sweep(case: str, bw: float, sms: int) -> list[dict]:
     c, S0, floor_us = setup(case, bw, sms)
     rows = []
@@ -216,7 +186,6 @@ def main():
     p.add_argument("--json", default="")
     p.add_argument("--split", action="store_true", help="time the prefix kernel and the merge apart")
     p.add_argument("--compare", action="store_true", help="the merge 8 splits a round against one load, twice")
-    p.add_argument("--merged", action="store_true", help="two kernels against the merged one (prefix_merged), twice")
     a = p.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -224,11 +193,11 @@ def main():
     print(f"{torch.cuda.get_device_name(dev)}: copy {bw / 1e12:.2f} TB/s (read + write), {sms} SMs")
     rows = []
     for case in a.cases.split(","):
-        rows += (split_sweep if a.split else compare if a.compare else merged if a.merged else sweep)(case, bw, sms)
+        rows += (split_sweep if a.split else compare if a.compare else sweep)(case, bw, sms)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(meta("decode_attention", "cuda", sys.argv), copy_bw=bw, rows=rows), f, indent=1)
-    if a.split or a.compare or a.merged:
+    if a.split or a.compare:
         return
     best = {}
     for r in rows:

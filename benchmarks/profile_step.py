@@ -95,16 +95,8 @@ def main():
     ap.add_argument("--fold", default="auto", choices=("auto", "on", "off"),
                     help="both models' norms folded into their products (fused_layer.fold_model_norms; "
                          "auto: the loader's)")
-    ap.add_argument("--merge", default="auto", choices=("auto", "on", "off"),
-                    help="HTA's attention merged by the prefix kernel (fused_layer.prefix_merged; auto: as shipped)")
-    ap.add_argument("--small-verify", type=int, default=0,
-                    help="also time a verification of this many nodes in a chain (a lookup's size)")
     a = ap.parse_args()
     TRACE["dir"] = a.trace
-    if a.merge != "auto":
-        from specextend.models import full_graphs
-
-        full_graphs.MERGE = a.merge == "on"
     if a.fold != "auto":
         from specextend.models import loader
 
@@ -131,13 +123,6 @@ def main():
         sess.verify(5, [11] * len(parents), parents, capture=False)
     prof(f"verify_hta_{len(parents) + 1}", verify, a.reps, out, a.rows)
     unprofiled(f"verify_hta_{len(parents) + 1}", verify, a.wall_reps, out)
-    if a.small_verify:
-        chain = list(range(-1, a.small_verify - 1))
-
-        def verify_small():
-            sess.verify(5, [11] * len(chain), chain, capture=False)
-        prof(f"verify_hta_{len(chain) + 1}", verify_small, a.reps, out, a.rows)
-        unprofiled(f"verify_hta_{len(chain) + 1}", verify_small, a.wall_reps, out)
     if a.only_verify:
         print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, **out)))
         return

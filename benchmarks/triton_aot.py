@@ -35,7 +35,7 @@ from specextend.attention import _triton_kernels as PK  # noqa: E402
 from specextend.bench.compile_keys import unspecialized  # noqa: E402
 from specextend.attention.triton_prefix import config, num_splits  # noqa: E402
 from specextend.models import _triton_layer as LK  # noqa: E402
-from specextend.models.fused_layer import MERGE_ROWS, _pow2, combine_config, merge_config  # noqa: E402
+from specextend.models.fused_layer import _pow2, combine_config  # noqa: E402
 from specextend.attention.triton_prefix import MIN_CHUNK  # noqa: E402
 from specextend.models import _triton_skinny as SK  # noqa: E402
 from specextend.models.skinny import config as skinny_config  # noqa: E402
@@ -92,16 +92,6 @@ def kernels_for(geo: str, call: str, dt: str):
         stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d),
         T=("i32", t), N=("i32", n), S=("i32", splits)), dict(R=r, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
         SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False, PDL=True), dict(num_warps=cc["warps"], num_stages=1, launch_pdl=True)
-    if m <= MERGE_ROWS:  # HTA's attention in one kernel (fused_layer.prefix_merged): unbatched plans
-        mc = merge_config(m, n, d, splits, dt == "fp32")
-        yield "prefix_merged", LK.prefix_merged, dict(
-            q_ptr=(p, 0), kv_ptr=(p, 0), meta_ptr=("*i64", 0), outp_ptr=("*fp32", 0), lsep_ptr=("*fp32", 0),
-            k_ptr=(p, 0), v_ptr=(p, 0), bias_ptr=("*fp32", 0), out_ptr=(p, 0), lse_ptr=("*fp32", 0),
-            cnt_ptr=("*i32", 0), scale_log2=("fp32", 0), layer=("i32", 3), stride_kg=("i32", n * d),
-            stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d), T=("i32", t), N=("i32", n),
-            S=("i32", splits)), dict(G=g, R=r, SP=mc["sp"], D=d, DP=_pow2(d), BLOCK_M=mc["bm"], BLOCK_N=mc["block_n"],
-            MIN_CHUNK=MIN_CHUNK, TREE_N=mc["tree_n"], SB=mc["sb"], NEED_LSE=call == "ar", IEEE=dt == "fp32",
-            INTERPRET=False, PDL=True), dict(num_warps=mc["num_warps"], num_stages=mc["num_stages"], launch_pdl=True)
     block = min(1024, _pow2(inter))
     for folded in (True, False):  # norms folded (fused_layer.fold_model_norms), as loaded; QK-norm models not
         yield "rope_scatter", LK.rope_scatter, dict(

@@ -71,48 +71,6 @@ def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, sp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("h,g,t,staged,d,length,splits", [(6, 2, 1, 0, 32, 300, 5), (4, 1, 5, 9, 24, 40, 3),
-                                                          (8, 2, 16, 3, 64, 700, 16), (14, 2, 4, 20, 64, 1, 4)])
-@pytest.mark.parametrize("need_lse", [False, True])
-def test_prefix_merged_equals_prefix_partials_then_tree_combine(dtype, h, g, t, staged, d, length, splits, need_lse):
-    """One kernel for HTA's attention (the last split to finish merges) equals its two-kernel twin,
-    over a cache at an offset from its anchor, layer 1: an AR step, a non-power-of-two head dim with
-    staged keys, 64 folded rows (the most it takes) over 16 splits of 700 keys, the draft's level
-    shape over a one-key prefix (3 of 4 splits empty); its arrival counts are left zero for the
-    next launch, which gives the same result."""
-    from specextend.attention.triton_prefix import cache_meta, prefix_partials
-
-    gen = _gen(h * 100 + t * 10 + staged)
-    r, n = h // g, staged + t
-    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
-    data = rnd(3, 2, g, 1024, d).to(dtype)  # KVCache.data [layers, 2, G, capacity, D]
-    anchor = torch.zeros(16, dtype=dtype, device=DEVICE)
-    meta = torch.tensor(cache_meta(data, anchor, length), dtype=torch.int64, device=DEVICE)
-    q = rnd(h, t, d).to(dtype)
-    k, v = rnd(g, n, d).to(dtype), rnd(g, n, d).to(dtype)
-    mask = torch.rand(t, n, generator=gen).to(DEVICE) < 0.6
-    mask[:, staged:] |= torch.eye(t, dtype=torch.bool, device=DEVICE)
-    bias = mask_bias(mask, r, torch.float32)
-    out_p, lse_p = torch.empty(g, splits, r * t, d, device=DEVICE), torch.empty(g, splits, r * t, device=DEVICE)
-    prefix_partials(q.view(g, r * t, d), anchor, meta, 1, 0.3, out_p, lse_p)
-    ref, ref_lse = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, need_lse)  # [T, H * D]
-    twin, twin_lse = tree_attention_merged(q, k, v, bias, out_p, lse_p, 0.3, need_lse=need_lse)  # [H, T, D]
-    counts = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        out_p.fill_(float("nan"))
-        got, lse = fused_layer.prefix_merged(q, anchor, meta, 1, 0.3, out_p, lse_p, k, v, bias, counts, need_lse)
-        assert not counts.any()
-        tol = TOL[dtype]
-        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
-        torch.testing.assert_close(got.view(t, h, d).transpose(0, 1).float(), twin.float(), atol=tol, rtol=tol)
-        if need_lse:
-            torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(lse, twin_lse.float(), atol=1e-5, rtol=1e-5)
-        else:
-            assert lse is None
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("store", [False, True])
 def test_rope_scatter_equals_rope_and_copies(dtype, store):
     a = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)  # the ModelArgs fields it reads
@@ -219,22 +177,16 @@ def test_rms_norm_equals_torch(dtype, t, e):
                                rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("name,skinny,merge", [(n, s, True) for n in ("llama3", "qwen2", "qwen3") for s in (False, True)]
-                         + [("qwen2", False, False)])
-def test_fused_full_step_twin_equals_eager(name, skinny, merge, monkeypatch):
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("skinny", [False, True])
+def test_fused_full_step_twin_equals_eager(name, skinny):
     """The full-step forward with the fused kernels (and the skinny linear ones) equals the plain
     forward, for every decode-time call kind (AR, draft levels with staged keys and the store,
-    verification with CMR capture); every plan merges HTA's attention in its prefix kernel
-    (prefix_merged), or none does (tree_combine after the prefix kernel)."""
-    from specextend.models import full_graphs
-
-    monkeypatch.setattr(full_graphs, "MERGE", merge)
+    verification with CMR capture)."""
     dec = decoder_on(name, DEVICE, torch.float32)
     ref = run_calls(dec, dec.forward_eager, DEVICE)
-    graphs = FullStepGraphs(dec, capture=False, fused=True, skinny=skinny)
-    got = run_calls(dec, graphs.forward, DEVICE)
+    got = run_calls(dec, FullStepGraphs(dec, capture=False, fused=True, skinny=skinny).forward, DEVICE)
     assert_same_run(ref, got, atol=1e-5, rtol=1e-5)
-    assert {p.counts is not None for p in graphs.plans.values()} == {merge}
 
 
 def test_fused_piecewise_twin_equals_eager():

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[1]
-FUSED = {"tree_combine", "prefix_merged", "rope_scatter", "silu_mul", "rms_norm", "skinny_linear", "skinny_loop"}
+FUSED = {"tree_combine", "rope_scatter", "silu_mul", "rms_norm", "skinny_linear", "skinny_loop"}
 
 
 def test_kernels_compile_for_sm90_within_shared_memory_and_fused_ones_do_not_spill():
@@ -34,6 +34,6 @@ def test_kernels_compile_for_sm90_within_shared_memory_and_fused_ones_do_not_spi
     # the vocabulary top-k at the widths the product uses (tree_topk 4, overlap's 8) keeps to registers
     assert not [r for r in rows if r["kernel"].endswith(("w=4", "w=8")) and r["stack"]]
     # half-precision attention dots run on the tensor cores (wgmma where the tile allows)
-    assert all(r["mma"] for r in rows if r["kernel"] in ("tree_combine", "prefix_merged", "prefix_partials", "skinny_linear", "skinny_loop",
+    assert all(r["mma"] for r in rows if r["kernel"] in ("tree_combine", "prefix_partials", "skinny_linear", "skinny_loop",
                                                         "layer_kernel")
                and r["dtype"] == "bf16")

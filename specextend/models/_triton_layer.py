@@ -5,8 +5,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from specextend.attention._triton_kernels import prefix_split
-
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 ROUND = tl.constexpr(8)  # combine_block with sb >= SP: splits a round where few are in use
@@ -196,35 +194,6 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
     if NEED_LSE:
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
         tl.store(lse_ptr + g * M + offs_m, lse, mask=row_ok & (c == 0))
-
-
-@triton.jit(do_not_specialize=["layer", "T", "N", "S"])
-def prefix_merged(q_ptr, kv_ptr, meta_ptr, outp_ptr, lsep_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, lse_ptr, cnt_ptr,
-                  scale_log2, layer, stride_kg, stride_kn, stride_vg, stride_vn, T, N, S,
-                  G: tl.constexpr, R: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, TREE_N: tl.constexpr,
-                  SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                  PDL: tl.constexpr = False):
-    """prefix_partials' program (row block mb, split s, KV head g) for one session, then the merge:
-    the program of (mb, g) that stores its partial last (an arrival count per (mb, g) in cnt_ptr,
-    zero between launches: the last arrival resets it) runs tree_combine's work for the whole row
-    block and every head dim (combine_block with one chunk of DP), so HTA's attention needs no
-    second kernel (docs/architecture.md, "Kernels"). q [G, R*T, D] is tree_combine's [H, T, D]."""
-    if PDL:  # nothing to load before the wait: PDL hides the launch gap (specextend/pdl.py)
-        gdc_launch_dependents()
-        gdc_wait()
-    mb = tl.program_id(0)
-    s = tl.program_id(1)
-    g = tl.program_id(2)
-    prefix_split(q_ptr, kv_ptr, meta_ptr, outp_ptr, lsep_ptr, scale_log2, layer, R * T, mb, s, g, 0, T, 1, S,
-                 G, D, DP, BLOCK_M, BLOCK_N, MIN_CHUNK, IEEE, INTERPRET)
-    tl.debug_barrier()  # every warp's part of the partial stored before the count (released by it)
-    cnt = cnt_ptr + mb * G + g
-    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == S - 1:  # acquire: the others' partials
-        tl.store(cnt, 0)
-        combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
-                      stride_kg, stride_kn, stride_vg, stride_vn, mb, g, 0, G, T, N, S, R, SP, D, DP, DP,
-                      BLOCK_M, TREE_N, SB, NEED_LSE, IEEE, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -34,7 +34,7 @@ import torch
 from specextend.attention.triton_prefix import (ALIGN, TRITON_DTYPES, cache_meta, num_splits, prefix_partials,
                                                  triton_available)
 from specextend.kv_cache import KVCache
-from specextend.models import fused_layer, persistent as persistent_mod
+from specextend.models import persistent as persistent_mod
 from specextend.models.capture import capture
 from specextend.models.graphs import MAX_GRAPH_TOKENS, ShapeKey, StepGraphs, _Plan, check_room, path_mask
 from specextend.models.transfer import copy_from_host, to_device
@@ -42,7 +42,6 @@ from specextend.models.transfer import copy_from_host, to_device
 MAX_BATCH_SESSIONS = 32  # sessions in one batched forward (more: several forwards)
 MAX_BATCH_ROWS = 512  # tokens in one batched forward, all its sessions together
 BATCH_MASKS = 256  # batched forwards' masks kept, by the calls' sizes and masks (FullStepGraphs._batch_mask)
-MERGE = True  # unbatched fused plans merge HTA's attention in the prefix kernel (_merges; benchmarks switch it)
 EMPTY_META = [0, 0, 1, 0]  # a padding session's cache: no committed keys (triton_prefix.cache_meta)
 
 
@@ -277,23 +276,10 @@ class FullStepGraphs(StepGraphs):
             if i < n:
                 self._prefix(p, i, None)
 
-    def _merges(self, p: _Plan) -> bool:
-        """HTA's attention of this plan in one kernel (fused_layer.prefix_merged): fused layer
-        kernels, one session, at most MERGE_ROWS folded rows, where MERGE."""
-        a = self.model.args
-        return (MERGE and self.seg.fused and p.key.sessions == 1 and not self._persists(p)
-                and p.key.t * (a.num_heads // a.num_kv_heads) <= fused_layer.MERGE_ROWS)
-
     def _prefix(self, p: _Plan, i: int, kv) -> None:
-        """Layer i's queries over cache[:L] (found through p.meta) -> S partials in p.out_p / p.lse_p;
-        where the plan merges, HTA's whole attention of layer i -> p.merged (the next segment's)."""
+        """Layer i's queries over cache[:L] (found through p.meta) -> S partials in p.out_p / p.lse_p."""
         m = self.model
         g, d = m.args.num_kv_heads, m.args.head_dim
-        if p.counts is not None:
-            need_lse = p.key.capture and i == m.args.num_layers - 1
-            p.merged = fused_layer.prefix_merged(p.q[i], self.anchor, p.meta, i, m.scale, p.out_p, p.lse_p,
-                                                 p.scratch[i, 0], p.scratch[i, 1], p.bias, p.counts, need_lse)
-            return
         rows = p.key.t * (m.args.num_heads // g)
         prefix_partials(p.q[i].view(g, rows, d), self.anchor, p.meta, i, m.scale, p.out_p, p.lse_p,
                         sessions=p.key.sessions, tokens=p.key.t // p.key.sessions)
@@ -309,7 +295,6 @@ class FullStepGraphs(StepGraphs):
         p.lse_p = torch.zeros(g, s, rows, dtype=torch.float32, device=dev)  # [G, S, R*T]
         # per session: cache offset, L, capacity, 0 (cache_meta)
         p.meta = torch.zeros(4 * key.sessions, dtype=torch.int64, device=dev)
-        p.counts = torch.zeros(4 * g, dtype=torch.int32, device=dev) if self._merges(p) else None  # arrivals a row block
         self._set_meta(p, cache, cache.length)
         if self._persists(p):
             persistent_mod.new_buffers(p, m)

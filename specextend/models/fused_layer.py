@@ -84,63 +84,6 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     return out, (lse if need_lse else None)
 
 
-MERGE_ROWS = 64  # folded rows of one session up to which prefix_merged takes HTA's attention (one row block)
-
-
-def merge_config(rows: int, n: int, d: int, s: int, ieee: bool) -> dict:
-    """prefix_merged's tiles: the prefix kernel's (triton_prefix.config) and the merge's rounds of
-    sb splits, each a [BM, DP] float32 load, at most ~128 registers a thread of four warps (sb below
-    the splits' power of two, so that combine_block sums them in rounds of sb; 4 for tiles of 1024
-    floats: the 0.5B's AR step spilled at 8, benchmarks/triton_aot.py)."""
-    from specextend.attention.triton_prefix import config
-
-    c = dict(config(rows, ieee))
-    sp = _pow2(s, 2)
-    per = c["bm"] * _pow2(d)  # floats of one split's tile
-    c.update(sp=sp, sb=max(1, min(4 if per <= 1024 else 8, 16384 // per, sp // 2)), tree_n=combine_config(rows, n, d, s, ieee)["bn"])
-    return c
-
-
-def prefix_merged(q: torch.Tensor,  # [H, T, D] contiguous
-                  anchor: torch.Tensor, meta: torch.Tensor,  # the committed cache (triton_prefix.cache_meta), one session
-                  layer: int, scale: float,
-                  out_p: torch.Tensor, lse_p: torch.Tensor,  # [G, S, (H/G) * T, D], [G, S, (H/G) * T] float32 scratch
-                  k: torch.Tensor, v: torch.Tensor,  # [G, n, D] tree keys, last dim contiguous
-                  bias: torch.Tensor,  # [(H/G) * T, n] additive mask (tree_merge.mask_bias), contiguous
-                  counts: torch.Tensor,  # [row blocks * G] int32, zero (left zero by the kernel)
-                  need_lse: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """HTA's attention of one session in one kernel: triton_prefix.prefix_partials' splits, then,
-    by the last split of each (row block, KV head) to finish, tree_combine's merge with the tree
-    keys -> [T, H * D] (q's dtype) and the merged lse [H, T] (float32) if need_lse. At most
-    MERGE_ROWS folded rows. Twin: prefix_partials then tree_combine (and their own twins)."""
-    from specextend.attention._triton_kernels import INTERPRETED
-    from specextend.attention.triton_prefix import MIN_CHUNK
-    from specextend.models._triton_layer import prefix_merged as kernel
-
-    h, t, d = q.shape
-    g, n, _ = k.shape
-    r = h // g
-    s = out_p.shape[1]
-    if r * t > MERGE_ROWS:
-        raise ValueError(f"prefix_merged takes at most {MERGE_ROWS} folded rows, not {r * t}")
-    assert q.is_contiguous() and bias.is_contiguous() and out_p.is_contiguous() and lse_p.is_contiguous()
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype == v.dtype == q.dtype
-    ieee = q.dtype == torch.float32
-    c = merge_config(r * t, n, d, s, ieee)
-    blocks = -(-r * t // c["bm"])
-    assert counts.dtype == torch.int32 and counts.numel() >= blocks * g
-    out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)  # [T, H * D]
-    lse = torch.empty(h, t, dtype=torch.float32, device=q.device) if need_lse else out
-    on = pdl.enabled(q.device)
-    kernel[(blocks, s, g)](q, anchor, meta, out_p, lse_p, k, v, bias, out, lse, counts, scale * math.log2(math.e),
-                           layer, k.stride(0), k.stride(1), v.stride(0), v.stride(1), t, n, s, G=g, R=r, SP=c["sp"],
-                           D=d, DP=_pow2(d), BLOCK_M=c["bm"], BLOCK_N=c["block_n"],
-                           MIN_CHUNK=-(-MIN_CHUNK // c["block_n"]) * c["block_n"], TREE_N=c["tree_n"], SB=c["sb"],
-                           NEED_LSE=need_lse, IEEE=ieee, INTERPRET=INTERPRETED, PDL=on, num_warps=c["num_warps"],
-                           num_stages=c["num_stages"], **launch_args(on))
-    return out, (lse if need_lse else None)
-
-
 def rope_scatter(a: ModelArgs, qkv: torch.Tensor,  # [T, (H + 2G) * D] contiguous
                  cos: torch.Tensor, sin: torch.Tensor,  # [T, D] (Rope.cos_sin: signed sine)
                  k_dst: torch.Tensor, v_dst: torch.Tensor,  # [G, T, D], last dim contiguous

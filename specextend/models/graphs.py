@@ -92,8 +92,6 @@ class _Plan:
         self.bias = None  # [(H/G) * T, staged + T] additive tree mask
         self.logits: Optional[torch.Tensor] = None  # [R or T, V]
         self.cap_q = self.cap_lse = None  # [H, T, D], [H, T]
-        self.counts: Optional[torch.Tensor] = None  # [row blocks * G] int32 arrival counts of prefix_merged
-        self.merged: Optional[tuple] = None  # the last layer's attention merged by its prefix kernel (full_graphs.py)
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
     def set_mask(self, mask: torch.Tensor) -> None:
@@ -214,13 +212,12 @@ class StepGraphs:
                                                                p.pos, p.mask, *dst)
             return
         tree = (p.scratch[i - 1, 0], p.scratch[i - 1, 1], p.bias, p.out_p, p.lse_p)  # layer i-1's
-        merged = {} if p.merged is None else {"merged": p.merged}  # (its attention, merged by its prefix kernel)
         if i < n:
             p.x, p.q[i] = self.seg.mid(a, m.scale, layers[i - 1], layers[i], p.x, p.q[i - 1], *tree,
-                                       p.cos, p.sin, *dst, **merged)
+                                       p.cos, p.sin, *dst)
             return
         p.logits, lse = self.seg.last(a, m.scale, layers[i - 1], w.norm, w.lm_head, p.x, p.q[i - 1],
-                                      *tree, p.rows, p.key.capture, **merged)
+                                      *tree, p.rows, p.key.capture)
         if p.key.capture:
             p.cap_q, p.cap_lse = p.q[i - 1], lse
 

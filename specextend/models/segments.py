@@ -46,12 +46,8 @@ def _layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_d
 
 
 def _attend_post(a: ModelArgs, scale: float, lw: LayerWeights, x, q, kt, vt, bias, out_p, lse_p,
-                 need_lse: bool, fused: bool, skinny: bool = False, merged: Optional[tuple] = None):
-    """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None.
-    `merged`: (attention [T, H * D], lse or None) already merged by the prefix kernel
-    (fused_layer.prefix_merged; the fused plan only): the o-proj and MLP alone."""
-    if merged is not None:
-        return fused_layer.layer_post(a, lw, x, merged[0], skinny), merged[1]
+                 need_lse: bool, fused: bool, skinny: bool = False):
+    """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None."""
     if fused:  # one Triton kernel for the attention, written in the o-proj's layout
         attn, lse = fused_layer.tree_combine(q, kt, vt, bias, out_p, lse_p, scale, need_lse)  # [T, H*D]
         return fused_layer.layer_post(a, lw, x, attn, skinny), lse
@@ -89,18 +85,18 @@ def mid(a: ModelArgs, scale: float, lw_prev: LayerWeights, lw: LayerWeights,
         out_p: torch.Tensor, lse_p: torch.Tensor,  # [H, T, D], [H, T] layer i-1's prefix part
         cos: torch.Tensor, sin: torch.Tensor,
         k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False,
-        skinny: bool = False, merged: Optional[tuple] = None):
-    """-> x [T, E] after layer i-1, q [H, T, D] of layer i (merged: _attend_post's)."""
-    x, _ = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, False, fused, skinny, merged)
+        skinny: bool = False):
+    """-> x [T, E] after layer i-1, q [H, T, D] of layer i."""
+    x, _ = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, False, fused, skinny)
     return x, _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused, skinny)
 
 
 def last(a: ModelArgs, scale: float, lw_prev: LayerWeights, norm: torch.Tensor, lm_head: torch.Tensor,
          x, q_prev, kt, vt, bias, out_p, lse_p,
          rows: Optional[torch.Tensor],  # [R] logits rows (None = all)
-         need_lse: bool, fused: bool = False, skinny: bool = False, merged: Optional[tuple] = None):
+         need_lse: bool, fused: bool = False, skinny: bool = False):
     """-> logits [R or T, V] (float32/64), merged lse [H, T] of the last layer (or None)."""
-    x, lse = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, need_lse, fused, skinny, merged)
+    x, lse = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, need_lse, fused, skinny)
     return head(a, norm, lm_head, x, rows), lse
 
 
