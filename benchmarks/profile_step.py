@@ -95,8 +95,16 @@ def main():
     ap.add_argument("--fold", default="auto", choices=("auto", "on", "off"),
                     help="both models' norms folded into their products (fused_layer.fold_model_norms; "
                          "auto: the loader's)")
+    ap.add_argument("--small-verify", type=int, default=0,
+                    help="also time a verification of this many nodes in a chain (a lookup's size)")
+    ap.add_argument("--max-splits", type=int, default=0,
+                    help="the prefix kernel's most splits a (row block, KV head) (triton_prefix.MAX_SPLITS; 0: as shipped)")
     a = ap.parse_args()
     TRACE["dir"] = a.trace
+    if a.max_splits:
+        from specextend.attention import triton_prefix
+
+        triton_prefix.MAX_SPLITS = a.max_splits
     if a.fold != "auto":
         from specextend.models import loader
 
@@ -123,6 +131,13 @@ def main():
         sess.verify(5, [11] * len(parents), parents, capture=False)
     prof(f"verify_hta_{len(parents) + 1}", verify, a.reps, out, a.rows)
     unprofiled(f"verify_hta_{len(parents) + 1}", verify, a.wall_reps, out)
+    if a.small_verify:
+        chain = list(range(-1, a.small_verify - 1))  # a lookup's chain of nodes
+
+        def verify_small():
+            sess.verify(5, [11] * len(chain), chain, capture=False)
+        prof(f"verify_hta_{len(chain) + 1}", verify_small, a.reps, out, a.rows)
+        unprofiled(f"verify_hta_{len(chain) + 1}", verify_small, a.wall_reps, out)
     if a.only_verify:
         print(json.dumps(dict(device=torch.cuda.get_device_name(), length=a.length, **out)))
         return

@@ -86,7 +86,7 @@ def test_num_splits_fills_the_machine():
     assert num_splits(68, 8, 132) == 16  # a 17-node tree: one row block of 128
     assert num_splits(204, 8, 132) == 8  # a 51-node tree: two row blocks of 128
     assert num_splits(4096, 8, 132) == 1
-    assert num_splits(4, 2, 132) == 32  # at most MAX_SPLITS partials (two KV heads: 66 would fill the machine)
+    assert num_splits(4, 2, 132) == 64  # at most MAX_SPLITS partials (two KV heads: 66 would fill the machine)
     assert num_splits(204, 8, 132, ieee=True) == 2  # float32: row blocks of 32 (seven per KV head)
 
 

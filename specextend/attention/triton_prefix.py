@@ -74,7 +74,7 @@ MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only 
 # rounds. With the 1.5B's two KV heads at 16K on an H200 (2026-11-28, benchmarks/decode_attention.py
 # --split): the merge 9.3 -> 6.0 us (AR) and 10.1 -> 6.5 us (8 tokens) for a prefix kernel ~1 us
 # slower; the pair 18.7 -> 15.0 and 21.0 -> 18.6 us a layer.
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 
 
 def split_chunk(L: int, splits: int, block_n: int, min_chunk: int = MIN_CHUNK) -> int:
