@@ -69,11 +69,12 @@ def config(rows: int, ieee: bool = False) -> dict:
 
 
 MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only those)
-# At most this many splits per (row block, KV head): the merge (fused_layer.tree_combine) reads the
-# splits' partials in rounds of `sb`, each a memory round trip, so halving S from 64 halves its
-# rounds. With the 1.5B's two KV heads at 16K on an H200 (2026-11-28, benchmarks/decode_attention.py
-# --split): the merge 9.3 -> 6.0 us (AR) and 10.1 -> 6.5 us (8 tokens) for a prefix kernel ~1 us
-# slower; the pair 18.7 -> 15.0 and 21.0 -> 18.6 us a layer.
+# At most this many splits per (row block, KV head), so that two KV heads (the Qwen pair) still
+# fill the machine. It was 32 while the merge (fused_layer.tree_combine) read the partials in rounds
+# of 8, a memory round trip each (2026-11-28); since the merge reads more than 16 splits in one load,
+# 64 splits are faster: H200, 2026-11-30, the 1.5B's attention a layer at 16K 13.2-13.5 against
+# 14.6-14.8 us (AR), 15.1 against 20.5-20.7 (4 tokens), at 30K 16.2 against 19.5; whole steps
+# (docs/architecture.md, "Kernels") 2-10% less device time, the draft's unchanged.
 MAX_SPLITS = 64
 
 
