@@ -99,12 +99,14 @@ def main():
                     help="also time a verification of this many nodes in a chain (a lookup's size)")
     ap.add_argument("--max-splits", type=int, default=0,
                     help="the prefix kernel's most splits a (row block, KV head) (triton_prefix.MAX_SPLITS; 0: as shipped)")
+    ap.add_argument("--mid-block-n", type=int, default=0,
+                    help="the prefix kernel's key block at 17-64 folded rows (triton_prefix.MID_BLOCK_N; 0: as shipped)")
     a = ap.parse_args()
     TRACE["dir"] = a.trace
-    if a.max_splits:
-        from specextend.attention import triton_prefix
+    from specextend.attention import triton_prefix
 
-        triton_prefix.MAX_SPLITS = a.max_splits
+    triton_prefix.MAX_SPLITS = a.max_splits or triton_prefix.MAX_SPLITS
+    triton_prefix.MID_BLOCK_N = a.mid_block_n or triton_prefix.MID_BLOCK_N
     if a.fold != "auto":
         from specextend.models import loader
 

@@ -61,13 +61,18 @@ def config(rows: int, ieee: bool = False) -> dict:
         return dict(bm=16 if rows <= 16 else 32, block_n=32, num_warps=8, num_stages=2)
     if rows <= 16:  # an AR step: key blocks of 128 (H200, 2026-11-28, below MAX_SPLITS: 9.05 against 10.36 us)
         return dict(bm=16, block_n=128, num_warps=4, num_stages=3)
-    if rows <= 64:
-        return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=64, num_warps=4, num_stages=3)
+    if rows <= 64:  # a lookup's few tokens, the draft's levels: MID_BLOCK_N keys at a time
+        return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=MID_BLOCK_N, num_warps=4, num_stages=3)
     if rows <= 128:
         return dict(bm=128, block_n=64, num_warps=8, num_stages=4)
     return dict(bm=128, block_n=128, num_warps=8, num_stages=3)
 
 
+# Key block of the prefix kernel for 17-64 folded rows: 128 since 2026-11-30 (H200, 64 splits,
+# benchmarks/decode_attention.py --split, the prefix kernel alone): the 1.5B's 4 tokens at 16K 9.27
+# against 10.82 us with 64, at 30K 12.93 against 16.52; 8 tokens 10.35 against 10.89; 4 tokens of
+# the 0.5B geometry (D 128) at 1K keys 4.38 against 6.08.
+MID_BLOCK_N = 128
 MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only those)
 # At most this many splits per (row block, KV head), so that two KV heads (the Qwen pair) still
 # fill the machine. It was 32 while the merge (fused_layer.tree_combine) read the partials in rounds
