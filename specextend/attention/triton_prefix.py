@@ -68,11 +68,14 @@ def config(rows: int, ieee: bool = False) -> dict:
     return dict(bm=128, block_n=128, num_warps=8, num_stages=3)
 
 
-# Key block of the prefix kernel for 17-64 folded rows: 128 since 2026-11-30 (H200, 64 splits,
-# benchmarks/decode_attention.py --split, the prefix kernel alone): the 1.5B's 4 tokens at 16K 9.27
-# against 10.82 us with 64, at 30K 12.93 against 16.52; 8 tokens 10.35 against 10.89; 4 tokens of
-# the 0.5B geometry (D 128) at 1K keys 4.38 against 6.08.
-MID_BLOCK_N = 128
+# Key block of the prefix kernel for 17-64 folded rows. 128 made the kernel alone faster (H200,
+# 2026-11-30, 64 splits, benchmarks/decode_attention.py --split: the 1.5B's 4 tokens at 16K 9.27
+# against 10.82 us, at 30K 12.93 against 16.52; 4 tokens of the 0.5B geometry with D 128 at 1K keys
+# 4.38 against 6.08) but not the 1.5B's whole 4-node verify (profile_step.py --mid-block-n, two
+# rounds: 2.06 ms of kernels either way, wall 2.23-2.24 against 2.04-2.07: tree_combine, launched
+# early under PDL, took longer), while the 0.5B draft's step gained 1.5-2% (6.00 against 6.09-6.12
+# ms of kernels). Kept at 64 (benchmarks/README.md, "Kernels").
+MID_BLOCK_N = 64
 MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only those)
 # At most this many splits per (row block, KV head), so that two KV heads (the Qwen pair) still
 # fill the machine. It was 32 while the merge (fused_layer.tree_combine) read the partials in rounds
