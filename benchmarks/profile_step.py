@@ -101,12 +101,15 @@ def main():
                     help="the prefix kernel's most splits a (row block, KV head) (triton_prefix.MAX_SPLITS; 0: as shipped)")
     ap.add_argument("--mid-block-n", type=int, default=0,
                     help="the prefix kernel's key block at 17-64 folded rows (triton_prefix.MID_BLOCK_N; 0: as shipped)")
+    ap.add_argument("--narrow-block-n", type=int, default=0,
+                    help="... for head dims of 64 or less (triton_prefix.NARROW_BLOCK_N; 0: as shipped)")
     a = ap.parse_args()
     TRACE["dir"] = a.trace
     from specextend.attention import triton_prefix
 
     triton_prefix.MAX_SPLITS = a.max_splits or triton_prefix.MAX_SPLITS
     triton_prefix.MID_BLOCK_N = a.mid_block_n or triton_prefix.MID_BLOCK_N
+    triton_prefix.NARROW_BLOCK_N = a.narrow_block_n or triton_prefix.NARROW_BLOCK_N
     if a.fold != "auto":
         from specextend.models import loader
 

@@ -77,7 +77,7 @@ def kernels_for(geo: str, call: str, dt: str):
     t, n = CALLS[call]
     r = h // g
     m = r * t
-    c = config(m, dt == "fp32")
+    c = config(m, dt == "fp32", d)
     splits = num_splits(m, g, H100_SMS, dt == "fp32")
     p = f"*{dt}"
     yield "prefix_partials", PK.prefix_partials, dict(

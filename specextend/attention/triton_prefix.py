@@ -50,7 +50,7 @@ def cache_meta(data: torch.Tensor, anchor: torch.Tensor, length: int) -> list[in
     return [delta // data.element_size(), length, data.shape[3], 0]
 
 
-def config(rows: int, ieee: bool = False) -> dict:
+def config(rows: int, ieee: bool = False, d: int = 128) -> dict:
     """Block sizes and launch parameters by folded query rows, from benchmarks/prefix_kernel.py on
     an H100 (2026-11-23, 16K keys, D=128, bf16, each configuration timed with the combine kernel
     that reads its partials; benchmarks/ at commit 77940b1): 4 rows (AR) 31.6 us, 68 (a
@@ -61,8 +61,9 @@ def config(rows: int, ieee: bool = False) -> dict:
         return dict(bm=16 if rows <= 16 else 32, block_n=32, num_warps=8, num_stages=2)
     if rows <= 16:  # an AR step: key blocks of 128 (H200, 2026-11-28, below MAX_SPLITS: 9.05 against 10.36 us)
         return dict(bm=16, block_n=128, num_warps=4, num_stages=3)
-    if rows <= 64:  # a lookup's few tokens, the draft's levels: MID_BLOCK_N keys at a time
-        return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=MID_BLOCK_N, num_warps=4, num_stages=3)
+    if rows <= 64:  # a lookup's few tokens, the draft's levels (head dim d): keys MID_BLOCK_N or NARROW_BLOCK_N at a time
+        bn = NARROW_BLOCK_N if d <= 64 else MID_BLOCK_N
+        return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=bn, num_warps=4, num_stages=3)
     if rows <= 128:
         return dict(bm=128, block_n=64, num_warps=8, num_stages=4)
     return dict(bm=128, block_n=128, num_warps=8, num_stages=3)
@@ -74,8 +75,10 @@ def config(rows: int, ieee: bool = False) -> dict:
 # 4.38 against 6.08) but not the 1.5B's whole 4-node verify (profile_step.py --mid-block-n, two
 # rounds: 2.06 ms of kernels either way, wall 2.23-2.24 against 2.04-2.07: tree_combine, launched
 # early under PDL, took longer), while the 0.5B draft's step gained 1.5-2% (6.00 against 6.09-6.12
-# ms of kernels). Kept at 64 (benchmarks/README.md, "Kernels").
+# ms of kernels). Kept at 64 (benchmarks/README.md, "Kernels") for head dims over 64; the
+# draft's head dim of 64 takes NARROW_BLOCK_N (half the shared memory a key block of 128 takes at 128).
 MID_BLOCK_N = 64
+NARROW_BLOCK_N = 128
 MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only those)
 # At most this many splits per (row block, KV head), so that two KV heads (the Qwen pair) still
 # fill the machine. It was 32 while the merge (fused_layer.tree_combine) read the partials in rounds
@@ -129,7 +132,7 @@ def prefix_partials(q: torch.Tensor,  # [G, M, D] contiguous (M = (H/G) * B * T 
     tokens = tokens or per  # with one session any T maps its rows to themselves
     if per % tokens:
         raise ValueError(f"{per} folded rows a session is not a whole number of query heads of {tokens} tokens")
-    c = config(per, q.dtype == torch.float32)
+    c = config(per, q.dtype == torch.float32, d)
     bm, block_n = bm or c["bm"], block_n or c["block_n"]
     num_warps, num_stages = num_warps or c["num_warps"], num_stages or c["num_stages"]
     grid = (-(-per // bm), splits, g * sessions)

@@ -77,7 +77,7 @@ def run_layer(a: ModelArgs, lw: LayerWeights, layer: int, scale: float,
     assert t <= MAX_ROWS and x.is_contiguous() and q.is_contiguous() and attn.is_contiguous() and act.is_contiguous()
     assert k_dst.stride(-1) == v_dst.stride(-1) == kt.stride(-1) == vt.stride(-1) == 1
     ieee = x.dtype == torch.float32
-    pc = prefix_config(r * t, ieee)
+    pc = prefix_config(r * t, ieee, d)
     cc = combine_config(r * t, n, d, s, ieee)
     pre = kpre_dst if kpre_dst is not None else k_dst
     bqkv = lw.qkv_bias if lw.qkv_bias is not None else lw.input_norm  # unread without a bias
