@@ -76,7 +76,9 @@ def config(rows: int, ieee: bool = False, d: int = 128) -> dict:
 # rounds: 2.06 ms of kernels either way, wall 2.23-2.24 against 2.04-2.07: tree_combine, launched
 # early under PDL, took longer), while the 0.5B draft's step gained 1.5-2% (6.00 against 6.09-6.12
 # ms of kernels). Kept at 64 (benchmarks/README.md, "Kernels") for head dims over 64; the
-# draft's head dim of 64 takes NARROW_BLOCK_N (half the shared memory a key block of 128 takes at 128).
+# draft's head dim of 64 takes NARROW_BLOCK_N (half the shared memory a key block of 128 takes at
+# 128): its step 5.97-5.98 against 6.10-6.11 ms of kernels, wall 6.46-6.60 against 6.55-6.61 ms
+# (profile_step.py --narrow-block-n, two rounds, the same day).
 MID_BLOCK_N = 64
 NARROW_BLOCK_N = 128
 MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only those)
