@@ -16,7 +16,7 @@ pytest.importorskip("triton")  # a dev dependency: present in CI
 
 from specextend.attention.backends import CAUSAL, sdpa_lse
 from specextend.attention.tree_merge import mask_bias, tree_attention_merged
-from specextend.attention.triton_prefix import (cache_meta, num_splits, partials_reference, split_chunk,
+from specextend.attention.triton_prefix import (cache_meta, config, num_splits, partials_reference, split_chunk,
                                                  prefix_partials)
 from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs, full_graphs_supported, launch_pieces
@@ -79,6 +79,15 @@ def test_tree_merge_of_partials_equals_single_prefix():
     got, got_lse = tree_attention_merged(q, kt, vt, bias, *parts, 0.4, need_lse=True)
     torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(got_lse, ref_lse, atol=1e-12, rtol=1e-12)
+
+
+def test_prefix_key_blocks_by_rows_and_head_dim():
+    """An AR step's rows read 128 keys at a time; 17-64 rows 64 with head dims over 64 (the 1.5B's
+    lookup verifies) and 128 with head dims of 64 or less (the 0.5B draft's levels); float32 32."""
+    assert config(6, False, 128)["block_n"] == 128
+    assert config(24, False, 128)["block_n"] == 64 and config(28, False, 64)["block_n"] == 128
+    assert config(28, True, 64)["block_n"] == 32
+    assert config(102, False, 64)["block_n"] == 64  # larger trees: as before, whatever the head dim
 
 
 def test_num_splits_fills_the_machine():

@@ -56,12 +56,13 @@ def config(rows: int, ieee: bool = False, d: int = 128) -> dict:
     that reads its partials; benchmarks/ at commit 77940b1): 4 rows (AR) 31.6 us, 68 (a
     16-node tree) 36.1, 204 (a 50-node tree) 57.9, against a 22.5 us floor and FlashAttention-2's
     37.4 / 43.4 / 72.8 through torch. float32 caches (`ieee`: IEEE float32 dots on CUDA cores)
-    take small tiles that compile for sm_90 without spilling (benchmarks/triton_aot.py; not timed)."""
+    take small tiles that compile for sm_90 without spilling (benchmarks/triton_aot.py; not timed).
+    d: the head dim (17-64 rows take MID_BLOCK_N or NARROW_BLOCK_N keys at a time by it)."""
     if ieee:
         return dict(bm=16 if rows <= 16 else 32, block_n=32, num_warps=8, num_stages=2)
     if rows <= 16:  # an AR step: key blocks of 128 (H200, 2026-11-28, below MAX_SPLITS: 9.05 against 10.36 us)
         return dict(bm=16, block_n=128, num_warps=4, num_stages=3)
-    if rows <= 64:  # a lookup's few tokens, the draft's levels (head dim d): keys MID_BLOCK_N or NARROW_BLOCK_N at a time
+    if rows <= 64:  # a lookup's few tokens, the draft's levels: key blocks by head dim d (below)
         bn = NARROW_BLOCK_N if d <= 64 else MID_BLOCK_N
         return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=bn, num_warps=4, num_stages=3)
     if rows <= 128:
