@@ -98,9 +98,11 @@ def main():
     ap.add_argument("--small-verify", type=int, default=0,
                     help="also time a verification of this many nodes in a chain (a lookup's size)")
     ap.add_argument("--max-splits", type=int, default=0,
-                    help="the prefix kernel's most splits a (row block, KV head) (triton_prefix.MAX_SPLITS; 0: as shipped)")
+                    help="the prefix kernel's most splits a (row block, KV head) "
+                         "(triton_prefix.MAX_SPLITS; 0: as shipped)")
     ap.add_argument("--mid-block-n", type=int, default=0,
-                    help="the prefix kernel's key block at 17-64 folded rows (triton_prefix.MID_BLOCK_N; 0: as shipped)")
+                    help="the prefix kernel's key block at 17-64 folded rows "
+                         "(triton_prefix.MID_BLOCK_N; 0: as shipped)")
     ap.add_argument("--narrow-block-n", type=int, default=0,
                     help="... for head dims of 64 or less (triton_prefix.NARROW_BLOCK_N; 0: as shipped)")
     a = ap.parse_args()

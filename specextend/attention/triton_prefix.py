@@ -50,6 +50,15 @@ def cache_meta(data: torch.Tensor, anchor: torch.Tensor, length: int) -> list[in
     return [delta // data.element_size(), length, data.shape[3], 0]
 
 
+# Key block of the prefix kernel for 17-64 folded rows, by head dim (H200, 2026-11-30;
+# benchmarks/README.md, "Kernels"): 128 keys sped the kernel alone but not the 1.5B's whole 4-node
+# verify (head dim 128: 2.06 ms of kernels either way, its wall time 0.17 ms longer), so head dims
+# over 64 keep 64; the 0.5B draft's head dim of 64 (half the shared memory a block) takes 128, its
+# step 5.97-5.98 against 6.10-6.11 ms of kernels.
+MID_BLOCK_N = 64
+NARROW_BLOCK_N = 128
+
+
 def config(rows: int, ieee: bool = False, d: int = 128) -> dict:
     """Block sizes and launch parameters by folded query rows, from benchmarks/prefix_kernel.py on
     an H100 (2026-11-23, 16K keys, D=128, bf16, each configuration timed with the combine kernel
@@ -62,7 +71,7 @@ def config(rows: int, ieee: bool = False, d: int = 128) -> dict:
         return dict(bm=16 if rows <= 16 else 32, block_n=32, num_warps=8, num_stages=2)
     if rows <= 16:  # an AR step: key blocks of 128 (H200, 2026-11-28, below MAX_SPLITS: 9.05 against 10.36 us)
         return dict(bm=16, block_n=128, num_warps=4, num_stages=3)
-    if rows <= 64:  # a lookup's few tokens, the draft's levels: key blocks by head dim d (below)
+    if rows <= 64:  # a lookup's few tokens, the draft's levels: key blocks by head dim d (above)
         bn = NARROW_BLOCK_N if d <= 64 else MID_BLOCK_N
         return dict(bm=max(16, 1 << (rows - 1).bit_length()), block_n=bn, num_warps=4, num_stages=3)
     if rows <= 128:
@@ -70,18 +79,6 @@ def config(rows: int, ieee: bool = False, d: int = 128) -> dict:
     return dict(bm=128, block_n=128, num_warps=8, num_stages=3)
 
 
-# Key block of the prefix kernel for 17-64 folded rows. 128 made the kernel alone faster (H200,
-# 2026-11-30, 64 splits, benchmarks/decode_attention.py --split: the 1.5B's 4 tokens at 16K 9.27
-# against 10.82 us, at 30K 12.93 against 16.52; 4 tokens of the 0.5B geometry with D 128 at 1K keys
-# 4.38 against 6.08) but not the 1.5B's whole 4-node verify (profile_step.py --mid-block-n, two
-# rounds: 2.06 ms of kernels either way, wall 2.23-2.24 against 2.04-2.07: tree_combine, launched
-# early under PDL, took longer), while the 0.5B draft's step gained 1.5-2% (6.00 against 6.09-6.12
-# ms of kernels). Kept at 64 (benchmarks/README.md, "Kernels") for head dims over 64; the
-# draft's head dim of 64 takes NARROW_BLOCK_N (half the shared memory a key block of 128 takes at
-# 128): its step 5.97-5.98 against 6.10-6.11 ms of kernels, wall 6.46-6.60 against 6.55-6.61 ms
-# (profile_step.py --narrow-block-n, two rounds, the same day).
-MID_BLOCK_N = 64
-NARROW_BLOCK_N = 128
 MIN_CHUNK = 128  # keys: a short cache fills few splits (the combine reads only those)
 # At most this many splits per (row block, KV head), so that two KV heads (the Qwen pair) still
 # fill the machine. It was 32 while the merge (fused_layer.tree_combine) read the partials in rounds
