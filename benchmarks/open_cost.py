@@ -1,0 +1,171 @@
+"""What a draft's open (its prefill of a long prompt) costs, alone and beside the target's decoding,
+and where the time goes: each prefill chunk's host time (launching its forward) and device time
+(CUDA events on the draft worker's stream), the rebuild of the working cache, and the open as the
+engine's request timed it (stats.draft_open_s) with the plain steps decoded meanwhile.
+
+In process, both models on one device, warmed as a served replica warms itself (warm_up, then
+warm_long); prompts are random ids no cache has seen. Prints a table, writes JSON (commit, device,
+date, command) under results/open/.
+
+    python benchmarks/open_cost.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.5b --length 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specextend.bench.record import device_name, meta, slug
+from specextend.builder import build_engine
+from specextend.config import EngineConfig, SamplingParams
+from specextend.draft.base import DraftSessionParams
+from specextend.draft.session import DraftSession
+from specextend.warmup import warm_long, warm_up
+
+
+PREFILL_ROWS = 128  # a forward of at least this many tokens is a prefill chunk
+
+
+class ChunkTimes:
+    """Wraps DraftSession's committed forward and rebuild: host seconds of each call, and device
+    seconds between CUDA events recorded around it on the calling thread's current stream."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, float, object, object]] = []  # kind, rows, host s, events
+        self._fwd, self._reb = DraftSession._forward_committed_co, DraftSession._rebuild
+        times = self
+
+        def fwd(session, ids, *a, **k):
+            t, ev = time.perf_counter(), times._event()
+            out = yield from times._fwd(session, ids, *a, **k)
+            times.calls.append(("forward", len(ids), time.perf_counter() - t, ev, times._event()))
+            return out
+
+        def reb(session, *a, **k):
+            t, ev = time.perf_counter(), times._event()
+            out = times._reb(session, *a, **k)
+            times.calls.append(("rebuild", 0, time.perf_counter() - t, ev, times._event()))
+            return out
+        DraftSession._forward_committed_co, DraftSession._rebuild = fwd, reb
+
+    @staticmethod
+    def _event():
+        if not torch.cuda.is_available():
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def take(self) -> list[dict]:
+        """The calls recorded since the last take (their events waited for)."""
+        out = []
+        for kind, rows, host, a, b in self.calls:
+            dev = None
+            if a is not None:
+                b.synchronize()
+                dev = a.elapsed_time(b) / 1e3
+            out.append(dict(kind=kind, rows=rows, host_ms=1e3 * host, device_ms=None if dev is None else 1e3 * dev))
+        self.calls.clear()
+        return out
+
+
+def prompt(length: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (length,), generator=g).tolist()
+
+
+def summary(calls: list[dict]) -> dict:
+    fw = [c for c in calls if c["kind"] == "forward" and c["rows"] >= PREFILL_ROWS]  # (not a step's catch-up)
+    rb = [c for c in calls if c["kind"] == "rebuild"][:1]  # (the prefill's: not a step's refresh)
+    calls = fw + rb
+    s = dict(chunks=len(fw), host_ms=sum(c["host_ms"] for c in calls))
+    s["forward_host_ms"] = sum(c["host_ms"] for c in fw)
+    s["rebuild_host_ms"] = sum(c["host_ms"] for c in rb)
+    if fw and fw[0]["device_ms"] is not None:
+        s["forward_device_ms"] = sum(c["device_ms"] for c in fw)
+        s["rebuild_device_ms"] = sum(c["device_ms"] for c in rb)
+    return s
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="random:qwen2.5-1.5b")
+    p.add_argument("--draft", default="random:qwen2.5-0.5b")
+    p.add_argument("--length", type=int, default=16384)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval for a third round (0: none)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/open"))
+    a = p.parse_args(argv)
+    cfg = EngineConfig(target=a.target, draft=a.draft, device=a.device, tree_policy="adaptive",
+                       max_prompt_tokens=a.length + 64)
+    t0 = time.perf_counter()
+    engine = build_engine(cfg)
+    engine.defer_opens = False  # every speculative request opens its draft at once (the open measured)
+    vocab = engine.target.args.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(12)]
+    warm_up(engine, ids * 8)
+    warm_long(engine, ids)
+    print(f"built and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
+    times = ChunkTimes()
+    params = DraftSessionParams(cfg.tree, cfg.retrieval, a.new_tokens, cfg.lookup_tokens)
+    rows, seed = [], 100
+    rounds = [("default", sys.getswitchinterval())]
+    if a.switch_interval:
+        rounds.append(("switch", a.switch_interval))
+    for label, interval in rounds:
+        sys.setswitchinterval(interval)
+        for rep in range(a.reps):
+            seed += 1
+            times.take()
+            torch.cuda.synchronize() if a.device == "cuda" else None
+            t = time.perf_counter()
+            engine.draft.open(f"alone-{seed}", prompt(a.length, vocab, seed), params)
+            host = time.perf_counter() - t
+            torch.cuda.synchronize() if a.device == "cuda" else None
+            wall = time.perf_counter() - t
+            engine.draft.close(f"alone-{seed}")
+            rows.append(dict(round=label, case="open alone", rep=rep, open_ms=1e3 * host, done_ms=1e3 * wall,
+                             **summary(times.take())))
+            for speculate in (True, False):
+                seed += 1
+                t = time.perf_counter()
+                _, _, st = engine.generate(prompt(a.length, vocab, seed),
+                                           SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True),
+                                           speculate=speculate)
+                wall = time.perf_counter() - t
+                rows.append(dict(round=label, case="request" if speculate else "request ar", rep=rep,
+                                 open_ms=1e3 * st.draft_open_s, done_ms=1e3 * wall,
+                                 open_steps=st.open_steps, steps=st.num_steps, prefill_ms=1e3 * st.prefill_s,
+                                 decode_tok_s=(st.num_generated - 1) / max(st.decode_s, 1e-9),
+                                 **summary(times.take())))
+            for r in rows[-3:]:
+                print(json.dumps(r), flush=True)
+    print("| round | case | rep | open ms | chunks | host ms (fwd / rebuild) | device ms (fwd / rebuild) | open steps"
+          " | decode tok/s |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        dev = (f"{r.get('forward_device_ms', 0):.1f} / {r.get('rebuild_device_ms', 0):.1f}"
+               if "forward_device_ms" in r else "-")
+        print(f"| {r['round']} | {r['case']} | {r['rep']} | {r['open_ms']:.1f} | {r['chunks']} | "
+              f"{r['forward_host_ms']:.1f} / {r['rebuild_host_ms']:.1f} | {dev} | {r.get('open_steps', '-')} | "
+              f"{r.get('decode_tok_s', 0):.1f} |")
+    alone = [r["open_ms"] for r in rows if r["case"] == "open alone"]
+    print(f"open alone: median {statistics.median(alone):.1f} ms")
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / f"open-cost-{a.length}-{slug(device_name(a.device))}.json"
+    info = meta("open_cost", a.device, sys.argv[1:]) | {k: v for k, v in vars(a).items() if k not in ("out", "device")}
+    info["command"] = "python benchmarks/open_cost.py " + " ".join(sys.argv[1:])
+    path.write_text(json.dumps(dict(rows=rows, meta=info), indent=1))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
