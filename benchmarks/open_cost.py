@@ -4,10 +4,12 @@ and where the time goes: each prefill chunk's host time (launching its forward) 
 engine's request timed it (stats.draft_open_s) with the plain steps decoded meanwhile.
 
 In process, both models on one device, warmed as a served replica warms itself (warm_up, then
-warm_long); prompts are random ids no cache has seen. Prints a table, writes JSON (commit, device,
+warm_long), the prefix cache off; prompts no cache has seen (random ids or a document's), each a
+few odd tokens longer than `--length`, and the late work each call met (late_work.py). Prints a table, writes JSON (commit, device,
 date, command) under results/open/.
 
     python benchmarks/open_cost.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.5b --length 16384
+    python benchmarks/open_cost.py --target default --draft default --doc python --length 4096
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from pathlib import Path
 import torch
 
 from specextend.bench.record import device_name, meta, slug
+from specextend.bench.texts import documents, prompt_ids
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
 from specextend.draft.base import DraftSessionParams
 from specextend.draft.session import DraftSession
+from specextend.models import late_work
 from specextend.warmup import warm_long, warm_up
 
 
@@ -75,9 +79,22 @@ class ChunkTimes:
         return out
 
 
-def prompt(length: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab - 100, (length,), generator=g).tolist()
+class Prompts:
+    """Each call a prompt no cache has seen: random ids, or a document's (a tag ahead of it), `length`
+    tokens plus the call's odd extra few (a last prefill chunk of a new size, as real prompts have)."""
+
+    def __init__(self, tokenizer, vocab: int, length: int, doc: str) -> None:
+        self.tokenizer, self.vocab, self.length, self.n = tokenizer, vocab, length, 0
+        self.doc = prompt_ids(tokenizer, documents([doc])[0], length) if doc else None
+
+    def __call__(self) -> list[int]:
+        self.n += 1
+        extra = (37 * self.n) % 61
+        if self.doc is None:
+            g = torch.Generator().manual_seed(self.n)
+            return torch.randint(100, self.vocab - 100, (self.length + extra,), generator=g).tolist()
+        tag = self.tokenizer.encode(f"[{self.n} {'x' * extra}] ", add_special_tokens=False)
+        return list(tag) + self.doc
 
 
 def summary(calls: list[dict]) -> dict:
@@ -93,6 +110,11 @@ def summary(calls: list[dict]) -> dict:
     return s
 
 
+def new_late(before: dict) -> dict:
+    """Late work (graph captures, kernel compiles, full collections) since `before`."""
+    return {k: v - before[k] for k, v in late_work.counts().items() if v > before[k]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="random:qwen2.5-1.5b")
@@ -100,12 +122,13 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--doc", default="", help="a document's prompt (bench texts, e.g. python) instead of random ids")
     p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval for a third round (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/open"))
     a = p.parse_args(argv)
     cfg = EngineConfig(target=a.target, draft=a.draft, device=a.device, tree_policy="adaptive",
-                       max_prompt_tokens=a.length + 64)
+                       max_prompt_tokens=a.length + 256, prefix_cache_gb=0)
     t0 = time.perf_counter()
     engine = build_engine(cfg)
     engine.defer_opens = False  # every speculative request opens its draft at once (the open measured)
@@ -114,30 +137,32 @@ def main(argv=None) -> int:
     warm_up(engine, ids * 8)
     warm_long(engine, ids)
     print(f"built and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
+    late_work.mark_ready()
+    prompt = Prompts(engine.target.tokenizer, vocab, a.length, a.doc)
     times = ChunkTimes()
     params = DraftSessionParams(cfg.tree, cfg.retrieval, a.new_tokens, cfg.lookup_tokens)
-    rows, seed = [], 100
+    rows = []
     rounds = [("default", sys.getswitchinterval())]
     if a.switch_interval:
         rounds.append(("switch", a.switch_interval))
     for label, interval in rounds:
         sys.setswitchinterval(interval)
         for rep in range(a.reps):
-            seed += 1
             times.take()
+            late = late_work.counts()
             torch.cuda.synchronize() if a.device == "cuda" else None
             t = time.perf_counter()
-            engine.draft.open(f"alone-{seed}", prompt(a.length, vocab, seed), params)
+            engine.draft.open(f"alone-{rep}", prompt(), params)
             host = time.perf_counter() - t
             torch.cuda.synchronize() if a.device == "cuda" else None
             wall = time.perf_counter() - t
-            engine.draft.close(f"alone-{seed}")
+            engine.draft.close(f"alone-{rep}")
             rows.append(dict(round=label, case="open alone", rep=rep, open_ms=1e3 * host, done_ms=1e3 * wall,
-                             **summary(times.take())))
+                             late=new_late(late), **summary(times.take())))
             for speculate in (True, False):
-                seed += 1
+                late = late_work.counts()
                 t = time.perf_counter()
-                _, _, st = engine.generate(prompt(a.length, vocab, seed),
+                _, _, st = engine.generate(prompt(),
                                            SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True),
                                            speculate=speculate)
                 wall = time.perf_counter() - t
@@ -145,21 +170,21 @@ def main(argv=None) -> int:
                                  open_ms=1e3 * st.draft_open_s, done_ms=1e3 * wall,
                                  open_steps=st.open_steps, steps=st.num_steps, prefill_ms=1e3 * st.prefill_s,
                                  decode_tok_s=(st.num_generated - 1) / max(st.decode_s, 1e-9),
-                                 **summary(times.take())))
+                                 late=new_late(late), **summary(times.take())))
             for r in rows[-3:]:
                 print(json.dumps(r), flush=True)
     print("| round | case | rep | open ms | chunks | host ms (fwd / rebuild) | device ms (fwd / rebuild) | open steps"
-          " | decode tok/s |\n|---|---|---|---|---|---|---|---|---|")
+          " | decode tok/s | late |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         dev = (f"{r.get('forward_device_ms', 0):.1f} / {r.get('rebuild_device_ms', 0):.1f}"
                if "forward_device_ms" in r else "-")
         print(f"| {r['round']} | {r['case']} | {r['rep']} | {r['open_ms']:.1f} | {r['chunks']} | "
               f"{r['forward_host_ms']:.1f} / {r['rebuild_host_ms']:.1f} | {dev} | {r.get('open_steps', '-')} | "
-              f"{r.get('decode_tok_s', 0):.1f} |")
+              f"{r.get('decode_tok_s', 0):.1f} | {r['late'] or ''} |")
     alone = [r["open_ms"] for r in rows if r["case"] == "open alone"]
     print(f"open alone: median {statistics.median(alone):.1f} ms")
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"open-cost-{a.length}-{slug(device_name(a.device))}.json"
+    path = a.out / f"open-cost-{a.doc or 'random'}-{a.length}-{slug(device_name(a.device))}.json"
     info = meta("open_cost", a.device, sys.argv[1:]) | {k: v for k, v in vars(a).items() if k not in ("out", "device")}
     info["command"] = "python benchmarks/open_cost.py " + " ".join(sys.argv[1:])
     path.write_text(json.dumps(dict(rows=rows, meta=info), indent=1))
