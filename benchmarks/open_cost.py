@@ -28,11 +28,16 @@ from specextend.bench.texts import documents, prompt_ids
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
 from specextend.draft.base import DraftSessionParams
+from specextend.draft.jobs import Open
 from specextend.draft.session import DraftSession
+from specextend.draft.worker import DraftWorker
+from specextend.models.decoder import Decoder
 from specextend.models import late_work
 from specextend.warmup import warm_long, warm_up
 
 
+# host time of the open's other parts: the job on the worker's thread, the session's set-up, its caches
+WRAPPED = ((DraftWorker, "_open"), (DraftSession, "__init__"), (DraftSession, "_init_overlap"), (Decoder, "new_cache"))
 PREFILL_ROWS = 128  # a forward of at least this many tokens is a prefill chunk
 
 
@@ -57,6 +62,17 @@ class ChunkTimes:
             times.calls.append(("rebuild", 0, time.perf_counter() - t, ev, times._event()))
             return out
         DraftSession._forward_committed_co, DraftSession._rebuild = fwd, reb
+        for owner, name in WRAPPED:
+            setattr(owner, name, self._host_timed(name, getattr(owner, name)))
+
+    def _host_timed(self, name: str, fn):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.calls.append((name, 0, time.perf_counter() - t, None, None))
+        return timed
 
     @staticmethod
     def _event():
@@ -70,6 +86,9 @@ class ChunkTimes:
         """The calls recorded since the last take (their events waited for)."""
         out = []
         for kind, rows, host, a, b in self.calls:
+            if kind not in ("forward", "rebuild"):
+                out.append(dict(kind=kind, rows=rows, host_ms=1e3 * host, device_ms=None))
+                continue
             dev = None
             if a is not None:
                 b.synchronize()
@@ -100,6 +119,10 @@ class Prompts:
 def summary(calls: list[dict]) -> dict:
     fw = [c for c in calls if c["kind"] == "forward" and c["rows"] >= PREFILL_ROWS]  # (not a step's catch-up)
     rb = [c for c in calls if c["kind"] == "rebuild"][:1]  # (the prefill's: not a step's refresh)
+    parts = {}
+    for c in calls:
+        if c["kind"] not in ("forward", "rebuild"):
+            parts[c["kind"]] = parts.get(c["kind"], 0.0) + c["host_ms"]
     calls = fw + rb
     s = dict(chunks=len(fw), host_ms=sum(c["host_ms"] for c in calls))
     s["forward_host_ms"] = sum(c["host_ms"] for c in fw)
@@ -107,6 +130,7 @@ def summary(calls: list[dict]) -> dict:
     if fw and fw[0]["device_ms"] is not None:
         s["forward_device_ms"] = sum(c["device_ms"] for c in fw)
         s["rebuild_device_ms"] = sum(c["device_ms"] for c in rb)
+    s["parts_host_ms"] = parts
     return s
 
 
@@ -152,12 +176,15 @@ def main(argv=None) -> int:
             late = late_work.counts()
             torch.cuda.synchronize() if a.device == "cuda" else None
             t = time.perf_counter()
-            engine.draft.open(f"alone-{rep}", prompt(), params)
+            fut = engine.draft.submit(Open(f"alone-{rep}", tuple(prompt()), params))
+            fut.result()
             host = time.perf_counter() - t
+            queued = getattr(fut, "started", t) - t
             torch.cuda.synchronize() if a.device == "cuda" else None
             wall = time.perf_counter() - t
             engine.draft.close(f"alone-{rep}")
             rows.append(dict(round=label, case="open alone", rep=rep, open_ms=1e3 * host, done_ms=1e3 * wall,
+                             queued_ms=1e3 * queued,
                              late=new_late(late), **summary(times.take())))
             for speculate in (True, False):
                 late = late_work.counts()
@@ -174,13 +201,14 @@ def main(argv=None) -> int:
             for r in rows[-3:]:
                 print(json.dumps(r), flush=True)
     print("| round | case | rep | open ms | chunks | host ms (fwd / rebuild) | device ms (fwd / rebuild) | open steps"
-          " | decode tok/s | late |\n|---|---|---|---|---|---|---|---|---|---|")
+          " | decode tok/s | late | other parts, host ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         dev = (f"{r.get('forward_device_ms', 0):.1f} / {r.get('rebuild_device_ms', 0):.1f}"
                if "forward_device_ms" in r else "-")
         print(f"| {r['round']} | {r['case']} | {r['rep']} | {r['open_ms']:.1f} | {r['chunks']} | "
               f"{r['forward_host_ms']:.1f} / {r['rebuild_host_ms']:.1f} | {dev} | {r.get('open_steps', '-')} | "
-              f"{r.get('decode_tok_s', 0):.1f} | {r['late'] or ''} |")
+              f"{r.get('decode_tok_s', 0):.1f} | {r['late'] or ''} | "
+              f"{', '.join(f'{k} {v:.1f}' for k, v in r['parts_host_ms'].items())} |")
     alone = [r["open_ms"] for r in rows if r["case"] == "open alone"]
     print(f"open alone: median {statistics.median(alone):.1f} ms")
     a.out.mkdir(parents=True, exist_ok=True)
