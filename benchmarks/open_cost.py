@@ -39,6 +39,7 @@ from specextend.warmup import warm_long, warm_up
 # host time of the open's other parts: the job on the worker's thread, the session's set-up, its caches
 WRAPPED = ((DraftWorker, "_open"), (DraftSession, "__init__"), (DraftSession, "_init_overlap"), (Decoder, "new_cache"))
 PREFILL_ROWS = 128  # a forward of at least this many tokens is a prefill chunk
+SLOW_MS = 5.0  # a smaller forward (a prompt's last chunk, a catch-up) listed when its host time is longer
 
 
 class ChunkTimes:
@@ -123,6 +124,7 @@ def summary(calls: list[dict]) -> dict:
     for c in calls:
         if c["kind"] not in ("forward", "rebuild"):
             parts[c["kind"]] = parts.get(c["kind"], 0.0) + c["host_ms"]
+    small = [c for c in calls if c["kind"] == "forward" and c["rows"] < PREFILL_ROWS]  # (a prompt's last chunk too)
     calls = fw + rb
     s = dict(chunks=len(fw), host_ms=sum(c["host_ms"] for c in calls))
     s["forward_host_ms"] = sum(c["host_ms"] for c in fw)
@@ -131,6 +133,7 @@ def summary(calls: list[dict]) -> dict:
         s["forward_device_ms"] = sum(c["device_ms"] for c in fw)
         s["rebuild_device_ms"] = sum(c["device_ms"] for c in rb)
     s["parts_host_ms"] = parts
+    s["slow_small_forwards"] = [(c["rows"], round(c["host_ms"], 1)) for c in small if c["host_ms"] > SLOW_MS]
     return s
 
 
@@ -148,6 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--doc", default="", help="a document's prompt (bench texts, e.g. python) instead of random ids")
     p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval for a third round (0: none)")
+    p.add_argument("--cudnn", action="store_true", help="cuDNN attention back on after the build (the A/B's other arm)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/open"))
     a = p.parse_args(argv)
@@ -155,6 +159,8 @@ def main(argv=None) -> int:
                        max_prompt_tokens=a.length + 256, prefix_cache_gb=0)
     t0 = time.perf_counter()
     engine = build_engine(cfg)
+    if a.cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(True)
     engine.defer_opens = False  # every speculative request opens its draft at once (the open measured)
     vocab = engine.target.args.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(12)]
@@ -208,11 +214,13 @@ def main(argv=None) -> int:
         print(f"| {r['round']} | {r['case']} | {r['rep']} | {r['open_ms']:.1f} | {r['chunks']} | "
               f"{r['forward_host_ms']:.1f} / {r['rebuild_host_ms']:.1f} | {dev} | {r.get('open_steps', '-')} | "
               f"{r.get('decode_tok_s', 0):.1f} | {r['late'] or ''} | "
-              f"{', '.join(f'{k} {v:.1f}' for k, v in r['parts_host_ms'].items())} |")
+              f"{', '.join(f'{k} {v:.1f}' for k, v in r['parts_host_ms'].items())}"
+              f"{'; slow small forwards (rows, ms) ' + str(r['slow_small_forwards']) if r['slow_small_forwards'] else ''} |")
     alone = [r["open_ms"] for r in rows if r["case"] == "open alone"]
     print(f"open alone: median {statistics.median(alone):.1f} ms")
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"open-cost-{a.doc or 'random'}-{a.length}-{slug(device_name(a.device))}.json"
+    arm = "-cudnn" if a.cudnn else ""
+    path = a.out / f"open-cost-{a.doc or 'random'}-{a.length}{arm}-{slug(device_name(a.device))}.json"
     info = meta("open_cost", a.device, sys.argv[1:]) | {k: v for k, v in vars(a).items() if k not in ("out", "device")}
     info["command"] = "python benchmarks/open_cost.py " + " ".join(sys.argv[1:])
     path.write_text(json.dumps(dict(rows=rows, meta=info), indent=1))

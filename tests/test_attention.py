@@ -122,3 +122,19 @@ def test_fused_tree_merge_equals_eager_then_merge(dtype, h, g, t, n):
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     torch.testing.assert_close(lse, ref_lse.to(lse.dtype), atol=tol, rtol=tol)
+
+
+def test_a_cuda_backend_turns_cudnn_attention_off():
+    """cuDNN builds a plan per new shape (a prompt's last chunk): a CUDA backend turns it off; a CPU
+    backend leaves PyTorch's setting alone (docs/architecture.md, "Attention backends")."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        get_backend("torch", "cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        get_backend("eager", "cuda")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        get_backend("torch", "cuda")
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -168,8 +168,22 @@ def flash_available() -> bool:
     return find_kernel() is not None
 
 
+def no_cudnn_attention() -> None:
+    """Turns PyTorch's cuDNN attention off, process-wide (a serving process runs only our attention).
+    On Hopper PyTorch's dispatcher picks cuDNN's kernel for a masked SDPA call, and cuDNN builds an
+    execution plan for every new shape: 43-85 ms a shape on an H200 with a warm driver cache, about
+    0.5 s cold (benchmarks/sdpa_shapes.py, 2026-11-30). A prompt's last prefill chunk has a new row
+    count nearly every request, and the draft's windowed prefill passes a mask: each draft open
+    stalled that long (docs/architecture.md, "Attention backends"). The memory-efficient kernel
+    builds nothing per shape and ran as fast there."""
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     device = torch.device(device)
+    if device.type == "cuda" and name != "eager":
+        no_cudnn_attention()
     if name == "auto":
         name = "flash" if device.type == "cuda" and flash_available() else "torch"
     if name == "eager":
