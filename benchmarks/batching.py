@@ -82,7 +82,8 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     marks: list = []  # (time, forwards) when decoding starts (every session has its first token)
     for i in range(n):
         ids = torch.randint(vocab, (prompt_len,), generator=g).tolist()
-        b.add(engine.session(ids, params, replay=replay), sink)
+        load = b.new_load()  # (as the replica's sessions: told of the shared forwards, lent a cache slot)
+        b.add(engine.session(ids, params, replay=replay, load=load), sink, load)
     th = threading.Thread(target=b.run, daemon=True)
     th.start()
     done.wait()

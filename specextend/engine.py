@@ -116,7 +116,7 @@ class Engine(RequestLimits, DraftLink):
         out = Emitter(params, self.target.args.eos_token_ids, stats)
         gen = make_generator(params.seed)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),
-                               hybrid=cfg.hybrid_attention)
+                               hybrid=cfg.hybrid_attention, pool=load.kv_pool)
         use_draft = cfg.uses_draft and speculate and not self.draft_never_pays
         tree_cfg = cfg.tree if max_tree_nodes is None else replace(cfg.tree, nodes=min(max_tree_nodes, cfg.tree.nodes))
         opening: Optional[Future] = None

@@ -8,6 +8,8 @@ gather the accepted nodes into contiguous slots, drop the rest).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -16,14 +18,26 @@ class CacheFull(RuntimeError):
 
 
 class KVCache:
+    pool = None  # the KVPool whose slot this is (kv_pool.py), else None
+    slot = -1
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", data: Optional[torch.Tensor] = None):
         self.capacity = capacity
-        self.data = torch.zeros(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.data = (torch.zeros(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                     if data is None else data)  # [layers, 2, G, S_max, D]
         self.length = 0
         # each layer's k, v views, made once: an eager decode step asks for them every layer, and on
         # the CPU each view op costs microseconds (docs/architecture.md, "Batched steps")
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+
+    @classmethod
+    def over(cls, data: torch.Tensor, pool=None, slot: int = -1) -> "KVCache":
+        """A cache over `data` [layers, 2, G, S_max, D] (contiguous; a pool's slot), empty."""
+        layers, _, g, cap, d = data.shape
+        cache = cls(layers, g, d, cap, data.dtype, data.device, data=data)
+        cache.pool, cache.slot = pool, slot
+        return cache
 
     @property
     def nbytes(self) -> int:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 
+from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall, forward_batch
 from specextend.models.decoder import Decoder
 from specextend.session_calls import DraftCall, Load
@@ -81,6 +82,10 @@ class Batcher:
         self._forward = forward  # forward_batch (its signature; tests pass a fake)
         self._on_forward = on_forward  # told each forward's number of calls (the replica's metrics)
         self.max_batch = max_batch
+        # on the CPU the sessions' target caches are slots of one pool, their decode steps one attention
+        # call a layer (kv_pool.py); a GPU's batched forwards run through captured graphs instead
+        cpu = model is not None and model.device.type == "cpu"  # (a test's fake forward has no model)
+        self.kv_pool = KVPool(model.args, model.dtype, model.device, max_batch) if max_batch > 1 and cpu else None
         self._pool = ThreadPoolExecutor(draft_threads, thread_name_prefix="draft-call")
         self._sessions: list[_Entry] = []
         self._lock = threading.Condition()
@@ -92,6 +97,11 @@ class Batcher:
         self.spans: deque = deque(maxlen=SPANS_KEPT)  # the latest forwards' durations (timing.Span)
 
     # ------------------------------------------------------------------ any thread
+    def new_load(self) -> Load:
+        """A session's Load for this batcher (Engine.session's `load`, then `add`'s): it lends the
+        session a slot of the batcher's pool for its target cache, where there is one."""
+        return Load(kv_pool=self.kv_pool)
+
     def add(self, co: Generator, sink: Sink, load: Optional[Load] = None) -> _Entry:
         """`load`: the session's (Engine.session's `load`), told of each forward that carries its calls."""
         entry = _Entry(co, sink, load)

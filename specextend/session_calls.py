@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator, Optional
 
+from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall
 from specextend.models.decoder import Decoder
 from specextend.timing import Span, Stopwatch
@@ -42,6 +43,7 @@ class Load:
     span: Optional[Span] = None  # its duration (timing.Span); None once taken, or when the driver does not time it
     others_wait_s: float = 0.0  # rounds' waits for other sessions' draft steps since `wall` last took them
     shared_s: float = 0.0  # of its last draft wait, the part that the round's other askers' steps shared
+    kv_pool: Optional[KVPool] = None  # the driver's pool of target caches (kv_pool.py; None: its own)
 
     def take_shared(self) -> float:
         """Takes `shared_s` (Batcher._charge; `wall` drops it): a draft step's price to the policy is

@@ -16,6 +16,7 @@ from specextend.config import RetrievalConfig
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 from specextend.models.transfer import to_device
+from specextend.kv_pool import KVPool
 from specextend.prefix_cache import PrefixCache
 from specextend.session_calls import DraftCall
 from specextend.draft.base import Retrieval
@@ -27,9 +28,10 @@ T = TypeVar("T")
 
 
 class TargetSession:
-    def __init__(self, model: Decoder, capacity: int, hybrid: bool):
+    def __init__(self, model: Decoder, capacity: int, hybrid: bool, pool: Optional[KVPool] = None):
         self.model = model
-        self.cache = model.new_cache(capacity)
+        cache = pool.take(capacity) if pool is not None else None  # a batching driver's slot (kv_pool.py)
+        self.cache = cache if cache is not None else model.new_cache(capacity)
         self.hybrid = hybrid
         self.captured: Optional[Captured] = None
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (prefill_co)

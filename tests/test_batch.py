@@ -100,7 +100,9 @@ def run_batched(engine, requests, max_batch=8, **batcher):
         return sink
 
     for i, (p, params, kw) in enumerate(requests):
-        b.add(engine.session(p, params, **kw), sink_for(i), kw.get("load"))
+        kw = dict(kw)
+        load = kw.pop("load", None) or b.new_load()  # (the batcher's slots, as the replica's sessions)
+        b.add(engine.session(p, params, load=load, **kw), sink_for(i), load)
     thread = threading.Thread(target=b.run, daemon=True)
     thread.start()
     assert all_done.wait(120), "the batcher did not finish every session"

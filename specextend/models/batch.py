@@ -20,6 +20,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL, Mask
 from specextend.kv_cache import CacheFull, KVCache
+from specextend.kv_pool import decode_attention, decode_bias
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 
 
@@ -152,14 +153,23 @@ def forward_eager_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result
     prefix = [c.cache.length for c in calls]  # each call's committed prefix L_i
     x = model.embed(ids)  # [T, E]
     captured: list[Optional[Captured]] = [None] * len(calls)
+    pooled = PooledDecodes.of(model, calls, sizes)  # decode steps in a pool's slots: one attention call a layer
     for i in range(a.num_layers):
         q, k, v, k_pre = model.layer_pre(i, x, cos, sin)  # q [H, T, D]; k, v, k_pre [G, T, D]
+        if pooled is not None and pooled.everything:
+            x = model.layer_post(i, x, pooled.attend(i, q, k, v, captured))
+            continue
         outs = []
         for j, (c, qj, kj, vj, kpj) in enumerate(zip(calls, q.split(sizes, 1), k.split(sizes, 1),
                                                      v.split(sizes, 1), k_pre.split(sizes, 1))):
+            if pooled is not None and j in pooled.members:
+                outs.append(None)
+                continue
             out, cap = model.attend(i, qj, kj, vj, kpj, c.cache, prefix[j], c.mask, c.opts)
             captured[j] = cap or captured[j]
             outs.append(out)  # [H, T_j, D]
+        if pooled is not None:
+            outs = pooled.fill(outs, pooled.attend(i, q, k, v, captured))
         x = model.layer_post(i, x, torch.cat(outs, 1))
     rows, starts = [], 0
     for c, t in zip(calls, sizes):  # each call's logits rows, as offsets into the batch
@@ -168,3 +178,56 @@ def forward_eager_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result
         starts += t
     logits = model.head(x, torch.cat(rows))  # [sum T'_i, V]
     return list(zip(logits.split([r.numel() for r in rows]), captured))
+
+
+class PooledDecodes:
+    """The calls of a batch whose one new token attends its whole cache, each cache a slot of one
+    pool (a plain decode step of a batched session on the CPU): their K/V written and their
+    attention run as one call a layer (kv_pool.decode_attention) instead of one per call. The
+    per-call path is its twin (tests/test_kv_pool.py)."""
+
+    def __init__(self, model: Decoder, calls: list[ForwardCall], members: list[int], rows: list[int], t: int):
+        self.model, self.calls, self.members = model, calls, set(members)
+        self.order = members  # the members' call indexes, in batch order
+        caches = [calls[j].cache for j in members]
+        self.pool = caches[0].pool
+        self.slots = torch.tensor([c.slot for c in caches])  # [n]
+        self.lengths = torch.tensor([c.length for c in caches])  # [n]
+        self.bias = decode_bias([c.slot for c in caches], [c.length for c in caches], model.dtype)
+        self.everything = len(members) == len(calls)  # (then every row is a member's, in order)
+        self.rows = torch.tensor(rows)  # [n] each member's row of the batch
+        self.capture = [j for j in members if calls[j].opts.capture_last]
+
+    @classmethod
+    def of(cls, model: Decoder, calls: list[ForwardCall], sizes: list[int]) -> Optional["PooledDecodes"]:
+        pool = next((c.cache.pool for c in calls if c.cache.pool is not None), None)
+        if pool is None:
+            return None
+        members, rows, row = [], [], 0
+        for j, (c, t) in enumerate(zip(calls, sizes)):
+            if (t == 1 and c.cache.pool is pool and isinstance(c.mask, str) and c.mask == CAUSAL
+                    and c.opts.store is None and not c.opts.window and not c.opts.staged
+                    and 0 < c.cache.length < c.cache.capacity):  # (a full cache: the call's own CacheFull)
+                members.append(j)
+                rows.append(row)
+            row += t
+        return cls(model, calls, members, rows, row) if len(members) > 1 else None
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               captured: list[Optional[Captured]]) -> torch.Tensor:
+        """Layer i's attention of the members -> out [H, n, D] (their rows of q, k, v [*, T, D])."""
+        if not self.everything:
+            q, k, v = q.index_select(1, self.rows), k.index_select(1, self.rows), v.index_select(1, self.rows)
+        need_lse = bool(self.capture) and i == self.model.args.num_layers - 1
+        out, lse = decode_attention(self.pool.data, i, q, k, v, self.slots, self.lengths, self.bias,
+                                    self.model.scale, need_lse)
+        if need_lse:
+            for n, j in enumerate(self.order):
+                if j in self.capture:
+                    captured[j] = Captured(q=q[:, n:n + 1], lse=lse[:, n:n + 1].float())
+        return out
+
+    def fill(self, outs: list[Optional[torch.Tensor]], out: torch.Tensor) -> list[torch.Tensor]:
+        """`outs` (per call, None for the members) with the members' rows of `out` [H, n, D]."""
+        mine = iter(out.split(1, 1))
+        return [next(mine) if o is None else o for o in outs]

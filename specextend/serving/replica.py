@@ -280,7 +280,8 @@ class SpecExtendReplica(DraftRecovery):
         epoch = self.draft_epoch
         text = TextStream(self.tokenizer, prompt_ids, req.get("stop") or ())
         replay = [self.settings.replay_accept_length] if self.settings.replay_accept_length is not None else None
-        load = Load()  # the batcher tells the session's policy how many share its forwards
+        # the batcher tells the session's policy how many share its forwards, and lends it a cache slot
+        load = self.engine_thread.batcher.new_load()
         session = engine.session(prompt_ids, params, session_id=req.get("request_id"), replay=replay,
                                  speculate=spec["enabled"], max_tree_nodes=spec["max_tree_nodes"], load=load,
                                  replay_bonus=self.settings.replay_bonus, reference=spec.get("reference_token_ids"))
