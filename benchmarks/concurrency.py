@@ -18,6 +18,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,22 +42,28 @@ def complete(client, model: str, prompt: list[int], max_tokens: int) -> list[int
     return list(r.choices[0].model_extra["token_ids"])
 
 
-def measure(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
+def measure(url: str, prompts: list[list[int]], new_tokens: int, rounds: int = 1) -> dict:
+    """`rounds` times: the requests one after another, then all at once; the median of each, the
+    ratio of the medians (and each round's), and whether every concurrent output equals its
+    sequential one in every round."""
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     complete(client, model, prompts[0][:16], 4)  # warm-up
-    t0 = time.perf_counter()
-    sequential = [complete(client, model, p, new_tokens) for p in prompts]
-    t_seq = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        concurrent = list(pool.map(lambda p: complete(client, model, p, new_tokens), prompts))
-    t_con = time.perf_counter() - t0
-    equal = [a == b for a, b in zip(sequential, concurrent)]
+    seq_s, con_s, equal = [], [], len(prompts)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        sequential = [complete(client, model, p, new_tokens) for p in prompts]
+        seq_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            concurrent = list(pool.map(lambda p: complete(client, model, p, new_tokens), prompts))
+        con_s.append(time.perf_counter() - t0)
+        equal = min(equal, sum(a == b for a, b in zip(sequential, concurrent)))
+    t_seq, t_con = statistics.median(seq_s), statistics.median(con_s)
     return dict(sequential_s=t_seq, concurrent_s=t_con, ratio=t_con / t_seq, tokens=sum(map(len, concurrent)),
-                equal=sum(equal), requests=len(prompts))
+                equal=equal, requests=len(prompts), rounds=rounds, round_ratios=[c / s for c, s in zip(con_s, seq_s)])
 
 
 def main(argv=None) -> int:
@@ -69,6 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--dtype", default="float64")
     p.add_argument("--num-gpus", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=1, help="sequential-then-concurrent rounds per mode (medians)")
     a = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -90,12 +98,14 @@ def main(argv=None) -> int:
                             retrieval_chunk_size=16, retrieval_top_k=4)
             serve.run(specextend(settings), name="concurrency", route_prefix="/")
             wait_ready(url, 600, app="concurrency")
-            r = measure(url, prompts, a.new_tokens)
+            r = measure(url, prompts, a.new_tokens, a.rounds)
             serve.delete("concurrency")
             rows.append(dict(mode=mode, **r))
             print(f"{mode:10s} {a.requests} requests x {a.new_tokens} tokens: one after another {r['sequential_s']:6.2f} s, "
                   f"at once {r['concurrent_s']:6.2f} s -> {r['ratio']:.2f}x the time; "
-                  f"{r['equal']}/{r['requests']} outputs equal", flush=True)
+                  f"{r['equal']}/{r['requests']} outputs equal"
+                  + (f" (medians of {a.rounds} rounds; each round {', '.join(f'{x:.2f}x' for x in r['round_ratios'])})"
+                     if a.rounds > 1 else ""), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
