@@ -7,9 +7,10 @@ on the CPU, where each eager op costs microseconds) and hands it to its sessions
 a session takes a slot for its target cache and gives it back when the cache is dropped. A request
 that needs more than a slot holds, or finds every slot taken, gets a cache of its own, as before.
 
-`decode_attention` is the batched attention of calls whose one new token attends its whole cache
-(a plain decode step): it writes their new K/V into their slots (their `stage`) and attends every
-slot of the batch over [0, max length] in one SDPA call, each slot's keys past its own length masked.
+`pooled_attention` is the batched attention of a round's calls in one pool whose new rows attend
+their whole cache (plain steps, trees, lookup chains; `PoolBatch` says where each sits): it writes
+their new K/V into their slots (their `stage`) and attends every slot of the batch in one SDPA call
+(rows of a slot padded to the most any member has), each row's keys past what it may see masked.
 Its twin is the per-call path (Decoder.attend through hybrid.layer_attention); tests compare them.
 """
 
@@ -66,37 +67,60 @@ class KVPool:
             return len(self._free)
 
 
-def decode_attention(data: torch.Tensor, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     slots: torch.Tensor, lengths: torch.Tensor, bias: torch.Tensor, scale: float,
-                     need_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """n decode calls of one pool at layer `layer`: q [H, n, D], k, v [G, n, D] (one row each);
-    slots, lengths [n] (each call's slot and committed length); bias [S, 1, 1, Lmax] (from
-    `decode_bias`: S = the highest slot + 1, Lmax = the longest length + 1). Writes each row's K/V
-    at its slot's position `length`, then attends the S slots at once. -> out [H, n, D], lse [H, n]."""
+class PoolBatch:
+    """Where a round's pooled calls sit (built once per forward): member m's T_m rows are rows
+    rows[m] of the batch, its keys its slot's committed L_m and its T_m new ones (written at L_m..),
+    each row seeing the committed keys and the new ones its mask allows (causal: a plain step's
+    one row sees its own; a tree's rows their ancestors'). The batched attention runs S = the
+    highest member slot + 1 slots of Tmax rows (the most a member has) over Kmax = max(L_m + T_m)
+    keys; rows and slots no member holds see key 0 only (dropped: a fully masked row is NaN)."""
+
+    def __init__(self, slots: list[int], lengths: list[int], masks: list[torch.Tensor], rows: list[int],
+                 heads_per_group: int, dtype: torch.dtype):
+        sizes = [m.shape[0] for m in masks]  # T_m (a member's mask [T_m, T_m] over its new keys)
+        self.n = sum(sizes)  # the members' rows, N
+        self.s, self.tmax = max(slots) + 1, max(sizes)
+        self.kmax = max(l + t for l, t in zip(lengths, sizes))
+        self.r = heads_per_group
+        slot_of = [s for s, t in zip(slots, sizes) for _ in range(t)]
+        tok = [i for t in sizes for i in range(t)]
+        self.slot = torch.tensor(slot_of)  # [N] each member row's slot
+        self.tok = torch.tensor(tok)  # [N] its place among its member's rows
+        self.pos = torch.tensor([l + i for l, t in zip(lengths, sizes) for i in range(t)])  # [N] its new key's
+        self.rows = torch.tensor([r + i for r, t in zip(rows, sizes) for i in range(t)])  # [N] its batch row
+        # the plain steps' shape with every slot a member's, in order: no scatter or gather
+        self.dense = self.tmax == 1 and slots == list(range(self.s))
+        see = torch.zeros(self.s, self.tmax, self.kmax, dtype=torch.bool)
+        see[:, :, 0] = True
+        for slot, length, t, mask in zip(slots, lengths, sizes, masks):
+            see[slot, :t] = False
+            see[slot, :t, :length] = True
+            see[slot, :t, length:length + t] = mask
+        bias = torch.zeros(self.s, self.tmax, self.kmax, dtype=dtype).masked_fill_(~see, float("-inf"))
+        self.bias = bias[:, None].expand(-1, heads_per_group, -1, -1).reshape(self.s, 1, -1, self.kmax)  # [S, 1, r*Tmax, K]
+
+
+def pooled_attention(data: torch.Tensor, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     batch: PoolBatch, scale: float, need_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The pooled calls' attention at layer `layer` (their N rows: q [H, N, D]; k, v [G, N, D]):
+    writes each row's K/V into its slot at its position (the calls' `stage`), then attends every
+    slot at once in one SDPA call. -> out [H, N, D], lse [H, N] (None unless need_lse)."""
     h, n, d = q.shape
-    g = k.shape[0]
-    s, lmax = bias.shape[0], bias.shape[-1]
+    g, r, b = k.shape[0], h // k.shape[0], batch
     kl, vl = data[:, layer, 0], data[:, layer, 1]  # [slots, G, S_max, D]
-    kl[slots, :, lengths] = k.transpose(0, 1)  # [n, G, D] (the calls' stage)
-    vl[slots, :, lengths] = v.transpose(0, 1)
-    qn = q.transpose(0, 1).reshape(n, g, h // g, d)  # [n, G, H/G, D]: a group's heads share its K/V
-    dense = n == s and bool((slots == torch.arange(n)).all())
-    qs = qn if dense else qn.new_zeros(s, g, h // g, d).index_copy_(0, slots, qn)  # [S, G, H/G, D]
+    kl[b.slot, :, b.pos] = k.transpose(0, 1)  # [N, G, D]
+    vl[b.slot, :, b.pos] = v.transpose(0, 1)
+    qn = q.transpose(0, 1).reshape(n, g, r, d)  # [N, G, r, D]: a group's r heads share its K/V
+    if b.dense:
+        qs = qn  # [S, G, r, D] (S = N, Tmax = 1)
+    else:
+        qs = qn.new_zeros(b.s, g, r, b.tmax, d)
+        qs[b.slot, :, :, b.tok] = qn
+        qs = qs.view(b.s, g, r * b.tmax, d)  # [S, G, r*Tmax, D]: rows (head, token), as the bias's
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qs, kl[:s, :, :lmax], vl[:s, :, :lmax], 0.0, False, attn_mask=bias, scale=scale)[:2]
-    if not dense:
-        out, lse = out.index_select(0, slots), lse.index_select(0, slots)
-    out = out.reshape(n, h, d).transpose(0, 1)  # [H, n, D]
+        qs, kl[:b.s, :, :b.kmax], vl[:b.s, :, :b.kmax], 0.0, False, attn_mask=b.bias, scale=scale)[:2]
+    if not b.dense:
+        out = out.view(b.s, g, r, b.tmax, d)[b.slot, :, :, b.tok]  # [N, G, r, D]
+        lse = lse.view(b.s, g, r, b.tmax)[b.slot, :, :, b.tok] if need_lse else None  # [N, G, r]
+    out = out.reshape(n, h, d).transpose(0, 1)  # [H, N, D]
     return out, (lse.reshape(n, h).transpose(0, 1) if need_lse else None)
-
-
-def decode_bias(slots: list[int], lengths: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """[S, 1, 1, Lmax] additive mask of `decode_attention`: slot s (a call's) sees keys 0..length
-    (its committed ones and its new one); a slot no call holds sees key 0 only (its row is dropped:
-    a fully masked row would be NaN)."""
-    s, lmax = max(slots) + 1, max(lengths) + 1
-    see = torch.zeros(s, dtype=torch.long)  # the last key each slot sees
-    see[torch.tensor(slots)] = torch.tensor(lengths)
-    keys = torch.arange(lmax)
-    bias = torch.zeros(s, lmax, dtype=dtype).masked_fill_(keys[None, :] > see[:, None], float("-inf"))
-    return bias[:, None, None, :]

@@ -11,7 +11,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL
 from specextend.kv_pool import KVPool
-from specextend.models.batch import ForwardCall, PooledDecodes, forward_batch, forward_each
+from specextend.models.batch import ForwardCall, PooledCalls, forward_batch, forward_each
 from specextend.models.decoder import ForwardOptions
 from specextend.tree import ancestor_mask, node_depths
 
@@ -25,11 +25,13 @@ def _filled(dec, cache, n, g):
 
 
 def _calls(dec, pool, seed):
-    """Decode steps in pool slots (lengths 20, 7, 33; slot 1 left free so the slots are not dense,
-    one capturing its last layer), a tree verify in a slot, a decode on a cache of its own."""
+    """Plain steps in pool slots (lengths 20, 7, 33, one capturing its last layer), a tree verify
+    capturing its last layer and a 3-token causal chain in slots (slot 1 left free: the slots are
+    not dense), a plain step on a cache of its own and a windowed chunk with a store in a slot (those
+    two go their own way)."""
     g = torch.Generator().manual_seed(seed)
     V = dec.args.vocab_size
-    slots = [pool.take(96) for _ in range(5)] if pool is not None else [dec.new_cache(96) for _ in range(5)]
+    slots = [pool.take(96) for _ in range(7)] if pool is not None else [dec.new_cache(96) for _ in range(7)]
     parents = [-1, -1, 0, 1]
     depths = torch.tensor([0] + node_depths(parents))
     calls = [
@@ -41,19 +43,23 @@ def _calls(dec, pool, seed):
         ForwardCall(torch.randint(V, (1,), generator=g), torch.tensor([9]), _filled(dec, dec.new_cache(40), 9, g),
                     CAUSAL),
         ForwardCall(torch.randint(V, (1,), generator=g), torch.tensor([33]), _filled(dec, slots[4], 33, g), CAUSAL),
+        ForwardCall(torch.randint(V, (3,), generator=g), torch.arange(15, 18), _filled(dec, slots[5], 15, g), CAUSAL),
+        ForwardCall(torch.randint(V, (4,), generator=g), torch.arange(30, 34), _filled(dec, slots[6], 30, g), CAUSAL,
+                    ForwardOptions(window=8, store=dec.new_cache(96), hybrid=False)),
     ]
     return calls, slots
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_pooled_decodes_equal_each_call_on_its_own_cache(arch):
+def test_pooled_calls_equal_each_call_on_its_own_cache(arch):
     _, dec = build_pair(arch)
     dec.w = dec.w.to(dtype=torch.float64)
-    pool = KVPool(dec.args, torch.float64, "cpu", slots=5)
+    pool = KVPool(dec.args, torch.float64, "cpu", slots=7)
     batch, _ = _calls(dec, pool, 1)
     each, _ = _calls(dec, None, 1)
-    pooled = PooledDecodes.of(dec, batch, [c.ids.shape[0] for c in batch])
-    assert pooled is not None and pooled.members == {0, 2, 4}  # the tree and the own cache go their way
+    pooled = PooledCalls.of(dec, batch, [c.ids.shape[0] for c in batch])
+    assert pooled is not None and pooled.members == {0, 1, 2, 4, 5}  # (not the own cache, not the store's)
+    assert not pooled.batch.dense and pooled.batch.tmax == 5
     got, want = forward_batch(dec, batch), forward_each(dec, each)
     for (lg, cg), (lw, cw), b, e in zip(got, want, batch, each):
         torch.testing.assert_close(lg, lw, rtol=1e-10, atol=1e-10)
@@ -63,9 +69,11 @@ def test_pooled_decodes_equal_each_call_on_its_own_cache(arch):
             torch.testing.assert_close(cg.lse, cw.lse, rtol=1e-10, atol=1e-10)
         n = b.cache.length + b.ids.shape[0]  # the staged K/V too
         torch.testing.assert_close(b.cache.data[..., :n, :], e.cache.data[..., :n, :], rtol=1e-10, atol=1e-10)
+        if b.opts.store is not None:
+            torch.testing.assert_close(b.opts.store.data, e.opts.store.data, rtol=1e-10, atol=1e-10)
 
 
-def test_every_call_a_pooled_decode():
+def test_every_call_a_pooled_plain_step():
     _, dec = build_pair(sorted(CONFIGS)[0])
     dec.w = dec.w.to(dtype=torch.float64)
     pool = KVPool(dec.args, torch.float64, "cpu", slots=3)
@@ -76,7 +84,8 @@ def test_every_call_a_pooled_decode():
     ids = [torch.randint(V, (1,), generator=g) for _ in range(3)]
     batch = [ForwardCall(t, torch.tensor([c.length]), c, CAUSAL) for t, c in zip(ids, slots)]
     each = [ForwardCall(t, torch.tensor([c.length]), c, CAUSAL) for t, c in zip(ids, own)]
-    assert PooledDecodes.of(dec, batch, [1, 1, 1]).everything
+    pooled = PooledCalls.of(dec, batch, [1, 1, 1])
+    assert pooled.everything and pooled.batch.dense  # (no scatter, no gather)
     for (lg, _), (lw, _) in zip(forward_batch(dec, batch), forward_each(dec, each)):
         torch.testing.assert_close(lg, lw, rtol=1e-10, atol=1e-10)
 

@@ -20,7 +20,7 @@ import torch
 
 from specextend.attention.backends import CAUSAL, Mask
 from specextend.kv_cache import CacheFull, KVCache
-from specextend.kv_pool import decode_attention, decode_bias
+from specextend.kv_pool import PoolBatch, pooled_attention
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
 
 
@@ -153,7 +153,7 @@ def forward_eager_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result
     prefix = [c.cache.length for c in calls]  # each call's committed prefix L_i
     x = model.embed(ids)  # [T, E]
     captured: list[Optional[Captured]] = [None] * len(calls)
-    pooled = PooledDecodes.of(model, calls, sizes)  # decode steps in a pool's slots: one attention call a layer
+    pooled = PooledCalls.of(model, calls, sizes)  # steps in a pool's slots: one attention call a layer
     for i in range(a.num_layers):
         q, k, v, k_pre = model.layer_pre(i, x, cos, sin)  # q [H, T, D]; k, v, k_pre [G, T, D]
         if pooled is not None and pooled.everything:
@@ -180,54 +180,73 @@ def forward_eager_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result
     return list(zip(logits.split([r.numel() for r in rows]), captured))
 
 
-class PooledDecodes:
-    """The calls of a batch whose one new token attends its whole cache, each cache a slot of one
-    pool (a plain decode step of a batched session on the CPU): their K/V written and their
-    attention run as one call a layer (kv_pool.decode_attention) instead of one per call. The
+POOL_ROWS = 64  # the most rows a call may have to join a round's pooled attention (a tree, a chain)
+
+
+class PooledCalls:
+    """The calls of a batch whose new rows attend their whole cache, each cache a slot of one pool
+    (plain steps, trees and lookup chains of batched sessions on the CPU): their K/V written and
+    their attention run as one call a layer (kv_pool.pooled_attention) instead of one per call. The
     per-call path is its twin (tests/test_kv_pool.py)."""
 
-    def __init__(self, model: Decoder, calls: list[ForwardCall], members: list[int], rows: list[int], t: int):
+    def __init__(self, model: Decoder, calls: list[ForwardCall], members: list[int], rows: list[int],
+                 masks: list[torch.Tensor]):
         self.model, self.calls, self.members = model, calls, set(members)
         self.order = members  # the members' call indexes, in batch order
         caches = [calls[j].cache for j in members]
         self.pool = caches[0].pool
-        self.slots = torch.tensor([c.slot for c in caches])  # [n]
-        self.lengths = torch.tensor([c.length for c in caches])  # [n]
-        self.bias = decode_bias([c.slot for c in caches], [c.length for c in caches], model.dtype)
+        a = model.args
+        self.batch = PoolBatch([c.slot for c in caches], [c.length for c in caches], masks, rows,
+                               a.num_heads // a.num_kv_heads, model.dtype)
+        self.sizes = [m.shape[0] for m in masks]
         self.everything = len(members) == len(calls)  # (then every row is a member's, in order)
-        self.rows = torch.tensor(rows)  # [n] each member's row of the batch
         self.capture = [j for j in members if calls[j].opts.capture_last]
 
     @classmethod
-    def of(cls, model: Decoder, calls: list[ForwardCall], sizes: list[int]) -> Optional["PooledDecodes"]:
+    def of(cls, model: Decoder, calls: list[ForwardCall], sizes: list[int]) -> Optional["PooledCalls"]:
         pool = next((c.cache.pool for c in calls if c.cache.pool is not None), None)
         if pool is None:
             return None
-        members, rows, row = [], [], 0
+        members, rows, masks, row = [], [], [], 0
         for j, (c, t) in enumerate(zip(calls, sizes)):
-            if (t == 1 and c.cache.pool is pool and isinstance(c.mask, str) and c.mask == CAUSAL
-                    and c.opts.store is None and not c.opts.window and not c.opts.staged
-                    and 0 < c.cache.length < c.cache.capacity):  # (a full cache: the call's own CacheFull)
+            causal = isinstance(c.mask, str) and c.mask == CAUSAL
+            square = causal or (isinstance(c.mask, torch.Tensor) and tuple(c.mask.shape) == (t, t))
+            if (t <= POOL_ROWS and c.cache.pool is pool and square and c.opts.store is None
+                    and not c.opts.window and not c.opts.staged
+                    and c.cache.length + t <= c.cache.capacity):  # (a full cache: the call's own CacheFull)
                 members.append(j)
                 rows.append(row)
+                masks.append(_causal(t) if causal else c.mask.cpu())
             row += t
-        return cls(model, calls, members, rows, row) if len(members) > 1 else None
+        return cls(model, calls, members, rows, masks) if len(members) > 1 else None
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                captured: list[Optional[Captured]]) -> torch.Tensor:
-        """Layer i's attention of the members -> out [H, n, D] (their rows of q, k, v [*, T, D])."""
+        """Layer i's attention of the members -> out [H, N, D] (their rows of q, k, v [*, T, D])."""
         if not self.everything:
-            q, k, v = q.index_select(1, self.rows), k.index_select(1, self.rows), v.index_select(1, self.rows)
+            rows = self.batch.rows
+            q, k, v = q.index_select(1, rows), k.index_select(1, rows), v.index_select(1, rows)
         need_lse = bool(self.capture) and i == self.model.args.num_layers - 1
-        out, lse = decode_attention(self.pool.data, i, q, k, v, self.slots, self.lengths, self.bias,
-                                    self.model.scale, need_lse)
+        out, lse = pooled_attention(self.pool.data, i, q, k, v, self.batch, self.model.scale, need_lse)
         if need_lse:
-            for n, j in enumerate(self.order):
+            lo = 0
+            for j, t in zip(self.order, self.sizes):
                 if j in self.capture:
-                    captured[j] = Captured(q=q[:, n:n + 1], lse=lse[:, n:n + 1].float())
+                    captured[j] = Captured(q=q[:, lo:lo + t], lse=lse[:, lo:lo + t].float())
+                lo += t
         return out
 
     def fill(self, outs: list[Optional[torch.Tensor]], out: torch.Tensor) -> list[torch.Tensor]:
-        """`outs` (per call, None for the members) with the members' rows of `out` [H, n, D]."""
-        mine = iter(out.split(1, 1))
+        """`outs` (per call, None for the members) with the members' rows of `out` [H, N, D]."""
+        mine = iter(out.split(self.sizes, 1))
         return [next(mine) if o is None else o for o in outs]
+
+
+_CAUSAL: dict[int, torch.Tensor] = {}
+
+
+def _causal(t: int) -> torch.Tensor:
+    """[t, t] bool lower triangle (kept: read only)."""
+    if t not in _CAUSAL:
+        _CAUSAL[t] = torch.ones(t, t, dtype=torch.bool).tril()
+    return _CAUSAL[t]
