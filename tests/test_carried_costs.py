@@ -178,3 +178,37 @@ def test_a_primed_sessions_probe_is_not_followed_by_the_full_tree():
     trees = [i for i, r in enumerate(chosen) if not r.plain]
     assert chosen[0] == PLAIN and trees  # (it probes)
     assert all(b - a > 1 for a, b in zip(trees, trees[1:]))  # each probe alone
+
+
+def test_a_sessions_first_tree_does_not_price_the_draft_when_costs_are_known(tiny_models):
+    """A session's first tree waits for the draft's first step on that prompt (its selection, its
+    first catch-up: 36-49 ms on the 8B geometry at 16K, one H200, 2026-11-30, against ~2.5 for the
+    next), which the catch-up line took as a switch's price: the policy then never came back to
+    trees. Where carried costs already price the draft, that wait stays out of them."""
+    target, draft = tiny_models("float64")
+    prompt, params = [(7 * i + 3) % 200 for i in range(40)], SamplingParams(40, ignore_eos=True)
+    ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(prompt, params)
+
+    class SlowFirstStepOfTheSecond(DraftWorker):
+        calls, sessions = 0, []
+
+        def step(self, session_id, *a, **kw):
+            if session_id not in self.sessions:
+                self.sessions.append(session_id)
+                if len(self.sessions) == 2:
+                    import time
+
+                    time.sleep(0.5)
+            return super().step(session_id, *a, **kw)
+
+    worker = SlowFirstStepOfTheSecond(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    engine.defer_opens = False  # (the second session's draft opens at once)
+    assert engine.generate(prompt, params)[0] == ref
+    first = engine._costs
+    assert first is not None and first.draft(TREE.depth) < 0.25
+    assert engine.generate(prompt, params)[0] == ref
+    assert len(worker.sessions) == 2
+    costs = engine._costs  # (the 0.5 s wait, in the draft's line or the catch-up's, would price a tree out)
+    assert costs.draft(TREE.depth) < 0.25 and (costs.catchup is None or costs.catchup(8) < 0.25)
+    worker.shutdown()
