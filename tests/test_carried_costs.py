@@ -180,11 +180,11 @@ def test_a_primed_sessions_probe_is_not_followed_by_the_full_tree():
     assert all(b - a > 1 for a, b in zip(trees, trees[1:]))  # each probe alone
 
 
-def test_a_sessions_first_tree_does_not_price_the_draft_when_costs_are_known(tiny_models):
+def test_a_sessions_first_tree_does_not_price_the_draft(tiny_models):
     """A session's first tree waits for the draft's first step on that prompt (its selection, its
     first catch-up: 36-49 ms on the 8B geometry at 16K, one H200, 2026-11-30, against ~2.5 for the
     next), which the catch-up line took as a switch's price: the policy then never came back to
-    trees. Where carried costs already price the draft, that wait stays out of them."""
+    trees. That wait stays out of the costs the engine carries."""
     target, draft = tiny_models("float64")
     prompt, params = [(7 * i + 3) % 200 for i in range(40)], SamplingParams(40, ignore_eos=True)
     ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(prompt, params)
