@@ -1,5 +1,5 @@
-"""Sessions' KV caches as slots of one tensor, so that a batched round's decode steps attend in one
-call instead of one call per session and layer (docs/architecture.md, "Batched steps").
+"""Sessions' KV caches as slots of one tensor, so that a batched round's steps attend in one call a
+layer instead of one call per session and layer (docs/architecture.md, "Batched steps").
 
 A pool's data is [slots, layers, 2, G, S_max, D]; a slot is a KVCache over data[slot] (contiguous:
 every KVCache operation works on it unchanged). A batching driver owns the pool (scheduler.Batcher,
@@ -81,7 +81,6 @@ class PoolBatch:
         self.n = sum(sizes)  # the members' rows, N
         self.s, self.tmax = max(slots) + 1, max(sizes)
         self.kmax = max(l + t for l, t in zip(lengths, sizes))
-        self.r = heads_per_group
         slot_of = [s for s, t in zip(slots, sizes) for _ in range(t)]
         tok = [i for t in sizes for i in range(t)]
         self.slot = torch.tensor(slot_of)  # [N] each member row's slot

@@ -82,8 +82,8 @@ class Batcher:
         self._forward = forward  # forward_batch (its signature; tests pass a fake)
         self._on_forward = on_forward  # told each forward's number of calls (the replica's metrics)
         self.max_batch = max_batch
-        # on the CPU the sessions' target caches are slots of one pool, their decode steps one attention
-        # call a layer (kv_pool.py); a GPU's batched forwards run through captured graphs instead
+        # on the CPU the sessions' target caches are slots of one pool, their steps one attention call a
+        # layer (kv_pool.py); a GPU's batched forwards run through captured graphs instead
         cpu = model is not None and model.device.type == "cpu"  # (a test's fake forward has no model)
         self.kv_pool = KVPool(model.args, model.dtype, model.device, max_batch) if max_batch > 1 and cpu else None
         self._pool = ThreadPoolExecutor(draft_threads, thread_name_prefix="draft-call")

@@ -44,16 +44,15 @@ log = logging.getLogger(__name__)
 
 # The engine side (torch, transformers: seconds of imports) is imported by the constructor after it has started
 # its draft actor, so that the two processes' imports overlap (docs/architecture.md, "Deployment").
-Engine = RequestError = RequestStats = Batcher = Load = EngineThread = SessionPump = warm_up = warm_long = None
+Engine = RequestError = RequestStats = Batcher = EngineThread = SessionPump = warm_up = warm_long = None
 
 
 def import_engine_side() -> None:
-    global Engine, RequestError, RequestStats, Batcher, Load, EngineThread, SessionPump, warm_up, warm_long
+    global Engine, RequestError, RequestStats, Batcher, EngineThread, SessionPump, warm_up, warm_long
     from specextend.engine import Engine
     from specextend.request_limits import RequestError
     from specextend.stats import RequestStats
     from specextend.scheduler import Batcher
-    from specextend.session_calls import Load
     from specextend.serving.pump import EngineThread, SessionPump
     from specextend.warmup import warm_long, warm_up
 
