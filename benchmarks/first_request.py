@@ -12,7 +12,6 @@ lookup finds chains. Prints each late item and a table, writes JSON (commit, dev
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specextend.bench.record import device_name, meta, slug
+from specextend.bench.record import write_rows
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
 from specextend.models import late_work
@@ -86,11 +85,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['request']} | {r['decode_tokens_per_s']:.1f} | {r['wall_s']:.2f} | {r['late']['capture']} | "
               f"{r['late']['kernel']} |")
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{slug(device_name(a.device))}.json"
-    info = meta("first_request", a.device, sys.argv[1:]) | {k: v for k, v in vars(a).items() if k not in ("out", "device")}
-    info["command"] = "python benchmarks/first_request.py " + " ".join(sys.argv[1:])
-    path.write_text(json.dumps(dict(rows=rows, meta=info), indent=1))
+    path = write_rows(a.out, "", "first_request", a, rows, sys.argv[1:])
     print("wrote", path)
     return 0
 

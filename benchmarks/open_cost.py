@@ -5,8 +5,8 @@ engine's request timed it (stats.draft_open_s) with the plain steps decoded mean
 
 In process, both models on one device, warmed as a served replica warms itself (warm_up, then
 warm_long), the prefix cache off; prompts no cache has seen (random ids or a document's), each a
-few odd tokens longer than `--length`, and the late work each call met (late_work.py). Prints a table, writes JSON (commit, device,
-date, command) under results/open/.
+few odd tokens longer than `--length`, and the late work each call met (late_work.py). Prints a
+table, writes JSON (commit, device, date, command) under results/open/.
 
     python benchmarks/open_cost.py --target random:qwen2.5-1.5b --draft random:qwen2.5-0.5b --length 16384
     python benchmarks/open_cost.py --target default --draft default --doc python --length 4096
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specextend.bench.record import device_name, meta, slug
+from specextend.bench.record import write_rows
 from specextend.bench.texts import documents, prompt_ids
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--doc", default="", help="a document's prompt (bench texts, e.g. python) instead of random ids")
-    p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval for a third round (0: none)")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="sys.setswitchinterval for a third round (0: none)")
     p.add_argument("--cudnn", action="store_true", help="cuDNN attention back on after the build (the A/B's other arm)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/open"))
@@ -211,19 +212,15 @@ def main(argv=None) -> int:
     for r in rows:
         dev = (f"{r.get('forward_device_ms', 0):.1f} / {r.get('rebuild_device_ms', 0):.1f}"
                if "forward_device_ms" in r else "-")
+        slow = f"; slow small forwards (rows, ms) {r['slow_small_forwards']}" if r["slow_small_forwards"] else ""
         print(f"| {r['round']} | {r['case']} | {r['rep']} | {r['open_ms']:.1f} | {r['chunks']} | "
               f"{r['forward_host_ms']:.1f} / {r['rebuild_host_ms']:.1f} | {dev} | {r.get('open_steps', '-')} | "
               f"{r.get('decode_tok_s', 0):.1f} | {r['late'] or ''} | "
-              f"{', '.join(f'{k} {v:.1f}' for k, v in r['parts_host_ms'].items())}"
-              f"{'; slow small forwards (rows, ms) ' + str(r['slow_small_forwards']) if r['slow_small_forwards'] else ''} |")
+              f"{', '.join(f'{k} {v:.1f}' for k, v in r['parts_host_ms'].items())}{slow} |")
     alone = [r["open_ms"] for r in rows if r["case"] == "open alone"]
     print(f"open alone: median {statistics.median(alone):.1f} ms")
-    a.out.mkdir(parents=True, exist_ok=True)
     arm = "-cudnn" if a.cudnn else ""
-    path = a.out / f"open-cost-{a.doc or 'random'}-{a.length}{arm}-{slug(device_name(a.device))}.json"
-    info = meta("open_cost", a.device, sys.argv[1:]) | {k: v for k, v in vars(a).items() if k not in ("out", "device")}
-    info["command"] = "python benchmarks/open_cost.py " + " ".join(sys.argv[1:])
-    path.write_text(json.dumps(dict(rows=rows, meta=info), indent=1))
+    path = write_rows(a.out, f"open-cost-{a.doc or 'random'}-{a.length}{arm}-", "open_cost", a, rows, sys.argv[1:])
     print("wrote", path)
     return 0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specextend.bench.record import device_name, meta, slug
+from specextend.bench.record import write_rows
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
 from specextend.warmup import warm_long, warm_up
@@ -51,18 +51,15 @@ def main(argv=None) -> int:
         prompt = torch.randint(100, vocab - 100, (length,), generator=g).tolist()
         t = time.perf_counter()
         _, _, st = engine.generate(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
-        rows.append(dict(cudnn=cudnn, length=length, ttft_ms=1e3 * st.prefill_s, wall_ms=1e3 * (time.perf_counter() - t)))
+        rows.append(dict(cudnn=cudnn, length=length, ttft_ms=1e3 * st.prefill_s,
+                         wall_ms=1e3 * (time.perf_counter() - t)))
         print(json.dumps(rows[-1]), flush=True)
     torch.backends.cuda.enable_cudnn_sdp(False)
     for arm in (False, True):
         ms = [r["ttft_ms"] for r in rows if r["cudnn"] == arm]
         print(f"cuDNN {'on ' if arm else 'off'}: time to first token median {statistics.median(ms):.1f} ms, "
               f"max {max(ms):.1f} ms over {len(ms)} new lengths")
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"ttft-lengths-{a.mode}-{slug(device_name(a.device))}.json"
-    info = meta("ttft_lengths", a.device, sys.argv[1:]) | {k: v for k, v in vars(a).items() if k not in ("out", "device")}
-    info["command"] = "python benchmarks/ttft_lengths.py " + " ".join(sys.argv[1:])
-    path.write_text(json.dumps(dict(rows=rows, meta=info), indent=1))
+    path = write_rows(a.out, f"ttft-lengths-{a.mode}-", "ttft_lengths", a, rows, sys.argv[1:])
     print("wrote", path)
     return 0
 

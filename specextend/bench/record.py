@@ -66,6 +66,17 @@ def write(out: Path, result: dict) -> Path:
     return path
 
 
+def write_rows(out: Path, stem: str, suite: str, args, rows: list, argv: list[str]) -> Path:
+    """The rows of the script benchmarks/<suite>.py as `out`/<stem><device>.json, its meta the
+    script's command and its options (`args`, an argparse namespace with `device`; `out` aside)."""
+    info = meta(suite, args.device, argv) | {k: v for k, v in vars(args).items() if k not in ("out", "device")}
+    info["command"] = f"python benchmarks/{suite}.py " + " ".join(argv)
+    path = Path(out) / f"{stem}{slug(device_name(args.device))}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(rows=rows, meta=info), indent=1))
+    return path
+
+
 ROW_KEY = ("pair", "length", "doc", "mode")  # a row of the e2e and sweep suites: one prompt in one mode
 SAME = ("suite", "device", "tree_policy", "dtype", "new_tokens")  # what parts of one run must share
 
