@@ -333,9 +333,8 @@ class Engine(RequestLimits, DraftLink):
                                     prepared=not applied, refreshed=refreshed)
                     if lookup is not None:
                         lookup.commit(committed)
-                    # the engine's first tree and each session's first wait for one-off costs (docs/architecture.md,
-                    # "Adaptive speculation"): not the draft's price, nor a catch-up's
-                    one_off, self._first_tree = self._first_tree or stats.num_steps == 1, False
+                    one_off = self._first_tree or stats.num_steps == 1  # (one-offs: docs, "Adaptive speculation")
+                    self._first_tree = False
                     waited = None if one_off else draft_s - load.take_shared()  # (caught up: the catch-up's line)
                     ctl.record_spec(rung, None if caught_up else waited, prefix_accepts(own, parents[:drafted], rung, ctl.rungs),
                                     step_s=load.wall(t_step), catchup=(behind, waited) if caught_up and waited is not None else None,

@@ -78,7 +78,6 @@ class PoolBatch:
     def __init__(self, slots: list[int], lengths: list[int], masks: list[torch.Tensor], rows: list[int],
                  heads_per_group: int, dtype: torch.dtype):
         sizes = [m.shape[0] for m in masks]  # T_m (a member's mask [T_m, T_m] over its new keys)
-        self.n = sum(sizes)  # the members' rows, N
         self.s, self.tmax = max(slots) + 1, max(sizes)
         self.kmax = max(l + t for l, t in zip(lengths, sizes))
         slot_of = [s for s, t in zip(slots, sizes) for _ in range(t)]

@@ -191,7 +191,7 @@ class PooledCalls:
 
     def __init__(self, model: Decoder, calls: list[ForwardCall], members: list[int], rows: list[int],
                  masks: list[torch.Tensor]):
-        self.model, self.calls, self.members = model, calls, set(members)
+        self.model, self.members = model, set(members)
         self.order = members  # the members' call indexes, in batch order
         caches = [calls[j].cache for j in members]
         self.pool = caches[0].pool
