@@ -136,6 +136,24 @@ def test_the_probe_schedule_goes_on_across_short_sessions():
     assert 4 <= trees <= 5  # one every 41 steps
 
 
+def slow_target(target, seconds=0.02):
+    """`target` whose every forward first sleeps `seconds`: trees then pay whatever the machine (the
+    tiny pair's plain step on a CPU costs about what a draft level does, and a second session's
+    carried costs could start it plain for all of its steps, never stepping the draft; CI, 2026-11-30)."""
+    import copy
+    import dataclasses
+    import time
+
+    decoder, forward = copy.copy(target.decoder), target.decoder.forward
+
+    def slow(*a, **kw):
+        time.sleep(seconds)
+        return forward(*a, **kw)
+
+    decoder.forward = slow
+    return dataclasses.replace(target, decoder=decoder)
+
+
 def test_an_engines_first_tree_does_not_price_the_draft(tiny_models):
     """The first tree an engine verifies after start-up waits for one-off costs (on the served 8B
     geometry, two H200s, 2026-11-28: 34 ms against 3): that wait stays out of the draft's cost line,
@@ -156,7 +174,7 @@ def test_an_engines_first_tree_does_not_price_the_draft(tiny_models):
             return super().step(*a, **kw)
 
     worker = SlowFirstStep(draft.decoder)
-    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), slow_target(target), worker)
     assert engine.generate(prompt, params)[0] == ref
     assert SlowFirstStep.calls >= 2 and engine._costs is not None
     assert engine._costs.draft(TREE.depth) < 0.25  # (with the first wait: at least 0.5 s x 0.1 weight ... x depth)
@@ -202,7 +220,7 @@ def test_a_sessions_first_tree_does_not_price_the_draft(tiny_models):
             return super().step(session_id, *a, **kw)
 
     worker = SlowFirstStepOfTheSecond(draft.decoder)
-    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), slow_target(target), worker)
     engine.defer_opens = False  # (the second session's draft opens at once)
     assert engine.generate(prompt, params)[0] == ref
     first = engine._costs
