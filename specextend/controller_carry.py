@@ -9,6 +9,7 @@ import copy
 from typing import Optional
 
 from specextend.costs import Costs
+from specextend.ladder import PLAIN
 from specextend.recheck import PlainRecheck
 
 # A session started from carried costs warms up on the full tree (one step measures the text's
@@ -79,3 +80,23 @@ class Carrying:
         if not self.primed or not self.probe_every or self._warm:
             return 0
         return max(self.probe_every - self.since_probe, 0)
+
+    def priced(self) -> dict:
+        """What the policy believes now, in milliseconds (benchmarks' rows: a choice can be read
+        against its prices): a plain step's forward and host work, the steps' forward line (a + b
+        rows), the chain steps' and a draft level's, the predicted seconds of a plain step and of the
+        full tree, and the probe schedule. A plain step priced at zero (an e2e run of the real pair on
+        an H200, 2026-11-30: the policy predicted 1e9 tokens/s for its plain steps and took no tree)
+        shows which of them said so."""
+        def ms(x: Optional[float]) -> Optional[float]:
+            return None if x is None else 1e3 * x
+
+        def line(cost) -> list:
+            a, b = cost.line()
+            return [1e3 * a, 1e3 * b]
+
+        return dict(plain_forward=ms(self.plain_forward), extra_plain=ms(self.extra_plain),
+                    extra_spec=ms(self.extra_spec), forward=line(self.forward), chains=line(self.chains),
+                    draft=line(self.draft), prefill=line(self.prefill), plain_step=ms(self.step_seconds(PLAIN)),
+                    top_step=ms(self.step_seconds(self.top)), probe_every=self.probe_every,
+                    since_probe=self.since_probe, primed=self.primed)

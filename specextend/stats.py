@@ -87,6 +87,7 @@ class RequestStats:
     step_kinds: dict = field(default_factory=dict)
     # what the policy expected: "tree"/"plain" -> [sum of the chosen rungs' predicted tokens/s, steps]
     predicted: dict = field(default_factory=dict)
+    priced: dict = field(default_factory=dict)  # the policy's prices at the request's end (Carrying.priced)
     # an early ask's way, per asked step: ASK_PARTS, seconds (ask_done)
     ask_split: list = field(default_factory=list)
     # a kind of step's wall time by phase (PhaseClock): kind -> {phase: seconds, summed over its steps}

@@ -230,3 +230,26 @@ def test_a_sessions_first_tree_does_not_price_the_draft(tiny_models):
     costs = engine._costs  # (the 0.5 s wait, in the draft's line or the catch-up's, would price a tree out)
     assert costs.draft(TREE.depth) < 0.25 and (costs.catchup is None or costs.catchup(8) < 0.25)
     worker.shutdown()
+
+
+def test_the_prices_a_session_ends_with_are_reported():
+    """Carrying.priced (the rows of the benchmarks): the policy's own prices, in ms, so that a choice
+    can be read against them; an engine's request carries them in its stats."""
+    ctl = warmed("easy")
+    p = ctl.priced()
+    assert p["plain_forward"] == pytest.approx(1e3 * ctl.plain_forward)
+    assert p["forward"] == pytest.approx([1e3 * v for v in ctl.forward.line()])
+    assert p["plain_step"] == pytest.approx(1e3 * ctl.step_seconds(PLAIN)) and p["plain_step"] > 0
+    assert p["top_step"] > p["plain_step"] and p["primed"] is False
+
+
+def test_an_engines_request_reports_its_prices(tiny_models):
+    target, draft = tiny_models("float64")
+    worker = DraftWorker(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    _, _, stats = engine.generate(list(range(3, 43)), SamplingParams(12, ignore_eos=True))
+    assert stats.priced["plain_step"] is not None and stats.priced["plain_step"] > 0
+    assert stats.priced["draft"][0] >= 0 and set(stats.priced) >= {"forward", "chains", "probe_every"}
+    worker.shutdown()
+    _, _, plain = Engine(EngineConfig(mode="ar"), target).generate(list(range(3, 43)), SamplingParams(4))
+    assert plain.priced == {}
