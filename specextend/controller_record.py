@@ -67,7 +67,9 @@ class Recording:
         recheck = self.recheck.plain_step()  # (a recheck's reading replaces the one it rechecks)
         if self._forward_s and self.sessions <= 1 and not contended:  # (a chain's rows beyond the first: the slope)
             one = self._forward_s - self.chains.line()[1] * max(self._rows - 1, 0)  # (chain_now prices them)
-            self.plain_forward = self._average(self.plain_forward, max(one, 0.0), 1.0 if recheck else None)
+            if one > 0 or self._rows <= 1:  # (else the slope says the rows beyond the first cost more than the
+                # whole forward took: a line a one-off set, which this reading cannot split; it prices nothing)
+                self.plain_forward = self._average(self.plain_forward, max(one, 0.0), 1.0 if recheck else None)
         self._end_step()
         self.plain_steps += 1
         self.since_probe += 1

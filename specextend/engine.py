@@ -65,6 +65,11 @@ class Engine(RequestLimits, DraftLink):
         self._gate = None
         self.snapshots = SnapshotChoice(self.config.draft_snapshots)
 
+    def forget_costs(self) -> None:
+        """Forgets the costs earlier sessions measured: the next session measures its own, as an
+        app's first request after its warm-up does (docs/architecture.md, "Adaptive speculation")."""
+        self._costs = None
+
     def new_controller(self, tree: TreeConfig) -> TreeController:
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
         policy = TreeController if self.config.tree_policy == "adaptive" else AlwaysSpeculate

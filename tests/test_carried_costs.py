@@ -253,3 +253,36 @@ def test_an_engines_request_reports_its_prices(tiny_models):
     worker.shutdown()
     _, _, plain = Engine(EngineConfig(mode="ar"), target).generate(list(range(3, 43)), SamplingParams(4))
     assert plain.priced == {}
+
+
+def test_a_reading_the_chain_line_cannot_split_leaves_the_plain_price():
+    """A step whose forward took less than the chain line's slope says its rows beyond the first
+    cost (a slope a one-off set: a shape's first forward) prices no plain step: before, its share
+    was clamped to zero, the plain step priced at nothing, and the policy predicted 1e9 tokens/s
+    for plain steps and took no tree (the real pair in e2e on an H200, 2026-11-30)."""
+    ctl = TreeController(list(RUNGS))
+    for rows, seconds in [(1, 0.002), (1, 0.002), (9, 1.0), (1, 0.002)]:  # (9 rows: the shape's first forward)
+        ctl.begin_step()
+        ctl.record_forward(rows, seconds)
+        ctl.record_plain(step_s=seconds)
+    before = ctl.plain_forward
+    assert before > 0.001 and ctl.chains.line()[1] * 8 > 0.0021
+    ctl.begin_step()
+    ctl.record_forward(9, 0.0021)  # a lookup run's step: 9 rows
+    ctl.record_plain(step_s=0.0021, lookup=1)
+    assert ctl.plain_forward == before and ctl.step_seconds(PLAIN) > 0.001
+
+
+def test_the_e2e_suites_measured_request_starts_unprimed(tiny_models):
+    """The e2e suite's warm-up request meets every shape cold; its costs are not the first measured
+    request's prior (a served app's first request after its warm-up has none either)."""
+    from specextend.bench import e2e
+
+    target, draft = tiny_models("float64")
+    worker = DraftWorker(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
+    engine.generate(list(range(3, 83)), SamplingParams(24, ignore_eos=True))
+    assert engine._costs is not None  # (what the warm-up request would leave)
+    e2e.warm_up(engine, list(range(3, 83)), set())
+    assert engine._costs is None
+    worker.shutdown()

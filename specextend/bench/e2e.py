@@ -143,6 +143,7 @@ def warm_up(engine: Engine, prompt: list[int], warm: set, replay: Optional[list[
             if engine.config.uses_draft:  # and what only a long prompt meets, as a served replica does
                 warmup.warm_long(engine, prompt[:64])
         engine.forget_text()  # (the warm-up's text taught the lookup gate nothing about the prompts': as served)
+        engine.forget_costs()  # (its first request met every shape cold: a served app's first request starts unprimed)
         warm.add(id(engine))
 
 
