@@ -41,7 +41,7 @@ from typing import Optional
 from specextend.controller_carry import WARM_MARGIN, Carrying
 from specextend.controller_record import PROBE_RETRIES, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
 from specextend.controller_best import best_rung
-from specextend.costs import RUN_STEPS, LinearCost, probe_interval, run_rate
+from specextend.costs import OUTLIER, RUN_STEPS, LinearCost, probe_interval, run_rate
 from specextend.recheck import PlainRecheck
 from specextend.ladder import PLAIN, Rung
 
@@ -61,6 +61,11 @@ WARM_TRIES = 4
 DOUBT_MISSES = 6
 
 
+def _forwards() -> LinearCost:
+    """A line of forwards' durations: a one-off among them counts as at most OUTLIER times the line."""
+    return LinearCost(clip=OUTLIER)
+
+
 @dataclass
 class TreeController(Recording, Carrying):
     rungs: list[Rung]  # ladder(): plain first, the session's tree last
@@ -70,13 +75,13 @@ class TreeController(Recording, Carrying):
     probe_ratio: float = 10.0  # ... and this many times the time a probe loses against the best choice
     max_probe: int = 1024
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
-    forward: LinearCost = field(default_factory=LinearCost)  # target forward seconds vs rows, the steps'
-    prefill: LinearCost = field(default_factory=LinearCost)  # ... the prefill's chunks: the steps' prior
+    forward: LinearCost = field(default_factory=_forwards)  # target forward seconds vs rows, the steps'
+    prefill: LinearCost = field(default_factory=_forwards)  # ... the prefill's chunks: the steps' prior
     # ... the forwards of steps without a tree alone (plain and chain steps): what a chain verified
     # alone costs, which the trees' verifications, with their own rows' price, must not set (the tiny
     # pair on a CPU: the line of every step priced a 9-row chain at 3.1 ms where chain steps took
     # 2.2, and skipped every chain that mode lookup verified; docs/architecture.md, "Context lookup")
-    chains: LinearCost = field(default_factory=LinearCost)
+    chains: LinearCost = field(default_factory=_forwards)
     draft: LinearCost = field(default_factory=lambda: LinearCost(proportional=True))  # wait vs depth
     # the first tree after steps without one: the draft first forwards their tokens, a wait beyond the
     # levels' line, vs those tokens (record_spec's catchup), priced into a tree chosen while the

@@ -11,6 +11,10 @@ from typing import Optional
 # chosen after a plain step pays the run's first step (the switch) once over them ...
 RUN_STEPS = 8
 STAY_MARGIN = 0.05  # ... and trees asked lately are left only for a plain rate this much above theirs
+# A point above this many times what its line predicts counts as this many times: a one-off (a
+# shape's first forward, a graph capture, a collector's pause) moves the line as a slow point does,
+# not by its whole size; a real change of cost still moves it, by up to this factor a point
+OUTLIER = 4.0
 
 
 class LinearCost:
@@ -18,10 +22,14 @@ class LinearCost:
     weighs `alpha`). While the points seen lately are too alike in x to tell a slope, it keeps the
     last slope it could tell; before any, the `prior` line's slope (where it has one: another
     kind of point, e.g. the prefill's chunks for the decode steps' forwards), else b = 0 (flat) or,
-    `proportional`, a = 0. Before any point, the prior's line."""
+    `proportional`, a = 0. Before any point, the prior's line. With `clip` (forwards' lines:
+    OUTLIER), once it has points a new one counts as at most `clip` times what the line predicts
+    for it (a weighted least-squares fit gives one far point leverage over the slope for tens of
+    points); waits, a mixture of short and long ones whose mean is the price, are not clipped."""
 
-    def __init__(self, alpha: float = 0.1, proportional: bool = False, prior: Optional["LinearCost"] = None) -> None:
-        self.alpha, self.proportional, self.prior = alpha, proportional, prior
+    def __init__(self, alpha: float = 0.1, proportional: bool = False, prior: Optional["LinearCost"] = None,
+                 clip: Optional[float] = None) -> None:
+        self.alpha, self.proportional, self.prior, self.clip = alpha, proportional, prior, clip
         self.sums = [0.0] * 5  # weighted sums of 1, x, x^2, y, x y
         self.slope: Optional[float] = None  # the last slope the points could tell
 
@@ -30,6 +38,8 @@ class LinearCost:
         return self.sums[0] > 0
 
     def add(self, x: float, y: float) -> None:
+        if self.clip is not None and self.known:  # (docs/architecture.md, "Adaptive speculation": one-offs)
+            y = min(y, self.clip * max(self(x), 1e-12))
         a = self.alpha
         self.sums = [(1 - a) * s + a * v for s, v in zip(self.sums, (1.0, x, x * x, y, x * y))]
         w, sx, sxx, sy, sxy = self.sums

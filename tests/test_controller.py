@@ -397,3 +397,25 @@ def test_rungs_trading_places_after_a_probe_of_the_top_do_not_restart_the_probes
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 4 and all(g2 >= 2 * g1 - 1 for g1, g2 in zip(gaps, gaps[1:])), probes
     assert {r for r in chosen[100:] if r != RUNGS[-1] and not r.plain} <= {Rung(4, 3), Rung(8, 3)}
+
+
+def test_a_forward_line_takes_a_one_off_as_a_slow_point():
+    """A shape's first forward (a capture: ~250x a step) among steps of 1 and 9 rows: the forwards'
+    line (clip=OUTLIER) keeps its slope; unclipped, the fit's slope says a row costs more than a
+    whole step for tens of steps. A real change of cost (every forward 3x) is followed all the same."""
+    from specextend.costs import OUTLIER
+
+    def fed(line, points):
+        for x, y in points:
+            line.add(x, y)
+        return line
+
+    steady = [(1, 0.002), (9, 0.0021)] * 10
+    one_off = steady + [(9, 0.5)] + steady[:6]
+    clipped, raw = fed(LinearCost(clip=OUTLIER), one_off), fed(LinearCost(), one_off)
+    assert clipped.line()[1] < 0.0003 and clipped(1) > 0.0015
+    assert raw.line()[1] * 8 > 0.002  # (the rows beyond the first priced above a whole step)
+    changed = fed(LinearCost(clip=OUTLIER), steady + [(x, 3 * y) for x, y in steady * 3])
+    assert changed(1) == pytest.approx(0.006, rel=0.05) and changed(9) == pytest.approx(0.0063, rel=0.05)
+    waits = fed(LinearCost(), [(4, 0.0001)] * 10 + [(4, 0.01)])  # (a wait's line: its mean is the price)
+    assert waits(4) > 0.0009
