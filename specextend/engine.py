@@ -407,8 +407,8 @@ class Engine(RequestLimits, DraftLink):
                 t_back = time.perf_counter()
         finally:
             self._costs = (ctl.costs() if use_draft and self.carry_costs else None) or self._costs
-            stats.priced = ctl.priced() if self.config.uses_draft else {}
             self._gate = lookup.gate if lookup is not None and self.carry_costs else self._gate  # (the next request's)
             if snap and use_draft:
                 self.snapshots.record(stats)
             self._release(sid, lane, feed, opening)  # (the draft session's close, in order)
+            stats.priced = ctl.priced() if self.config.uses_draft else {}  # (benchmarks' rows)

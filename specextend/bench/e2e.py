@@ -175,7 +175,8 @@ def run_engine(engine: Engine, prompt: list[int], new_tokens: int, replay: Optio
         snapshot_trees=st.snapshot_trees, ahead_steps=st.ahead_steps,
         step_kinds={k: dict(steps=n, tokens=t, ms=1e3 * sec, wait_ms=1e3 * w, forward_ms=1e3 * f)
                     for k, (n, t, sec, w, f) in st.step_kinds.items()},
-        predicted_tok_per_s=st.predicted_tok_per_s, priced=st.priced, ask_ms=st.ask_ms, phase_ms=st.phase_ms, **wait_split(st))
+        predicted_tok_per_s=st.predicted_tok_per_s, priced=st.priced, ask_ms=st.ask_ms, phase_ms=st.phase_ms,
+        **wait_split(st))
 
 
 def _split(kind: dict) -> str:
