@@ -200,7 +200,7 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
                   ref: Optional[Reference] = None) -> Generator[object, object, list[int]]:
     """A run of up to `steps` lookup steps queued ahead of the host from the request's last emitted
     token; each counts as a plain step to the policy (its probe schedule) with the chain tokens it
-    accepted, and its cost: the time between two reads of the run (the first excepted) is what a
+    accepted, and its cost: the time between two reads of the run (where it spans one step: below) is what a
     step costs with the host's work hidden, the device's step, which the policy records as the
     forward of the path's rows with no host work beyond it (so it prices steps without a tree at
     what a run makes them cost, not at a host step's). Yields each step's forward (AtDeviceLength)
@@ -215,18 +215,26 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
     inflight: deque = deque()
     queued, emitted = 0, []
     t_step, t_read = time.perf_counter(), None
+    fresh = waited = False  # a forward queued since the last read; the last read waited for the device
     while out.finish is None:
         room = stats.num_generated + len(inflight) < out.params.max_new_tokens  # (each step emits one at least)
         if room and queued < steps and len(inflight) < RUN_DEPTH:
             inflight.append((yield from hist.step_co(target)))
             queued += 1
+            fresh = True
             continue
         if not inflight:
             break
         host, noted, event = inflight.popleft()
+        waited_before, waited = waited, event is not None and not event.query()  # (still running: a wait)
         if event is not None:
             event.synchronize()  # this step's verdict, not the step queued after it
         t_prev, t_read = t_read, time.perf_counter()
+        # the interval is one step's only where both reads waited for the device (a read of a step
+        # done while the host was late is at once); on the CPU, where a forward runs as it is queued,
+        # where one was queued between the reads (the run's last read follows the one before at once)
+        timed = t_prev is not None and ((waited and waited_before) if event is not None else fresh)
+        fresh = False
         n, count = int(host[0]), int(host[1])
         at = stats.num_generated
         ev = out.emit(host[2:3 + n].tolist())
@@ -242,9 +250,9 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
         stats.lookup_accepted += n
         stats.plain_steps += speculative
         stats.ahead_steps += 1
-        if t_prev is not None:  # (the device's step: its forward, no host work beyond it)
+        if timed:  # (the device's step: its forward, no host work beyond it)
             ctl.record_forward(hist.q + 1, t_read - t_prev)
-        ctl.record_plain(step_s=None if t_prev is None else t_read - t_prev, lookup=n)
+        ctl.record_plain(step_s=t_read - t_prev if timed else None, lookup=n)
         now = time.perf_counter()
         stats.step_done("lookup" if count else "plain", len(ev.token_ids), now - t_step)
         stats.decode_s = now - t1

@@ -372,3 +372,40 @@ def test_the_flat_search_equals_the_per_row_one():
         got = search_flat(probs, u)
         assert got.tolist() == search(probs, u).tolist()
         assert all(probs[r, t] > 0 or u[r] == 0 for r, t in enumerate(got.tolist()))
+
+
+def test_a_runs_reads_teach_whole_steps_only(pair, device_oracle, monkeypatch):
+    """With every forward 20 ms slower, no reading a run teaches is shorter than 20 ms: a run's
+    last read, which follows the one before with no forward between them (at once on the CPU; on a
+    GPU, a step done while the host was late), teaches nothing. Before, each run taught one such
+    ~0 s reading as a 7-row forward, which pulled the steps' line towards a plain step priced at
+    nothing (the real pair's e2e rows on an H200, 2026-11-30: 1e9 tokens/s predicted, no tree)."""
+    import time as _time
+
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    device_oracle(prompt(), params)
+    engine = make_engine(pair, mode="lookup", lookup_tokens=6)
+    engine.lookup_ahead = True
+    decoder, forward = pair[0].decoder, pair[0].decoder.forward
+
+    def slow(*a, **kw):
+        _time.sleep(0.02)
+        return forward(*a, **kw)
+
+    readings = []
+
+    def controller(tree):
+        ctl = engine.__class__.new_controller(engine, tree)
+        real = ctl.record_forward
+        ctl.record_forward = lambda rows, s: (readings.append((rows, s)), real(rows, s))[1]
+        return ctl
+
+    engine.new_controller = controller
+    monkeypatch.setattr(ahead, "LOOKUP_RUN_STEPS", 3)  # (runs that end by their count, not the request's)
+    decoder.forward = slow
+    try:
+        engine.generate(prompt(), params)
+    finally:
+        del decoder.forward
+    taught = [s for rows, s in readings if rows == 7 and isinstance(s, float)]
+    assert len(taught) >= 3 and min(taught) >= 0.02
