@@ -13,12 +13,13 @@ them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Generator, Optional, TypeVar
 
 import torch
 
-from specextend.attention.backends import CAUSAL, Mask
+from specextend.attention.backends import CAUSAL, Mask, causal_mask
 from specextend.kv_cache import CacheFull, KVCache
 from specextend.kv_pool import PoolBatch, pooled_attention
 from specextend.models.decoder import Captured, Decoder, ForwardOptions
@@ -242,11 +243,7 @@ class PooledCalls:
         return [next(mine) if o is None else o for o in outs]
 
 
-_CAUSAL: dict[int, torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=POOL_ROWS)
 def _causal(t: int) -> torch.Tensor:
-    """[t, t] bool lower triangle (kept: read only)."""
-    if t not in _CAUSAL:
-        _CAUSAL[t] = torch.ones(t, t, dtype=torch.bool).tril()
-    return _CAUSAL[t]
+    """[t, t] bool lower triangle on the CPU (backends.causal_mask, kept: read only)."""
+    return causal_mask(t, t, "cpu")
