@@ -212,3 +212,22 @@ def served_target_greedy():
 
     run.tokenizer = target.tokenizer
     return run
+
+
+def slow_target(target, seconds=0.02):
+    """`target` (its decoder copied) whose every forward first sleeps `seconds`: forwards that cost a
+    known least, whatever the machine (trees that pay where the tiny pair's plain step on a CPU costs
+    about what a draft level does: CI, 2026-11-30; a lookup run's readings of at least it)."""
+    import copy
+    import dataclasses
+    import time
+
+    decoder, forward = copy.copy(target.decoder), target.decoder.forward
+
+    def slow(*a, **kw):
+        time.sleep(seconds)
+        return forward(*a, **kw)
+
+    decoder.forward = slow
+    return dataclasses.replace(target, decoder=decoder)
+

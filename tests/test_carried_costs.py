@@ -11,6 +11,7 @@ from specextend.ladder import PLAIN, ladder
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 
+from helpers import slow_target
 from test_controller import PROFILES, RUNGS, simulate
 
 TREE = TreeConfig(16, 6, 4)
@@ -134,24 +135,6 @@ def test_the_probe_schedule_goes_on_across_short_sessions():
         trees += sum(not r.plain for r in simulate(new, dict(zip(RUNGS[1:], PROFILES["easy"])), 25, level=50 * FIXED))
         prev = new
     assert 4 <= trees <= 5  # one every 41 steps
-
-
-def slow_target(target, seconds=0.02):
-    """`target` whose every forward first sleeps `seconds`: trees then pay whatever the machine (the
-    tiny pair's plain step on a CPU costs about what a draft level does, and a second session's
-    carried costs could start it plain for all of its steps, never stepping the draft; CI, 2026-11-30)."""
-    import copy
-    import dataclasses
-    import time
-
-    decoder, forward = copy.copy(target.decoder), target.decoder.forward
-
-    def slow(*a, **kw):
-        time.sleep(seconds)
-        return forward(*a, **kw)
-
-    decoder.forward = slow
-    return dataclasses.replace(target, decoder=decoder)
 
 
 def test_an_engines_first_tree_does_not_price_the_draft(tiny_models):

@@ -21,7 +21,7 @@ from specextend.models.decoder import ForwardOptions
 from specextend.models.full_graphs import FullStepGraphs
 from specextend.verify import verify_tree
 
-from helpers import make_engine
+from helpers import make_engine, slow_target
 from test_graphs import decoder_on
 from test_lookup_engine import prompt
 
@@ -329,15 +329,13 @@ def test_sampled_requests_take_runs_where_the_kernels_sample_them():
     assert not runs_ahead(model, greedy, lookup, None, None)
 
 
-def test_a_run_teaches_the_policy_its_steps_cost(pair, device_oracle):
-    """Every read of a run but its first records the time since the read before as the forward of
-    the path's rows and as the step's wall time (no host work beyond the forward): the policy
-    prices steps without a tree at what runs make them cost."""
+def recorded_run(pair, device_oracle, calls: list) -> None:
+    """A 60-token `lookup` request with runs forced on `pair`, its policy's record_forward and
+    record_plain calls appended to `calls` as ("forward", rows, s) and ("plain", step_s)."""
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     device_oracle(prompt(), params)
     engine = make_engine(pair, mode="lookup", lookup_tokens=6)
     engine.lookup_ahead = True
-    calls = []
 
     def controller(tree):
         ctl = engine.__class__.new_controller(engine, tree)
@@ -348,12 +346,32 @@ def test_a_run_teaches_the_policy_its_steps_cost(pair, device_oracle):
 
     engine.new_controller = controller
     engine.generate(prompt(), params)
+
+
+def test_a_run_teaches_the_policy_its_steps_cost(pair, device_oracle):
+    """Every read of a run but its first records the time since the read before as the forward of
+    the path's rows and as the step's wall time (no host work beyond the forward): the policy
+    prices steps without a tree at what runs make them cost."""
+    calls = []
+    recorded_run(pair, device_oracle, calls)
     taught = [a for a, b in zip(calls, calls[1:])
               if a[0] == "forward" and b[0] == "plain" and isinstance(a[2], float) and a[2] == b[1]]
     assert len(taught) >= 5 and all(rows == 7 for _, rows, _ in taught)  # root + 6 chain rows
     untimed = [c for c in calls if c == ("plain", None)]
     assert untimed  # each run's first read teaches nothing (its time includes the run's start)
 
+
+def test_a_runs_reads_teach_whole_steps_only(pair, device_oracle, monkeypatch):
+    """With every forward 20 ms slower, no reading a run teaches is shorter than 20 ms: a run's
+    last read, which follows the one before with no forward between them (at once on the CPU; on a
+    GPU, a step done while the host was late), teaches nothing. Before, each run taught one such
+    ~0 s reading as a 7-row forward, which pulled the steps' line towards a plain step priced at
+    nothing (the real pair's e2e rows on an H200, 2026-11-30: 1e9 tokens/s predicted, no tree)."""
+    calls = []
+    monkeypatch.setattr(ahead, "LOOKUP_RUN_STEPS", 3)  # (runs that end by their count, not the request's)
+    recorded_run((slow_target(pair[0]), pair[1]), device_oracle, calls)
+    taught = [c[2] for c in calls if c[0] == "forward" and c[1] == 7 and isinstance(c[2], float)]
+    assert len(taught) >= 3 and min(taught) >= 0.02
 
 def test_the_flat_search_equals_the_per_row_one():
     """sampling.search_flat (several rows on a GPU: one cumulative sum over the rows end to end)
@@ -372,40 +390,3 @@ def test_the_flat_search_equals_the_per_row_one():
         got = search_flat(probs, u)
         assert got.tolist() == search(probs, u).tolist()
         assert all(probs[r, t] > 0 or u[r] == 0 for r, t in enumerate(got.tolist()))
-
-
-def test_a_runs_reads_teach_whole_steps_only(pair, device_oracle, monkeypatch):
-    """With every forward 20 ms slower, no reading a run teaches is shorter than 20 ms: a run's
-    last read, which follows the one before with no forward between them (at once on the CPU; on a
-    GPU, a step done while the host was late), teaches nothing. Before, each run taught one such
-    ~0 s reading as a 7-row forward, which pulled the steps' line towards a plain step priced at
-    nothing (the real pair's e2e rows on an H200, 2026-11-30: 1e9 tokens/s predicted, no tree)."""
-    import time as _time
-
-    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
-    device_oracle(prompt(), params)
-    engine = make_engine(pair, mode="lookup", lookup_tokens=6)
-    engine.lookup_ahead = True
-    decoder, forward = pair[0].decoder, pair[0].decoder.forward
-
-    def slow(*a, **kw):
-        _time.sleep(0.02)
-        return forward(*a, **kw)
-
-    readings = []
-
-    def controller(tree):
-        ctl = engine.__class__.new_controller(engine, tree)
-        real = ctl.record_forward
-        ctl.record_forward = lambda rows, s: (readings.append((rows, s)), real(rows, s))[1]
-        return ctl
-
-    engine.new_controller = controller
-    monkeypatch.setattr(ahead, "LOOKUP_RUN_STEPS", 3)  # (runs that end by their count, not the request's)
-    decoder.forward = slow
-    try:
-        engine.generate(prompt(), params)
-    finally:
-        del decoder.forward
-    taught = [s for rows, s in readings if rows == 7 and isinstance(s, float)]
-    assert len(taught) >= 3 and min(taught) >= 0.02
