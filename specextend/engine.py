@@ -15,18 +15,17 @@ import torch
 
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.controller import AlwaysSpeculate, TreeController
-from specextend.costs import Costs
 from specextend.ladder import ladder, prefix_accepts
 from specextend.draft.base import DraftBackend, DraftError, DraftSessionParams, DraftTree
+from specextend.engine_carry import EngineCarry
 from specextend.draft_link import DraftLink, Lane, RunTells, ask_ahead, prepared_tree, send_prepare, settled, start_ask
 from specextend.emit import Emitter, StepEvent
 from specextend.lookup import ContextIndex, RequestLookup, drafted_prefix
-from specextend.lookup_gate import LookupGate
 from specextend.models.args import ModelArgs
 from specextend.models.loader import LoadedModel
 from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
-from specextend.snapshot import SNAPSHOT_BOUND, SNAPSHOT_NODES, DraftFeed, SnapshotChoice
+from specextend.snapshot import SNAPSHOT_BOUND, SNAPSHOT_NODES, DraftFeed
 from specextend.stats import RequestStats
 from specextend.session_calls import DraftCall, Load, drive_alone, metered
 from specextend.lookup_ahead import run_ahead
@@ -41,8 +40,7 @@ from specextend.verify import Reference, verify_tree
 Session = Generator[Union[ForwardCall, DraftCall, "StepEvent"], object, None]  # see Engine.session
 
 
-class Engine(RequestLimits, DraftLink):
-    carry_costs = True  # a session starts from the last finished session's measurements (controller.Costs)
+class Engine(RequestLimits, DraftLink, EngineCarry):
     join_early = True  # adaptive policy: plain steps until the draft's open (prefill) is done ("Adaptive speculation")
     lookup_ahead: Optional[bool] = None  # lookup runs ahead of the host: None where the forward allows (tests: True)
 
@@ -51,24 +49,11 @@ class Engine(RequestLimits, DraftLink):
         self.config = config
         self.target = target
         self.draft = draft
-        self._costs: Optional[Costs] = None  # the costs the last session that measured them left
-        self._gate: Optional[LookupGate] = None  # ... and its context lookup's gate (lookup_gate.LookupGate)
-        self._first_tree = True  # the first tree after start-up: its wait carries one-off costs, not recorded
-        self.snapshots = SnapshotChoice(config.draft_snapshots)  # per request: walk snapshots or ask ("Pool snapshots")
+        self._start_carrying(config.draft_snapshots)  # what sessions hand on to the next (engine_carry.py)
         self.prefix_cache = PrefixCache.of(config)  # recent prompts' K/V ("Prefix caching"; None: off)
         if self.config.uses_draft and draft is None:
             raise ValueError(f"mode {self.config.mode!r} needs a draft backend")
         self._start_link(draft_args)
-
-    def forget_text(self) -> None:
-        """Forgets what earlier texts taught (the carried lookup gate, snapshots held), not the costs."""
-        self._gate = None
-        self.snapshots = SnapshotChoice(self.config.draft_snapshots)
-
-    def forget_costs(self) -> None:
-        """Forgets the costs earlier sessions measured: the next session measures its own, as an
-        app's first request after its warm-up does (docs/architecture.md, "Adaptive speculation")."""
-        self._costs = None
 
     def new_controller(self, tree: TreeConfig) -> TreeController:
         """Per request: the step-by-step choice of the tree, none included, within `tree` (controller.py)."""
@@ -132,8 +117,7 @@ class Engine(RequestLimits, DraftLink):
         feed: Optional[DraftFeed] = None  # with snapshots: the draft's latest answer and the call in flight
         ctl = self.new_controller(tree_cfg)
         stats.predicted = ctl.predicted  # (filled as it chooses)
-        if use_draft and self.carry_costs and self._costs is not None:  # no warm-up steps: they were
-            ctl.start_from(self._costs)  # measured in this engine's earlier sessions (docs: Adaptive speculation)
+        self._prime(ctl, use_draft)  # (the costs carried: engine_carry.py)
         timed = partial(metered, load=load, record=ctl.record_forward)  # every step's forward feeds ctl's cost line
         lookup, snap = None, False  # the request's tokens ("Context lookup"); it walks snapshots (SnapshotChoice)
         try:
@@ -169,7 +153,7 @@ class Engine(RequestLimits, DraftLink):
             if index is not None and (use_draft or alone):  # (a draft that failed to join: plain steps)
                 index.extend([token])
                 lookup = RequestLookup(index, cfg.lookup_tokens, **ctl.chain_pricing(),  # chains where they pay
-                                       gate=self._gate.carried() if self.carry_costs and self._gate else None)
+                                       gate=self._carried_gate())
             if cfg.plain_ahead and not use_draft and lookup is None and ref is None:  # ("Plain steps ahead")
                 return (yield from plain_ahead_co(target, token, out, stats, t1, gen))
             retrieving = use_draft and cfg.retrieval.enabled
@@ -406,8 +390,7 @@ class Engine(RequestLimits, DraftLink):
                 yield ev
                 t_back = time.perf_counter()
         finally:
-            self._costs = (ctl.costs() if use_draft and self.carry_costs else None) or self._costs
-            self._gate = lookup.gate if lookup is not None and self.carry_costs else self._gate  # (the next request's)
+            self._hand_on(ctl, lookup, use_draft)  # (the next request's costs and gate)
             if snap and use_draft:
                 self.snapshots.record(stats)
             self._release(sid, lane, feed, opening)  # (the draft session's close, in order)
