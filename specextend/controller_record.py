@@ -186,4 +186,12 @@ class Recording:
         # a prior-priced probe (the smallest tree) is followed by probes whose interval is worked
         # out anew from the costs just measured, not doubled from its own
         again = moved_up or self._probe_by_prior
-        self.probe_every = 0 if again else min(2 * self.probe_every, self.max_probe)
+        if again:
+            self.probe_every = 0
+        else:  # doubled, and never below what the costs now give (interval: what a probe could win);
+            # the schedule set early, while a context lookup's runs were still learning their yield,
+            # kept doubling from 8 steps after no tree could beat them (the real pair at 16K: five
+            # probes of ~11 ms in 256 tokens against 2 ms steps; H200, 2026-12-01)
+            best = self.best()
+            self.probe_every = min(max(2 * self.probe_every, self.interval(best, self._probe_rung(best))),
+                                   self.max_probe)
