@@ -232,10 +232,10 @@ class DraftWorker(JobWorker):
             raise DraftError("empty prompt")
         session = self._new_session(job.prompt_ids, job.params, self.prefix_cache)
         if self.model.device.type == "cuda":
-            # an open is done when its prefill is on the device, not when its kernels are queued: the
-            # engine joins a done open and asks for a tree at once, which then waited for the queued
-            # prefill (a session's first tree: 36-58 ms against ~3 for later ones, H200, 2026-11-30 and
-            # 12-01), and the open's seconds prime the draft's price (docs/architecture.md, "Draft side")
+            # an open is done when its prefill has run on the device, not when its kernels are queued
+            # (it returned with 16K tokens' prefill still queued, H200, tests/test_open_done.py): the
+            # engine joins a done open and asks for a tree at once, and the open's seconds prime the
+            # draft's price (docs/architecture.md, "Draft side")
             torch.cuda.current_stream(self.model.device).synchronize()
         self._sessions[job.session_id] = SessionEntry(session)
 
