@@ -78,7 +78,8 @@ def test_a_late_join_is_lossless(pair, ar_engine, join_at, kw, overlap, sampling
         # it joined and speculated (asked for trees: with overlap a loaded host may find none ready)
         assert stats.num_steps + stats.unready_steps > 0 and not stats.fallback
         kinds = stats.step_kinds  # [steps, tokens, seconds] per kind: every decode step, once
-        assert kinds["tree"][0] == stats.num_steps and kinds.get("open", [0])[0] == stats.open_steps
+        # (a loaded host's snapshots may hold no tree at any step: no "tree" kind, num_steps 0; a CI flake)
+        assert kinds.get("tree", [0])[0] == stats.num_steps and kinds.get("open", [0])[0] == stats.open_steps
         assert sum(k[1] for k in kinds.values()) == len(out) - 1  # the first token is the prefill's
         assert stats.draft_open_s > 0 and stats.target_prefill_s > 0  # the open's time, as the target saw it
     finally:
