@@ -155,7 +155,7 @@ def test_an_early_ask_leaves_before_the_retrieval_scoring_and_the_selection_goes
     # and the selections 2, under the bound below; 2026-11-29)
     params = SamplingParams(96, ignore_eos=True)
     ref, _, _ = make_engine(pair, "ar").generate(prompt(), params)
-    import specextend.engine as eng
+    import specextend.engine_steps as eng
 
     events = []  # on the engine's thread, in order: tree verdicts, calls queued on the lane, scorings
     submit, score, verify = Lane.submit, TargetSession.timed_selection, eng.verify_tree

@@ -24,7 +24,7 @@ class SlowVerdicts:
     could come after the verdict, and no prepared tree would be used)."""
 
     def __init__(self, monkeypatch, delay_s, answers=None):
-        import specextend.engine as engine_mod
+        import specextend.engine_steps as engine_mod
 
         original = engine_mod.verify_tree
 

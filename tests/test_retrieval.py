@@ -264,7 +264,7 @@ def test_the_engine_scores_a_selection_in_the_next_forwards_shadow(monkeypatch):
     their scoring once that forward is queued, before the call reads them, and every other selection
     before it hands it to a call: no call's thread queues kernels (a graph capture on the engine's
     thread forbids other threads' work). Output unchanged."""
-    import specextend.engine as engine_mod
+    import specextend.engine_steps as engine_mod
     import specextend.plain_step as plain_step_mod
     from specextend.retrieval import DeferredRetrieval
 

@@ -37,7 +37,7 @@ def mostly_plain(rungs):
 @pytest.fixture
 def taken(monkeypatch):
     """Each run_ahead answer of the engine (None: no run taken then)."""
-    import specextend.engine as engine_mod
+    import specextend.engine_steps as engine_mod
 
     out, real = [], engine_mod.run_ahead
     monkeypatch.setattr(engine_mod, "run_ahead", lambda *a, **kw: out.append(real(*a, **kw)) or out[-1])
