@@ -182,7 +182,8 @@ class Recording:
         # one node's cost against a miss now and then) trade places after many probes, and each
         # trade reset the schedule to a probe of the full tree every ~5 steps at ~1.5 steps' cost
         # (H200, 2026-11-30; docs/architecture.md, "Adaptive speculation")
-        moved_up = self.rungs.index(self.best()) > self.rungs.index(self._best) and rung != self.top
+        best = self.best()
+        moved_up = self.rungs.index(best) > self.rungs.index(self._best) and rung != self.top
         # a prior-priced probe (the smallest tree) is followed by probes whose interval is worked
         # out anew from the costs just measured, not doubled from its own
         again = moved_up or self._probe_by_prior
@@ -192,6 +193,5 @@ class Recording:
             # the schedule set early, while a context lookup's runs were still learning their yield,
             # kept doubling from 8 steps after no tree could beat them (the real pair at 16K: five
             # probes of ~11 ms in 256 tokens against 2 ms steps; H200, 2026-12-01)
-            best = self.best()
             self.probe_every = min(max(2 * self.probe_every, self.interval(best, self._probe_rung(best))),
                                    self.max_probe)

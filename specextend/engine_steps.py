@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Callable, Optional
 
+from specextend.config import SamplingParams
 from specextend.controller import TreeController
 from specextend.draft.base import DraftError, DraftTree
 from specextend.draft_link import Lane, RunTells, ask_ahead, prepared_tree, send_prepare, settled, start_ask
@@ -32,7 +33,7 @@ class SessionState:
     """A request's state between its decode steps."""
 
     sid: str
-    params: Any  # SamplingParams
+    params: SamplingParams
     prompt_tokens: int
     stats: RequestStats
     out: Emitter
