@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import time
 import statistics
 import sys
 from collections import Counter
@@ -24,8 +26,10 @@ from specextend.bench import record
 from specextend.bench.texts import documents, prompt_ids
 from specextend.builder import draft_worker, load_pair
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
+from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
-from specextend.warmup import warm_up
+from specextend.models import late_work
+from specextend.warmup import warm_long, warm_up
 
 from regimes import ALL_REGIMES  # this folder (on the path when run as a script)
 
@@ -51,6 +55,33 @@ def hook(log: list) -> None:
     controller.TreeController.choose, stats.RequestStats.step_done = traced_choose, traced_done
 
 
+class _Late(logging.Handler):
+    """Collects late work (models/late_work.py: captures, compiles, collections after the warm-up)."""
+
+    def __init__(self, items: list) -> None:
+        super().__init__(logging.WARNING)
+        self.items = items
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.items.append(record.getMessage()[:160])
+
+
+def time_jobs(slow: list, floor_s: float = 0.02) -> None:
+    """Records the draft worker's jobs that took `floor_s` or more (their type and ms) into `slow`."""
+    do = DraftWorker._do
+
+    def timed(self, job):
+        t = time.perf_counter()
+        try:
+            return do(self, job)
+        finally:
+            dt = time.perf_counter() - t
+            if dt >= floor_s:
+                slow.append(f"{type(job).__name__} {dt * 1e3:.1f} ms")
+
+    DraftWorker._do = timed
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--regime", default="8b replayed 5", choices=sorted(ALL_REGIMES))
@@ -59,6 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--fresh", action="store_true",
+                   help="every request a prompt no cache has seen (the prompt rotated by a different offset)")
+    p.add_argument("--warm", default="app", choices=("app", "short", "full"),
+                   help="warm each engine as regimes.py and a served replica do (the prompt's first 64 tokens, "
+                        "then warm_long), on those 64 tokens alone, or on the whole prompt")
     a = p.parse_args(argv)
     target_name, draft_name, doc, replay, *own = ALL_REGIMES[a.regime]
     base = EngineConfig(target=target_name, draft=draft_name, mode="specextend", device=a.device,
@@ -75,15 +111,24 @@ def main(argv=None) -> int:
             cfg = replace(base, tree=TreeConfig(nodes=n, depth=d), tree_policy="fixed")
         engines[c] = Engine(cfg, target, worker, draft_args=draft.args)
     for e in engines.values():
-        warm_up(e, prompt[:64])
+        warm_up(e, prompt if a.warm == "full" else prompt[:64])
+        if a.warm == "app":
+            warm_long(e, prompt[:64])
+        e.forget_text(), e.forget_costs()
     log: list = []
     hook(log)
+    late: list = []
+    logging.getLogger(late_work.__name__).addHandler(_Late(late))
+    late_work.mark_ready()
+    slow: list = []
+    time_jobs(slow)
     params = SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True)
     out = []
     for rep in range(a.reps):
         for c, e in engines.items():
-            log.clear()
-            ids, _, st = e.generate(prompt, params, replay=replay)
+            log.clear(), late.clear(), slow.clear()
+            k = 97 * (rep * len(engines) + len(out) % len(engines)) + 1 if a.fresh else 0
+            ids, _, st = e.generate(prompt[k:] + prompt[:k], params, replay=replay)
             steps = [x for x in log if x["ev"] == "step"]
             choices = [x for x in log if x["ev"] == "choice"]
             rate = (st.num_generated - 1) / st.decode_s
@@ -96,15 +141,19 @@ def main(argv=None) -> int:
                                 wait_ms=statistics.mean(s["wait_ms"] for s in ks),
                                 forward_ms=statistics.mean(s["forward_ms"] for s in ks),
                                 max_ms=max(s["ms"] for s in ks))
+            trees = [s for s in steps if s["kind"] == "tree"]
+            first = f"first tree {trees[0]['ms']:.1f} ms (wait {trees[0]['wait_ms']:.1f}); " if trees else ""
             rungs = Counter(("plain" if x["plain"] else f"{x['nodes']}x{x['depth']}") + ("p" if x["probe"] else "")
                             for x in choices)
             row = dict(rep=rep, config=c, tokens_per_s=rate, decode_ms=st.decode_s * 1e3, steps_ms=in_steps,
-                       outside_ms=st.decode_s * 1e3 - in_steps, kinds=kinds, rungs=dict(rungs), log=list(log))
+                       outside_ms=st.decode_s * 1e3 - in_steps, kinds=kinds, rungs=dict(rungs), log=list(log),
+                       late=list(late), slow_jobs=list(slow))
             out.append(row)
             ks = "; ".join(f"{k} n={v['n']} tok={v['tokens']:.2f} ms={v['ms']:.2f} (wait {v['wait_ms']:.2f},"
                            f" fwd {v['forward_ms']:.2f}, max {v['max_ms']:.1f})" for k, v in kinds.items())
             print(f"rep {rep} {c:9s} {rate:7.1f} tok/s  decode {row['decode_ms']:.1f} ms, outside steps "
-                  f"{row['outside_ms']:.1f}; {ks}; rungs {dict(rungs)}", flush=True)
+                  f"{row['outside_ms']:.1f}; {first}{ks}; rungs {dict(rungs)}"
+                  + (f"; late work {late}" if late else "") + (f"; slow draft jobs {slow}" if slow else ""), flush=True)
     worker.shutdown()
     OUT.mkdir(parents=True, exist_ok=True)
     meta = record.meta("regime_trace", a.device, ["benchmarks/regime_trace.py", *(argv or sys.argv[1:])])

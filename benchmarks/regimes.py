@@ -41,7 +41,7 @@ from specextend.builder import draft_worker, load_pair
 from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.engine import Engine
 from specextend.near_tie import check_line, lossless_check
-from specextend.warmup import warm_up
+from specextend.warmup import warm_long, warm_up
 
 OUT = Path(__file__).parent / "results" / "regimes"
 TREES = [(n, d) for n in (4, 8, 16, 32) for d in (3, 6)]
@@ -109,6 +109,12 @@ def run_regime(name: str, reps: int, length: int, new_tokens: int, device: str =
     ref = None
     for engine in configs.values():  # warm-up: every shape a request can meet, as the served app's start-up
         warm_up(engine, prompt[:64])  # (a rung first met mid-run stalled one adaptive run at 41 tok/s)
+        if engine.config.uses_draft:  # and what only a long prompt meets, as a served replica does: without it
+            # the first speculative request's first tree waited 98-167 ms (8B geometry, 1K tokens, H200,
+            # 2026-12-01, benchmarks/regime_trace.py), whichever configuration came first
+            warm_long(engine, prompt[:64])
+        engine.forget_text()  # (the warm-up's text taught the lookup gate nothing about the prompt's)
+        engine.forget_costs()  # (the first request starts unprimed, as a served app's first request)
     for _ in range(reps):
         for key, engine in configs.items():
             rate, tokens, info = decode_rate(engine, prompt, new_tokens, replay if key != "ar" else None)
