@@ -23,6 +23,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from specextend.bench import record
 from specextend.bench.app_wait import wait_ready
@@ -36,10 +37,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def complete(client, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+def complete(client, model: str, prompt: list[int], max_tokens: int, specs: Optional[list] = None) -> list[int]:
+    """The completion's token ids; its `speculative_decoding` object appended to `specs` (if given)."""
     r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                   extra_body=dict(ignore_eos=True, return_token_ids=True))
+    if specs is not None:
+        specs.append((r.model_extra or {}).get("speculative_decoding") or {})
     return list(r.choices[0].model_extra["token_ids"])
+
+
+SPEC_KEYS = ("num_steps", "plain_steps", "open_steps", "probe_steps", "unready_steps", "lookup_steps",
+             "mean_tree_nodes", "mean_acceptance_length", "target_wait_ms_per_step", "draft_open_ms",
+             "target_prefill_ms", "max_step_ms")
+
+
+def spec_summary(specs: list) -> dict:
+    """Means over requests of what each response's `speculative_decoding` object says (SPEC_KEYS),
+    and each kind of step's steps, tokens and ms summed over them."""
+    specs = [s for s in specs if s]
+    if not specs:
+        return {}
+    out = {k: statistics.mean(float(s.get(k) or 0.0) for s in specs) for k in SPEC_KEYS}
+    kinds: dict = {}
+    for s in specs:
+        for kind, v in (s.get("step_kinds") or {}).items():
+            acc = kinds.setdefault(kind, {"steps": 0, "tokens": 0, "ms": 0.0})
+            for f in acc:
+                acc[f] += v.get(f, 0)
+    out["step_kinds"] = kinds
+    return out
 
 
 def measure(url: str, prompts: list[list[int]], new_tokens: int, rounds: int = 1) -> dict:
@@ -53,17 +79,19 @@ def measure(url: str, prompts: list[list[int]], new_tokens: int, rounds: int = 1
     complete(client, model, prompts[0][:16], 4)  # warm-up
     seq_s, con_s, equal = [], [], len(prompts)
     for _ in range(rounds):
+        seq_specs, con_specs = [], []  # (the last round's)
         t0 = time.perf_counter()
-        sequential = [complete(client, model, p, new_tokens) for p in prompts]
+        sequential = [complete(client, model, p, new_tokens, seq_specs) for p in prompts]
         seq_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            concurrent = list(pool.map(lambda p: complete(client, model, p, new_tokens), prompts))
+            concurrent = list(pool.map(lambda p: complete(client, model, p, new_tokens, con_specs), prompts))
         con_s.append(time.perf_counter() - t0)
         equal = min(equal, sum(a == b for a, b in zip(sequential, concurrent)))
     t_seq, t_con = statistics.median(seq_s), statistics.median(con_s)
     return dict(sequential_s=t_seq, concurrent_s=t_con, ratio=t_con / t_seq, tokens=sum(map(len, concurrent)),
-                equal=equal, requests=len(prompts), rounds=rounds, round_ratios=[c / s for c, s in zip(con_s, seq_s)])
+                equal=equal, requests=len(prompts), rounds=rounds, round_ratios=[c / s for c, s in zip(con_s, seq_s)],
+                sequential_spec=spec_summary(seq_specs), concurrent_spec=spec_summary(con_specs))
 
 
 def main(argv=None) -> int:
@@ -106,6 +134,11 @@ def main(argv=None) -> int:
                   f"{r['equal']}/{r['requests']} outputs equal"
                   + (f" (medians of {a.rounds} rounds; each round {', '.join(f'{x:.2f}x' for x in r['round_ratios'])})"
                      if a.rounds > 1 else ""), flush=True)
+            for when in ("sequential", "concurrent"):
+                sp = r[f"{when}_spec"]
+                if sp and sp["num_steps"] + sp["plain_steps"]:
+                    print(f"  {when:10s} per request: " + ", ".join(f"{k} {sp[k]:.1f}" for k in SPEC_KEYS)
+                          + f"; steps by kind {sp['step_kinds']}", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
