@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float64")
     p.add_argument("--num-gpus", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=1, help="sequential-then-concurrent rounds per mode (medians)")
+    p.add_argument("--draft-in-replica", action="store_true",
+                   help="the draft in the replica's process (app argument draft_in_replica; num_gpus below 1)")
     a = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -124,6 +126,8 @@ def main(argv=None) -> int:
             settings = dict(target=a.target, draft=a.draft, mode=mode, num_gpus=a.num_gpus, dtype=a.dtype,
                             max_new_tokens=max(a.new_tokens, 64), max_concurrent_sessions=max(16, a.requests),
                             retrieval_chunk_size=16, retrieval_top_k=4)
+            if a.draft_in_replica and mode in ("sd", "specextend"):
+                settings["draft_in_replica"] = True
             serve.run(specextend(settings), name="concurrency", route_prefix="/")
             wait_ready(url, 600, app="concurrency")
             r = measure(url, prompts, a.new_tokens, a.rounds)
