@@ -20,11 +20,13 @@ import random
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+from specextend import round_log
 from specextend.bench import record
 from specextend.bench.app_wait import wait_ready
 
@@ -80,18 +82,19 @@ def measure(url: str, prompts: list[list[int]], new_tokens: int, rounds: int = 1
     seq_s, con_s, equal = [], [], len(prompts)
     for _ in range(rounds):
         seq_specs, con_specs = [], []  # (the last round's)
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         sequential = [complete(client, model, p, new_tokens, seq_specs) for p in prompts]
         seq_s.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        t0, w1 = time.perf_counter(), time.time()
         with ThreadPoolExecutor(len(prompts)) as pool:
             concurrent = list(pool.map(lambda p: complete(client, model, p, new_tokens, con_specs), prompts))
         con_s.append(time.perf_counter() - t0)
+        windows = dict(sequential=(w0, w1), concurrent=(w1, time.time()))  # (the last round's, wall clock)
         equal = min(equal, sum(a == b for a, b in zip(sequential, concurrent)))
     t_seq, t_con = statistics.median(seq_s), statistics.median(con_s)
     return dict(sequential_s=t_seq, concurrent_s=t_con, ratio=t_con / t_seq, tokens=sum(map(len, concurrent)),
                 equal=equal, requests=len(prompts), rounds=rounds, round_ratios=[c / s for c, s in zip(con_s, seq_s)],
-                sequential_spec=spec_summary(seq_specs), concurrent_spec=spec_summary(con_specs))
+                sequential_spec=spec_summary(seq_specs), concurrent_spec=spec_summary(con_specs), windows=windows)
 
 
 def main(argv=None) -> int:
@@ -105,6 +108,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float64")
     p.add_argument("--num-gpus", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=1, help="sequential-then-concurrent rounds per mode (medians)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an app argument for every mode (repeatable), e.g. max_batch_tokens=1024")
+    p.add_argument("--round-log", action="store_true",
+                   help="the replica logs its batcher's rounds (specextend/round_log.py); the last round's "
+                        "sequential and concurrent windows are summed per mode")
     p.add_argument("--draft-in-replica", action="store_true",
                    help="the draft in the replica's process (app argument draft_in_replica; num_gpus below 1)")
     a = p.parse_args(argv)
@@ -114,6 +122,10 @@ def main(argv=None) -> int:
 
     from deploy.app import specextend
 
+    log_dir = None
+    if a.round_log:  # (before ray.init: the local cluster's workers, the replica's too, inherit it)
+        log_dir = tempfile.mkdtemp(prefix="rounds-")
+        os.environ[round_log.ENV] = log_dir
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(a.prompt_len)] for _ in range(a.requests)]
     port = free_port()
@@ -128,6 +140,7 @@ def main(argv=None) -> int:
                             retrieval_chunk_size=16, retrieval_top_k=4)
             if a.draft_in_replica and mode in ("sd", "specextend"):
                 settings["draft_in_replica"] = True
+            settings.update(kv.split("=", 1) for kv in a.set)  # (strings: the app's settings coerce them)
             serve.run(specextend(settings), name="concurrency", route_prefix="/")
             wait_ready(url, 600, app="concurrency")
             r = measure(url, prompts, a.new_tokens, a.rounds)
@@ -139,6 +152,10 @@ def main(argv=None) -> int:
                   + (f" (medians of {a.rounds} rounds; each round {', '.join(f'{x:.2f}x' for x in r['round_ratios'])})"
                      if a.rounds > 1 else ""), flush=True)
             for when in ("sequential", "concurrent"):
+                if log_dir is not None:
+                    r[f"{when}_rounds"] = rs = round_log.summary(round_log.read(log_dir, *r["windows"][when]))
+                    print(f"  {when:10s} rounds: " + ", ".join(
+                        f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rs.items()), flush=True)
                 sp = r[f"{when}_spec"]
                 if sp and sp["num_steps"] + sp["plain_steps"]:
                     print(f"  {when:10s} per request: " + ", ".join(f"{k} {sp[k]:.1f}" for k in SPEC_KEYS)

@@ -29,6 +29,7 @@ import torch
 from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall, forward_batch
 from specextend.models.decoder import Decoder
+from specextend.round_log import RoundLog
 from specextend.session_calls import DraftCall, Load
 from specextend.timing import Span, Stopwatch
 
@@ -95,6 +96,7 @@ class Batcher:
         self.calls = 0  # forward calls they carried
         self.max_calls = 0  # the most calls one forward carried
         self.spans: deque = deque(maxlen=SPANS_KEPT)  # the latest forwards' durations (timing.Span)
+        self.round_log = RoundLog()  # each round as a JSON line, where SPECEXTEND_ROUND_LOG names a folder
 
     # ------------------------------------------------------------------ any thread
     def new_load(self) -> Load:
@@ -167,6 +169,8 @@ class Batcher:
         with self._lock:
             self._sessions += self._incoming
             self._incoming = []
+        self.round_log.begin(len(self._sessions))
+        held = self.held_chunks
         for e in [e for e in self._sessions if e.stopped]:
             self._finish(e, close=True)
         for e in list(self._sessions):
@@ -180,6 +184,7 @@ class Batcher:
             t0 = time.perf_counter()
             e.future = _called(fn)
             self._charge(self._sessions, [e], time.perf_counter() - t0)
+            self.round_log.drafts(1, time.perf_counter() - t0)
             self._advance(e)
         else:
             for e in issued:
@@ -193,6 +198,7 @@ class Batcher:
             t0 = time.perf_counter()
             wait([e.future for e in askers])
             self._charge(self._sessions, askers, time.perf_counter() - t0)
+            self.round_log.drafts(len(issued), time.perf_counter() - t0)
             for e in step_futures:
                 if e.future.done():
                     self._advance(e)
@@ -200,11 +206,15 @@ class Batcher:
         for lo in range(0, len(calls), self.max_batch):
             group = calls[lo:lo + self.max_batch]
             watch = Stopwatch(group[0].call.ids)
+            t0 = time.perf_counter()
             try:
                 results = self._forward(self.model, [e.call for e in group])
             except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
                 results = [exc] * len(group)
             span = watch.stop()
+            if self.round_log.on:
+                self.round_log.forward(len(group), sum(e.call.ids.shape[0] for e in group),
+                                       sum(bool(e.call.prompt) for e in group), time.perf_counter() - t0)
             self._tell_loads(group, span)
             self.spans.append(span)
             if self._on_forward is not None:
@@ -218,6 +228,7 @@ class Batcher:
                     e.exc = r
                 else:
                     e.send = r
+        self.round_log.write(self.held_chunks - held)
 
     def _within_budget(self, calls: list[_Entry]) -> list[_Entry]:
         """The calls this round carries: every step's (decode, verification, a chain), then prompt

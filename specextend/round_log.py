@@ -1,0 +1,91 @@
+"""A batcher's rounds as JSON lines, for benchmarks that take a served burst apart (docs/architecture.md,
+"Batched steps"): off unless the process's environment names a folder in `SPECEXTEND_ROUND_LOG`
+(a served replica inherits it from the Ray driver that started the local cluster:
+benchmarks/concurrency.py --round-log). Each round of `scheduler.Batcher.run_round` writes one line to
+`<folder>/rounds-<pid>.jsonl`:
+
+    {"t": wall clock at the round's start (time.time(), comparable across a host's processes),
+     "s": the round's wall seconds, "sessions": admitted sessions, "drafts": draft steps the round
+     issued, "wait_s": seconds it waited for them, "forwards": [[calls, rows, prompt chunks, wall
+     seconds of the forward call], ...], "held": prompt chunks left for a later round}
+
+A forward's wall seconds are the host's (on a GPU a replayed graph returns before the device is
+done: the round's own wall time is what the sessions waited). Pure bookkeeping: nothing here
+changes what a round does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+ENV = "SPECEXTEND_ROUND_LOG"
+
+
+class RoundLog:
+    """One round's record while it runs; `write` appends it (a no-op when the log is off)."""
+
+    def __init__(self, folder: Optional[str] = None) -> None:
+        folder = os.environ.get(ENV) if folder is None else folder
+        self.path = Path(folder) / f"rounds-{os.getpid()}.jsonl" if folder else None
+        self._file = None
+        self.rec: dict = {}
+        self._t0 = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.path is not None
+
+    def begin(self, sessions: int) -> None:
+        if self.on:
+            self._t0 = time.perf_counter()
+            self.rec = dict(t=time.time(), sessions=sessions, drafts=0, wait_s=0.0, forwards=[], held=0)
+
+    def drafts(self, issued: int, wait_s: float) -> None:
+        if self.on:
+            self.rec["drafts"], self.rec["wait_s"] = issued, self.rec["wait_s"] + wait_s
+
+    def forward(self, calls: int, rows: int, chunks: int, seconds: float) -> None:
+        if self.on:
+            self.rec["forwards"].append([calls, rows, chunks, seconds])
+
+    def write(self, held: int) -> None:
+        if not self.on or not self.rec:
+            return
+        self.rec["s"], self.rec["held"] = time.perf_counter() - self._t0, held
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)  # (a line at a time: a killed replica keeps its rounds)
+        self._file.write(json.dumps(self.rec) + "\n")
+        self.rec = {}
+
+
+def read(folder: str, since: float = 0.0, until: float = float("inf")) -> list[dict]:
+    """Every round logged under `folder` that began within [since, until), by start time."""
+    rounds = []
+    for path in Path(folder).glob("rounds-*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:  # (a line cut by a killed process)
+                continue
+            if since <= r["t"] < until:
+                rounds.append(r)
+    return sorted(rounds, key=lambda r: r["t"])
+
+
+def summary(rounds: list[dict]) -> dict:
+    """What a window of rounds did: how many, their wall seconds in all, the draft waits in them, the
+    rounds that carried prompt chunks and their seconds, mean sessions and forward rows a round."""
+    if not rounds:
+        return dict(rounds=0)
+    chunked = [r for r in rounds if any(f[2] for f in r["forwards"])]
+    n = len(rounds)
+    return dict(rounds=n, round_s=sum(r["s"] for r in rounds), wait_s=sum(r["wait_s"] for r in rounds),
+                chunk_rounds=len(chunked), chunk_round_s=sum(r["s"] for r in chunked),
+                sessions=sum(r["sessions"] for r in rounds) / n, drafts=sum(r["drafts"] for r in rounds) / n,
+                rows=sum(f[1] for r in rounds for f in r["forwards"]) / n,
+                span_s=rounds[-1]["t"] + rounds[-1]["s"] - rounds[0]["t"])
