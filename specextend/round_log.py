@@ -62,6 +62,11 @@ class RoundLog:
         self._file.write(json.dumps(self.rec) + "\n")
         self.rec = {}
 
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
 
 def read(folder: str, since: float = 0.0, until: float = float("inf")) -> list[dict]:
     """Every round logged under `folder` that began within [since, until), by start time."""

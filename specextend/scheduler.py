@@ -147,6 +147,7 @@ class Batcher:
                 self._fail_all(exc)
         for e in self._sessions + self._incoming:
             e.co.close()
+        self.round_log.close()
 
     def _fail_all(self, exc: Exception) -> None:
         """Every admitted session ends with `exc` (its client gets the error) and is closed (its

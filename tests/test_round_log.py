@@ -37,6 +37,8 @@ def _run(engine, prompts, **batcher) -> Batcher:
         b.run_round()
     assert ends == [None] * len(prompts)
     b.shutdown()
+    b.run()  # (closing: it returns at once, the log closed)
+    assert b.round_log._file is None
     return b
 
 
