@@ -49,7 +49,8 @@ def complete(client, model: str, prompt: list[int], max_tokens: int, specs: Opti
 
 
 SPEC_KEYS = ("num_steps", "plain_steps", "open_steps", "probe_steps", "unready_steps", "lookup_steps",
-             "mean_tree_nodes", "mean_acceptance_length", "target_wait_ms_per_step", "draft_open_ms",
+             "mean_tree_nodes", "mean_acceptance_length", "target_wait_ms_per_step", "draft_queue_ms_per_step",
+             "transport_ms_per_step", "draft_ms_per_step", "verify_ms_per_step", "draft_open_ms",
              "target_prefill_ms", "max_step_ms")
 
 
