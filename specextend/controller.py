@@ -14,7 +14,8 @@ speculation", says why each is measured so):
 - `forward(rows)`: a target forward's seconds, a line a + b * rows (`LinearCost`) over every forward
   of the session, on a GPU the device's time between CUDA events (timing.py); B sessions sharing a
   forward (scheduler.Batcher) are charged a / B + b * rows each, so trees shrink smoothly as the
-  batch grows.
+  batch grows. A session alone prices a tree size it has verified ROW_MIN times by what those
+  verifications took (`rows_price`: a GEMM's cost is a step in rows, not a line).
 - `draft(depth)`: seconds the target waited for a tree, a line over its depth (flat with overlap).
 - `extra`: a step's wall time beyond its forwards and its wait (host work), for speculative and for
   plain steps.
@@ -59,6 +60,9 @@ WARM_TRIES = 4
 # taking that many more asks (TreeController.value): fewer come in clusters where runs pay (half of the
 # first asks failing: six in a row one time in 64)
 DOUBT_MISSES = 6
+# verifications of a row count measured before its own price (TreeController.rows_price; the newest's
+# weight in it: controller_record.ROW_ALPHA) replaces the line's
+ROW_MIN = 2
 
 
 def _forwards() -> LinearCost:
@@ -76,6 +80,11 @@ class TreeController(Recording, Carrying):
     max_probe: int = 1024
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
     forward: LinearCost = field(default_factory=_forwards)  # target forward seconds vs rows, the steps'
+    # rows -> [average seconds, verifications] of this session's verification forwards alone of exactly
+    # that many rows: a GEMM's cost is a step function of its rows, not a line (the 8B geometry's
+    # verify at 16K on an H200: 5.70-5.73 ms for 5 and 9 rows, 6.95-6.99 for 33), so a tree whose
+    # size was measured is priced by what it cost (forward_seconds); not carried (its context's)
+    rows_price: dict = field(default_factory=dict)
     prefill: LinearCost = field(default_factory=_forwards)  # ... the prefill's chunks: the steps' prior
     # ... the forwards of steps without a tree alone (plain and chain steps): what a chain verified
     # alone costs, which the trees' verifications, with their own rows' price, must not set (the tiny
@@ -158,16 +167,28 @@ class TreeController(Recording, Carrying):
                 return self.accepted[r]
         return 0.0
 
+    def forward_seconds(self, rows: int, share: float, b: float) -> float:
+        """A verification forward of `rows` charged to this session: the line's (`share`, this
+        session's share of its fixed cost, + `b` a row), or, a session alone, what forwards of exactly
+        that many rows took (`rows_price`, once ROW_MIN were measured)."""
+        if self.sessions <= 1:
+            price = self.rows_price.get(rows)
+            if price is not None and price[1] >= ROW_MIN:
+                return price[0]
+        return share + b * rows
+
     def _verified_seconds(self, rung: Rung) -> float:
         """Predicted seconds of a step of `rung` that verifies its tree (or, plain, decodes), charged
         to this session (its share of a shared forward's fixed cost, its own rows and draft)."""
         a, b = self.forward.line()
-        fwd = a / max(self.sessions, 1) + b * (rung.nodes + 1)
+        share = a / max(self.sessions, 1)
         if rung.plain:
+            fwd = share + b * (rung.nodes + 1)
             if self.plain_forward is not None and self.sessions <= 1:
                 fwd = self.plain_forward  # measured: the line is mostly verifications, a costlier path
             rows = self.chain_now[0] if self.chain_now else 0  # (a chain's rows: the chain steps' slope)
             return fwd + self.chains.line()[1] * rows + (self.extra_plain or 0.0)
+        fwd = self.forward_seconds(rung.nodes + 1, share, b)
         return fwd + self.draft_seconds(rung.depth) + (self.extra_spec or 0.0) + self.catchup_seconds()
 
     def catchup_seconds(self) -> float:

@@ -59,7 +59,7 @@ def rung_values(ctl: "TreeController") -> list[float]:
             values.append(plain_tokens / max(plain_s, 1e-9))
             continue
         draft_s = ad + bd * rung.depth if ratio is None else rung.depth * ratio * one
-        verified = share + b * (rung.nodes + 1) + draft_s + extra_spec + catchup
+        verified = ctl.forward_seconds(rung.nodes + 1, share, b) + draft_s + extra_spec + catchup
         t = verified if ready >= 1.0 else ready * verified + (1 - ready) * (draft_s + plain_s)
         acc = 0.0  # expected_accepted: the rung's average, else the largest rung's inside it
         for r in reversed(rungs[1:i + 1]):

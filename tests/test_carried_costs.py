@@ -224,6 +224,7 @@ def test_the_prices_a_session_ends_with_are_reported():
     assert p["forward"] == pytest.approx([1e3 * v for v in ctl.forward.line()])
     assert p["plain_step"] == pytest.approx(1e3 * ctl.step_seconds(PLAIN)) and p["plain_step"] > 0
     assert p["top_step"] > p["plain_step"] and p["primed"] is False
+    assert p["rows"] == {str(r): pytest.approx(1e3 * v) for r, (v, _) in ctl.rows_price.items()} and p["rows"]
 
 
 def test_an_engines_request_reports_its_prices(tiny_models):
