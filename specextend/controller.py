@@ -14,8 +14,8 @@ speculation", says why each is measured so):
 - `forward(rows)`: a target forward's seconds, a line a + b * rows (`LinearCost`) over every forward
   of the session, on a GPU the device's time between CUDA events (timing.py); B sessions sharing a
   forward (scheduler.Batcher) are charged a / B + b * rows each, so trees shrink smoothly as the
-  batch grows. A session alone prices a tree size it has verified ROW_MIN times by what those
-  verifications took (`rows_price`: a GEMM's cost is a step in rows, not a line).
+  batch grows. A session alone adds to the line, for a tree size it has verified ROW_MIN times,
+  what those verifications took beyond it (`rows_price`: a GEMM's cost is a step in rows, not a line).
 - `draft(depth)`: seconds the target waited for a tree, a line over its depth (flat with overlap).
 - `extra`: a step's wall time beyond its forwards and its wait (host work), for speculative and for
   plain steps.
@@ -80,10 +80,11 @@ class TreeController(Recording, Carrying):
     max_probe: int = 1024
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
     forward: LinearCost = field(default_factory=_forwards)  # target forward seconds vs rows, the steps'
-    # rows -> [average seconds, verifications] of this session's verification forwards alone of exactly
-    # that many rows: a GEMM's cost is a step function of its rows, not a line (the 8B geometry's
-    # verify at 16K on an H200: 5.70-5.73 ms for 5 and 9 rows, 6.95-6.99 for 33), so a tree whose
-    # size was measured is priced by what it cost (forward_seconds); not carried (its context's)
+    # rows -> [average residual seconds, verifications]: what this session's verification forwards alone
+    # of exactly that many rows took beyond the line's prediction for them. A GEMM's cost is a step
+    # function of its rows, not a line (the 8B geometry's verify at 16K on an H200: 5.70-5.73 ms for 5
+    # and 9 rows, 6.95-6.99 for 33), so a measured tree size is priced by the line plus its residual
+    # (forward_seconds): its own cost, moving with the line as the context grows; not carried
     rows_price: dict = field(default_factory=dict)
     prefill: LinearCost = field(default_factory=_forwards)  # ... the prefill's chunks: the steps' prior
     # ... the forwards of steps without a tree alone (plain and chain steps): what a chain verified
@@ -169,13 +170,14 @@ class TreeController(Recording, Carrying):
 
     def forward_seconds(self, rows: int, share: float, b: float) -> float:
         """A verification forward of `rows` charged to this session: the line's (`share`, this
-        session's share of its fixed cost, + `b` a row), or, a session alone, what forwards of exactly
-        that many rows took (`rows_price`, once ROW_MIN were measured)."""
+        session's share of its fixed cost, + `b` a row), and, a session alone, what forwards of exactly
+        that many rows took beyond the line (`rows_price`, once ROW_MIN were measured)."""
+        fwd = share + b * rows
         if self.sessions <= 1:
             price = self.rows_price.get(rows)
             if price is not None and price[1] >= ROW_MIN:
-                return price[0]
-        return share + b * rows
+                return max(fwd + price[0], 0.0)
+        return fwd
 
     def _verified_seconds(self, rung: Rung) -> float:
         """Predicted seconds of a step of `rung` that verifies its tree (or, plain, decodes), charged

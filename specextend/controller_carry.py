@@ -87,7 +87,7 @@ class Carrying:
         rows), the chain steps' and a draft level's, the predicted seconds of a plain step and of the
         full tree, and the probe schedule. A plain step priced at zero (an e2e run of the real pair on
         an H200, 2026-11-30: the policy predicted 1e9 tokens/s for its plain steps and took no tree)
-        shows which of them said so. `rows`: each tree size's own verification price (rows_price)."""
+        shows which of them said so. `rows`: each tree size's verification residual over the line (rows_price)."""
         def ms(x: Optional[float]) -> Optional[float]:
             return None if x is None else 1e3 * x
 
@@ -100,4 +100,4 @@ class Carrying:
                     draft=line(self.draft), prefill=line(self.prefill), plain_step=ms(self.step_seconds(PLAIN)),
                     top_step=ms(self.step_seconds(self.top)), probe_every=self.probe_every,
                     since_probe=self.since_probe, primed=self.primed,
-                    rows={str(r): 1e3 * v for r, (v, n) in sorted(self.rows_price.items())})
+                    rows={str(r): 1e3 * v for r, (v, n) in sorted(self.rows_price.items())})  # (residuals)

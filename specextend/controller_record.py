@@ -10,7 +10,7 @@ from specextend.costs import OUTLIER
 from specextend.ladder import Rung
 from specextend.timing import seconds_of
 
-ROW_ALPHA = 0.3  # the newest verification's weight in its row count's own price (TreeController.rows_price)
+ROW_ALPHA = 0.3  # the newest verification's weight in its row count's residual (TreeController.rows_price)
 PROBE_RETRIES = 1  # a probe that met an unready answer asks once more before it counts as done
 SWITCH_ALPHA = 0.1  # with overlap, the newest step's weight in the ready share and the switch's averages
 #                     (runs of unready answers come in clusters: a faster average leaves trees that pay)
@@ -50,16 +50,18 @@ class Recording:
         self._pending.clear()
 
     def _price_rows(self, rows: int, seconds: float) -> None:
-        """A verification forward of `rows` alone into that row count's own price (rows_price), a one-off
-        counting as at most OUTLIER times the price (or, first, the line's prediction)."""
+        """A verification forward of `rows` alone into that row count's residual over the line
+        (rows_price), once the line has points: a one-off counts as at most OUTLIER times the line's
+        prediction (as the line clips it)."""
+        if not self.forward.known:
+            return
+        line = self.forward(rows)
+        residual = min(seconds, OUTLIER * max(line, 1e-12)) - line
         price = self.rows_price.get(rows)
-        ref = price[0] if price is not None else (self.forward(rows) if self.forward.known else None)
-        if ref is not None:
-            seconds = min(seconds, OUTLIER * max(ref, 1e-12))
         if price is None:
-            self.rows_price[rows] = [seconds, 1]
+            self.rows_price[rows] = [residual, 1]
         else:
-            price[0], price[1] = (1 - ROW_ALPHA) * price[0] + ROW_ALPHA * seconds, price[1] + 1
+            price[0], price[1] = (1 - ROW_ALPHA) * price[0] + ROW_ALPHA * residual, price[1] + 1
 
     def _average(self, old: Optional[float], new: float, alpha: Optional[float] = None) -> float:
         a = self.alpha if alpha is None else alpha

@@ -43,7 +43,7 @@ def random_state(rng: random.Random, tree: TreeConfig) -> TreeController:
         ctl.catchup.add(rng.randrange(2, 60), rng.uniform(0, 5e-3))
     ctl.behind = rng.choice([0, rng.randrange(1, 60)])
     for rows in rng.sample([5, 9, 17, 33], rng.randrange(0, 4)):  # row counts' own prices (some not yet in use)
-        ctl.rows_price[rows] = [rng.uniform(1e-3, 4e-3), rng.randrange(1, 4)]
+        ctl.rows_price[rows] = [rng.uniform(-1e-3, 1e-3), rng.randrange(1, 4)]  # (residuals over the line)
     return ctl
 
 

@@ -1,7 +1,7 @@
 """A tree size's own price (TreeController.rows_price): where a GEMM's cost is flat in rows, the line
 a + b rows overprices a larger tree that costs the same as a smaller one, and the policy takes the
-smaller tree, which accepts less; once two verifications of each size are measured, each is priced
-by what it cost (docs/architecture.md, "Adaptive speculation")."""
+smaller tree, which accepts less; once two verifications of a size are measured, the line plus that
+size's residual prices it (docs/architecture.md, "Adaptive speculation")."""
 
 from pytest import approx
 
@@ -33,19 +33,36 @@ def verify(ctl: TreeController, rung: Rung, seconds: float) -> None:
     ctl.record_spec(rung, 2.0e-3, {rung: ctl.accepted[rung]}, step_s=seconds + 2.0e-3)
 
 
+def price(ctl: TreeController, rung: Rung) -> float:
+    a, b = ctl.forward.line()
+    return ctl.forward_seconds(rung.nodes + 1, a, b)
+
+
 def test_the_line_alone_takes_the_smaller_tree():
     ctl = flat_gemm_controller()
-    assert ctl.forward(9) > ctl.forward(5) + 1e-4  # the line prices the 4 extra rows
+    assert price(ctl, LARGE) > price(ctl, SMALL) + 1e-4  # the line prices the 4 extra rows
     assert ctl.best() == SMALL
 
 
 def test_measured_sizes_are_priced_by_what_they_cost():
     ctl = flat_gemm_controller()
-    for _ in range(ROW_MIN):
+    for _ in range(3 * ROW_MIN):
         verify(ctl, SMALL, 5.7e-3)
         verify(ctl, LARGE, 5.7e-3)
-    assert ctl.forward_seconds(9, 0.0, 0.0) == approx(5.7e-3) and ctl.forward_seconds(5, 0.0, 0.0) == approx(5.7e-3)
+    assert price(ctl, LARGE) == approx(5.7e-3, abs=5e-5) and price(ctl, SMALL) == approx(5.7e-3, abs=5e-5)
     assert ctl.best() == LARGE  # the same cost, more accepted
+
+
+def test_a_residual_follows_the_line_as_the_context_grows():
+    """The line moves with every forward (a longer context costs more); a size's residual is its
+    shape against the line, so its price moves with it."""
+    ctl = flat_gemm_controller()
+    for _ in range(ROW_MIN):
+        verify(ctl, LARGE, 5.7e-3)
+    before = price(ctl, LARGE)
+    for _ in range(30):  # every forward 1 ms dearer (plain steps' and the small tree's)
+        ctl.forward.add(5, 6.7e-3)
+    assert price(ctl, LARGE) > before + 5e-4
 
 
 def test_one_verification_does_not_set_the_price_nor_does_a_shared_forward():
@@ -54,13 +71,14 @@ def test_one_verification_does_not_set_the_price_nor_does_a_shared_forward():
     a, b = ctl.forward.line()
     assert ctl.forward_seconds(9, a, b) == a + b * 9  # (ROW_MIN not reached)
     verify(ctl, LARGE, 5.7e-3)
-    assert ctl.forward_seconds(9, a, b) == approx(5.7e-3)
+    a, b = ctl.forward.line()
+    assert ctl.forward_seconds(9, a, b) < a + b * 9
     ctl.sessions = 4  # a batch: the line's share of the fixed cost, not one session's reading
     assert ctl.forward_seconds(9, a / 4, b) == a / 4 + b * 9
 
 
-def test_a_one_off_counts_as_at_most_outlier_times_the_price():
+def test_a_one_off_counts_as_at_most_outlier_times_the_line():
     ctl = flat_gemm_controller()
     for s in (5.7e-3, 5.7e-3, 1.0):  # a 1 s forward (a capture, a collection)
         verify(ctl, LARGE, s)
-    assert ctl.rows_price[9][0] < 2 * 5.7e-3
+    assert price(ctl, LARGE) < 4 * 6.5e-3
