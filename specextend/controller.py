@@ -140,6 +140,9 @@ class TreeController(Recording, Carrying):
     primed: bool = False  # started from carried Costs
     _warm: bool = False  # ... and skips the warm-up steps that measure them
     _probing: bool = False
+    # a warm-up step of the full tree is under way: verified, it measured every rung as a probe of the
+    # top does, so the probe schedule starts again from it (record_spec)
+    _measuring_top: bool = False
     _best: Optional[Rung] = None  # the choice before the probe
     _probe: Optional[Rung] = None  # the probe's rung
     _probe_by_prior: bool = False  # ... chosen while the prior priced the draft (seed_draft)
@@ -332,6 +335,7 @@ class TreeController(Recording, Carrying):
         if self._warm and (self.spec_steps == 0 or unsteady) and self.unready_steps < WARM_TRIES:  # the costs are
             # known: one full tree measures this
             if self._top_may_pay(WARM_MARGIN):  # text's acceptance, every rung's at once
+                self._measuring_top = True
                 return self.top
             # carried costs say the full tree could win little: no warm-up tree; the best rung, and
             # the probes (spaced by what they could win) are the way back, were the costs to change
@@ -347,6 +351,7 @@ class TreeController(Recording, Carrying):
             # (a cold session's second tree; a primed one's is a probe's or the best rung: the full
             # tree after its probe cost a tiny CPU pair's second request 8.8 ms, ~7%, 2026-11-29)
             if (self.spec_steps < self.warmup and not self.primed or unsteady) and self._top_may_pay() and tries:
+                self._measuring_top = True
                 return self.top
         best = self.best()
         if self.recheck.due(self, best):  # a plain forward measured again (recheck.py)

@@ -79,6 +79,7 @@ class Recording:
         request to request, they priced plain steps at 1.1-1.7 ms, so that trees that could never
         pay looked close enough to probe every few hundred steps; 2026-11-30)."""
         self._settle(treeless=True, lines=not contended)
+        self._measuring_top = False
         self.lookup_plain = (1 - self.alpha) * self.lookup_plain + self.alpha * lookup
         if step_s is not None:
             self.extra_plain = self._average(self.extra_plain, max(step_s - self._forward_s, 0.0))
@@ -146,6 +147,12 @@ class Recording:
         self.ready = self._average(self.ready, 1.0, self._ready_alpha)
         self.spec_steps += 1
         self.since_probe += 1
+        if self._measuring_top and rung == self.top and not self._probing:  # a warm-up's full tree, verified:
+            # it measured what a probe of the top measures (a primed session's first tree, carrying the
+            # last session's count, could be followed by a probe a few steps later; docs/architecture.md,
+            # "Adaptive speculation")
+            self.since_probe = 0
+        self._measuring_top = False
         self.recheck.tree_step()
         self.in_run, self.steady = True, self.steady or self.overlap
         if self._probing:
@@ -158,6 +165,7 @@ class Recording:
         acceptance averages stay (nothing was verified: an empty answer says nothing about how much
         of a tree the target would take). A probe that met one asks again on the next step, once."""
         self._settle(treeless=True)  # (it decoded plainly)
+        self._measuring_top = False
         self.asking = True
         if self.overlap and not self.in_run:  # a run's first ask, which began none: the switch's cost
             self._switched(1.0 + lookup, step_s, began=False)

@@ -270,3 +270,21 @@ def test_the_e2e_suites_measured_request_starts_unprimed(tiny_models):
     e2e.warm_up(engine, list(range(3, 83)), set())
     assert engine._costs is None
     worker.shutdown()
+
+
+def test_a_primed_sessions_full_tree_starts_the_probe_schedule_again():
+    """A primed session's first step is the full tree (it measures this text's acceptance for every
+    rung, as a probe of the top does), so the probe schedule carried from the last session starts
+    again from it: no second full tree a few steps later (the 8B geometry replayed at 2-3 on an
+    H200 took one to three more a 43-step request, 2026-12-01)."""
+    from dataclasses import replace
+
+    wide = dict(zip(RUNGS[1:], PROFILES["wide"]))
+    prev = warmed("wide")
+    assert prev.best() != RUNGS[-1]  # (a rung below the top: probes are due now and then)
+    costs = replace(prev.costs(), probe_every=10, since_probe=9)  # a probe due at the next step
+    new = TreeController(list(RUNGS))
+    new.start_from(costs)
+    chosen = simulate(new, wide, 10)
+    assert chosen[0] == RUNGS[-1] and new.since_probe == 9
+    assert RUNGS[-1] not in chosen[1:] and new.probe_steps == 0

@@ -163,12 +163,12 @@ def test_probes_back_off_exponentially_and_come_back():
     ctl = TreeController(list(RUNGS))
     chosen = simulate(ctl, hard, 400)
     assert ctl.best() == PLAIN
-    probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]][1:]  # after the warm-up's
+    warm, *probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]]  # the warm-up's full tree, the probes
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     top, plain = FIXED + ROW * 17 + LEVEL * 6, FIXED + ROW  # seconds of a full-tree and a plain step
     lost = top * (1 - (1.06 / top) / (1 / plain))  # the probe's time less its tokens' at the plain rate
     base = round(10 * lost / plain)
-    assert probes[0] == base  # `base` steps from the start (warm-up and the plain measurement included)
+    assert probes[0] == warm + base + 1  # `base` steps after the warm-up's full tree (which measured the top)
     assert gaps[:3] == [2 * base + 1, 4 * base + 1, 8 * base + 1]
     assert ctl.probe_steps == len(probes) and ctl.plain_steps == chosen.count(PLAIN)
     easy = dict(zip(RUNGS[1:], PROFILES["easy"]))  # the text got easy
@@ -281,9 +281,9 @@ def test_no_probe_interval_exceeds_max_probe():
     base = simulate(TreeController(list(RUNGS)), hard, 400)
     ctl = TreeController(list(RUNGS), max_probe=5)
     chosen = simulate(ctl, hard, 400)
-    uncapped = [i for i, r in enumerate(base) if r == RUNGS[-1]][1:]  # after the warm-up's
+    warm, *uncapped = [i for i, r in enumerate(base) if r == RUNGS[-1]]  # the warm-up's full tree, the probes
     probes = [i for i, r in enumerate(chosen) if r == RUNGS[-1]][1:]
-    assert uncapped[0] > 5 and probes[0] == 5  # the first interval, capped
+    assert uncapped[0] - warm > 6 and probes[0] - warm == 6  # the first interval (from the warm-up's), capped
     assert {b - a for a, b in zip(probes, probes[1:])} == {6}  # then 5 steps and the probe, again
 
 
