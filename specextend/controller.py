@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from specextend.controller_carry import WARM_MARGIN, Carrying
-from specextend.controller_record import PROBE_RETRIES, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
+from specextend.controller_record import PROBE_RETRIES, ROW_MIN, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
 from specextend.controller_best import best_rung
 from specextend.costs import OUTLIER, RUN_STEPS, LinearCost, probe_interval, run_rate
 from specextend.recheck import PlainRecheck
@@ -60,9 +60,6 @@ WARM_TRIES = 4
 # taking that many more asks (TreeController.value): fewer come in clusters where runs pay (half of the
 # first asks failing: six in a row one time in 64)
 DOUBT_MISSES = 6
-# verifications of a row count measured before its own price (TreeController.rows_price; the newest's
-# weight in it: controller_record.ROW_ALPHA) replaces the line's
-ROW_MIN = 2
 
 
 def _forwards() -> LinearCost:
@@ -80,11 +77,8 @@ class TreeController(Recording, Carrying):
     max_probe: int = 1024
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
     forward: LinearCost = field(default_factory=_forwards)  # target forward seconds vs rows, the steps'
-    # rows -> [average residual seconds, verifications]: what this session's verification forwards alone
-    # of exactly that many rows took beyond the line's prediction for them. A GEMM's cost is a step
-    # function of its rows, not a line (the 8B geometry's verify at 16K on an H200: 5.70-5.73 ms for 5
-    # and 9 rows, 6.95-6.99 for 33), so a measured tree size is priced by the line plus its residual
-    # (forward_seconds): its own cost, moving with the line as the context grows; not carried
+    # rows -> [average residual seconds, verifications]: what this session's verifications alone of that
+    # many rows took beyond the line (forward_seconds adds it; a GEMM's cost is a step in rows); not carried
     rows_price: dict = field(default_factory=dict)
     prefill: LinearCost = field(default_factory=_forwards)  # ... the prefill's chunks: the steps' prior
     # ... the forwards of steps without a tree alone (plain and chain steps): what a chain verified
@@ -140,9 +134,7 @@ class TreeController(Recording, Carrying):
     primed: bool = False  # started from carried Costs
     _warm: bool = False  # ... and skips the warm-up steps that measure them
     _probing: bool = False
-    # a warm-up step of the full tree is under way: verified, it measured every rung as a probe of the
-    # top does, so the probe schedule starts again from it (record_spec)
-    _measuring_top: bool = False
+    _measuring_top: bool = False  # a warm-up's full tree under way (verified, it restarts the probe schedule)
     _best: Optional[Rung] = None  # the choice before the probe
     _probe: Optional[Rung] = None  # the probe's rung
     _probe_by_prior: bool = False  # ... chosen while the prior priced the draft (seed_draft)

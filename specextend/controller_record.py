@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from specextend.costs import OUTLIER
 from specextend.ladder import Rung
 from specextend.timing import seconds_of
 
-ROW_ALPHA = 0.3  # the newest verification's weight in its row count's residual (TreeController.rows_price)
+# a tree size's own price (TreeController.rows_price): the newest verification's weight in its residual,
+# and the verifications of that size measured before the residual prices it (forward_seconds)
+ROW_ALPHA, ROW_MIN = 0.3, 2
 PROBE_RETRIES = 1  # a probe that met an unready answer asks once more before it counts as done
 SWITCH_ALPHA = 0.1  # with overlap, the newest step's weight in the ready share and the switch's averages
 #                     (runs of unready answers come in clusters: a faster average leaves trees that pay)
@@ -51,17 +52,12 @@ class Recording:
 
     def _price_rows(self, rows: int, seconds: float) -> None:
         """A verification forward of `rows` alone into that row count's residual over the line
-        (rows_price), once the line has points: a one-off counts as at most OUTLIER times the line's
-        prediction (as the line clips it)."""
+        (rows_price), once the line has points, a one-off clipped as the line clips it."""
         if not self.forward.known:
             return
-        line = self.forward(rows)
-        residual = min(seconds, OUTLIER * max(line, 1e-12)) - line
-        price = self.rows_price.get(rows)
-        if price is None:
-            self.rows_price[rows] = [residual, 1]
-        else:
-            price[0], price[1] = (1 - ROW_ALPHA) * price[0] + ROW_ALPHA * residual, price[1] + 1
+        price = self.rows_price.setdefault(rows, [None, 0])
+        residual = self.forward.clipped(rows, seconds) - self.forward(rows)
+        price[0], price[1] = self._average(price[0], residual, ROW_ALPHA), price[1] + 1
 
     def _average(self, old: Optional[float], new: float, alpha: Optional[float] = None) -> float:
         a = self.alpha if alpha is None else alpha

@@ -37,9 +37,15 @@ class LinearCost:
     def known(self) -> bool:
         return self.sums[0] > 0
 
+    def clipped(self, x: float, y: float) -> float:
+        """`y` as a point at `x` counts: with `clip`, once the line has points, at most `clip` times
+        what it predicts (docs/architecture.md, "Adaptive speculation": one-offs)."""
+        if self.clip is not None and self.known:
+            return min(y, self.clip * max(self(x), 1e-12))
+        return y
+
     def add(self, x: float, y: float) -> None:
-        if self.clip is not None and self.known:  # (docs/architecture.md, "Adaptive speculation": one-offs)
-            y = min(y, self.clip * max(self(x), 1e-12))
+        y = self.clipped(x, y)
         a = self.alpha
         self.sums = [(1 - a) * s + a * v for s, v in zip(self.sums, (1.0, x, x * x, y, x * y))]
         w, sx, sxx, sy, sxy = self.sums
