@@ -184,8 +184,9 @@ class Batcher:
             fn, e.draft_fn = e.draft_fn, None
             t0 = time.perf_counter()
             e.future = _called(fn)
-            self._charge(self._sessions, [e], time.perf_counter() - t0)
-            self.round_log.drafts(1, time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            self._charge(self._sessions, [e], waited)
+            self.round_log.drafts(1, waited)
             self._advance(e)
         else:
             for e in issued:
@@ -198,8 +199,9 @@ class Batcher:
         if askers:
             t0 = time.perf_counter()
             wait([e.future for e in askers])
-            self._charge(self._sessions, askers, time.perf_counter() - t0)
-            self.round_log.drafts(len(issued), time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            self._charge(self._sessions, askers, waited)
+            self.round_log.drafts(len(issued), waited)
             for e in step_futures:
                 if e.future.done():
                     self._advance(e)
