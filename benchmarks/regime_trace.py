@@ -12,7 +12,6 @@ steps, the mean of each step's parts, the rungs chosen (adaptive) and the time b
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 import statistics
@@ -33,7 +32,7 @@ from specextend.warmup import warm_long, warm_up
 
 from regimes import ALL_REGIMES  # this folder (on the path when run as a script)
 
-OUT = Path(__file__).parent / "results" / "regimes"
+OUT = Path(__file__).parent / "results" / "regimes" / "trace"
 
 
 def hook(log: list) -> None:
@@ -155,10 +154,8 @@ def main(argv=None) -> int:
                   f"{row['outside_ms']:.1f}; {first}{ks}; rungs {dict(rungs)}"
                   + (f"; late work {late}" if late else "") + (f"; slow draft jobs {slow}" if slow else ""), flush=True)
     worker.shutdown()
-    OUT.mkdir(parents=True, exist_ok=True)
-    meta = record.meta("regime_trace", a.device, ["benchmarks/regime_trace.py", *(argv or sys.argv[1:])])
-    path = OUT / f"trace-{a.regime.replace(' ', '-')}-{record.slug(record.device_name(a.device))}.json"
-    path.write_text(json.dumps(dict(meta=meta, args=vars(a), runs=out)) + "\n")
+    argv = sys.argv[1:] if argv is None else argv
+    path = record.write_rows(OUT, f"trace-{a.regime.replace(' ', '-')}-", "regime_trace", a, out, argv)
     print(f"wrote {path}")
     return 0
 
