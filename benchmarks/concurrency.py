@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="sequential-then-concurrent rounds per mode (medians)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an app argument for every mode (repeatable), e.g. max_batch_tokens=1024")
+    p.add_argument("--tag", default="", help="the JSON file's suffix: concurrency-<device>[-TAG].json")
     p.add_argument("--round-log", action="store_true",
                    help="the replica logs its batcher's rounds (specextend/round_log.py); the last round's "
                         "sequential and concurrent windows are summed per mode")
@@ -154,7 +155,10 @@ def main(argv=None) -> int:
                      if a.rounds > 1 else ""), flush=True)
             for when in ("sequential", "concurrent"):
                 if log_dir is not None:
-                    r[f"{when}_rounds"] = rs = round_log.summary(round_log.read(log_dir, *r["windows"][when]))
+                    logged = round_log.read(log_dir, *r["windows"][when])
+                    r[f"{when}_rounds"] = rs = round_log.summary(logged)
+                    if when == "concurrent":  # (each round of the burst, to take it apart offline)
+                        r["concurrent_round_list"] = logged
                     print(f"  {when:10s} rounds: " + ", ".join(
                         f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rs.items()), flush=True)
                 sp = r[f"{when}_spec"]
@@ -169,7 +173,7 @@ def main(argv=None) -> int:
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(), cores=os.cpu_count(),
                 command="python benchmarks/concurrency.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"concurrency-{device}.json"
+    path = OUT / f"concurrency-{device}{'-' + a.tag if a.tag else ''}.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {path}")
     return 0 if all(r["equal"] == r["requests"] for r in rows) else 1
