@@ -147,7 +147,7 @@ def main(argv=None) -> int:
             wait_ready(url, 600, app="concurrency")
             r = measure(url, prompts, a.new_tokens, a.rounds)
             serve.delete("concurrency")
-            rows.append(dict(mode=mode, **r))
+            rows.append(r := dict(mode=mode, **r))  # (the round log's summaries below land in it too)
             print(f"{mode:10s} {a.requests} requests x {a.new_tokens} tokens: one after another {r['sequential_s']:6.2f} s, "
                   f"at once {r['concurrent_s']:6.2f} s -> {r['ratio']:.2f}x the time; "
                   f"{r['equal']}/{r['requests']} outputs equal"
