@@ -111,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="sequential-then-concurrent rounds per mode (medians)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an app argument for every mode (repeatable), e.g. max_batch_tokens=1024")
+    p.add_argument("--round-log-sync", action="store_true",
+                   help="with --round-log: each round first waits for the device (sync_s), so advance_s is host work")
     p.add_argument("--tag", default="", help="the JSON file's suffix: concurrency-<device>[-TAG].json")
     p.add_argument("--round-log", action="store_true",
                    help="the replica logs its batcher's rounds (specextend/round_log.py); the last round's "
@@ -128,6 +130,8 @@ def main(argv=None) -> int:
     if a.round_log:  # (before ray.init: the local cluster's workers, the replica's too, inherit it)
         log_dir = tempfile.mkdtemp(prefix="rounds-")
         os.environ[round_log.ENV] = log_dir
+        if a.round_log_sync:
+            os.environ[round_log.SYNC_ENV] = "1"
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(a.prompt_len)] for _ in range(a.requests)]
     port = free_port()

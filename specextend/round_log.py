@@ -7,7 +7,11 @@ benchmarks/concurrency.py --round-log). Each round of `scheduler.Batcher.run_rou
     {"t": wall clock at the round's start (time.time(), comparable across a host's processes),
      "s": the round's wall seconds, "sessions": admitted sessions, "drafts": draft steps the round
      issued, "wait_s": seconds it waited for them, "forwards": [[calls, rows, prompt chunks, wall
-     seconds of the forward call], ...], "held": prompt chunks left for a later round}
+     seconds of the forward call], ...], "held": prompt chunks left for a later round,
+     "advance_s": seconds the round's first pass over its sessions took (their host work on the last
+     round's results, and any wait there for the device to finish that round's forward),
+     "sync_s": where `SPECEXTEND_ROUND_LOG_SYNC=1` (a GPU), seconds the round's start waited for the
+     device to finish what the process queued before it (then advance_s is host work alone)}
 
 A forward's wall seconds are the host's (on a GPU a replayed graph returns before the device is
 done: the round's own wall time is what the sessions waited). Pure bookkeeping: nothing here
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 ENV = "SPECEXTEND_ROUND_LOG"
+SYNC_ENV = "SPECEXTEND_ROUND_LOG_SYNC"  # "1": each round begins by waiting for the device (perturbs: a probe)
 
 
 class RoundLog:
@@ -31,6 +36,7 @@ class RoundLog:
     def __init__(self, folder: Optional[str] = None) -> None:
         folder = os.environ.get(ENV) if folder is None else folder
         self.path = Path(folder) / f"rounds-{os.getpid()}.jsonl" if folder else None
+        self.sync = bool(folder) and os.environ.get(SYNC_ENV) == "1"
         self._file = None
         self.rec: dict = {}
         self._t0 = 0.0
@@ -39,10 +45,23 @@ class RoundLog:
     def on(self) -> bool:
         return self.path is not None
 
-    def begin(self, sessions: int) -> None:
+    def begin(self, sessions: int, device=None) -> None:
+        """`device`: the model's (torch.device); with SPECEXTEND_ROUND_LOG_SYNC=1 a CUDA device is
+        synchronised first and the wait recorded as sync_s."""
         if self.on:
             self._t0 = time.perf_counter()
-            self.rec = dict(t=time.time(), sessions=sessions, drafts=0, wait_s=0.0, forwards=[], held=0)
+            self.rec = dict(t=time.time(), sessions=sessions, drafts=0, wait_s=0.0, forwards=[], held=0,
+                            advance_s=0.0)
+            if self.sync and device is not None and device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(device)
+                self.rec["sync_s"] = time.perf_counter() - self._t0
+
+    def advanced(self, since: float) -> None:
+        """The round's first pass over its sessions began at perf_counter() `since` and ends now."""
+        if self.on:
+            self.rec["advance_s"] = time.perf_counter() - since
 
     def drafts(self, issued: int, wait_s: float) -> None:
         if self.on:
@@ -91,6 +110,7 @@ def summary(rounds: list[dict]) -> dict:
     n = len(rounds)
     return dict(rounds=n, round_s=sum(r["s"] for r in rounds), wait_s=sum(r["wait_s"] for r in rounds),
                 chunk_rounds=len(chunked), chunk_round_s=sum(r["s"] for r in chunked),
+                advance_s=sum(r.get("advance_s", 0.0) for r in rounds), sync_s=sum(r.get("sync_s", 0.0) for r in rounds),
                 sessions=sum(r["sessions"] for r in rounds) / n, drafts=sum(r["drafts"] for r in rounds) / n,
                 rows=sum(f[1] for r in rounds for f in r["forwards"]) / n,
                 span_s=rounds[-1]["t"] + rounds[-1]["s"] - rounds[0]["t"])

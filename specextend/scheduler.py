@@ -170,12 +170,14 @@ class Batcher:
         with self._lock:
             self._sessions += self._incoming
             self._incoming = []
-        self.round_log.begin(len(self._sessions))
+        self.round_log.begin(len(self._sessions), None if self.model is None else self.model.device)
         held = self.held_chunks
         for e in [e for e in self._sessions if e.stopped]:
             self._finish(e, close=True)
+        t_advance = time.perf_counter()
         for e in list(self._sessions):
             self._advance(e)
+        self.round_log.advanced(t_advance)
         # the round's draft steps leave together, once every session has had its turn: they reach the
         # draft's queue within microseconds of each other, and the draft worker runs them as one batch
         issued = [e for e in self._sessions if e.draft_fn is not None]

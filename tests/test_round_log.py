@@ -51,6 +51,7 @@ def test_off_without_the_variable(tiny_models, monkeypatch, tmp_path):
 
 def test_each_round_accounts_for_the_batchers_forwards(tiny_models, monkeypatch, tmp_path):
     monkeypatch.setenv(round_log.ENV, str(tmp_path))
+    monkeypatch.setenv(round_log.SYNC_ENV, "1")  # (a CPU model: nothing to synchronise, no sync_s)
     engine = make_engine(tiny_models("float64"), "sd", tree=TreeConfig(6, 3, 2), prefill_chunk=16)
     # prompts of several chunks under a budget of 24 rows a round: chunks are held for later rounds
     b = _run(engine, [_prompt(40, 0), _prompt(33, 1), _prompt(9, 2)], max_tokens=24)
@@ -61,6 +62,8 @@ def test_each_round_accounts_for_the_batchers_forwards(tiny_models, monkeypatch,
     assert any(f[2] for f in forwards) and any(r["drafts"] for r in rounds)
     assert all(f[1] <= 24 or f[2] == 1 for f in forwards)  # (a round takes one chunk whatever the budget)
     assert [r["t"] for r in rounds] == sorted(r["t"] for r in rounds) and all(r["s"] >= 0 for r in rounds)
+    assert all(0 <= r["advance_s"] <= r["s"] for r in rounds) and not any("sync_s" in r for r in rounds)
+    assert sum(r["advance_s"] for r in rounds) > 0  # (the sessions' own host work between forwards)
     s = round_log.summary(rounds)
     assert s["rounds"] == len(rounds) and s["chunk_rounds"] == sum(any(f[2] for f in r["forwards"]) for r in rounds)
     assert round_log.read(str(tmp_path), since=rounds[-1]["t"] + 1) == []
