@@ -321,7 +321,7 @@ def test_draft_levels_batch_through_the_graphs(overlap):
 
     draft = float32_pair()[1].decoder
     draft.graphs = FullStepGraphs(draft, capture=torch.cuda.is_available())
-    assert len(list(lockstep(draft, RETRIEVAL, overlap, 4, tol=1e-4))) == 4
+    assert len(list(lockstep(draft, RETRIEVAL, overlap, 4, tol=1e-4, batch_levels=True))) == 4
     batched_plans = [k for k in draft.graphs.plans if k.sessions > 1]
     assert batched_plans, "no level batched"
     if not overlap:  # (with overlap a miss drafts two levels here: the second has nothing staged before it)
@@ -338,9 +338,16 @@ def test_draft_worker_warms_batched_levels():
 
     draft = load_model("random:llama-tiny-draft", dtype="float32", attention_backend="torch").decoder
     draft.graphs = FullStepGraphs(draft, capture=False)
-    worker = DraftWorker(draft, max_batch=4)
+    params = DraftSessionParams(TreeConfig(12, 4, 3), RetrievalConfig(), max_new_tokens=16)
+    worker = DraftWorker(draft, max_batch=4)  # by default whole trees, never levels, of several sessions
     try:
-        worker.warm_up(DraftSessionParams(TreeConfig(12, 4, 3), RetrievalConfig(), max_new_tokens=16))
+        worker.warm_up(params)
+    finally:
+        worker.stop()
+    assert not draft.graphs.batch_shapes
+    worker = DraftWorker(draft, max_batch=4, batch_levels=True)
+    try:
+        worker.warm_up(params)
     finally:
         worker.stop()
     assert draft.graphs.batch_shapes == frozenset({(0, 3), (3, 3), (6, 3)})

@@ -69,15 +69,16 @@ def assert_same_caches(batched, alone, tol=1e-10):
                 assert x == y
 
 
-def lockstep(draft, retrieval, overlap, steps, tol=1e-10):
+def lockstep(draft, retrieval, overlap, steps, tol=1e-10, batch_levels=False):
     """Four sessions' steps driven batched and, on twin sessions, each alone, step after step:
-    yields each step's trees and batch counts once they and the caches are found equal."""
+    yields each step's trees and batch counts once they and the caches are found equal.
+    `batch_levels`: drive_batch's (whole-tree graphs split into levels batched across sessions)."""
     batched, alone = sessions(draft, retrieval, overlap), sessions(draft, retrieval, overlap)
     accepted = [[7 + i] for i in range(4)]
     for step in range(steps):
         args = [step_args(step, i, accepted[i], retrieval) for i in range(4)]
         counts = BatchCounts()
-        got = drive_batch(draft, [s.step_co(*a) for s, a in zip(batched, args)], counts)
+        got = drive_batch(draft, [s.step_co(*a) for s, a in zip(batched, args)], counts, batch_levels)
         want = drive_each(draft, [s.step_co(*a) for s, a in zip(alone, args)])
         assert got == want
         assert_same_caches(batched, alone, tol)

@@ -92,8 +92,10 @@ def test_depth_one_and_full_cache_draft_level_by_level(draft):
     assert s._tree_graphs(TreeConfig(3, 2, 3)) is draft.tree_graphs
 
 
-def test_batched_driver_runs_levels_for_many_sessions(draft):
-    """Fewer than four sessions: each expansion runs whole (a TreeCall); four or more: their levels
+@pytest.mark.parametrize("batch_levels", [False, True])
+def test_batched_driver_runs_levels_for_many_sessions(draft, batch_levels):
+    """By default each expansion runs whole (a TreeCall), however many sessions step together, and
+    only the accepted tokens' forwards batch; with batch_levels, from four sessions on their levels
     are batched like any forward. Either way each step equals the session stepped alone."""
     params = DraftSessionParams(TreeConfig(8, 4, 2), RetrievalConfig(), max_new_tokens=32)
     for n in (2, 4):
@@ -101,13 +103,15 @@ def test_batched_driver_runs_levels_for_many_sessions(draft):
         alone = [LevelSession(draft, prompt(60 + 7 * i, i), params) for i in range(n)]
         before = draft.tree_graphs.replays
         counts = BatchCounts()
-        trees = drive_batch(draft, [s.step_co(0, [5 + i], None) for i, s in enumerate(batched)], counts)
+        trees = drive_batch(draft, [s.step_co(0, [5 + i], None) for i, s in enumerate(batched)], counts,
+                            batch_levels)
         for i, (tree, s) in enumerate(zip(trees, alone)):
             ref = s.step(0, [5 + i], None)
             assert (tree.tokens, tree.parents) == (ref.tokens, ref.parents)
-        assert draft.tree_graphs.replays - before == (n if n < 4 else 0)
+        levels = batch_levels and n >= 4
+        assert draft.tree_graphs.replays - before == (0 if levels else n)
         # rounds: the accepted tokens' forwards, then the expansions (whole, or 3 levels batched)
-        assert counts.per_forward == ([n, n] if n < 4 else [n] * 4)
+        assert counts.per_forward == ([n] * 4 if levels else [n, n])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -11,9 +11,14 @@ A failure is its own step's: an exception raised inside one coroutine ends that 
 batched forward that raises is run again call by call (each call only stages K/V in its own cache,
 so a rerun overwrites the same slots), and the calls that still fail fail their own steps.
 A step may yield its whole tree expansion as one request (draft/tree_graph.TreeCall: one CUDA
-graph for every level): with fewer steps than models/batch.GRAPHS_BATCH_MIN each runs alone, as
-its forwards would have (replayed one after the other); with more, its levels are batched with the
-others' like any forward (`flatten`).
+graph for every level). By default each such expansion runs whole, one after the other, while the
+steps' other forwards (their accepted tokens') still batch: on an H200 (2026-12-01, 8 sessions of
+the 68M draft beside the 8B target at 4K, benchmarks/batching.py) that drafted faster than batching
+the sessions' levels (1279 against 982-994 decode tokens/s with adaptive trees, 1483 against
+1095-1298 with fixed ones): a launch-bound small model gains little from reading its weights once
+for eight sessions, and a level at a time puts the host back between levels. `batch_levels=True`
+(with at least models/batch.GRAPHS_BATCH_MIN steps) batches the levels like any forward
+(`flatten`), the path for a draft large enough that its weights, not its launches, set the pace.
 
 `drive_each` is the slow twin: the steps one after another, each forward alone (run_alone).
 """
@@ -50,10 +55,13 @@ def drive_each(model: Decoder, steps: list[Step]) -> list[Outcome]:
     return out
 
 
-def drive_batch(model: Decoder, steps: list[Step], counts: BatchCounts | None = None) -> list[Outcome]:
-    """Runs the steps' forwards in batched rounds; returns each step's outcome, in order."""
+def drive_batch(model: Decoder, steps: list[Step], counts: BatchCounts | None = None,
+                batch_levels: bool = False) -> list[Outcome]:
+    """Runs the steps' forwards in batched rounds; returns each step's outcome, in order.
+    `batch_levels`: whole tree expansions are split into levels batched across the steps (from
+    GRAPHS_BATCH_MIN steps on); otherwise each runs whole."""
     out: list[Outcome] = [None] * len(steps)
-    if len(steps) >= GRAPHS_BATCH_MIN:
+    if batch_levels and len(steps) >= GRAPHS_BATCH_MIN:
         steps = [flatten(co) for co in steps]
     waiting: dict[int, ForwardCall] = {}  # step index -> the forward it waits on
 

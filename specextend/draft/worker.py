@@ -46,6 +46,9 @@ SWITCH_INTERVAL_S = 0.0002
 # Step jobs of different sessions run as one batch at most (the target's engine issues draft calls
 # from 8 threads: scheduler.Batcher)
 MAX_BATCH = 8
+# Batched steps split their tree expansions into levels batched across sessions (draft/batch.py says
+# why not by default)
+BATCH_LEVELS = False
 # How long a step may wait for the steps of the other sessions that stepped recently (jobs.py)
 GATHER_S = 0.001
 # Verdicts a prepare answers trees for (docs/architecture.md, "Prepared outcomes")
@@ -69,10 +72,12 @@ class DraftWorker(JobWorker):
                  overlap_rows: int = OVERLAP_ROWS, sync_depth: int = SYNC_DEPTH, max_batch: int = MAX_BATCH,
                  gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
                  refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = False,
-                 handover: bool = True, prefix_cache: Optional[PrefixCache] = None, own_stream: bool = True):
+                 handover: bool = True, prefix_cache: Optional[PrefixCache] = None, own_stream: bool = True,
+                 batch_levels: bool = BATCH_LEVELS):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
+        self.batch_levels = batch_levels  # batched steps' tree levels as forwards of several sessions
         self.max_batch, self.gather_s = max_batch, gather_s
         self.sync_depth = sync_depth
         self.prefill_chunk = prefill_chunk
@@ -240,7 +245,7 @@ class DraftWorker(JobWorker):
         self._sessions[job.session_id] = SessionEntry(session)
 
     def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:
-        return drive_batch(self.model, [self._step_co(job) for job in jobs], counts)
+        return drive_batch(self.model, [self._step_co(job) for job in jobs], counts, self.batch_levels)
 
     def _step_co(self, job: Step) -> Generator[ForwardCall, Result, DraftTree]:
         entry = self._sessions.get(job.session_id)
@@ -257,8 +262,8 @@ class DraftWorker(JobWorker):
         return tree
 
     def warm_up(self, params: DraftSessionParams, prompt_len: int = 64) -> int:
-        """Before traffic: the tree levels of several sessions batched as one forward (each level's
-        shape, 2..max_batch sessions), then a throwaway session catches up on plain steps' tokens
+        """Before traffic: with batch_levels, the tree levels of several sessions batched as one
+        forward (each level's shape, 2..max_batch sessions); then a throwaway session catches up on plain steps' tokens
         (the padded catch-up forward's shape) and, with overlap, runs the background forwards at
         every shape they take, so their CUDA graphs are captured now, not on a request's path.
         Returns the background forwards run (0 without overlap)."""
@@ -268,8 +273,9 @@ class DraftWorker(JobWorker):
 
     def _warm_up(self, job: "_WarmUp") -> int:
         tree = job.params.tree
-        if self.max_batch > 1 and self.model.graphs is not None:  # levels of several sessions' trees as one
-            self.model.graphs.warm_batches([tree.topk], self.max_batch,  # forward (models/batch.py)
+        if self.batch_levels and self.max_batch > 1 and self.model.graphs is not None:
+            # levels of several sessions' trees as one forward (models/batch.py)
+            self.model.graphs.warm_batches([tree.topk], self.max_batch,
                                            staged=[d * tree.topk for d in range(max(tree.depth - 1, 1))])
         vocab = self.model.args.vocab_size
         prompt = [(17 * i + 3) % vocab for i in range(job.prompt_len)]
