@@ -107,6 +107,9 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
         row.update(draft_max_batch=draft_batch, draft_gather_s=gather_s, draft_steps=st.batched_steps - before.batched_steps,
                    draft_batches=st.step_batches - before.step_batches, draft_forwards=fwd,
                    draft_calls_per_forward=calls / max(fwd, 1))
+        trees = engine.draft.model.tree_graphs  # (None: no tree graphs)
+        if trees is not None:  # whole expansions run batched (draft/tree_batch.py), sessions they carried
+            row.update(draft_tree_batches=trees.batches.replays, draft_tree_batch_sessions=trees.batches.sessions)
     return row
 
 
@@ -187,6 +190,7 @@ def main(argv=None) -> int:
                                  ceiling_tokens_per_s=top, **r))
             cells = [f"{r['decode_tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
                      + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "")
+                     + (f", tree batches {r['draft_tree_batches']}" if r.get("draft_tree_batches") else "")
                      + f", fwd {r['forward_ms']:.1f}/{r['round_ms']:.1f} ms)" for r in got]
             best = max(r["decode_tokens_per_s"] for r in got)
             print(f"{label:10s} L {length:6d} sessions {n:2d}: "

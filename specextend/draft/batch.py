@@ -25,11 +25,15 @@ for eight sessions, and a level at a time puts the host back between levels. `ba
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Generator, Union
 
+from specextend.draft.tree_graph import key_of
 from specextend.models.batch import GRAPHS_BATCH_MIN, ForwardCall, Result, forward_batch, run_alone
 from specextend.models.decoder import Decoder
+
+log = logging.getLogger(__name__)
 
 Step = Generator[ForwardCall, Result, Any]
 Outcome = Union[Any, BaseException]  # what a step returned, or the exception that ended it
@@ -56,10 +60,11 @@ def drive_each(model: Decoder, steps: list[Step]) -> list[Outcome]:
 
 
 def drive_batch(model: Decoder, steps: list[Step], counts: BatchCounts | None = None,
-                batch_levels: bool = False) -> list[Outcome]:
+                batch_levels: bool = False, batch_trees: bool = False) -> list[Outcome]:
     """Runs the steps' forwards in batched rounds; returns each step's outcome, in order.
     `batch_levels`: whole tree expansions are split into levels batched across the steps (from
-    GRAPHS_BATCH_MIN steps on); otherwise each runs whole."""
+    GRAPHS_BATCH_MIN steps on); otherwise each runs whole: with `batch_trees`, those of one shape
+    that meet in a round as one graph (draft/tree_batch.py), else one after another."""
     out: list[Outcome] = [None] * len(steps)
     if batch_levels and len(steps) >= GRAPHS_BATCH_MIN:
         steps = [flatten(co) for co in steps]
@@ -79,7 +84,7 @@ def drive_batch(model: Decoder, steps: list[Step], counts: BatchCounts | None = 
     while waiting:
         order = list(waiting)
         calls = [waiting.pop(i) for i in order]
-        results = _forward(model, calls)
+        results = _forward(model, calls, batch_trees)
         if counts is not None:
             counts.forwards += 1
             counts.calls += len(calls)
@@ -107,6 +112,30 @@ def flatten(co: Step) -> Step:
         return stop.value
 
 
+def _expansions(model: Decoder, calls: list, batch_trees: bool) -> list:
+    """Whole tree expansions' pools (or exceptions): with batch_trees, the calls of one shape (two
+    or more, as many as a batched forward takes) as one graph (TreeBatches.expand), the others, and
+    any whose batch failed, one by one."""
+    out: list = [None] * len(calls)
+    if batch_trees and len(calls) > 1:
+        groups: dict = {}
+        for i, c in enumerate(calls):
+            groups.setdefault((id(c.graphs), key_of(c)), []).append(i)
+        for idx in groups.values():
+            batches, k = calls[idx[0]].graphs.batches, calls[idx[0]].cfg.topk
+            while len(idx) > 1 and batches.takes(2, k):
+                n = len(idx)
+                while not batches.takes(n, k):
+                    n -= 1
+                part, idx = idx[:n], idx[n:]
+                try:
+                    for i, pool in zip(part, batches.expand([calls[i] for i in part])):
+                        out[i] = pool
+                except Exception:  # noqa: BLE001 - each of them alone below (a rerun restages their keys)
+                    log.exception("a batched tree expansion failed; its sessions expand alone")
+    return [r if r is not None else _run_one(model, c) for r, c in zip(out, calls)]
+
+
 def _run_one(model: Decoder, call) -> Union[Result, BaseException]:
     try:
         return call.run(model)
@@ -114,15 +143,15 @@ def _run_one(model: Decoder, call) -> Union[Result, BaseException]:
         return exc
 
 
-def _forward(model: Decoder, calls: list) -> list[Union[Result, BaseException]]:
+def _forward(model: Decoder, calls: list, batch_trees: bool = False) -> list[Union[Result, BaseException]]:
     """The calls' results, or for each call that failed its exception. Whole expansions (TreeCall)
-    run alone; forwards are batched."""
+    run alone, or with `batch_trees` those of one shape together (`_expansions`); forwards are batched."""
     if any(not isinstance(c, ForwardCall) for c in calls):
         results: list = [None] * len(calls)
         fwd = [i for i, c in enumerate(calls) if isinstance(c, ForwardCall)]
-        for i, c in enumerate(calls):
-            if not isinstance(c, ForwardCall):
-                results[i] = _run_one(model, c)
+        trees = [i for i, c in enumerate(calls) if not isinstance(c, ForwardCall)]
+        for i, r in zip(trees, _expansions(model, [calls[i] for i in trees], batch_trees)):
+            results[i] = r
         for i, r in zip(fwd, _forward(model, [calls[i] for i in fwd]) if fwd else []):
             results[i] = r
         return results

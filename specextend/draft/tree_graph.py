@@ -31,6 +31,7 @@ import torch
 from specextend.attention.backends import CAUSAL
 from specextend.config import TreeConfig
 from specextend.draft.expand import Pool, expand_tree_dev_co, level_post
+from specextend.draft.tree_batch import TreeBatches
 from specextend.kv_cache import KVCache
 from specextend.models.capture import capture
 from specextend.models.decoder import ForwardOptions
@@ -59,6 +60,12 @@ class _TreePlan:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
 
 
+def key_of(call: "TreeCall") -> TreeKey:
+    """The plan key of a TreeCall's expansion."""
+    k = call.cfg.topk
+    return TreeKey(k, call.cfg.depth, max(call.wide, k), call.root_logits.shape[-1], call.root_logits.dtype)
+
+
 class TreeGraphs:
     """Tree expansions of one draft model, one graph per TreeKey, shared by its sessions (the
     forward graphs' lock serializes them with every other forward of the model)."""
@@ -70,6 +77,7 @@ class TreeGraphs:
         self.plans: dict[TreeKey, _TreePlan] = {}
         self.replays = 0  # expansions run (graphed, or through the twin)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.batches = TreeBatches(self)  # several sessions' expansions of one shape as one (tree_batch.py)
 
     def accepts(self, cache: KVCache, cfg: TreeConfig) -> bool:
         """Trees of two levels or more, over a cache the forward graphs take."""

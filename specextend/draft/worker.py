@@ -35,6 +35,7 @@ from specextend.draft.jobs import (POLL_S, Close, Job, JobWorker, Open, Prepare,
 from specextend.draft.session import OVERLAP_LEVELS, OVERLAP_ROWS, REFRESH_DEFER, SYNC_DEPTH, DraftSession
 from specextend.models.batch import ForwardCall, Result
 from specextend.models.decoder import Decoder
+from specextend.models.full_graphs import FullStepGraphs
 from specextend.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ MAX_BATCH = 8
 # Batched steps split their tree expansions into levels batched across sessions (draft/batch.py says
 # why not by default)
 BATCH_LEVELS = False
+# Batched steps' whole tree expansions of one shape run as one graph (draft/tree_batch.py)
+BATCH_TREES = True
 # How long a step may wait for the steps of the other sessions that stepped recently (jobs.py)
 GATHER_S = 0.001
 # Verdicts a prepare answers trees for (docs/architecture.md, "Prepared outcomes")
@@ -73,11 +76,12 @@ class DraftWorker(JobWorker):
                  gather_s: float = GATHER_S, overlap_levels: int = OVERLAP_LEVELS,
                  refresh_defer: int = REFRESH_DEFER, answer_first: bool = True, prepare: bool = False,
                  handover: bool = True, prefix_cache: Optional[PrefixCache] = None, own_stream: bool = True,
-                 batch_levels: bool = BATCH_LEVELS):
+                 batch_levels: bool = BATCH_LEVELS, batch_trees: bool = BATCH_TREES):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
         self.batch_levels = batch_levels  # batched steps' tree levels as forwards of several sessions
+        self.batch_trees = batch_trees  # ... or their whole expansions of one shape as one graph
         self.max_batch, self.gather_s = max_batch, gather_s
         self.sync_depth = sync_depth
         self.prefill_chunk = prefill_chunk
@@ -245,7 +249,8 @@ class DraftWorker(JobWorker):
         self._sessions[job.session_id] = SessionEntry(session)
 
     def _do_steps(self, jobs: list[Step], counts: BatchCounts) -> list:
-        return drive_batch(self.model, [self._step_co(job) for job in jobs], counts, self.batch_levels)
+        return drive_batch(self.model, [self._step_co(job) for job in jobs], counts, self.batch_levels,
+                           self.batch_trees)
 
     def _step_co(self, job: Step) -> Generator[ForwardCall, Result, DraftTree]:
         entry = self._sessions.get(job.session_id)
@@ -267,7 +272,7 @@ class DraftWorker(JobWorker):
         (the padded catch-up forward's shape) and, with overlap, runs the background forwards at
         every shape they take, so their CUDA graphs are captured now, not on a request's path.
         Returns the background forwards run (0 without overlap)."""
-        if not self.overlap and not DraftSession.pads_catch_up(self.model):
+        if not self.overlap and not DraftSession.pads_catch_up(self.model) and not self._batches_trees():
             return 0  # nothing to capture
         return self.submit(_WarmUp(params, prompt_len)).result()
 
@@ -286,9 +291,20 @@ class DraftWorker(JobWorker):
             for t in range(1, job.params.tree.depth + 2):
                 spare.forward_committed(prompt[:t])
         session.step(0, [prompt[-1]], None)
+        if self._batches_trees():  # the configured tree's batched expansions, 2, 4, ... sessions
+            n = 2
+            while n <= self.max_batch:
+                spares = [self._new_session(prompt, job.params) for _ in range(n)]
+                drive_batch(self.model, [s.step_co(0, [prompt[-1]], None) for s in spares], batch_trees=True)
+                n *= 2
         if session.pads_catch_up(self.model):
             session.step(1, prompt[:job.params.tree.depth + 2], None)  # more than a step accepts: a catch-up
         return session.warm_up() if self.overlap else 0
+
+    def _batches_trees(self) -> bool:
+        """Batched whole expansions are on and the model has tree graphs to batch (CUDA graphs)."""
+        g = self.model.graphs
+        return self.batch_trees and self.max_batch > 1 and isinstance(g, FullStepGraphs) and g.capture
 
     # ------------------------------------------------------------------ introspection (tests)
     def session(self, session_id: str) -> Optional[DraftSession]:
