@@ -141,6 +141,8 @@ def main(argv=None) -> int:
                         "both in turn on the same engine (rows `ar` and `ar-twin`)")
     p.add_argument("--graph-batch-only", action="store_true",
                    help="only the plan that batches the target through the full-step graphs (and, alone, the step graphs)")
+    p.add_argument("--batch-trees", default="default", choices=["default", "on", "off"],
+                   help="the draft worker's batch_trees (draft/tree_batch.py): batched steps' whole expansions as one graph")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads on the CPU (0: torch's): 1 as in a served replica, whose actor "
                         "Ray starts with OMP_NUM_THREADS=1; with more, a thread's team of threads that another "
@@ -163,6 +165,8 @@ def main(argv=None) -> int:
                            tree_policy=a.tree_policy)
         engine = build_engine(cfg)
         replay = None if mode == "ar" else [a.replay]
+        if engine.draft is not None and a.batch_trees != "default":
+            engine.draft.batch_trees = a.batch_trees == "on"
         graphed = isinstance(engine.target.decoder.graphs, FullStepGraphs)
         sessions = [int(x) for x in a.sessions.split(",")]
         warm_up(engine, list(range(1, 65)), max(sessions))  # as a served replica starts: every shape captured
