@@ -121,15 +121,15 @@ def _expansions(model: Decoder, calls: list, batch_trees: bool) -> list:
         groups: dict = {}
         for i, c in enumerate(calls):
             groups.setdefault((id(c.graphs), key_of(c)), []).append(i)
-        for idx in groups.values():
-            batches, k = calls[idx[0]].graphs.batches, calls[idx[0]].cfg.topk
+        for (_, key), idx in groups.items():
+            batches, k = calls[idx[0]].graphs.batches, key.topk
             while len(idx) > 1 and batches.takes(2, k):
                 n = len(idx)
                 while not batches.takes(n, k):
                     n -= 1
                 part, idx = idx[:n], idx[n:]
                 try:
-                    for i, pool in zip(part, batches.expand([calls[i] for i in part])):
+                    for i, pool in zip(part, batches.expand([calls[i] for i in part], key)):
                         out[i] = pool
                 except Exception:  # noqa: BLE001 - each of them alone below (a rerun restages their keys)
                     log.exception("a batched tree expansion failed; its sessions expand alone")

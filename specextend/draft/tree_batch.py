@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from specextend.attention.triton_prefix import cache_meta
 from specextend.config import TreeConfig
 from specextend.draft.expand import expand_tree_dev_co, level_post
 from specextend.models.capture import capture
@@ -69,12 +70,9 @@ class TreeBatches:
         """n sessions' levels of topk rows fit one batched forward."""
         return 2 <= n and padded_sessions(n) <= self.graphs.max_batch(topk)
 
-    def expand(self, calls: list) -> list:
+    def expand(self, calls: list, key) -> list:
         """Each TreeCall's pool (as TreeGraphs.expand returns it), the calls' expansions run as one;
-        they share one TreeKey (key_of)."""
-        from specextend.draft.tree_graph import key_of
-
-        key = key_of(calls[0])
+        `key`: the TreeKey they share (tree_graph.key_of)."""
         n, k = len(calls), key.topk
         nb = padded_sessions(n)
         for c in calls:
@@ -89,7 +87,7 @@ class TreeBatches:
             if nb > n:
                 plan.root[n:].zero_()
             copy_from_host(plan.root_pos, [c.root_pos for c in calls] + [0] * (nb - n))
-            meta = [x for c in calls for x in self.graphs_meta(c.cache)]
+            meta = [x for c in calls for x in cache_meta(c.cache.data, g.anchor, c.cache.length)]
             copy_from_host(plan.levels[0].meta, meta + EMPTY_META * (nb - n))
             if plan.graph is not None:
                 plan.graph.replay()
@@ -106,11 +104,6 @@ class TreeBatches:
         p, f = plan.sizes
         return [([int(x) for x in v[:p]], v[p:2 * p], [int(x) for x in v[2 * p:3 * p]], list(plan.depths),
                  [int(x) for x in v[3 * p:3 * p + f]]) for v in vals]
-
-    def graphs_meta(self, cache) -> list[int]:
-        from specextend.attention.triton_prefix import cache_meta
-
-        return cache_meta(cache.data, self.graphs.anchor, cache.length)
 
     # ------------------------------------------------------------ build
     def _build(self, key, nb: int, cache) -> _BatchPlan:
