@@ -181,8 +181,11 @@ class Batcher:
         # the round's draft steps leave together, once every session has had its turn: they reach the
         # draft's queue within microseconds of each other, and the draft worker runs them as one batch
         issued = [e for e in self._sessions if e.draft_fn is not None]
-        if len(issued) == 1:  # one draft step: called on this thread, which would wait for it anyway
-            e = issued[0]  # (two thread hand-offs fewer on the step's critical path)
+        # a waiting prompt chunk does not wait for the draft: the round's forwards go first and the
+        # draft steps' verifications follow in a forward of their own (docs/architecture.md, "Batched steps")
+        chunk_first = bool(issued) and any(e.call is not None and e.call.prompt for e in self._sessions)
+        if len(issued) == 1 and not chunk_first:  # one draft step: called on this thread, which would wait
+            e = issued[0]  # for it anyway (two thread hand-offs fewer on the step's critical path)
             fn, e.draft_fn = e.draft_fn, None
             t0 = time.perf_counter()
             e.future = _called(fn)
@@ -195,19 +198,27 @@ class Batcher:
                 fn, e.draft_fn = e.draft_fn, None
                 e.future = self._pool.submit(fn)
                 e.future.add_done_callback(self._notify)
+        if chunk_first:
+            self._run_forwards([e for e in self._sessions if e.call is not None])
         step_futures = [e for e in self._sessions if e.future is not None and not e.future.done() and e.call is None]
-        # the draft steps issued this round: wait for them so their verifications join this forward
+        # the draft steps issued this round: wait for them so their verifications join this round
         askers = [e for e in step_futures if not e.opening_call]
-        if askers:
+        if askers or chunk_first:
             t0 = time.perf_counter()
             wait([e.future for e in askers])
             waited = time.perf_counter() - t0
             self._charge(self._sessions, askers, waited)
             self.round_log.drafts(len(issued), waited)
-            for e in step_futures:
-                if e.future.done():
-                    self._advance(e)
-        calls = self._within_budget([e for e in self._sessions if e.call is not None])
+            for e in [e for e in self._sessions if e.future is not None and e.future.done() and e.call is None]:
+                self._advance(e)
+        # (after a chunk-first forward, the prompt chunks it held wait for the next round)
+        self._run_forwards([e for e in self._sessions if e.call is not None and not (chunk_first and e.call.prompt)])
+        self.round_log.write(self.held_chunks - held)
+
+    def _run_forwards(self, ready: list[_Entry]) -> None:
+        """The calls of `ready` within the round's budget, as batched forwards of up to `max_batch`
+        calls; each session's result (or exception) is what it is sent next."""
+        calls = self._within_budget(ready)
         for lo in range(0, len(calls), self.max_batch):
             group = calls[lo:lo + self.max_batch]
             watch = Stopwatch(group[0].call.ids)
@@ -233,7 +244,6 @@ class Batcher:
                     e.exc = r
                 else:
                     e.send = r
-        self.round_log.write(self.held_chunks - held)
 
     def _within_budget(self, calls: list[_Entry]) -> list[_Entry]:
         """The calls this round carries: every step's (decode, verification, a chain), then prompt

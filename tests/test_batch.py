@@ -368,3 +368,71 @@ def test_a_round_charges_its_draft_wait_to_the_sessions_that_did_not_ask(tiny_mo
     assert trees >= 2
     assert plain.others_wait_s >= 0.9 * 0.02 * trees  # (never taken: a plain request records no steps)
     assert taken and max(taken) < 0.01
+
+
+class ChunkGatedSteps(ChaosDraft):
+    """Once armed, each step waits (up to `patience_s`) for a prompt chunk's forward to start, and
+    records whether one did."""
+
+    def __init__(self, inner, chunk_ran: threading.Event, patience_s: float = 3.0):
+        super().__init__(inner, Chaos())
+        self.chunk_ran, self.patience_s = chunk_ran, patience_s
+        self.armed, self.saw_chunk = False, []
+
+    def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
+        if self.armed:
+            self.saw_chunk.append(self.chunk_ran.wait(self.patience_s))
+        return super().step(session_id, step, accepted_tokens, retrieval, bound)
+
+
+def test_a_prompt_chunk_runs_while_the_rounds_draft_steps_do(tiny_models):
+    """A round that carries a waiting prompt chunk issues that forward before it waits for its draft
+    steps, whose verifications follow in a forward of their own: a session's prefill does not wait
+    for a neighbour's draft, and the drafting session's output stays its solo one
+    (docs/architecture.md, "Batched steps")."""
+    pair = tiny_models("float64")
+    chunk_ran = threading.Event()
+    draft = ChunkGatedSteps(DraftWorker(pair[1].decoder), chunk_ran)
+    engine = make_engine(pair, "sd", draft_backend=draft, tree=TreeConfig(12, 4, 3), prefill_chunk=16)
+    ar = make_engine(pair, "ar", prefill_chunk=16)
+    chunk_rows = []
+
+    def forward(model, calls):
+        if any(c.prompt for c in calls):
+            chunk_rows.append(sum(c.ids.shape[0] for c in calls if c.prompt))
+            draft.armed = sum(chunk_rows) < 80  # (b's last chunk: a's later steps wait for none)
+            chunk_ran.set()
+        return forward_batch(model, calls)
+
+    b = Batcher(engine.target.decoder, 8, forward=forward, max_tokens=16)
+    out = {"a": [], "b": []}
+    ends = {}
+
+    def sink_for(name):
+        def sink(item):
+            if item is None or isinstance(item, BaseException):
+                ends[name] = item
+            else:
+                out[name].extend(item.token_ids)
+            return True
+        return sink
+
+    pa, pb = _prompt(12, 1), _prompt(80, 2)  # b's prompt: five chunks of 16
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    b.add(engine.session(pa, params), sink_for("a"))
+    while not out["a"]:  # a decodes (its draft steps under way)
+        b.run_round()
+    chunk_rows.clear()  # (a's own prompt)
+    draft.armed = True
+    chunk_ran.clear()
+    b.add(engine.session(pb, params, speculate=False), sink_for("b"))
+    for _ in range(200):
+        if len(ends) == 2:
+            break
+        b.run_round()
+        chunk_ran.clear()
+    assert ends == {"a": None, "b": None}
+    assert len(draft.saw_chunk) >= 4 and all(draft.saw_chunk), "a draft step held the prompt chunk's forward back"
+    assert sum(chunk_rows) == 80 and max(chunk_rows) == 16  # every chunk once, one a round (the budget)
+    assert out["a"] == ar.generate(pa, params)[0] and out["b"] == ar.generate(pb, params)[0]
+    b.shutdown()
