@@ -207,7 +207,8 @@ class Batcher:
             t0 = time.perf_counter()
             wait([e.future for e in askers])
             waited = time.perf_counter() - t0
-            self._charge(self._sessions, askers, waited)
+            if askers:  # (a chunk-first round's steps may all have ended within its forward)
+                self._charge(self._sessions, askers, waited)
             self.round_log.drafts(len(issued), waited)
             for e in [e for e in self._sessions if e.future is not None and e.future.done() and e.call is None]:
                 self._advance(e)

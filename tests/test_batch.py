@@ -378,11 +378,16 @@ class ChunkGatedSteps(ChaosDraft):
         super().__init__(inner, Chaos())
         self.chunk_ran, self.patience_s = chunk_ran, patience_s
         self.armed, self.saw_chunk = False, []
+        self.stepped = threading.Event()  # an armed step is done
 
     def step(self, session_id, step, accepted_tokens, retrieval=None, bound=None):
-        if self.armed:
+        armed = self.armed
+        if armed:
             self.saw_chunk.append(self.chunk_ran.wait(self.patience_s))
-        return super().step(session_id, step, accepted_tokens, retrieval, bound)
+        tree = super().step(session_id, step, accepted_tokens, retrieval, bound)
+        if armed:
+            self.stepped.set()
+        return tree
 
 
 def test_a_prompt_chunk_runs_while_the_rounds_draft_steps_do(tiny_models):
@@ -400,8 +405,12 @@ def test_a_prompt_chunk_runs_while_the_rounds_draft_steps_do(tiny_models):
     def forward(model, calls):
         if any(c.prompt for c in calls):
             chunk_rows.append(sum(c.ids.shape[0] for c in calls if c.prompt))
-            draft.armed = sum(chunk_rows) < 80  # (b's last chunk: a's later steps wait for none)
+            armed, draft.armed = draft.armed, sum(chunk_rows) < 80  # (b's last chunk: a's later steps wait for none)
             chunk_ran.set()
+            if armed:  # the step ends within this forward: the round then waits for no step of its own
+                draft.stepped.wait(3.0)
+                draft.stepped.clear()
+                time.sleep(0.05)  # (its future completes once step returns)
         return forward_batch(model, calls)
 
     b = Batcher(engine.target.decoder, 8, forward=forward, max_tokens=16)
