@@ -198,8 +198,11 @@ class Batcher:
                 fn, e.draft_fn = e.draft_fn, None
                 e.future = self._pool.submit(fn)
                 e.future.add_done_callback(self._notify)
+        held_back: list[_Entry] = []  # draft steps that ended while a chunk-first forward was issued
         if chunk_first:
+            t0 = time.perf_counter()
             self._run_forwards([e for e in self._sessions if e.call is not None])
+            held_back = self._charge_held(issued, t0)
         step_futures = [e for e in self._sessions if e.future is not None and not e.future.done() and e.call is None]
         # the draft steps issued this round: wait for them so their verifications join this round
         askers = [e for e in step_futures if not e.opening_call]
@@ -209,6 +212,8 @@ class Batcher:
             waited = time.perf_counter() - t0
             if askers:  # (a chunk-first round's steps may all have ended within its forward)
                 self._charge(self._sessions, askers, waited)
+            for e in held_back:  # (their wait for the others' steps is not their draft's price either)
+                e.load.shared_s += waited
             self.round_log.drafts(len(issued), waited)
             for e in [e for e in self._sessions if e.future is not None and e.future.done() and e.call is None]:
                 self._advance(e)
@@ -281,6 +286,22 @@ class Batcher:
                 e.load.others_wait_s += seconds
 
     @staticmethod
+    def _charge_held(issued: list[_Entry], t0: float) -> list[_Entry]:
+        """A chunk-first round's draft steps that ended while its first forward (from perf_counter
+        `t0`) was still being issued waited for that forward, not for the draft: that part of each
+        one's wait is kept out of its draft's price and its step's wall, as others' waits are.
+        Returns those sessions (the ones with a Load)."""
+        now, out = time.perf_counter(), []
+        for e in issued:
+            done_at = getattr(e.future, "done_at", None)
+            if done_at is not None and e.load is not None:
+                held = max(0.0, now - max(done_at, t0))
+                e.load.shared_s += held
+                e.load.others_wait_s += held
+                out.append(e)
+        return out
+
+    @staticmethod
     def _tell_loads(group: list[_Entry], span: Span) -> None:
         """The sessions that listen (a Load) hear how many shared the forward, its rows and time."""
         loads = [e.load for e in group if e.load is not None]
@@ -325,7 +346,8 @@ class Batcher:
                 with self._lock:
                     e.paused, e.resumed = not e.resumed, False
 
-    def _notify(self, _: Future) -> None:
+    def _notify(self, f: Future) -> None:
+        f.done_at = time.perf_counter()  # (_charge_held)
         with self._lock:
             self._lock.notify()
 
