@@ -11,7 +11,8 @@ runs the collected forwards as one batched target forward (models/batch.forward_
 `max_batch` calls each). A session that waits on a draft call does not hold the others' forward
 back, except that a round waits for the draft steps it issued itself (milliseconds) so that the
 sessions' verifications meet in one forward; a draft session still opening (its prefill) is
-never waited on. Each session's `Load` hears of the forwards that carried its calls (how many
+never waited on, and a round carrying a prompt chunk issues that forward before it waits (chunk
+first). Each session's `Load` hears of the forwards that carried its calls (how many
 sessions shared them, their rows and duration), for its adaptive policy (controller.py).
 """
 
