@@ -14,10 +14,6 @@ first) and writes JSON under results/rpc/.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -26,8 +22,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rpc_roundtrip import (ACCEPTED, BOUND, CHUNK_IDS, OUT, PARAMS, TREE_TOKENS, _commit,  # noqa: E402
-                           draft_server, percentile)
+from rpc_roundtrip import (ACCEPTED, BOUND, CHUNK_IDS, OUT, PARAMS, TREE_TOKENS, draft_server,  # noqa: E402
+                           percentile, write_record)
 
 from specextend.draft.base import Retrieval  # noqa: E402
 from specextend.rpc import GrpcDraftBackend  # noqa: E402
@@ -95,14 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         extra = (med - one) / (n - counts[0]) if n > counts[0] else 0.0
         results[n] = dict(n=len(xs), median_us=med, p90_us=percentile(xs, 0.9), per_extra_step_us=extra)
         print(f"{n:>8} {len(xs):>7} {med:>10.0f} {results[n]['p90_us']:>8.0f} {extra:>27.0f}")
-    record = dict(suite="rpc_concurrent", commit=_commit(), date=datetime.date.today().isoformat(),
-                  host=platform.node(), python=sys.version.split()[0], command=" ".join(sys.argv),
-                  cpus=os.cpu_count(), load_avg=os.getloadavg(), switch_interval_s=sys.getswitchinterval(),
-                  threads=THREADS, rounds=results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return record
+    return write_record(args.out, dict(suite="rpc_concurrent", threads=THREADS, rounds=results))
 
 
 if __name__ == "__main__":

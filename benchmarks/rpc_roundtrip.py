@@ -323,6 +323,17 @@ def _commit() -> Optional[str]:
         return None
 
 
+def write_record(out: Path, fields: dict) -> dict:
+    """`fields` with the run's commit, date, host and interpreter, as JSON at `out` (and returned)."""
+    record = dict(commit=_commit(), date=datetime.date.today().isoformat(), host=platform.node(),
+                  python=sys.version.split()[0], command=" ".join(sys.argv), cpus=os.cpu_count(),
+                  load_avg=os.getloadavg(), switch_interval_s=sys.getswitchinterval(), **fields)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+    return record
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5000, help="timed steps per path")
@@ -350,15 +361,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
               f"{r['mean_us']:>8.1f}")
     print(f"payload: StepRequest {sizes['step_request']} B ({len(ACCEPTED)} accepted tokens, "
           f"{len(CHUNK_IDS)} chunk ids), DraftTree {sizes['draft_tree']} B ({len(PARENTS)} nodes)")
-    record = dict(suite="rpc_roundtrip", commit=_commit(), date=datetime.date.today().isoformat(),
-                  host=platform.node(), cpu=platform.processor() or platform.machine(),
-                  python=sys.version.split()[0], command=" ".join(sys.argv), cpus=os.cpu_count(),
-                  load_avg=os.getloadavg(), server="in process" if args.in_process else "own process",
-                  switch_interval_s=sys.getswitchinterval(), payload=sizes, paths=results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return record
+    return write_record(args.out, dict(
+        suite="rpc_roundtrip", cpu=platform.processor() or platform.machine(),
+        server="in process" if args.in_process else "own process", payload=sizes, paths=results))
 
 
 if __name__ == "__main__":
