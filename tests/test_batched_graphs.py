@@ -214,6 +214,53 @@ def test_forward_batch_merges_shapes():
         torch.testing.assert_close(cb.data[..., :n, :], ce.data[..., :n, :], atol=1e-5, rtol=1e-5)
 
 
+def test_calls_the_graphs_take_alone_replay_them_one_by_one(monkeypatch):
+    """Calls the step graphs take but cannot batch (the draft's accepted tokens: a retrieval store
+    and one logits row) replay their graphs one by one, however many meet, never an eager batch;
+    what no graph takes (chunks past the graphs' rows) still batches eagerly from GRAPHS_BATCH_MIN
+    calls. Every result equals the call run alone, eagerly."""
+    import specextend.models.batch as batch
+
+    dec = decoder_on("qwen2", DEVICE, torch.float32)
+    dec.graphs = FullStepGraphs(dec, capture=torch.cuda.is_available())
+    n = batch.GRAPHS_BATCH_MIN
+    big = dec.graphs.max_tokens + 6  # rows no graph takes
+
+    def calls(seed):
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for i in range(2 * n):
+            cache, store = dec.new_cache(200), dec.new_cache(200)
+            t = 3 if i < n else big
+            prompt = torch.randint(0, dec.args.vocab_size, (10 + i,), generator=gen).to(DEVICE)
+            dec.forward_eager(prompt, torch.arange(10 + i, device=DEVICE), cache, CAUSAL, ForwardOptions(store=store))
+            cache.advance(10 + i)
+            store.advance(10 + i)
+            ids = torch.randint(0, dec.args.vocab_size, (t,), generator=gen).to(DEVICE)
+            opts = ForwardOptions(store=store, logits_rows=torch.tensor([t - 1], device=DEVICE)) if i < n else ForwardOptions()
+            out.append(ForwardCall(ids, torch.arange(cache.length, cache.length + t, device=DEVICE), cache, CAUSAL, opts))
+        return out
+
+    eager_sizes = []
+    real = batch.forward_eager_batch
+    monkeypatch.setattr(batch, "forward_eager_batch", lambda m, cs: eager_sizes.append(len(cs)) or real(m, cs))
+    before = dec.graphs.forwards
+    mine = calls(3)
+    got = forward_batch(dec, mine[:n] + mine[n:])
+    assert dec.graphs.forwards - before == n  # the stored calls, each through its graph
+    assert eager_sizes == [n]  # the chunks, one eager batch
+    saved, dec.graphs = dec.graphs, None
+    twin = calls(3)
+    ref = forward_each(dec, twin)
+    dec.graphs = saved
+    for (lg, _), (lr, _) in zip(got, ref):
+        assert lg.shape == lr.shape
+        torch.testing.assert_close(lg, lr, atol=1e-4, rtol=1e-4)
+    for c, r in zip(mine[:n], twin[:n]):  # the store written as alone
+        s, sr = c.opts.store, r.opts.store
+        torch.testing.assert_close(s.data[..., :s.length + 3, :], sr.data[..., :sr.length + 3, :], atol=1e-5, rtol=1e-5)
+
+
 def test_batch_sizes():
     assert [padded_sessions(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     dec = decoder_on("llama3", "cpu", torch.float32)

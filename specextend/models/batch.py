@@ -6,8 +6,9 @@ product (embedding, QKV, output projection, MLP, LM head: the weights are read o
 whole batch) and each call's attention over its own cache, with its own mask. A single call goes
 through `Decoder.forward` (the step graphs when they take it). With full-step graphs, the target's
 decode tokens and trees (and the draft's tree levels of one depth) run as one graphed forward,
-each session's tokens padded to the largest count (FullStepGraphs.forward_batch); the others batch
-eagerly, or go one by one when only a few are left (GRAPHS_BATCH_MIN). `forward_each` is the slow twin (one forward per call), and the tests compare
+each session's tokens padded to the largest count (FullStepGraphs.forward_batch); calls the graphs
+take only alone replay them one by one; the others batch eagerly, or go one by one when only a few
+are left (GRAPHS_BATCH_MIN). `forward_each` is the slow twin (one forward per call), and the tests compare
 them.
 """
 
@@ -73,11 +74,13 @@ def _own(result: "Result") -> "Result":
 
 
 # With step graphs (CUDA), one call replays a captured graph while an eager batch runs launch by
-# launch: a few calls are cheaper replayed one after the other. The target's decode and verify
-# steps no longer come here (they batch through the graphs); what does is the draft's levels and
-# prefill chunks. For the 8B target's decode steps, eager batches of 4 and 8 were slower than one
-# call per forward and 16 faster (H100, 2026-11-26, benchmarks/batching.py: 101 / 136 / 271 against
-# ~150 tokens/s); the draft's levels have not been measured apart.
+# launch. The target's decode and verify steps batch through the graphs (batch_key); a call that the
+# graphs take only alone (the draft's accepted tokens' forwards, which write the retrieval store)
+# replays its graph, one call after another: eight of them batched eagerly cost ~8 ms of a 13.7 ms
+# round of the 68M draft's steps, against ~0.25 ms each replayed (H200, 2026-12-02,
+# benchmarks/draft_rounds.py). What batches eagerly is what no graph takes (prefill chunks), from
+# this many calls on (fewer run one by one; for the 8B target's decode steps, eager batches of 4 and
+# 8 were slower than one call per forward and 16 faster: H100, 2026-11-26).
 GRAPHS_BATCH_MIN = 4
 
 Result = tuple[torch.Tensor, Optional[Captured]]  # logits [T', V], captured last layer (or, from
@@ -130,14 +133,17 @@ def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
         for i, r in zip(part, graphs.forward_batch([calls[i] for i in part], tokens)):
             results[i] = r
     rest.sort()
-    if len(rest) < GRAPHS_BATCH_MIN:  # one by one: a call that fails (a full cache) fails alone
-        for i in rest:
-            try:
-                results[i] = calls[i].run(model)
-            except CacheFull as exc:
-                results[i] = exc  # the driver throws it into that session only (scheduler.Batcher)
-    else:
-        for i, r in zip(rest, forward_eager_batch(model, [calls[i] for i in rest])):
+    # a call the step graphs take alone replays its graph; only the others may batch eagerly
+    eager = [i for i in rest if not graphs.accepts(calls[i].ids.shape[0], calls[i].cache, calls[i].mask, calls[i].opts)]
+    if len(eager) < GRAPHS_BATCH_MIN:
+        eager = []
+    for i in (i for i in rest if i not in eager):  # one by one: a call that fails (a full cache) fails alone
+        try:
+            results[i] = calls[i].run(model)
+        except CacheFull as exc:
+            results[i] = exc  # the driver throws it into that session only (scheduler.Batcher)
+    if eager:
+        for i, r in zip(eager, forward_eager_batch(model, [calls[i] for i in eager])):
             results[i] = r
     return results
 
