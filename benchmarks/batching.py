@@ -42,6 +42,8 @@ from specextend.warmup import warm_up
 from specextend.scheduler import Batcher
 
 OUT = Path(__file__).parent / "results" / "batching"
+sys.path.insert(0, str(Path(__file__).parent))
+from draft_rounds import print_profiles, profile_control  # noqa: E402
 
 
 def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
@@ -84,7 +86,7 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
         ids = torch.randint(vocab, (prompt_len,), generator=g).tolist()
         load = b.new_load()  # (as the replica's sessions: told of the shared forwards, lent a cache slot)
         b.add(engine.session(ids, params, replay=replay, load=load), sink, load)
-    th = threading.Thread(target=b.run, daemon=True)
+    th = threading.Thread(target=b.run, daemon=True, name="batcher")
     th.start()
     done.wait()
     wall = time.perf_counter() - t0
@@ -143,6 +145,8 @@ def main(argv=None) -> int:
                    help="only the plan that batches the target through the full-step graphs (and, alone, the step graphs)")
     p.add_argument("--batch-trees", default="default", choices=["default", "on", "off"],
                    help="the draft worker's batch_trees (draft/tree_batch.py): batched steps' whole expansions as one graph")
+    p.add_argument("--profile", choices=["cpu", "wall"], default=None,
+                   help="each plan's timed run again under yappi (this clock): each thread's busiest functions")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads on the CPU (0: torch's): 1 as in a served replica, whose actor "
                         "Ray starts with OMP_NUM_THREADS=1; with more, a thread's team of threads that another "
@@ -188,6 +192,12 @@ def main(argv=None) -> int:
             for mb, db, gs, gb in plans:  # each plan's shapes captured first (a short run), then timed
                 run(engine, n, mb, 16, 4, replay, db, gs, gb)
                 got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb))
+                if a.profile:  # the same run again under yappi: each thread's busiest functions
+                    profile_control(("start", a.profile))
+                    run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb)
+                    got[-1]["profile"] = profile_control(("stop", 40))
+                    print_profiles(f"{label} L {length} plan {mb}/{db}{'w' if gs else ''}{'g' if gb else ''}",
+                                   {n: got[-1]["profile"]})
             top = ceiling(engine, n, length, a.new_tokens, bw) if mode == "ar" else 0.0
             for r in got:
                 rows.append(dict(mode=label, plain_ahead=ahead, prompt_len=length, replayed=replay is not None, tree_policy=a.tree_policy,
