@@ -39,6 +39,7 @@ from specextend.draft.base import DraftSessionParams, DraftTree, Retrieval  # no
 
 OUT = Path(__file__).parent / "results" / "draft"
 THREADS = 8  # the Batcher's draft-call pool (scheduler.Batcher)
+CALLERS_OF = 8  # a profile names the callers of this many of a thread's busiest functions
 
 
 def config_of(a) -> EngineConfig:
@@ -134,13 +135,20 @@ def profile_control(msg):
         return None
     yappi.stop()
     top, threads = msg[1], []
+    name = lambda f: f"{Path(f.module).name}:{f.lineno} {f.name}"  # noqa: E731
     for t in yappi.get_thread_stats():
-        stats = sorted(yappi.get_func_stats(ctx_id=t.id), key=lambda f: f.tsub, reverse=True)
+        stats = sorted(yappi.get_func_stats(filter_callback=lambda f, i=t.id: f.ctx_id == i),  # (ctx_id=0 reads
+                       key=lambda f: f.tsub, reverse=True)  # as no filter)
         if t.ttot < 1e-3:
             continue
+        callers: dict = {}  # a function's full name -> [(caller, seconds in it from there, calls)]
+        for f in stats:
+            for c in f.children:
+                callers.setdefault(c.full_name, []).append((name(f), c.ttot, c.ncall))
         threads.append(dict(name=t.name, id=t.id, total_s=t.ttot, top=[
-            dict(fn=f"{Path(f.module).name}:{f.lineno} {f.name}", own_s=f.tsub, total_s=f.ttot, calls=f.ncall)
-            for f in stats[:top]]))
+            dict(fn=name(f), own_s=f.tsub, total_s=f.ttot, calls=f.ncall,
+                 callers=sorted(callers.get(f.full_name, []), key=lambda c: -c[1])[:3] if k < CALLERS_OF else [])
+            for k, f in enumerate(stats[:top])]))
     return sorted(threads, key=lambda t: -t["total_s"])
 
 
@@ -187,6 +195,8 @@ def print_profiles(path: str, profiles: dict) -> None:
             print(f"  thread {t['name']} ({t['id']}): {t['total_s']:.3f} s")
             for f in t["top"]:
                 print(f"    {f['own_s']:8.4f} {f['total_s']:8.4f} {f['calls']:7d}  {f['fn']}")
+                for who, secs, calls in f.get("callers", []):
+                    print(f"{'':38}<- {secs:8.4f} s {calls:6d} x {who}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

@@ -61,7 +61,7 @@ class TargetSession:
         chunks than the cache holds, it waits for that (a DraftCall on its future: rounds go on
         without it); then the longest cached run is copied in (`cached_tokens`), the prefill goes
         on after it, and the prompt's whole chunks are kept for later prompts."""
-        ids = torch.tensor(list(prompt_ids), device=self.model.device)
+        ids = to_device(list(prompt_ids), torch.long, self.model.device)  # (pinned: never waits for queued forwards)
         promise = None
         if prefix is not None:
             while (wait := prefix.awaited(prompt_ids)) is not None:
@@ -91,7 +91,7 @@ class TargetSession:
         # would be captured on the request's path: 2026-11-27, docs/architecture.md, "Execution plans")
         logits, captured = yield ForwardCall(
             part, torch.arange(lo, lo + t, device=dev), self.cache, CAUSAL,
-            ForwardOptions(hybrid=True, logits_rows=torch.tensor([t - 1], device=dev),
+            ForwardOptions(hybrid=True, logits_rows=to_device([t - 1], torch.long, dev),
                            capture_last=capture and last, graphs=False), prompt=True)
         self.cache.advance(t)
         if last:
