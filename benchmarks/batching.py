@@ -47,7 +47,8 @@ from draft_rounds import print_profiles, profile_control  # noqa: E402
 
 
 def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
-        gather_s: float = 0.0, graph_batch: bool = False) -> dict:
+        gather_s: float = 0.0, graph_batch: bool = False, on_decode=None) -> dict:
+    """One run of n sessions; `on_decode()` is called when every session has its first token."""
     b = Batcher(engine.target.decoder, max_batch)
     graphs = engine.target.decoder.graphs
     if isinstance(graphs, FullStepGraphs):
@@ -75,6 +76,8 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
             if decode["t0"] is None and len(started) == n:
                 decode["t0"] = now
                 marks.append(len(b.spans))
+                if on_decode is not None:
+                    on_decode()
         return True
 
     g = torch.Generator().manual_seed(n)
@@ -146,7 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-trees", default="default", choices=["default", "on", "off"],
                    help="the draft worker's batch_trees (draft/tree_batch.py): batched steps' whole expansions as one graph")
     p.add_argument("--profile", choices=["cpu", "wall"], default=None,
-                   help="each plan's timed run again under yappi (this clock): each thread's busiest functions")
+                   help="each plan's timed run again, its decode under yappi (this clock): each thread's busiest "
+                        "functions")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads on the CPU (0: torch's): 1 as in a served replica, whose actor "
                         "Ray starts with OMP_NUM_THREADS=1; with more, a thread's team of threads that another "
@@ -192,9 +196,9 @@ def main(argv=None) -> int:
             for mb, db, gs, gb in plans:  # each plan's shapes captured first (a short run), then timed
                 run(engine, n, mb, 16, 4, replay, db, gs, gb)
                 got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb))
-                if a.profile:  # the same run again under yappi: each thread's busiest functions
-                    profile_control(("start", a.profile))
-                    run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb)
+                if a.profile:  # the same run's decode again under yappi: each thread's busiest functions
+                    run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb,
+                        on_decode=lambda: profile_control(("start", a.profile)))
                     got[-1]["profile"] = profile_control(("stop", 40))
                     print_profiles(f"{label} L {length} plan {mb}/{db}{'w' if gs else ''}{'g' if gb else ''}",
                                    {n: got[-1]["profile"]})
