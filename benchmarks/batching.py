@@ -37,6 +37,7 @@ from specextend.bench.kernels import copy_bandwidth
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
 from specextend.draft.worker import GATHER_S
+from specextend.governor import Governor
 from specextend.models.full_graphs import FullStepGraphs
 from specextend.warmup import warm_up
 from specextend.scheduler import Batcher
@@ -47,9 +48,11 @@ from draft_rounds import print_profiles, profile_control  # noqa: E402
 
 
 def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
-        gather_s: float = 0.0, graph_batch: bool = False, on_decode=None) -> dict:
-    """One run of n sessions; `on_decode()` is called when every session has its first token."""
-    b = Batcher(engine.target.decoder, max_batch)
+        gather_s: float = 0.0, graph_batch: bool = False, governor: bool = False, on_decode=None) -> dict:
+    """One run of n sessions; `on_decode()` is called when every session has its first token;
+    `governor`: the batcher checks the sessions' choices as a served replica's does (governor.py)."""
+    gov = Governor() if governor else None
+    b = Batcher(engine.target.decoder, max_batch, governor=gov)
     graphs = engine.target.decoder.graphs
     if isinstance(graphs, FullStepGraphs):
         graphs.batching = graph_batch
@@ -101,7 +104,8 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     dt = (decode["t1"] or 0) - (decode["t0"] or 0)
     spans = list(b.spans)[marks[0] if marks else 0:]
     busy = sum(s.seconds() for s in spans)  # the decode's target forwards, device time on CUDA
-    row = dict(sessions=n, max_batch=max_batch, graph_batch=graph_batch, tokens=tokens[0], wall_s=wall,
+    row = dict(sessions=n, max_batch=max_batch, graph_batch=graph_batch, governor=gov.summary() if gov else None,
+               tokens=tokens[0], wall_s=wall,
                tokens_per_s=tokens[0] / wall, decode_tokens_per_s=decode["tokens"] / dt if dt > 0 else 0.0,
                forwards=b.forwards, mean_calls_per_forward=b.calls / max(b.forwards, 1),
                decode_forwards=len(spans), forward_ms=1e3 * busy / max(len(spans), 1),
@@ -148,6 +152,9 @@ def main(argv=None) -> int:
                    help="only the plan that batches the target through the full-step graphs (and, alone, the step graphs)")
     p.add_argument("--batch-trees", default="default", choices=["default", "on", "off"],
                    help="the draft worker's batch_trees (draft/tree_batch.py): batched steps' whole expansions as one graph")
+    p.add_argument("--governor", default="off", choices=["off", "on", "both"],
+                   help="speculative modes: the batcher's governor (governor.py; a served replica's default: on), "
+                        "or each plan without and with it (cells marked G)")
     p.add_argument("--profile", choices=["cpu", "wall"], default=None,
                    help="each plan's timed run again, its decode under yappi (this clock): each thread's busiest "
                         "functions")
@@ -192,12 +199,14 @@ def main(argv=None) -> int:
                     plans.append((n, 1, 0.0, True))
             if a.graph_batch_only:
                 plans = [pl for pl in plans if pl[3]] or plans[-1:]
+            govs = {"off": [False], "on": [True], "both": [False, True]}[a.governor] if mode != "ar" else [False]
+            plans = [(*pl, g) for pl in plans for g in govs]  # (+ the batch's governor)
             got = []
-            for mb, db, gs, gb in plans:  # each plan's shapes captured first (a short run), then timed
+            for mb, db, gs, gb, gv in plans:  # each plan's shapes captured first (a short run), then timed
                 run(engine, n, mb, 16, 4, replay, db, gs, gb)
-                got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb))
+                got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb, gv))
                 if a.profile:  # the same run's decode again under yappi: each thread's busiest functions
-                    run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb,
+                    run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb, gv,
                         on_decode=lambda: profile_control(("start", a.profile)))
                     got[-1]["profile"] = profile_control(("stop", 40))
                     print_profiles(f"{label} L {length} plan {mb}/{db}{'w' if gs else ''}{'g' if gb else ''}",
@@ -212,8 +221,8 @@ def main(argv=None) -> int:
                      + f", fwd {r['forward_ms']:.1f}/{r['round_ms']:.1f} ms)" for r in got]
             best = max(r["decode_tokens_per_s"] for r in got)
             print(f"{label:10s} L {length:6d} sessions {n:2d}: "
-                  + "  ".join(f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}: {c}"
-                              for (mb, db, gs, gb), c in zip(plans, cells))
+                  + "  ".join(f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}{'G' if gv else ''}: {c}"
+                              for (mb, db, gs, gb, gv), c in zip(plans, cells))
                   + f"  -> {best / max(got[0]['decode_tokens_per_s'], 1e-9):.2f}x"
                   + (f", {best / top:.0%} of the {top:.0f} tok/s ceiling" if top else ""), flush=True)
             path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")  # a cut run keeps its rows

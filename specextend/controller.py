@@ -75,6 +75,7 @@ class TreeController(Recording, Carrying):
     min_probe: int = 4  # steps before a probe, at least
     probe_ratio: float = 10.0  # ... and this many times the time a probe loses against the best choice
     max_probe: int = 1024
+    governed = True  # (not a field) a batch's governor may hold its steps plain (governor.py)
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
     forward: LinearCost = field(default_factory=_forwards)  # target forward seconds vs rows, the steps'
     # rows -> [average residual seconds, verifications]: what this session's verifications alone of that
@@ -394,6 +395,8 @@ class TreeController(Recording, Carrying):
 
 class AlwaysSpeculate(TreeController):
     """tree_policy=fixed: every step the session's tree (the controller's interface, no decisions)."""
+
+    governed = False  # (a batch's governor never holds it to plain steps: fixed trees are a benchmark's)
 
     def choose(self, sessions: int = 1) -> Rung:
         self.begin_step()

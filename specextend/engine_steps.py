@@ -98,7 +98,8 @@ class EngineSteps:
             rung = s.chosen
         elif s.use_draft and not s.opening_pending and s.opening is not None:
             s.ctl.see_chain(s.lookup, len(s.pending) - len(s.committed))  # (what a step without a tree would verify now)
-            rung = s.ctl.choose_noted(s.load.sessions)
+            # (held: the batch's governor measured plain steps decoding more than the sessions' choices)
+            rung = s.ctl.plain_unchosen() if s.load.held_plain and s.ctl.governed else s.ctl.choose_noted(s.load.sessions)
         else:
             rung = s.ctl.plain_unchosen()
         s.chosen = None
@@ -259,7 +260,8 @@ class EngineSteps:
         # call's host work while the device runs: start_ask), a run's as read; after the lane's calls, unwaited
         tells = RunTells(self.draft, s.lane, s.sid, s.step, s.pending, s.retrieval, s.held, s.stats) if s.tell else None
         run = (self.config.plain_ahead and not s.opening_pending
-               and run_ahead(s.target, s.committed[-1], s.out, s.stats, s.t1, s.gen, s.ctl, s.lookup, s.use_draft, s.load,
+               and run_ahead(s.target, s.committed[-1], s.out, s.stats, s.t1, s.gen, s.ctl, s.lookup,
+                             s.use_draft and not (s.load.held_plain and s.ctl.governed), s.load,
                              self.lookup_ahead, s.feed.push if s.feed is not None else tells, s.ref))  # ("Plain
         send, scoring = None, s.retrieval  # steps ahead", "Lookup runs ahead"; scoring: once the forward is queued)
         if run:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 
+from specextend.governor import Governor
 from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall, forward_batch
 from specextend.models.decoder import Decoder
@@ -77,8 +78,15 @@ class Batcher:
     batched target forward. `add`, `resume` and `stop` may be called from any thread."""
 
     def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8, forward=forward_batch,
-                 on_forward: Optional[Callable[[int], None]] = None, max_tokens: Optional[int] = None) -> None:
+                 on_forward: Optional[Callable[[int], None]] = None, max_tokens: Optional[int] = None,
+                 governor: Optional[Governor] = None) -> None:
         self.model = model
+        # the batch's check on its sessions' choices (governor.py): rounds held to plain steps where
+        # those decode more than the sessions' own choices (None: the sessions decide alone)
+        self.governor = governor
+        self._round_tokens = 0  # tokens the sessions emitted this round (the governor's measure)
+        self._round_chunks = 0  # prompt chunks this round's forwards carried
+        self._last_set: frozenset = frozenset()  # the sessions of the round before
         self.max_tokens = max_tokens  # rows a round's forwards carry, prompt chunks within it (None: any)
         self.held_chunks = 0  # prompt chunks a round held for a later one (the budget was spent)
         self._forward = forward  # forward_batch (its signature; tests pass a fake)
@@ -173,6 +181,14 @@ class Batcher:
             self._incoming = []
         self.round_log.begin(len(self._sessions), None if self.model is None else self.model.device)
         held = self.held_chunks
+        members = frozenset(map(id, self._sessions))
+        steady, self._last_set = members == self._last_set, members
+        self._round_tokens = self._round_chunks = 0
+        if self.governor is not None:
+            plain = self.governor.held()
+            for e in self._sessions:
+                if e.load is not None:
+                    e.load.held_plain = plain
         for e in [e for e in self._sessions if e.stopped]:
             self._finish(e, close=True)
         t_advance = time.perf_counter()
@@ -221,6 +237,8 @@ class Batcher:
         # (after a chunk-first forward, the prompt chunks it held wait for the next round)
         self._run_forwards([e for e in self._sessions if e.call is not None and not (chunk_first and e.call.prompt)])
         self.round_log.write(self.held_chunks - held)
+        if self.governor is not None:
+            self.governor.round_end(len(members), self._round_tokens, steady and not self._round_chunks)
 
     def _run_forwards(self, ready: list[_Entry]) -> None:
         """The calls of `ready` within the round's budget, as batched forwards of up to `max_batch`
@@ -235,6 +253,7 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
                 results = [exc] * len(group)
             span = watch.stop()
+            self._round_chunks += sum(bool(e.call.prompt) for e in group)
             if self.round_log.on:
                 self.round_log.forward(len(group), sum(e.call.ids.shape[0] for e in group),
                                        sum(bool(e.call.prompt) for e in group), time.perf_counter() - t0)
@@ -354,6 +373,7 @@ class Batcher:
 
     def _deliver(self, e: _Entry, item: Any) -> bool:
         """The sink's answer (False: pause); a sink that fails (its consumer is gone) stops the session."""
+        self._round_tokens += len(getattr(item, "token_ids", None) or ())
         try:
             return e.sink(item)
         except Exception:  # noqa: BLE001 - never let one consumer take the engine thread down

@@ -27,6 +27,7 @@ from typing import AsyncIterator, Optional
 import ray
 
 from specextend.config import SamplingParams
+from specextend.governor import Governor
 from specextend.models import late_work
 from specextend.models.chat import encode_chat
 from specextend.rpc.auth import new_token
@@ -113,7 +114,8 @@ class SpecExtendReplica(DraftRecovery):
         self.draft_ok = (self.draft is not None and not warm.fallback) or cfg.mode == "lookup"
         # every session's steps from here on: one thread, batched rounds (docs/architecture.md, "Batched steps")
         self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions, max_tokens=s.max_batch_tokens,
-                                                  on_forward=self.metrics.record_forward))
+                                                  on_forward=self.metrics.record_forward,
+                                                  governor=Governor() if s.batch_governor else None))
         t_ready = time.perf_counter()
         # where a (re)start's time goes: the target's weights, then waiting for the draft actor, then warm-up
         self.metrics.record_start(t_target - t0, t_draft - t_target, t_ready - t_draft)  # published within 2 s

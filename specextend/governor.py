@@ -1,0 +1,112 @@
+"""A batch's check on its sessions' own choices: measured rounds with trees allowed against rounds
+held to plain steps (docs/architecture.md, "Adaptive speculation", the batch's check).
+
+Each session's policy (controller.py) prices its own step: its share of the forward, its rows, its
+draft wait, and what else its step's wall held. In a batched round that last part is the round's
+host work, every session's, and it depends on what all of them chose: with every session on trees
+the round's host work and draft wait are several times what they are with every session plain
+(16 sessions of the 8B geometry on an H200, 2026-12-02: rounds of 37 ms for 4 tokens a session
+against 7.5 ms for 1). A session that probes a plain step among trees pays the trees' round and
+finds plain steps dear, so a batch can settle on trees where plain steps would decode more (0.76x
+batched `ar` there). No per-session price sees that; the batch's own tokens per second do.
+
+`Governor` measures them: while a batch of at least `min_sessions` runs steady rounds (no prompt
+chunk, no session joining or leaving), `window` rounds with the sessions' policies free, then
+`window` rounds with every session held to plain steps (`held`: the driver tells each session's
+Load), the first round after each switch left out. The regime with more tokens per second holds
+for `hold` rounds (plain must win by `margin`: the sessions' own choices are trusted otherwise),
+doubling each time a measurement confirms it, and the measurement starts again when the batch's
+size changes to another power of two. Lossless by construction: it only decides which steps carry
+trees, as each session's policy does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+FREE, PLAIN = "free", "plain"
+
+
+def bucket(sessions: int) -> int:
+    """The power of two at or above `sessions`: a verdict holds for batches of about one size."""
+    return 1 << max(sessions - 1, 0).bit_length()
+
+
+@dataclass
+class Verdict:
+    regime: str
+    hold: int  # rounds it holds when given
+    left: int  # rounds left
+
+
+@dataclass
+class Governor:
+    window: int = 4  # steady rounds measured per regime
+    min_sessions: int = 4  # fewer sessions: their own policies decide
+    hold: int = 32  # a verdict's first hold in rounds, doubled each time a measurement confirms it
+    max_hold: int = 2048
+    margin: float = 0.03  # plain steps must decode this much more to hold the sessions to them
+    verdicts: dict[int, Verdict] = field(default_factory=dict)  # by batch size (bucket)
+    measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
+    phase: Optional[str] = None  # the regime being measured (None: none)
+    _size: int = 0
+    _tokens: int = 0
+    _seconds: float = 0.0
+    _rounds: int = 0
+    _skip: bool = True  # the next round is a switch's first: not measured
+    _t: Optional[float] = None  # perf_counter at the last round's end
+
+    def held(self) -> bool:
+        """Whether the next round holds the sessions to plain steps."""
+        if self.phase is not None:
+            return self.phase == PLAIN
+        v = self.verdicts.get(self._size)
+        return v is not None and v.left > 0 and v.regime == PLAIN
+
+    def round_end(self, sessions: int, tokens: int, steady: bool, now: Optional[float] = None) -> None:
+        """A round ended: `sessions` in it, `tokens` they emitted, `steady` (no prompt chunk, no
+        session joined or left)."""
+        now = time.perf_counter() if now is None else now
+        seconds, self._t = (now - self._t if self._t is not None else None), now
+        size = bucket(sessions) if sessions >= self.min_sessions else 0
+        if size != self._size:  # another batch size (or too few sessions): what was measured is not its
+            self._size, self.phase, self.measured = size, None, {}
+            self._restart()
+        if not size:
+            return
+        v = self.verdicts.get(size)
+        if self.phase is None:
+            if v is not None and v.left > 0:
+                v.left -= 1
+                return
+            self.phase, self.measured = FREE, {}
+            self._restart()
+            self._skip = v is not None and v.regime == PLAIN  # (after a hold, a run ahead may end in the next round)
+            return
+        if not steady or seconds is None:
+            self._restart()
+            return
+        if self._skip:  # (the switch's first round: steps of the other regime still in it)
+            self._skip = False
+            return
+        self._tokens, self._seconds, self._rounds = self._tokens + tokens, self._seconds + seconds, self._rounds + 1
+        if self._rounds < self.window:
+            return
+        self.measured[self.phase] = self._tokens / max(self._seconds, 1e-9)
+        self._restart()
+        if self.phase == FREE:
+            self.phase = PLAIN
+            return
+        regime = PLAIN if self.measured[PLAIN] > (1 + self.margin) * self.measured[FREE] else FREE
+        hold = min(2 * v.hold, self.max_hold) if v is not None and v.regime == regime else self.hold
+        self.verdicts[size] = Verdict(regime, hold, hold)
+        self.phase = None
+
+    def _restart(self) -> None:
+        self._tokens, self._seconds, self._rounds, self._skip = 0, 0.0, 0, True
+
+    def summary(self) -> dict:
+        """The verdicts by batch size (benchmarks, /metrics): regime and rounds it holds."""
+        return {n: dict(regime=v.regime, hold=v.hold, left=v.left) for n, v in sorted(self.verdicts.items())}
