@@ -13,7 +13,8 @@ batched `ar` there). No per-session price sees that; the batch's own tokens per 
 `Governor` measures them: while a batch of at least `min_sessions` runs steady rounds (no prompt
 chunk, no session joining or leaving), `window` rounds with the sessions' policies free, then
 `window` rounds with every session held to plain steps (`held`: the driver tells each session's
-Load), the first round after each switch left out. The regime with more tokens per second holds
+Load), the first round after each switch left out. The regime whose rounds' median tokens per
+second is higher holds
 for `hold` rounds (plain must win by `margin`: the sessions' own choices are trusted otherwise),
 doubling each time a measurement confirms it, and the measurement starts again when the batch's
 size changes to another power of two. Lossless by construction: it only decides which steps carry
@@ -22,6 +23,7 @@ trees, as each session's policy does.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -43,7 +45,8 @@ class Verdict:
 
 @dataclass
 class Governor:
-    window: int = 4  # steady rounds measured per regime
+    window: int = 6  # steady rounds measured per regime (their median rate: a one-off round, a session's
+    # first tree or the draft's catch-up after a hold, does not decide)
     min_sessions: int = 4  # fewer sessions: their own policies decide
     hold: int = 32  # a verdict's first hold in rounds, doubled each time a measurement confirms it
     max_hold: int = 2048
@@ -52,9 +55,7 @@ class Governor:
     measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
     phase: Optional[str] = None  # the regime being measured (None: none)
     _size: int = 0
-    _tokens: int = 0
-    _seconds: float = 0.0
-    _rounds: int = 0
+    _rates: list = field(default_factory=list)  # the measured rounds' tokens per second
     _skip: bool = True  # the next round is a switch's first: not measured
     _t: Optional[float] = None  # perf_counter at the last round's end
 
@@ -91,10 +92,10 @@ class Governor:
         if self._skip:  # (the switch's first round: steps of the other regime still in it)
             self._skip = False
             return
-        self._tokens, self._seconds, self._rounds = self._tokens + tokens, self._seconds + seconds, self._rounds + 1
-        if self._rounds < self.window:
+        self._rates.append(tokens / max(seconds, 1e-9))
+        if len(self._rates) < self.window:
             return
-        self.measured[self.phase] = self._tokens / max(self._seconds, 1e-9)
+        self.measured[self.phase] = statistics.median(self._rates)
         self._restart()
         if self.phase == FREE:
             self.phase = PLAIN
@@ -105,7 +106,7 @@ class Governor:
         self.phase = None
 
     def _restart(self) -> None:
-        self._tokens, self._seconds, self._rounds, self._skip = 0, 0.0, 0, True
+        self._rates, self._skip = [], True
 
     def summary(self) -> dict:
         """The verdicts by batch size (benchmarks, /metrics): regime and rounds it holds."""

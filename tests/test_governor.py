@@ -44,6 +44,18 @@ def test_trees_that_decode_more_or_about_as_much_stay_free():
         assert rounds(g, 8, 8, {FREE: 12, PLAIN: plain}, t) == [False] * 8
 
 
+def test_a_one_off_slow_round_does_not_decide():
+    """The free window's median rate decides: one round of a session's first tree (or the draft's
+    catch-up after a hold), 10 times slower, does not make plain steps look better."""
+    g, t = Governor(window=4, hold=8), [0.0]
+    for seconds, tokens in [(0.01, 0), (0.01, 12), (0.10, 12), (0.01, 12), (0.01, 12), (0.01, 12)]:
+        t[0] += seconds
+        g.round_end(8, tokens, True, now=t[0])  # (the first starts the free window, the second is left out)
+    assert g.measured[FREE] == pytest.approx(1200.0) and g.held()
+    rounds(g, 5, 8, {FREE: 12, PLAIN: 11}, t)
+    assert g.verdicts[8].regime == FREE
+
+
 def test_few_sessions_unsteady_rounds_and_another_batch_size():
     g, t = Governor(window=4, hold=8), [0.0]
     assert rounds(g, 20, 3, {FREE: 1, PLAIN: 9}, t) == [False] * 20 and not g.verdicts  # below min_sessions
