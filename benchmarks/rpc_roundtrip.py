@@ -33,7 +33,6 @@ import platform
 import queue
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import grpc
 import zmq
 
+from specextend.bench.record import commit
 from specextend.config import RetrievalConfig, TreeConfig
 from specextend.draft.base import DraftBackend, DraftSessionParams, DraftTree, Retrieval, TreeBound
 from specextend.draft.jobs import SerialDraft, Step
@@ -315,17 +315,9 @@ def payload_bytes() -> dict:
                 accepted_tokens=len(ACCEPTED), chunk_ids=len(CHUNK_IDS), tree_nodes=len(PARENTS))
 
 
-def _commit() -> Optional[str]:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def write_record(out: Path, fields: dict) -> dict:
     """`fields` with the run's commit, date, host and interpreter, as JSON at `out` (and returned)."""
-    record = dict(commit=_commit(), date=datetime.date.today().isoformat(), host=platform.node(),
+    record = dict(commit=commit(), date=datetime.date.today().isoformat(), host=platform.node(),
                   python=sys.version.split()[0], command=" ".join(sys.argv), cpus=os.cpu_count(),
                   load_avg=os.getloadavg(), switch_interval_s=sys.getswitchinterval(), **fields)
     out.parent.mkdir(parents=True, exist_ok=True)
