@@ -13,7 +13,8 @@ back, except that a round waits for the draft steps it issued itself (millisecon
 sessions' verifications meet in one forward; a draft session still opening (its prefill) is
 never waited on, and a round carrying a prompt chunk issues that forward before it waits (chunk
 first). Each session's `Load` hears of the forwards that carried its calls (how many
-sessions shared them, their rows and duration), for its adaptive policy (controller.py).
+sessions shared them, their rows and duration), for its adaptive policy (controller.py); with a
+`Governor` (governor.py) the batch measures its rounds and may hold its sessions to plain steps.
 """
 
 from __future__ import annotations

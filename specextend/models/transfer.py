@@ -3,7 +3,9 @@
 `torch.tensor(list, device=cuda)` and `cpu_tensor.to(cuda)` copy from pageable memory, which the
 driver may stage at once or only after the kernels queued before the copy (e.g. a draft forward in
 flight) have run, holding the host meanwhile (on an H200 with torch 2.11 a 3-element copy did not
-wait). From pinned memory with `non_blocking=True`
+wait on an idle stream; behind the batcher's queued forwards a prefill chunk's one-element copy
+did, ~1 ms and more each, 2026-12-02: docs/architecture.md, "Batched steps"). From pinned memory
+with `non_blocking=True`
 the copy is queued in stream order and the host returns at once. PyTorch's caching host allocator
 makes the pinned buffer cheap after the first few calls and keeps it from being reused until the
 copy's stream has passed it, so the buffer needs no care from the caller.
