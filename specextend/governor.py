@@ -14,10 +14,9 @@ batched `ar` there). No per-session price sees that; the batch's own tokens per 
 chunk, no session joining or leaving), `window` rounds with the sessions' policies free, then
 `window` rounds with every session held to plain steps (`held`: the driver tells each session's
 Load), the first round after each switch left out. The regime whose rounds' median tokens per
-second is higher holds
-for `hold` rounds (plain must win by `margin`: the sessions' own choices are trusted otherwise),
-doubling each time a measurement confirms it, and the measurement starts again when the batch's
-size changes to another power of two. Lossless by construction: it only decides which steps carry
+second is higher holds for `hold` rounds (plain must win by `margin`: the sessions' own choices are
+trusted otherwise), doubling each time a measurement confirms it, and the measurement starts again
+when the batch's size changes to another power of two. Lossless by construction: it only decides which steps carry
 trees, as each session's policy does.
 """
 
@@ -109,5 +108,5 @@ class Governor:
         self._rates, self._skip = [], True
 
     def summary(self) -> dict:
-        """The verdicts by batch size (benchmarks, /metrics): regime and rounds it holds."""
+        """The verdicts by batch size (benchmarks): regime, hold and rounds left."""
         return {n: dict(regime=v.regime, hold=v.hold, left=v.left) for n, v in sorted(self.verdicts.items())}

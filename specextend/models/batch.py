@@ -76,8 +76,8 @@ def _own(result: "Result") -> "Result":
 # With step graphs (CUDA), one call replays a captured graph while an eager batch runs launch by
 # launch. The target's decode and verify steps batch through the graphs (batch_key); a call that the
 # graphs take only alone (the draft's accepted tokens' forwards, which write the retrieval store)
-# replays its graph, one call after another: eight of them batched eagerly cost ~8 ms of a 13.7 ms
-# round of the 68M draft's steps, against ~0.25 ms each replayed (H200, 2026-12-02,
+# replays its graph, one call after another: batched eagerly, eight of them made a round of the 68M
+# draft's eight steps 13.7 ms long against 8.2 replayed (H200, 2026-12-02,
 # benchmarks/draft_rounds.py). What batches eagerly is what no graph takes (prefill chunks), from
 # this many calls on (fewer run one by one; for the 8B target's decode steps, eager batches of 4 and
 # 8 were slower than one call per forward and 16 faster: H100, 2026-11-26).
@@ -137,7 +137,7 @@ def forward_batch(model: Decoder, calls: list[ForwardCall]) -> list[Result]:
     eager = [i for i in rest if not graphs.accepts(calls[i].ids.shape[0], calls[i].cache, calls[i].mask, calls[i].opts)]
     if len(eager) < GRAPHS_BATCH_MIN:
         eager = []
-    for i in (i for i in rest if i not in eager):  # one by one: a call that fails (a full cache) fails alone
+    for i in sorted(set(rest) - set(eager)):  # one by one: a call that fails (a full cache) fails alone
         try:
             results[i] = calls[i].run(model)
         except CacheFull as exc:
