@@ -80,11 +80,13 @@ class Batcher:
 
     def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8, forward=forward_batch,
                  on_forward: Optional[Callable[[int], None]] = None, max_tokens: Optional[int] = None,
-                 governor: Optional[Governor] = None) -> None:
+                 governor: Optional[Governor] = None, on_held: Optional[Callable[[], None]] = None) -> None:
         self.model = model
         # the batch's check on its sessions' choices (governor.py): rounds held to plain steps where
         # those decode more than the sessions' own choices (None: the sessions decide alone)
         self.governor = governor
+        self._on_held = on_held  # told of each round the governor holds to plain steps (the replica's metrics)
+        self.held_rounds = 0  # rounds held to plain steps
         self._round_tokens = 0  # tokens the sessions emitted this round (the governor's measure)
         self._round_chunks = 0  # prompt chunks this round's forwards carried
         self._last_set: frozenset = frozenset()  # the sessions of the round before
@@ -190,6 +192,10 @@ class Batcher:
             for e in self._sessions:
                 if e.load is not None:
                     e.load.held_plain = plain
+            if plain:
+                self.held_rounds += 1
+                if self._on_held is not None:
+                    self._on_held()
         for e in [e for e in self._sessions if e.stopped]:
             self._finish(e, close=True)
         t_advance = time.perf_counter()

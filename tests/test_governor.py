@@ -72,11 +72,12 @@ def test_few_sessions_unsteady_rounds_and_another_batch_size():
 def test_held_rounds_take_no_tree_and_every_output_equals_its_solo_run(pair):
     """Through the batcher (its forwards made 20 ms slow, so that trees pay and free sessions take
     them) with a governor that always finds plain steps better: once it has measured, the sessions
-    decode plainly, and every output still equals its solo run (float64); without a governor the
-    same sessions take a tree nearly every step."""
+    decode plainly, and every output still equals its solo run (float64), and the replica's metrics count the held
+    rounds; without a governor the same sessions take a tree nearly every step."""
     import time
 
     from specextend.models.batch import forward_batch
+    from specextend.serving.metrics import ReplicaMetrics
 
     target = pair[0]  # (the target as its own draft: every tree accepted whole)
     spec = lambda: make_engine((target, target), "sd", tree=TreeConfig(4, 4, 1), prefill_chunk=64,  # noqa: E731
@@ -89,8 +90,10 @@ def test_held_rounds_take_no_tree_and_every_output_equals_its_solo_run(pair):
     free, _ = run_batched(spec(), reqs, max_batch=4, forward=slow)
     assert [tokens for tokens, _, _ in free] == alone
     gov = Governor(window=2, hold=1000, margin=-1.0)  # (margin -1: plain always wins)
-    held, _ = run_batched(spec(), reqs, max_batch=4, forward=slow, governor=gov)
+    metrics = ReplicaMetrics(use_ray=False)
+    held, b = run_batched(spec(), reqs, max_batch=4, forward=slow, governor=gov, on_held=metrics.record_held_round)
     assert [tokens for tokens, _, _ in held] == alone
-    assert gov.verdicts[4].regime == PLAIN
+    assert gov.verdicts[4].regime == PLAIN and b.held_rounds > 8
+    assert f"specextend_rounds_held_plain_total {float(b.held_rounds)}" in metrics.exposition()
     trees = lambda got: sum(s.num_steps for _, _, s in got)  # noqa: E731
     assert trees(free) >= 4 * 8 and trees(held) <= trees(free) // 2

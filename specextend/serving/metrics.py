@@ -112,6 +112,10 @@ FAMILIES = {
         "and a collection's pause).", ("kind",)),
     "specextend_forward_sessions": (
         "histogram", "Sessions whose steps one target forward carried (at most max_batch_sessions).", ()),
+    "specextend_rounds_held_plain": (
+        "counter", "Batched rounds whose sessions the batch's governor held to plain steps: it measured plain steps "
+        "decoding more tokens per second than the sessions' own choices (batch_governor; docs/architecture.md, "
+        "\"Adaptive speculation\").", ()),
     "specextend_num_requests_running": ("gauge", "Active sessions.", ()),
     "specextend_num_requests_waiting": ("gauge", "Requests queued for admission.", ()),
 }
@@ -175,6 +179,10 @@ class ReplicaMetrics:
     def record_forward(self, sessions: int) -> None:
         """A target forward of the replica's batcher, carrying `sessions` sessions' steps (its thread)."""
         self.observe("specextend_forward_sessions", sessions)
+
+    def record_held_round(self) -> None:
+        """A batched round the governor held to plain steps (the batcher's thread)."""
+        self.inc("specextend_rounds_held_plain")
 
     def record_request(self, stats, finish_reason: str | None) -> None:
         """Per-request counters from a RequestStats (finished, stopped or cancelled)."""
