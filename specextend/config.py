@@ -232,9 +232,9 @@ class ServingConfig:
     max_batch_tokens: Optional[int] = Field(
         4096, ge=1, le=1 << 20, description="rows a round of batched steps carries: every session's step, then prompt "
                                             "chunks within this (at least one a round; null: no bound)")
-    batch_governor: bool = Field(True, description="a batch of 4 or more sessions measures its rounds with trees "
-                                 "allowed against rounds held to plain steps and keeps the regime that decodes more "
-                                 "(governor.py); false: each session's policy decides alone")
+    batch_governor: bool = Field(True, description="a batch of 4 or more sessions measures its rounds with the "
+                                 "sessions' choices free, held to plain steps and held to trees, and keeps the regime "
+                                 "that decodes most (governor.py); false: each session's policy decides alone")
     max_queued_requests: int = Field(64, ge=0, le=65536, description="requests a replica queues beyond that; then 429")
     stream_interval_ms: float = Field(
         STREAM_INTERVAL_MS, ge=0, le=1000, description="a stream's tokens leave the replica at most once per this "

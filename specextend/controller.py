@@ -75,7 +75,7 @@ class TreeController(Recording, Carrying):
     min_probe: int = 4  # steps before a probe, at least
     probe_ratio: float = 10.0  # ... and this many times the time a probe loses against the best choice
     max_probe: int = 1024
-    governed = True  # (not a field) a batch's governor may hold its steps plain (governor.py)
+    governed = True  # (not a field) a batch's governor may hold its steps plain or to trees (governor.py)
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
     forward: LinearCost = field(default_factory=_forwards)  # target forward seconds vs rows, the steps'
     # rows -> [average residual seconds, verifications]: what this session's verifications alone of that
@@ -318,6 +318,13 @@ class TreeController(Recording, Carrying):
         self.begin_step()
         return PLAIN
 
+    def tree_unchosen(self, sessions: int = 1) -> Rung:
+        """The best tree rung (the highest predicted tokens per second but plain), for a step the
+        batch's governor holds to trees (governor.py), with choose()'s bookkeeping and no probe."""
+        self.begin_step()
+        self.sessions = sessions
+        return max(self.rungs[1:], key=lambda r: (self.value(r), -r.nodes, -r.depth))
+
     def choose(self, sessions: int = 1) -> Rung:
         """The next step's rung; `sessions` share the target's forwards now."""
         self.begin_step()
@@ -396,7 +403,7 @@ class TreeController(Recording, Carrying):
 class AlwaysSpeculate(TreeController):
     """tree_policy=fixed: every step the session's tree (the controller's interface, no decisions)."""
 
-    governed = False  # (a batch's governor never holds it to plain steps: fixed trees are a benchmark's)
+    governed = False  # (a batch's governor never holds it: fixed trees are a benchmark's)
 
     def choose(self, sessions: int = 1) -> Rung:
         self.begin_step()

@@ -1,5 +1,6 @@
-"""A batch's check on its sessions' own choices: measured rounds with trees allowed against rounds
-held to plain steps (docs/architecture.md, "Adaptive speculation", the batch's check).
+"""A batch's check on its sessions' own choices: measured rounds with the sessions' choices free,
+held to plain steps and held to trees (docs/architecture.md, "Adaptive speculation", the batch's
+check).
 
 Each session's policy (controller.py) prices its own step: its share of the forward, its rows, its
 draft wait, and what else its step's wall held. In a batched round that last part is the round's
@@ -10,14 +11,18 @@ against 7.5 ms for 1). A session that probes a plain step among trees pays the t
 finds plain steps dear, so a batch can settle on trees where plain steps would decode more (0.76x
 batched `ar` there). No per-session price sees that; the batch's own tokens per second do.
 
+The other way holds too: sessions that learnt a plain step's price in plain rounds may stay plain
+where trees decode more (8 sessions there: 1,316 tokens/s plain against 1,409 with trees).
+
 `Governor` measures them: while a batch of at least `min_sessions` runs steady rounds (no prompt
-chunk, no session joining or leaving), `window` rounds with the sessions' policies free, then
-`window` rounds with every session held to plain steps (`held`: the driver tells each session's
-Load), the first round after each switch left out. The regime whose rounds' median tokens per
-second is higher holds for `hold` rounds (plain must win by `margin`: the sessions' own choices are
-trusted otherwise), doubling each time a measurement confirms it, and the measurement starts again
-when the batch's size changes to another power of two. Lossless by construction: it only decides which steps carry
-trees, as each session's policy does.
+chunk, no session joining or leaving), `window` rounds in each regime, the first round after each
+switch left out: the sessions' policies free, every session held to plain steps, every session held
+to trees (the best tree its policy prices; `regime`: the driver tells each session's Load). The
+regime whose rounds' median tokens per second is highest holds for `hold` rounds (a held regime
+must beat the free one by `margin`: the sessions' own choices are trusted otherwise), doubling each
+time a measurement confirms it, and the measurement starts again when the batch's size changes to
+another power of two. Lossless by construction: it only decides which steps carry trees, as each
+session's policy does.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-FREE, PLAIN = "free", "plain"
+FREE, PLAIN, TREES = "free", "plain", "trees"
+ORDER = (FREE, PLAIN, TREES)  # the regimes a measurement runs through
 
 
 def bucket(sessions: int) -> int:
@@ -49,7 +55,7 @@ class Governor:
     min_sessions: int = 4  # fewer sessions: their own policies decide
     hold: int = 32  # a verdict's first hold in rounds, doubled each time a measurement confirms it
     max_hold: int = 2048
-    margin: float = 0.03  # plain steps must decode this much more to hold the sessions to them
+    margin: float = 0.03  # a held regime must decode this much more than the free one
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # by batch size (bucket)
     measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
     phase: Optional[str] = None  # the regime being measured (None: none)
@@ -58,12 +64,16 @@ class Governor:
     _skip: bool = True  # the next round is a switch's first: not measured
     _t: Optional[float] = None  # perf_counter at the last round's end
 
-    def held(self) -> bool:
-        """Whether the next round holds the sessions to plain steps."""
+    def regime(self) -> str:
+        """The next round's regime: FREE (the sessions' own choices), PLAIN or TREES (held)."""
         if self.phase is not None:
-            return self.phase == PLAIN
+            return self.phase
         v = self.verdicts.get(self._size)
-        return v is not None and v.left > 0 and v.regime == PLAIN
+        return v.regime if v is not None and v.left > 0 else FREE
+
+    def held(self) -> bool:
+        """Whether the next round holds the sessions (to plain steps or to trees)."""
+        return self.regime() != FREE
 
     def round_end(self, sessions: int, tokens: int, steady: bool, now: Optional[float] = None) -> None:
         """A round ended: `sessions` in it, `tokens` they emitted, `steady` (no prompt chunk, no
@@ -83,7 +93,7 @@ class Governor:
                 return
             self.phase, self.measured = FREE, {}
             self._restart()
-            self._skip = v is not None and v.regime == PLAIN  # (after a hold, a run ahead may end in the next round)
+            self._skip = v is not None and v.regime != FREE  # (after a hold, a run ahead may end in the next round)
             return
         if not steady or seconds is None:
             self._restart()
@@ -96,10 +106,12 @@ class Governor:
             return
         self.measured[self.phase] = statistics.median(self._rates)
         self._restart()
-        if self.phase == FREE:
-            self.phase = PLAIN
+        if self.phase != ORDER[-1]:
+            self.phase = ORDER[ORDER.index(self.phase) + 1]
             return
-        regime = PLAIN if self.measured[PLAIN] > (1 + self.margin) * self.measured[FREE] else FREE
+        regime = max((PLAIN, TREES), key=lambda r: self.measured[r])
+        if self.measured[regime] <= (1 + self.margin) * self.measured[FREE]:
+            regime = FREE
         hold = min(2 * v.hold, self.max_hold) if v is not None and v.regime == regime else self.hold
         self.verdicts[size] = Verdict(regime, hold, hold)
         self.phase = None

@@ -14,7 +14,8 @@ sessions' verifications meet in one forward; a draft session still opening (its 
 never waited on, and a round carrying a prompt chunk issues that forward before it waits (chunk
 first). Each session's `Load` hears of the forwards that carried its calls (how many
 sessions shared them, their rows and duration), for its adaptive policy (controller.py); with a
-`Governor` (governor.py) the batch measures its rounds and may hold its sessions to plain steps.
+`Governor` (governor.py) the batch measures its rounds and may hold its sessions to plain steps
+or to trees.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 
-from specextend.governor import Governor
+from specextend.governor import FREE, Governor
 from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall, forward_batch
 from specextend.models.decoder import Decoder
@@ -80,13 +81,13 @@ class Batcher:
 
     def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8, forward=forward_batch,
                  on_forward: Optional[Callable[[int], None]] = None, max_tokens: Optional[int] = None,
-                 governor: Optional[Governor] = None, on_held: Optional[Callable[[], None]] = None) -> None:
+                 governor: Optional[Governor] = None, on_held: Optional[Callable[[str], None]] = None) -> None:
         self.model = model
         # the batch's check on its sessions' choices (governor.py): rounds held to plain steps where
         # those decode more than the sessions' own choices (None: the sessions decide alone)
         self.governor = governor
-        self._on_held = on_held  # told of each round the governor holds to plain steps (the replica's metrics)
-        self.held_rounds = 0  # rounds held to plain steps
+        self._on_held = on_held  # told of each round the governor holds, and to what (the replica's metrics)
+        self.held_rounds: dict[str, int] = {}  # rounds held, by regime (governor.PLAIN, TREES)
         self._round_tokens = 0  # tokens the sessions emitted this round (the governor's measure)
         self._round_chunks = 0  # prompt chunks this round's forwards carried
         self._last_set: frozenset = frozenset()  # the sessions of the round before
@@ -188,14 +189,15 @@ class Batcher:
         steady, self._last_set = members == self._last_set, members
         self._round_tokens = self._round_chunks = 0
         if self.governor is not None:
-            plain = self.governor.held()
+            regime = self.governor.regime()
+            hold = None if regime == FREE else regime
             for e in self._sessions:
                 if e.load is not None:
-                    e.load.held_plain = plain
-            if plain:
-                self.held_rounds += 1
+                    e.load.held = hold
+            if hold is not None:
+                self.held_rounds[hold] = self.held_rounds.get(hold, 0) + 1
                 if self._on_held is not None:
-                    self._on_held()
+                    self._on_held(hold)
         for e in [e for e in self._sessions if e.stopped]:
             self._finish(e, close=True)
         t_advance = time.perf_counter()

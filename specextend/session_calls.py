@@ -44,7 +44,7 @@ class Load:
     others_wait_s: float = 0.0  # rounds' waits for other sessions' draft steps since `wall` last took them
     shared_s: float = 0.0  # of its last draft wait, the part that the round's other askers' steps shared
     kv_pool: Optional[KVPool] = None  # the driver's pool of target caches (kv_pool.py; None: its own)
-    held_plain: bool = False  # the driver's governor holds the batch to plain steps now (governor.py)
+    held: Optional[str] = None  # the driver's governor holds the batch to "plain" steps or to "trees" now (governor.py)
 
     def take_shared(self) -> float:
         """Takes `shared_s` (Batcher._charge; `wall` drops it): a draft step's price to the policy is

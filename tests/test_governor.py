@@ -1,99 +1,143 @@
 """The batch's check on its sessions' choices (governor.py; docs/architecture.md, "Adaptive
-speculation"): steady rounds measured with trees allowed and held to plain steps, the better regime
-held and its hold doubled when confirmed; and, through the batcher, held rounds that take no tree
-and leave every output equal to its solo run."""
+speculation"): steady rounds measured with the sessions' choices free, held to plain steps and held
+to trees, the best regime held and its hold doubled when confirmed; and, through the batcher, held
+rounds that take no tree (or only trees) while every output equals its solo run."""
+
+import time
 
 import pytest
 import torch
 
 from specextend.config import SamplingParams, TreeConfig
-from specextend.governor import FREE, PLAIN, Governor, bucket
+from specextend.governor import FREE, PLAIN, TREES, Governor, bucket
+from specextend.models.batch import forward_batch
+from specextend.serving.metrics import ReplicaMetrics
 
 from helpers import make_engine
 from test_batch import run_batched
 
+MEASURE = [FREE] * 5 + [PLAIN] * 5 + [TREES] * 5  # window 4: the start and four, then each held regime's skipped round and four
 
-def rounds(g: Governor, n: int, sessions: int, rate: dict, t: list, steady: bool = True) -> list[bool]:
+
+def rounds(g: Governor, n: int, sessions: int, rate: dict, t: list, steady: bool = True) -> list[str]:
     """n rounds of `sessions`, each 10 ms emitting what `rate` (tokens a round by regime) says for
-    the regime held; returns whether each round was held."""
+    the regime of the round; returns each round's regime."""
     out = []
     for _ in range(n):
-        held = g.held()
-        out.append(held)
+        r = g.regime()
+        out.append(r)
         t[0] += 0.010
-        g.round_end(sessions, rate[PLAIN if held else FREE], steady, now=t[0])
+        g.round_end(sessions, rate[r], steady, now=t[0])
     return out
 
 
 def test_plain_steps_that_decode_more_hold_the_batch_then_confirmed_longer():
     g, t = Governor(window=4, hold=8), [0.0]
-    # a free window (its first round left out), then a plain one: plain emits 16 a round against 12
-    got = rounds(g, 10, 16, {FREE: 12, PLAIN: 16}, t)
-    assert got == [False] * 5 + [True] * 5
-    assert g.measured == pytest.approx({FREE: 1200.0, PLAIN: 1600.0}) and g.verdicts[16].regime == PLAIN
-    assert rounds(g, 8, 16, {FREE: 12, PLAIN: 16}, t) == [True] * 8  # held for 8 rounds
-    rounds(g, 11, 16, {FREE: 12, PLAIN: 16}, t)  # measured again (after the hold, a round left out): confirmed
+    rate = {FREE: 12, PLAIN: 16, TREES: 10}
+    assert rounds(g, 15, 16, rate, t) == MEASURE
+    assert g.measured == pytest.approx({FREE: 1200.0, PLAIN: 1600.0, TREES: 1000.0})
+    assert g.verdicts[16].regime == PLAIN and g.held()
+    assert rounds(g, 8, 16, rate, t) == [PLAIN] * 8  # held for 8 rounds
+    rounds(g, 1 + 16, 16, rate, t)  # measured again (after the hold, a round left out): confirmed
     assert g.verdicts[16].hold == 16 and g.summary()[16]["regime"] == PLAIN
 
 
-def test_trees_that_decode_more_or_about_as_much_stay_free():
-    for plain in (10, 12):  # (12 = 12: within the margin, the sessions' own choice)
+def test_trees_that_decode_more_hold_the_batch():
+    g, t = Governor(window=4, hold=8), [0.0]
+    rate = {FREE: 12, PLAIN: 11, TREES: 15}  # (sessions that stay plain where trees pay)
+    assert rounds(g, 15, 8, rate, t) == MEASURE
+    assert g.verdicts[8].regime == TREES
+    assert rounds(g, 8, 8, rate, t) == [TREES] * 8
+
+
+def test_free_choices_that_decode_about_as_much_stay_free():
+    for rate in ({FREE: 12, PLAIN: 10, TREES: 11}, {FREE: 12, PLAIN: 12, TREES: 12.3}):  # (within the margin)
         g, t = Governor(window=4, hold=8), [0.0]
-        got = rounds(g, 10, 8, {FREE: 12, PLAIN: plain}, t)
-        assert got == [False] * 5 + [True] * 5 and g.verdicts[8].regime == FREE
-        assert rounds(g, 8, 8, {FREE: 12, PLAIN: plain}, t) == [False] * 8
+        rounds(g, 15, 8, rate, t)
+        assert g.verdicts[8].regime == FREE and not g.held()
+        assert rounds(g, 8, 8, rate, t) == [FREE] * 8
 
 
 def test_a_one_off_slow_round_does_not_decide():
-    """The free window's median rate decides: one round of a session's first tree (or the draft's
-    catch-up after a hold), 10 times slower, does not make plain steps look better."""
+    """A window's median rate decides: one round of a session's first tree (or the draft's catch-up
+    after a hold), 10 times slower, does not make a held regime look better."""
     g, t = Governor(window=4, hold=8), [0.0]
     for seconds, tokens in [(0.01, 0), (0.01, 12), (0.10, 12), (0.01, 12), (0.01, 12), (0.01, 12)]:
         t[0] += seconds
-        g.round_end(8, tokens, True, now=t[0])  # (the first starts the free window, the second is left out)
-    assert g.measured[FREE] == pytest.approx(1200.0) and g.held()
-    rounds(g, 5, 8, {FREE: 12, PLAIN: 11}, t)
+        g.round_end(8, tokens, True, now=t[0])  # (the first starts the free window, the last is the next's first)
+    assert g.measured[FREE] == pytest.approx(1200.0) and g.regime() == PLAIN
+    rounds(g, 10, 8, {FREE: 12, PLAIN: 11, TREES: 11}, t)
     assert g.verdicts[8].regime == FREE
 
 
 def test_few_sessions_unsteady_rounds_and_another_batch_size():
     g, t = Governor(window=4, hold=8), [0.0]
-    assert rounds(g, 20, 3, {FREE: 1, PLAIN: 9}, t) == [False] * 20 and not g.verdicts  # below min_sessions
-    rounds(g, 5, 8, {FREE: 12, PLAIN: 16}, t)  # the free window of 8 sessions
-    assert rounds(g, 3, 8, {FREE: 12, PLAIN: 16}, t, steady=False) == [True] * 3  # a chunk, a join: restarted
+    rate = {FREE: 12, PLAIN: 16, TREES: 10}
+    assert rounds(g, 20, 3, {FREE: 1, PLAIN: 9, TREES: 9}, t) == [FREE] * 20 and not g.verdicts  # too few sessions
+    rounds(g, 6, 8, rate, t)  # the free window of 8 sessions (and the plain one's first round)
+    assert rounds(g, 3, 8, rate, t, steady=False) == [PLAIN] * 3  # a chunk, a join: the window restarted
     assert FREE in g.measured and not g.verdicts
-    rounds(g, 5, 8, {FREE: 12, PLAIN: 16}, t)
+    rounds(g, 10, 8, rate, t)
     assert g.verdicts[8].regime == PLAIN
-    assert rounds(g, 1, 16, {FREE: 12, PLAIN: 16}, t) == [True]  # (decided before the round ended)
+    assert rounds(g, 1, 16, rate, t) == [PLAIN]  # (decided before the round ended)
     assert not g.held() and g.phase == FREE  # 16 sessions: a size of its own, measured anew
     assert [bucket(n) for n in (4, 5, 8, 9, 16)] == [4, 8, 8, 16, 16]
 
 
-def test_held_rounds_take_no_tree_and_every_output_equals_its_solo_run(pair):
+class Verdict(Governor):
+    """A governor whose measurements always find `wins` best: each round reports tokens only in it."""
+
+    wins = PLAIN
+
+    def round_end(self, sessions, tokens, steady, now=None):
+        super().round_end(sessions, 100 if self.phase == self.wins else 1, steady, now)
+
+
+class TreesWin(Verdict):
+    wins = TREES
+
+
+def _requests(n=4, tokens=48):
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 256, (12,), generator=gen).tolist(), SamplingParams(max_new_tokens=tokens, ignore_eos=True),
+             {}) for _ in range(n)]
+
+
+def test_rounds_held_plain_take_no_tree_and_every_output_equals_its_solo_run(pair):
     """Through the batcher (its forwards made 20 ms slow, so that trees pay and free sessions take
-    them) with a governor that always finds plain steps better: once it has measured, the sessions
-    decode plainly, and every output still equals its solo run (float64), and the replica's metrics count the held
-    rounds; without a governor the same sessions take a tree nearly every step."""
-    import time
-
-    from specextend.models.batch import forward_batch
-    from specextend.serving.metrics import ReplicaMetrics
-
+    them) with a governor that finds plain steps best: once it has measured, the sessions decode
+    plainly, every output still equals its solo run (float64), and the replica's metrics count the
+    held rounds; without a governor the same sessions take a tree nearly every step."""
     target = pair[0]  # (the target as its own draft: every tree accepted whole)
     spec = lambda: make_engine((target, target), "sd", tree=TreeConfig(4, 4, 1), prefill_chunk=64,  # noqa: E731
                                tree_policy="adaptive")  # (a new engine each time: no costs carried)
-    gen = torch.Generator().manual_seed(3)
-    reqs = [(torch.randint(0, 256, (12,), generator=gen).tolist(), SamplingParams(max_new_tokens=48, ignore_eos=True),
-             {}) for _ in range(4)]
+    reqs = _requests()
     alone = [make_engine(pair, "ar").generate(p, params)[0] for p, params, _ in reqs]
     slow = lambda model, calls: time.sleep(0.02) or forward_batch(model, calls)  # noqa: E731
     free, _ = run_batched(spec(), reqs, max_batch=4, forward=slow)
     assert [tokens for tokens, _, _ in free] == alone
-    gov = Governor(window=2, hold=1000, margin=-1.0)  # (margin -1: plain always wins)
-    metrics = ReplicaMetrics(use_ray=False)
+    gov, metrics = Verdict(window=2, hold=1000), ReplicaMetrics(use_ray=False)
     held, b = run_batched(spec(), reqs, max_batch=4, forward=slow, governor=gov, on_held=metrics.record_held_round)
     assert [tokens for tokens, _, _ in held] == alone
-    assert gov.verdicts[4].regime == PLAIN and b.held_rounds > 8
-    assert f"specextend_rounds_held_plain_total {float(b.held_rounds)}" in metrics.exposition()
+    assert gov.verdicts[4].regime == PLAIN and b.held_rounds[PLAIN] > 8
+    text = metrics.exposition()
+    assert f'specextend_rounds_held_total{{regime="plain"}} {float(b.held_rounds[PLAIN])}' in text
     trees = lambda got: sum(s.num_steps for _, _, s in got)  # noqa: E731
     assert trees(free) >= 4 * 8 and trees(held) <= trees(free) // 2
+
+
+def test_rounds_held_to_trees_take_them_and_every_output_equals_its_solo_run(pair):
+    """The tiny pair's sessions decode plainly on their own (the draft does not pay here); held to
+    trees by a governor that finds trees best, they verify a tree at nearly every step, and every
+    output still equals its solo run (float64)."""
+    spec = lambda: make_engine(pair, "sd", tree=TreeConfig(6, 3, 2), prefill_chunk=64,  # noqa: E731
+                               tree_policy="adaptive")
+    reqs = _requests(tokens=40)
+    alone = [make_engine(pair, "ar").generate(p, params)[0] for p, params, _ in reqs]
+    free, _ = run_batched(spec(), reqs, max_batch=4)
+    gov = TreesWin(window=2, hold=1000)
+    held, b = run_batched(spec(), reqs, max_batch=4, governor=gov)
+    assert [tokens for tokens, _, _ in free] == alone and [tokens for tokens, _, _ in held] == alone
+    assert gov.verdicts[4].regime == TREES and b.held_rounds[TREES] > 4
+    trees = lambda got: sum(s.num_steps for _, _, s in got)  # noqa: E731
+    assert trees(held) >= trees(free) + 4 * 4

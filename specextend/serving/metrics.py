@@ -112,10 +112,10 @@ FAMILIES = {
         "and a collection's pause).", ("kind",)),
     "specextend_forward_sessions": (
         "histogram", "Sessions whose steps one target forward carried (at most max_batch_sessions).", ()),
-    "specextend_rounds_held_plain": (
-        "counter", "Batched rounds whose sessions the batch's governor held to plain steps: it measured plain steps "
-        "decoding more tokens per second than the sessions' own choices (batch_governor; docs/architecture.md, "
-        "\"Adaptive speculation\").", ()),
+    "specextend_rounds_held": (
+        "counter", "Batched rounds whose sessions the batch's governor held, by regime: to plain steps or to trees, "
+        "where it measured that regime decoding more tokens per second than the sessions' own choices "
+        "(batch_governor; docs/architecture.md, \"Adaptive speculation\").", ("regime",)),
     "specextend_num_requests_running": ("gauge", "Active sessions.", ()),
     "specextend_num_requests_waiting": ("gauge", "Requests queued for admission.", ()),
 }
@@ -180,9 +180,9 @@ class ReplicaMetrics:
         """A target forward of the replica's batcher, carrying `sessions` sessions' steps (its thread)."""
         self.observe("specextend_forward_sessions", sessions)
 
-    def record_held_round(self) -> None:
-        """A batched round the governor held to plain steps (the batcher's thread)."""
-        self.inc("specextend_rounds_held_plain")
+    def record_held_round(self, regime: str) -> None:
+        """A batched round the governor held to `regime` ("plain", "trees"; the batcher's thread)."""
+        self.inc("specextend_rounds_held", regime=regime)
 
     def record_request(self, stats, finish_reason: str | None) -> None:
         """Per-request counters from a RequestStats (finished, stopped or cancelled)."""
