@@ -11,7 +11,8 @@ benchmarks/concurrency.py --round-log). Each round of `scheduler.Batcher.run_rou
      "advance_s": seconds the round's first pass over its sessions took (their host work on the last
      round's results, and any wait there for the device to finish that round's forward),
      "sync_s": where `SPECEXTEND_ROUND_LOG_SYNC=1` (a GPU), seconds the round's start waited for the
-     device to finish what the process queued before it (then advance_s is host work alone)}
+     device to finish what the process queued before it (then advance_s is host work alone),
+     "regime": with the batch's governor (governor.py), the round's: free, plain or trees}
 
 A forward's wall seconds are the host's (on a GPU a replayed graph returns before the device is
 done: the round's own wall time is what the sessions waited). Pure bookkeeping: nothing here
@@ -58,6 +59,11 @@ class RoundLog:
                 torch.cuda.synchronize(device)
                 self.rec["sync_s"] = time.perf_counter() - self._t0
 
+    def regime(self, name: str) -> None:
+        """The governor's regime for this round (governor.FREE, PLAIN, TREES)."""
+        if self.on:
+            self.rec["regime"] = name
+
     def advanced(self, since: float) -> None:
         """The round's first pass over its sessions began at perf_counter() `since` and ends now."""
         if self.on:
@@ -103,14 +109,19 @@ def read(folder: str, since: float = 0.0, until: float = float("inf")) -> list[d
 
 def summary(rounds: list[dict]) -> dict:
     """What a window of rounds did: how many, their wall seconds in all, the draft waits in them, the
-    rounds that carried prompt chunks and their seconds, mean sessions and forward rows a round."""
+    rounds that carried prompt chunks and their seconds, mean sessions and forward rows a round, the
+    rounds in each of the governor's regimes."""
     if not rounds:
         return dict(rounds=0)
     chunked = [r for r in rounds if any(f[2] for f in r["forwards"])]
     n = len(rounds)
+    regimes: dict = {}  # rounds by the governor's regime (none without a governor)
+    for r in rounds:
+        if "regime" in r:
+            regimes[r["regime"]] = regimes.get(r["regime"], 0) + 1
     return dict(rounds=n, round_s=sum(r["s"] for r in rounds), wait_s=sum(r["wait_s"] for r in rounds),
                 chunk_rounds=len(chunked), chunk_round_s=sum(r["s"] for r in chunked),
                 advance_s=sum(r.get("advance_s", 0.0) for r in rounds), sync_s=sum(r.get("sync_s", 0.0) for r in rounds),
                 sessions=sum(r["sessions"] for r in rounds) / n, drafts=sum(r["drafts"] for r in rounds) / n,
                 rows=sum(f[1] for r in rounds for f in r["forwards"]) / n,
-                span_s=rounds[-1]["t"] + rounds[-1]["s"] - rounds[0]["t"])
+                span_s=rounds[-1]["t"] + rounds[-1]["s"] - rounds[0]["t"], regimes=regimes)

@@ -190,6 +190,7 @@ class Batcher:
         self._round_tokens = self._round_chunks = 0
         if self.governor is not None:
             regime = self.governor.regime()
+            self.round_log.regime(regime)
             hold = None if regime == FREE else regime
             for e in self._sessions:
                 if e.load is not None:

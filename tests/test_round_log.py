@@ -67,3 +67,19 @@ def test_each_round_accounts_for_the_batchers_forwards(tiny_models, monkeypatch,
     s = round_log.summary(rounds)
     assert s["rounds"] == len(rounds) and s["chunk_rounds"] == sum(any(f[2] for f in r["forwards"]) for r in rounds)
     assert round_log.read(str(tmp_path), since=rounds[-1]["t"] + 1) == []
+    assert s["regimes"] == {}  # (no governor)
+
+
+def test_rounds_name_the_governors_regime(tiny_models, monkeypatch, tmp_path):
+    """With the batch's governor, each round records its regime, and the summary counts them."""
+    from specextend.governor import FREE, PLAIN, TREES, Governor
+
+    monkeypatch.setenv(round_log.ENV, str(tmp_path))
+    engine = make_engine(tiny_models("float64"), "sd", tree=TreeConfig(6, 3, 2), prefill_chunk=64,
+                         tree_policy="adaptive")
+    b = _run(engine, [_prompt(12, i) for i in range(4)], governor=Governor(window=2, hold=1000))
+    rounds = round_log.read(str(tmp_path))
+    assert rounds and all(r["regime"] in (FREE, PLAIN, TREES) for r in rounds)
+    s = round_log.summary(rounds)
+    assert sum(s["regimes"].values()) == len(rounds) and s["regimes"][FREE] > 0
+    assert s["regimes"].get(PLAIN, 0) == b.held_rounds.get(PLAIN, 0) > 0  # (the free window measured, then plain)
