@@ -16,6 +16,7 @@ from specextend.controller import TreeController
 from specextend.draft.base import DraftError, DraftTree
 from specextend.draft_link import Lane, RunTells, ask_ahead, prepared_tree, send_prepare, settled, start_ask
 from specextend.emit import Emitter
+from specextend.governor import PLAIN
 from specextend.ladder import Rung, prefix_accepts
 from specextend.lookup import RequestLookup, drafted_prefix
 from specextend.lookup_ahead import run_ahead
@@ -99,8 +100,12 @@ class EngineSteps:
         elif s.use_draft and not s.opening_pending and s.opening is not None:
             s.ctl.see_chain(s.lookup, len(s.pending) - len(s.committed))  # (what a step without a tree would verify now)
             held = s.load.held if s.ctl.governed else None  # (the batch's governor: governor.py)
-            rung = (s.ctl.choose_noted(s.load.sessions) if held is None else s.ctl.plain_unchosen() if held == "plain"
-                    else s.ctl.tree_unchosen(s.load.sessions))
+            if held is None:
+                rung = s.ctl.choose_noted(s.load.sessions)
+            elif held == PLAIN:
+                rung = s.ctl.plain_unchosen()
+            else:  # (TREES)
+                rung = s.ctl.tree_unchosen(s.load.sessions)
         else:
             rung = s.ctl.plain_unchosen()
         s.chosen = None
@@ -262,7 +267,7 @@ class EngineSteps:
         tells = RunTells(self.draft, s.lane, s.sid, s.step, s.pending, s.retrieval, s.held, s.stats) if s.tell else None
         run = (self.config.plain_ahead and not s.opening_pending
                and run_ahead(s.target, s.committed[-1], s.out, s.stats, s.t1, s.gen, s.ctl, s.lookup,
-                             s.use_draft and not (s.load.held == "plain" and s.ctl.governed), s.load,
+                             s.use_draft and not (s.load.held == PLAIN and s.ctl.governed), s.load,
                              self.lookup_ahead, s.feed.push if s.feed is not None else tells, s.ref))  # ("Plain
         send, scoring = None, s.retrieval  # steps ahead", "Lookup runs ahead"; scoring: once the forward is queued)
         if run:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -115,10 +116,7 @@ def summary(rounds: list[dict]) -> dict:
         return dict(rounds=0)
     chunked = [r for r in rounds if any(f[2] for f in r["forwards"])]
     n = len(rounds)
-    regimes: dict = {}  # rounds by the governor's regime (none without a governor)
-    for r in rounds:
-        if "regime" in r:
-            regimes[r["regime"]] = regimes.get(r["regime"], 0) + 1
+    regimes = dict(Counter(r["regime"] for r in rounds if "regime" in r))  # (none without a governor)
     return dict(rounds=n, round_s=sum(r["s"] for r in rounds), wait_s=sum(r["wait_s"] for r in rounds),
                 chunk_rounds=len(chunked), chunk_round_s=sum(r["s"] for r in chunked),
                 advance_s=sum(r.get("advance_s", 0.0) for r in rounds), sync_s=sum(r.get("sync_s", 0.0) for r in rounds),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Generator, Optional
 
@@ -87,7 +87,7 @@ class Batcher:
         # those decode more than the sessions' own choices (None: the sessions decide alone)
         self.governor = governor
         self._on_held = on_held  # told of each round the governor holds, and to what (the replica's metrics)
-        self.held_rounds: dict[str, int] = {}  # rounds held, by regime (governor.PLAIN, TREES)
+        self.held_rounds: Counter = Counter()  # rounds held, by regime (governor.PLAIN, TREES)
         self._round_tokens = 0  # tokens the sessions emitted this round (the governor's measure)
         self._round_chunks = 0  # prompt chunks this round's forwards carried
         self._last_set: frozenset = frozenset()  # the sessions of the round before
@@ -196,7 +196,7 @@ class Batcher:
                 if e.load is not None:
                     e.load.held = hold
             if hold is not None:
-                self.held_rounds[hold] = self.held_rounds.get(hold, 0) + 1
+                self.held_rounds[hold] += 1
                 if self._on_held is not None:
                     self._on_held(hold)
         for e in [e for e in self._sessions if e.stopped]:
@@ -263,10 +263,11 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - e.g. a full cache: each session gets it
                 results = [exc] * len(group)
             span = watch.stop()
-            self._round_chunks += sum(bool(e.call.prompt) for e in group)
+            chunks = sum(bool(e.call.prompt) for e in group)
+            self._round_chunks += chunks
             if self.round_log.on:
-                self.round_log.forward(len(group), sum(e.call.ids.shape[0] for e in group),
-                                       sum(bool(e.call.prompt) for e in group), time.perf_counter() - t0)
+                self.round_log.forward(len(group), sum(e.call.ids.shape[0] for e in group), chunks,
+                                       time.perf_counter() - t0)
             self._tell_loads(group, span)
             self.spans.append(span)
             if self._on_forward is not None:
