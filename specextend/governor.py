@@ -21,12 +21,16 @@ to trees (the best tree its policy prices; `regime`: the driver tells each sessi
 regime whose rounds' median tokens per second is highest holds for `hold` rounds (a held regime
 must beat the free one by `margin`: the sessions' own choices are trusted otherwise), doubling each
 time a measurement confirms it, and the measurement starts again when the batch's size changes to
-another power of two. Lossless by construction: it only decides which steps carry trees, as each
+another power of two. A measurement costs what its windows of the losing regimes decode less than
+the verdict's would have; the hold is long enough that the next measurement costs at most `budget`
+of the time (as a session's probes are spaced by what they lose, costs.probe_interval): sixteen
+sessions whose trees decode half as much as plain steps hold 154 rounds, not 32. Lossless by construction: it only decides which steps carry trees, as each
 session's policy does.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -56,6 +60,7 @@ class Governor:
     hold: int = 32  # a verdict's first hold in rounds, doubled each time a measurement confirms it
     max_hold: int = 2048
     margin: float = 0.03  # a held regime must decode this much more than the free one
+    budget: float = 0.02  # the share of the time that measuring (its losing windows) may cost
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # by batch size (bucket)
     measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
     phase: Optional[str] = None  # the regime being measured (None: none)
@@ -113,8 +118,17 @@ class Governor:
         if self.measured[regime] <= (1 + self.margin) * self.measured[FREE]:
             regime = FREE
         hold = min(2 * v.hold, self.max_hold) if v is not None and v.regime == regime else self.hold
+        hold = max(hold, min(self.paid_hold(regime), self.max_hold))
         self.verdicts[size] = Verdict(regime, hold, hold)
         self.phase = None
+
+    def paid_hold(self, regime: str) -> int:
+        """Rounds to hold `regime` so that a measurement like the last one costs at most `budget` of
+        the time: each window (its skipped round too) of a regime that decodes less than `regime` loses
+        that share of its rounds."""
+        best = max(self.measured[regime], 1e-12)
+        lost = sum((self.window + 1) * max(0.0, 1.0 - rate / best) for rate in self.measured.values())
+        return math.ceil(lost / self.budget - 1e-9) - len(ORDER) * (self.window + 1)
 
     def _restart(self) -> None:
         self._rates, self._skip = [], True

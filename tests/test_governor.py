@@ -32,7 +32,7 @@ def rounds(g: Governor, n: int, sessions: int, rate: dict, t: list, steady: bool
 
 
 def test_plain_steps_that_decode_more_hold_the_batch_then_confirmed_longer():
-    g, t = Governor(window=4, hold=8), [0.0]
+    g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
     rate = {FREE: 12, PLAIN: 16, TREES: 10}
     assert rounds(g, 15, 16, rate, t) == MEASURE
     assert g.measured == pytest.approx({FREE: 1200.0, PLAIN: 1600.0, TREES: 1000.0})
@@ -43,7 +43,7 @@ def test_plain_steps_that_decode_more_hold_the_batch_then_confirmed_longer():
 
 
 def test_trees_that_decode_more_hold_the_batch():
-    g, t = Governor(window=4, hold=8), [0.0]
+    g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
     rate = {FREE: 12, PLAIN: 11, TREES: 15}  # (sessions that stay plain where trees pay)
     assert rounds(g, 15, 8, rate, t) == MEASURE
     assert g.verdicts[8].regime == TREES
@@ -52,7 +52,7 @@ def test_trees_that_decode_more_hold_the_batch():
 
 def test_free_choices_that_decode_about_as_much_stay_free():
     for rate in ({FREE: 12, PLAIN: 10, TREES: 11}, {FREE: 12, PLAIN: 12, TREES: 12.3}):  # (within the margin)
-        g, t = Governor(window=4, hold=8), [0.0]
+        g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
         rounds(g, 15, 8, rate, t)
         assert g.verdicts[8].regime == FREE and not g.held()
         assert rounds(g, 8, 8, rate, t) == [FREE] * 8
@@ -61,7 +61,7 @@ def test_free_choices_that_decode_about_as_much_stay_free():
 def test_a_one_off_slow_round_does_not_decide():
     """A window's median rate decides: one round of a session's first tree (or the draft's catch-up
     after a hold), 10 times slower, does not make a held regime look better."""
-    g, t = Governor(window=4, hold=8), [0.0]
+    g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
     for seconds, tokens in [(0.01, 0), (0.01, 12), (0.10, 12), (0.01, 12), (0.01, 12), (0.01, 12)]:
         t[0] += seconds
         g.round_end(8, tokens, True, now=t[0])  # (the first starts the free window, the last is the next's first)
@@ -71,7 +71,7 @@ def test_a_one_off_slow_round_does_not_decide():
 
 
 def test_few_sessions_unsteady_rounds_and_another_batch_size():
-    g, t = Governor(window=4, hold=8), [0.0]
+    g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
     rate = {FREE: 12, PLAIN: 16, TREES: 10}
     assert rounds(g, 20, 3, {FREE: 1, PLAIN: 9, TREES: 9}, t) == [FREE] * 20 and not g.verdicts  # too few sessions
     rounds(g, 6, 8, rate, t)  # the free window of 8 sessions (and the plain one's first round)
@@ -82,6 +82,22 @@ def test_few_sessions_unsteady_rounds_and_another_batch_size():
     assert rounds(g, 1, 16, rate, t) == [PLAIN]  # (decided before the round ended)
     assert not g.held() and g.phase == FREE  # 16 sessions: a size of its own, measured anew
     assert [bucket(n) for n in (4, 5, 8, 9, 16)] == [4, 8, 8, 16, 16]
+
+
+def test_a_measurement_that_costs_much_is_paid_for_by_a_longer_hold():
+    """Trees at half the plain rate and free choices at 3/4 of it: the measurement's losing windows
+    cost 5 x (1/2 + 1/4) = 3.75 rounds, so with a budget of 5% the verdict holds 75 - 15 = 60 rounds
+    (not 8); confirmed, it doubles from there; with every regime alike, the hold is the plain one."""
+    g, t = Governor(window=4, hold=8, budget=0.05), [0.0]
+    rate = {FREE: 12, PLAIN: 16, TREES: 8}
+    rounds(g, 15, 16, rate, t)
+    assert g.verdicts[16].regime == PLAIN and g.verdicts[16].hold == 60
+    assert rounds(g, 60, 16, rate, t) == [PLAIN] * 60
+    rounds(g, 1 + 15, 16, rate, t)  # measured again: confirmed, its hold doubled
+    assert g.verdicts[16].hold == 120
+    g, t = Governor(window=4, hold=8, budget=0.05), [0.0]
+    rounds(g, 15, 16, {FREE: 12, PLAIN: 12, TREES: 12}, t)
+    assert g.verdicts[16].regime == FREE and g.verdicts[16].hold == 8
 
 
 class Verdict(Governor):
