@@ -13,7 +13,8 @@ back, except that a round waits for the draft steps it issued itself (millisecon
 sessions' verifications meet in one forward; a draft session still opening (its prefill) is
 never waited on, and a round carrying a prompt chunk issues that forward before it waits (chunk
 first). Each session's `Load` hears of the forwards that carried its calls (how many
-sessions shared them, their rows and duration), for its adaptive policy (controller.py); with a
+sessions shared them, their rows and duration) and of the round's waits it shared
+(round_charges.py), for its adaptive policy (controller.py); with a
 `Governor` (governor.py) the batch measures its rounds and may hold its sessions to plain steps
 or to trees.
 """
@@ -33,9 +34,10 @@ from specextend.governor import FREE, Governor
 from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall, forward_batch
 from specextend.models.decoder import Decoder
+from specextend.round_charges import charge, charge_held, tell_loads
 from specextend.round_log import RoundLog
 from specextend.session_calls import DraftCall, Load
-from specextend.timing import Span, Stopwatch
+from specextend.timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
@@ -302,44 +304,8 @@ class Batcher:
                 rows, chunks = rows + n, chunks + 1
         return out
 
-    @staticmethod
-    def _charge(sessions: list[_Entry], askers: list[_Entry], seconds: float) -> None:
-        """The round waited `seconds` for `askers`' draft steps (batched on the draft worker, or one
-        after another there): every other session's step shared that wait, which its own choice did
-        not cause (Load.wall), and each asker is charged its share, the rest counted as others' wait
-        (Load.take_shared)."""
-        mine = {id(e) for e in askers}
-        rest = seconds * (len(askers) - 1) / len(askers)
-        for e in sessions:
-            if e.load is not None and id(e) in mine:
-                e.load.shared_s, e.load.others_wait_s = rest, e.load.others_wait_s + rest
-            elif e.load is not None:
-                e.load.others_wait_s += seconds
-
-    @staticmethod
-    def _charge_held(issued: list[_Entry], t0: float) -> list[_Entry]:
-        """A chunk-first round's draft steps that ended while its first forward (from perf_counter
-        `t0`) was still being issued waited for that forward, not for the draft: that part of each
-        one's wait is kept out of its draft's price and its step's wall, as others' waits are.
-        Returns those sessions (the ones with a Load)."""
-        now, out = time.perf_counter(), []
-        for e in issued:
-            done_at = getattr(e.future, "done_at", None)
-            if done_at is not None and e.load is not None:
-                held = max(0.0, now - max(done_at, t0))
-                e.load.shared_s += held
-                e.load.others_wait_s += held
-                out.append(e)
-        return out
-
-    @staticmethod
-    def _tell_loads(group: list[_Entry], span: Span) -> None:
-        """The sessions that listen (a Load) hear how many shared the forward, its rows and time."""
-        loads = [e.load for e in group if e.load is not None]
-        if loads:
-            rows = sum(e.call.ids.shape[0] for e in group)
-            for load in loads:
-                load.sessions, load.rows, load.span = len(group), rows, span
+    # what a round tells its sessions' Loads (round_charges.py); tests call and patch them here
+    _charge, _charge_held, _tell_loads = staticmethod(charge), staticmethod(charge_held), staticmethod(tell_loads)
 
     def _advance(self, e: _Entry) -> None:
         """Moves a session until it waits on a forward or a draft call, pauses, or ends."""

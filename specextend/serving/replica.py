@@ -4,8 +4,8 @@ It loads the target, starts its draft actor on bundle 1 of its own placement gro
 `draft_in_replica`, runs the draft's worker in its own process), and runs
 Engine.stream for each request. The engine is synchronous torch code: every step of every request
 runs on one worker thread (GPU work serialized), one `next()` at a time, so sessions interleave
-step by step. Tokenization, detokenization and stop strings are done here (textstream.py); the
-ingress only speaks HTTP.
+step by step. Tokenization, detokenization and stop strings are done here (request_params.py,
+textstream.py); the ingress only speaks HTTP.
 
 Draft failures: the engine falls back to plain decoding (lossless) and marks stats.fallback. The
 replica then serves new requests with its AR engine (fallback) while it restores the draft in the
@@ -29,7 +29,6 @@ import ray
 from specextend.config import SamplingParams
 from specextend.governor import Governor
 from specextend.models import late_work
-from specextend.models.chat import encode_chat
 from specextend.rpc.auth import new_token
 from specextend.serving import metrics as m
 from specextend.serving.admission import CPU_KV_FRACTION, GPU_KV_FRACTION, Admission, kv_budget
@@ -38,6 +37,7 @@ from specextend.serving.draft_recovery import DRAFT_START_TIMEOUT_S, DraftRecove
 from specextend.serving.errors import APIError, BadRequestError
 from specextend.serving.items import WHOLE_WAKE_S, item_wait, merged, short_prompt
 from specextend.serving.protocol import spec_decoding
+from specextend.serving.request_params import sampling_params, speculation, tokenize_prompt
 from specextend.serving.settings import MODEL_CPUS, AppSettings
 from specextend.serving.textstream import TextStream
 
@@ -193,46 +193,6 @@ class SpecExtendReplica(DraftRecovery):
 
     # ------------------------------------------------------------------ requests
 
-    def _prompt_ids(self, req: dict) -> list[int]:
-        """In a worker thread unless the prompt is short (`items.short_prompt`): megabytes of text
-        take seconds to tokenize (the fast tokenizer releases the GIL, so the event loop keeps
-        serving). Chat content is encoded as text."""
-        tok = self.tokenizer
-        if req.get("messages") is not None:
-            try:
-                return encode_chat(tok, req["messages"])
-            except Exception as e:  # noqa: BLE001 - template errors are the request's fault
-                raise BadRequestError(f"cannot apply the chat template: {e}", "messages") from e
-        if req.get("prompt_ids") is not None:
-            return [int(i) for i in req["prompt_ids"]]
-        return tok.encode(req["prompt"])
-
-    def _params(self, req: dict, prompt_len: int) -> SamplingParams:
-        max_tokens = req.get("max_tokens")
-        if max_tokens is None:  # as vLLM: up to the end of the context, within the server's limit
-            max_tokens = max(1, min(self.settings.max_new_tokens, self.target.max_context - prompt_len))
-        elif max_tokens > self.settings.max_new_tokens:
-            raise BadRequestError(f"max_tokens {max_tokens} exceeds the limit {self.settings.max_new_tokens}",
-                                  "max_tokens")
-        top_k = req.get("top_k") or 0
-        try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=req.get("temperature", 1.0),
-                                  top_p=req.get("top_p", 1.0), top_k=max(top_k, 0), seed=req.get("seed"),
-                                  ignore_eos=bool(req.get("ignore_eos")))
-        except ValueError as e:
-            raise BadRequestError(str(e)) from e
-
-    def _speculation(self, req: dict) -> dict:
-        spec = req.get("speculative_decoding") or {"enabled": True, "max_tree_nodes": None}
-        if spec.get("reference_token_ids") is not None and not self.settings.benchmark_references:
-            raise BadRequestError("reference_token_ids is for benchmarks: the app's benchmark_references is off",
-                                  "speculative_decoding.reference_token_ids")
-        n = spec.get("max_tree_nodes")
-        if n is not None and n > self.cfg.tree.nodes:
-            raise BadRequestError(f"max_tree_nodes {n} exceeds the server's tree_nodes {self.cfg.tree.nodes}",
-                                  "speculative_decoding.max_tree_nodes")
-        return spec
-
     async def generate(self, req: dict) -> AsyncIterator[dict]:
         """Serve streaming method. Yields {text, token_ids, finish_reason}; the first item adds
         prompt_token_ids if req["return_prompt_ids"] (as vLLM's first chunk does: known at the
@@ -258,11 +218,11 @@ class SpecExtendReplica(DraftRecovery):
     async def _admit(self, req: dict) -> tuple:
         """Tokenizes, checks and admits a request: (engine, prompt ids, params, speculation, KV bytes)."""
         if short_prompt(req):  # on the loop: a thread's round trip is two waits for the interpreter lock
-            prompt_ids = self._prompt_ids(req)
+            prompt_ids = tokenize_prompt(self.tokenizer, req)
         else:
-            prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
-        params = self._params(req, len(prompt_ids))
-        spec = self._speculation(req)  # a bad value is a 400 before admission
+            prompt_ids = await asyncio.to_thread(tokenize_prompt, self.tokenizer, req)
+        params = sampling_params(req, len(prompt_ids), self.settings.max_new_tokens, self.target.max_context)
+        spec = speculation(req, self.settings.benchmark_references, self.cfg.tree.nodes)  # a 400 before admission
         engine = self.engine if self.draft_ok else self.ar_engine
         try:
             engine.check_request(prompt_ids, params, spec.get("reference_token_ids"))
