@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from specextend.controller_carry import WARM_MARGIN, Carrying
+from specextend.controller_probe import Probing
 from specextend.controller_record import PROBE_RETRIES, ROW_MIN, SWITCH_ALPHA, Recording  # noqa: F401 (re-exported)
 from specextend.controller_best import best_rung
-from specextend.costs import OUTLIER, RUN_STEPS, LinearCost, probe_interval, run_rate
+from specextend.costs import OUTLIER, RUN_STEPS, LinearCost, run_rate
 from specextend.recheck import PlainRecheck
 from specextend.ladder import PLAIN, Rung
 
@@ -68,13 +69,14 @@ def _forwards() -> LinearCost:
 
 
 @dataclass
-class TreeController(Recording, Carrying):
+class TreeController(Recording, Carrying, Probing):
     rungs: list[Rung]  # ladder(): plain first, the session's tree last
     warmup: int = 2  # speculative steps before the first decision: the smallest tree, then (after a plain
     # step) the largest if it may pay
     min_probe: int = 4  # steps before a probe, at least
     probe_ratio: float = 10.0  # ... and this many times the time a probe loses against the best choice
     max_probe: int = 1024
+    probe_every_s: float = 2.0  # ... and a probe at least this often, in predicted seconds (costs.probe_cap)
     governed = True  # (not a field) a batch's governor may hold its steps plain or to trees (governor.py)
     alpha: float = 0.3  # weight of the newest step in the acceptance averages
     forward: LinearCost = field(default_factory=_forwards)  # target forward seconds vs rows, the steps'
@@ -368,30 +370,6 @@ class TreeController(Recording, Carrying):
             self._probing, self._best, self._probe, self._probe_by_prior = True, best, probe, self.priced_by_prior
             return probe
         return best
-
-    def interval(self, best: Rung, probe: Rung) -> int:
-        """Steps between probes of `probe` while `best` is chosen (costs.probe_interval), at most
-        max_probe: what the probe could win bounds how often it is worth trying, once the draft is
-        measured (a prior's price is a guess that the probe is there to correct); a probe that waits
-        for a deferred draft open costs that open too (open_s)."""
-        gain = None if self.priced_by_prior else self.best_case_rate(probe) / max(self.value(best), 1e-12) - 1.0
-        return min(probe_interval(self.step_seconds(probe) + (self.switch_s or 0.0) + self.open_s,
-                                  self.step_seconds(best), self.value(probe), self.value(best),
-                                  self.min_probe, self.probe_ratio, gain), self.max_probe)
-
-    def _probe_rung(self, best: Rung) -> Rung:
-        """The rung a probe takes while `best` is chosen: while only the prior prices the draft, the
-        smallest tree (a level measured cheaply corrects a wrong prior); after it the largest rung
-        whose best case (every level accepted) beats `best` (it measures every rung inside it), else
-        the smallest (it re-measures the draft)."""
-        if self.priced_by_prior:
-            return self.rungs[1]
-        bar = self.value(best)
-        return next((r for r in reversed(self.rungs[1:]) if self.best_case_rate(r) > bar), self.rungs[1])
-
-    def best_case_rate(self, rung: Rung) -> float:
-        """Tokens per second of a step of `rung` were every level of its tree accepted: an upper bound."""
-        return (1.0 + rung.depth) / max(self._verified_seconds(rung), 1e-9)
 
     def _top_may_pay(self, margin: float = 1.0) -> bool:
         """Whether the largest tree could beat a plain step (by `margin`) if every level were

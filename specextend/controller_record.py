@@ -214,6 +214,8 @@ class Recording:
         else:  # doubled, and never below what the costs now give (interval: what a probe could win);
             # the schedule set early, while a context lookup's runs were still learning their yield,
             # kept doubling from 8 steps after no tree could beat them (the real pair at 16K: five
-            # probes of ~11 ms in 256 tokens against 2 ms steps; H200, 2026-12-01)
-            self.probe_every = min(max(2 * self.probe_every, self.interval(best, self._probe_rung(best))),
-                                   self.max_probe)
+            # probes of ~11 ms in 256 tokens against 2 ms steps; H200, 2026-12-01); within the cap
+            # in seconds (costs.probe_cap), so that doubling never outlasts costs that changed since
+            probe = self._probe_rung(best)
+            cap = self.probe_cap(self.probe_seconds(probe), self.step_seconds(best))
+            self.probe_every = min(max(2 * self.probe_every, self.interval(best, probe)), self.max_probe, cap)

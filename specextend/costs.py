@@ -3,6 +3,7 @@ speculation"): a cost line fitted online, and the costs a finished session leave
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -107,6 +108,17 @@ def probe_interval(t_probe: float, t_best: float, rate_probe: float, rate_best: 
             return sys.maxsize
         steps = max(steps, lost / (gain * max(t_best, 1e-9)))
     return max(min_probe, int(steps + 0.5))
+
+
+def probe_cap(t_probe: float, t_best: float, min_probe: int, every_s: float, share: float) -> int:
+    """The most steps between probes: a probe at least every `every_s` seconds of best steps
+    (`t_best` each), so that costs that changed since the interval was set (a batch that shrank,
+    costs carried from a session that decoded under load) are found out within seconds, not 1,024
+    steps; but never so often that probes (`t_probe` each, at most what one loses) take more than
+    `share` of the time. An infinite `every_s`: no cap (sys.maxsize)."""
+    if math.isinf(every_s):
+        return sys.maxsize
+    return max(min_probe, math.ceil(max(every_s, t_probe / share) / max(t_best, 1e-9)))
 
 
 @dataclass(frozen=True)

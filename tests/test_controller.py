@@ -4,6 +4,7 @@ per second; backing off as more sessions share the target's forwards; probing so
 back (on simulated costs; the policy in the engine, lossless whatever it chooses, is
 test_controller_engine.py's)."""
 
+import math
 
 import pytest
 
@@ -364,7 +365,8 @@ def test_rungs_trading_places_after_a_probe_of_the_top_do_not_restart_the_probes
     (a reset after each trade probed the full tree every ~5 steps on an H200)."""
     import random
 
-    rng, ctl, chosen = random.Random(seed), TreeController(list(RUNGS)), []
+    # (probe_every_s: no cap in seconds, which would stop the doubling at 2 s of steps: test_probe_schedule.py)
+    rng, ctl, chosen = random.Random(seed), TreeController(list(RUNGS), probe_every_s=math.inf), []
     for _ in range(600):
         r = ctl.choose()
         ctl.record_forward(r.nodes + 1, FIXED + 0.00002 * (r.nodes + 1))
