@@ -48,9 +48,11 @@ from draft_rounds import print_profiles, profile_control  # noqa: E402
 
 
 def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
-        gather_s: float = 0.0, graph_batch: bool = False, governor: bool = False, on_decode=None) -> dict:
+        gather_s: float = 0.0, graph_batch: bool = False, governor: bool = False, on_decode=None,
+        profiler=None) -> dict:
     """One run of n sessions; `on_decode()` is called when every session has its first token;
-    `governor`: the batcher checks the sessions' choices as a served replica's does (governor.py)."""
+    `governor`: the batcher checks the sessions' choices as a served replica's does (governor.py);
+    `profiler` (torch.profiler's): started on this thread, which stops it, once decoding starts."""
     gov = Governor() if governor else None
     b = Batcher(engine.target.decoder, max_batch, governor=gov)
     graphs = engine.target.decoder.graphs
@@ -59,7 +61,7 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     if engine.draft is not None:
         engine.draft.max_batch, engine.draft.gather_s = draft_batch, gather_s
         before = engine.draft.stats()
-    done = threading.Event()
+    done, decoding = threading.Event(), threading.Event()
     ends, tokens = [], [0]
     started: set = set()
     decode = dict(t0=None, tokens=0, t1=None)  # after every session's first token
@@ -79,6 +81,7 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
             if decode["t0"] is None and len(started) == n:
                 decode["t0"] = now
                 marks.append(len(b.spans))
+                decoding.set()
                 if on_decode is not None:
                     on_decode()
         return True
@@ -94,6 +97,9 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
         b.add(engine.session(ids, params, replay=replay, load=load), sink, load)
     th = threading.Thread(target=b.run, daemon=True, name="batcher")
     th.start()
+    if profiler is not None:
+        decoding.wait()
+        profiler.start()
     done.wait()
     wall = time.perf_counter() - t0
     b.shutdown()
@@ -120,6 +126,24 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
         if trees is not None:  # whole expansions run batched (draft/tree_batch.py), sessions they carried
             row.update(draft_tree_batches=trees.batches.replays, draft_tree_batch_sessions=trees.batches.sessions)
     return row
+
+
+def print_kernels(title: str, prof, row: dict, top: int) -> list:
+    """The `top` kernels by device time in a profiled run's decode, per round (decode forward), beside
+    the round's wall time (on the CPU: torch's operators by their own CPU time); returns them as rows
+    for the JSON."""
+    rounds = max(row["decode_forwards"], 1)
+    attr = "self_cpu_time_total" if prof.activities == {torch.profiler.ProfilerActivity.CPU} else "self_device_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    events.sort(key=lambda e: -getattr(e, attr))
+    busy = sum(getattr(e, attr) for e in events) / rounds  # us of kernels a round
+    print(f"{title}: {rounds} rounds of {row['round_ms']:.1f} ms, kernels {busy / 1e3:.2f} ms a round")
+    out = []
+    for e in events[:top]:
+        us, calls = getattr(e, attr) / rounds, e.count / rounds
+        out.append(dict(kernel=e.key, us_per_round=us, calls_per_round=calls))
+        print(f"  {us:9.1f} us {calls:7.1f} x  {e.key[:110]}")
+    return out
 
 
 def ceiling(engine, n: int, prompt_len: int, new_tokens: int, bw: float) -> float:
@@ -158,6 +182,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", choices=["cpu", "wall"], default=None,
                    help="each plan's timed run again, its decode under yappi (this clock): each thread's busiest "
                         "functions")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="CUDA: each plan's timed run again, its decode under torch.profiler: the N kernels "
+                        "(target's and draft's) that took the most device time, per round")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads on the CPU (0: torch's): 1 as in a served replica, whose actor "
                         "Ray starts with OMP_NUM_THREADS=1; with more, a thread's team of threads that another "
@@ -211,6 +238,14 @@ def main(argv=None) -> int:
                     got[-1]["profile"] = profile_control(("stop", 40))
                     print_profiles(f"{label} L {length} plan {mb}/{db}{'w' if gs else ''}{'g' if gb else ''}",
                                    {n: got[-1]["profile"]})
+                if a.kernels:  # the same run's decode again under torch.profiler: the device's kernels
+                    act = torch.profiler.ProfilerActivity
+                    prof = torch.profiler.profile(activities=[act.CPU if a.device == "cpu" else act.CUDA])
+                    again = run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb, gv, profiler=prof)
+                    prof.stop()
+                    got[-1]["kernels"] = print_kernels(
+                        f"{label} L {length} sessions {n} plan {mb}/{db}{'w' if gs else ''}{'g' if gb else ''}"
+                        f"{'G' if gv else ''}", prof, again, a.kernels)
             top = ceiling(engine, n, length, a.new_tokens, bw) if mode == "ar" else 0.0
             for r in got:
                 rows.append(dict(mode=label, plain_ahead=ahead, prompt_len=length, replayed=replay is not None, tree_policy=a.tree_policy,
