@@ -86,12 +86,14 @@ def kernels_for(geo: str, call: str, dt: str):
         SPLITS=("i32", splits)), dict(G=g, D=d, DP=_pow2(d), BLOCK_M=c["bm"], BLOCK_N=c["block_n"], MIN_CHUNK=MIN_CHUNK, IEEE=dt == "fp32",
         INTERPRET=False, PDL=True), dict(num_warps=c["num_warps"], num_stages=c["num_stages"], launch_pdl=True)
     cc = combine_config(m, n, d, splits, dt == "fp32")
+    # (HAS_RNG on the verifications: a batched forward's per-token key ranges, full_graphs.batch_key_ranges)
     yield "tree_combine", LK.tree_combine, dict(
         q_ptr=(p, 0), k_ptr=(p, 0), v_ptr=(p, 0), bias_ptr=("*fp32", 0), outp_ptr=("*fp32", 0),
-        lsep_ptr=("*fp32", 0), out_ptr=(p, 0), lse_ptr=("*fp32", 0), scale_log2=("fp32", 0),
+        lsep_ptr=("*fp32", 0), out_ptr=(p, 0), lse_ptr=("*fp32", 0), rng_ptr=("*i32", 0), scale_log2=("fp32", 0),
         stride_kg=("i32", n * d), stride_kn=("i32", d), stride_vg=("i32", n * d), stride_vn=("i32", d),
         T=("i32", t), N=("i32", n), S=("i32", splits)), dict(R=r, SP=cc["sp"], D=d, DP=_pow2(d), DC=cc["dc"], BLOCK_M=cc["bm"], BLOCK_N=cc["bn"],
-        SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False, PDL=True), dict(num_warps=cc["warps"], num_stages=1, launch_pdl=True)
+        SB=cc["sb"], NEED_LSE=call.startswith("verify"), IEEE=dt == "fp32", INTERPRET=False, PDL=True,
+        HAS_RNG=call.startswith("verify")), dict(num_warps=cc["warps"], num_stages=1, launch_pdl=True)
     block = min(1024, _pow2(inter))
     for folded in (True, False):  # norms folded (fused_layer.fold_model_norms), as loaded; QK-norm models not
         yield "rope_scatter", LK.rope_scatter, dict(

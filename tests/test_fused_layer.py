@@ -71,6 +71,51 @@ def test_tree_combine_equals_tree_attention_merged(dtype, h, g, t, staged, d, sp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nb,t,st", [(4, 16, 0), (4, 16, 8), (3, 5, 7), (2, 1, 0)])
+def test_tree_combine_reads_only_each_sessions_key_ranges(dtype, nb, t, st):
+    """A batched forward's block-diagonal mask (FullStepGraphs._batch_mask: each session's rows see
+    its own staged and new keys) with its key ranges (full_graphs.batch_key_ranges) equals the twin
+    over every key. With 16 tokens a session each row block is one session's, so a bias made
+    permissive outside the ranges (every other session's keys open) changes nothing: the kernel
+    reads only the ranges. With 5 tokens a block spans sessions and reads the union of theirs."""
+    from specextend.models.full_graphs import batch_key_ranges
+
+    h, g, d = 4, 2, 16
+    gen = _gen(nb * 100 + t * 10 + st)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    rows, n = nb * t, nb * (st + t)
+    q, k, v = rnd(h, rows, d).to(dtype), rnd(g, n, d).to(dtype), rnd(g, n, d).to(dtype)
+    mask = torch.zeros(rows, n, dtype=torch.bool)
+    for i in range(nb):
+        lo = i * t
+        mask[lo:lo + t, i * st:(i + 1) * st] = torch.rand(t, st, generator=gen) < 0.6
+        mask[lo:lo + t, nb * st + lo:nb * st + lo + t] = torch.ones(t, t, dtype=torch.bool).tril()
+    mask = mask.to(DEVICE)
+    out_p, lse_p = rnd(g, 3, (h // g) * rows, d), rnd(g, 3, (h // g) * rows) * 3
+    ref, ref_lse = tree_attention_merged(q, k, v, mask_bias(mask, h // g, torch.float32), out_p, lse_p, 0.3,
+                                         need_lse=True)
+    ranges = batch_key_ranges(nb, t, st, DEVICE)
+    aligned = t % 16 == 0
+    bias = mask_bias(mask | ~_own_blocks(nb, t, st).to(DEVICE) if aligned else mask, h // g, torch.float32)
+    got, lse = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, True, key_ranges=ranges)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.view(rows, h, d).transpose(0, 1).float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-5, rtol=1e-5)
+    if aligned and nb > 1:  # (without the ranges the opened keys count: the check above can fail)
+        wide, _ = fused_layer.tree_combine(q, k, v, bias, out_p, lse_p, 0.3, True)
+        assert not torch.allclose(wide.float(), got.float(), atol=tol, rtol=tol)
+
+
+def _own_blocks(nb: int, t: int, st: int) -> torch.Tensor:
+    """[nb * t, nb * (st + t)] bool: each row's own session's staged and new keys."""
+    own = torch.zeros(nb * t, nb * (st + t), dtype=torch.bool)
+    for i in range(nb):
+        own[i * t:(i + 1) * t, i * st:(i + 1) * st] = True
+        own[i * t:(i + 1) * t, nb * st + i * t:nb * st + (i + 1) * t] = True
+    return own
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("store", [False, True])
 def test_rope_scatter_equals_rope_and_copies(dtype, store):
     a = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)  # the ModelArgs fields it reads

@@ -58,12 +58,13 @@ def _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
 
 
 @triton.jit
-def _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, N, g, stride_kg, stride_kn, stride_vg, stride_vn,
+def _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, HI, N, g, stride_kg, stride_kn, stride_vg, stride_vn,
                 offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Tree keys [n0, n0 + BLOCK_N) of N folded into (m_i, l_i, acc) (combine_block's key loop)."""
+    """Tree keys [n0, min(n0 + BLOCK_N, HI)) of N folded into (m_i, l_i, acc) (combine_block's key
+    loop; N is also the bias's row stride)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
-    key_ok = offs_n < N
+    key_ok = offs_n < HI
     k = tl.load(k_ptr + g * stride_kg + offs_n[:, None] * stride_kn + offs_d[None, :],
                 mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, DP]
     v = tl.load(v_ptr + g * stride_vg + offs_n[:, None] * stride_vn + offs_c[None, :],
@@ -85,13 +86,34 @@ def _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, N, g, stride_kg, stride_kn, strid
     return _fold(m_i, l_i, acc, m_blk, tl.sum(p, 1), pv)
 
 
+@triton.jit
+def _tree_range(q, k_ptr, v_ptr, bias_ptr, lo, hi, N, g, stride_kg, stride_kn, stride_vg, stride_vn,
+                offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
+                BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Tree keys [lo, hi) folded into (m_i, l_i, acc), BLOCK_N at a time; two loops: the
+    interpreter's scalars cannot bound a range()."""
+    if INTERPRET:
+        n0 = lo
+        while n0 < hi:
+            m_i, l_i, acc = _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, hi, N, g, stride_kg, stride_kn, stride_vg,
+                                        stride_vn, offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i,
+                                        acc, BLOCK_N, IEEE)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, hi, N, g, stride_kg, stride_kn, stride_vg,
+                                        stride_vn, offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i,
+                                        acc, BLOCK_N, IEEE)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["T", "N", "S"])
-def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
+def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, rng_ptr, scale_log2,
                  stride_kg, stride_kn, stride_vg, stride_vn, T, N, S,
                  R: tl.constexpr, SP: tl.constexpr,
                  D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr,
-                 INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                 INTERPRET: tl.constexpr, PDL: tl.constexpr = False, HAS_RNG: tl.constexpr = False):
     """One program: BLOCK_M folded rows (r = j * T + t: query head g * R + j, token t) of KV head g,
     head dims [c * DC, (c + 1) * DC). Softmax over the S prefix partials (each one column: its lse
     and normalized output) and the N tree keys (scores over all D + additive bias); writes
@@ -124,7 +146,8 @@ def tree_combine(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse
         gdc_wait()
     combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, lse_ptr, scale_log2,
                   stride_kg, stride_kn, stride_vg, stride_vn, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                  tl.num_programs(1), T, N, S, R, SP, D, DP, DC, BLOCK_M, BLOCK_N, SB, NEED_LSE, IEEE, INTERPRET)
+                  tl.num_programs(1), T, N, S, R, SP, D, DP, DC, BLOCK_M, BLOCK_N, SB, NEED_LSE, IEEE, INTERPRET,
+                  rng_ptr, HAS_RNG)
 
 
 @triton.jit
@@ -133,9 +156,12 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
                   R: tl.constexpr, SP: tl.constexpr,
                   D: tl.constexpr, DP: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, SB: tl.constexpr, NEED_LSE: tl.constexpr, IEEE: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  INTERPRET: tl.constexpr, rng_ptr=None, HAS_RNG: tl.constexpr = False):
     """tree_combine's program (mb, g, c) of NG KV heads (also a work item of the persistent layer
-    kernel, models/_triton_persist.py)."""
+    kernel, models/_triton_persist.py). With HAS_RNG, rng_ptr holds each token's two key ranges
+    [T, 4] int32 (lo1, hi1, lo2, hi2) outside which its mask is false: a batched forward's rows see
+    only their own session's staged and new keys (full_graphs.batch_key_ranges), so the block's
+    rows read the union of their tokens' ranges, not all N keys of every session."""
     M = R * T
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, DP)  # [DP] all head dims (scores)
@@ -171,20 +197,24 @@ def combine_block(q_ptr, k_ptr, v_ptr, bias_ptr, outp_ptr, lsep_ptr, out_ptr, ls
     else:
         acc, l_i = _rounds(outp_ptr, lsep_ptr, g, n_used, offs_m, row_ok, offs_c, c_ok, m_safe,
                            S, M, D, BLOCK_M, DC, SB, INTERPRET)
-    # tree keys, masked by the additive bias (half precision: one block up to 64 keys); two loops: the interpreter's
-    # scalars cannot bound a range()
-    if INTERPRET:
-        n0 = 0
-        while n0 < N:
-            m_i, l_i, acc = _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, N, g, stride_kg, stride_kn, stride_vg, stride_vn,
-                                        offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
-                                        BLOCK_N, IEEE)
-            n0 += BLOCK_N
+    # tree keys, masked by the additive bias (half precision: one block up to 64 keys), in at most two
+    # ranges (HAS_RNG: the rows' own sessions' staged keys, then their new keys; else all N)
+    if HAS_RNG:
+        tok = offs_m % T
+        lo1 = tl.min(tl.load(rng_ptr + tok * 4, mask=row_ok, other=N), 0)
+        hi1 = tl.max(tl.load(rng_ptr + tok * 4 + 1, mask=row_ok, other=0), 0)
+        lo2 = tl.min(tl.load(rng_ptr + tok * 4 + 2, mask=row_ok, other=N), 0)
+        hi2 = tl.max(tl.load(rng_ptr + tok * 4 + 3, mask=row_ok, other=0), 0)
+        m_i, l_i, acc = _tree_range(q, k_ptr, v_ptr, bias_ptr, lo1, hi1, N, g, stride_kg, stride_kn, stride_vg,
+                                    stride_vn, offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
+                                    BLOCK_N, IEEE, INTERPRET)
+        m_i, l_i, acc = _tree_range(q, k_ptr, v_ptr, bias_ptr, lo2, hi2, N, g, stride_kg, stride_kn, stride_vg,
+                                    stride_vn, offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
+                                    BLOCK_N, IEEE, INTERPRET)
     else:
-        for n0 in range(0, N, BLOCK_N):
-            m_i, l_i, acc = _tree_block(q, k_ptr, v_ptr, bias_ptr, n0, N, g, stride_kg, stride_kn, stride_vg, stride_vn,
-                                        offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
-                                        BLOCK_N, IEEE)
+        m_i, l_i, acc = _tree_range(q, k_ptr, v_ptr, bias_ptr, 0, N, N, g, stride_kg, stride_kn, stride_vg,
+                                    stride_vn, offs_m, row_ok, offs_d, d_ok, offs_c, c_ok, scale_log2, m_i, l_i, acc,
+                                    BLOCK_N, IEEE, INTERPRET)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     j = offs_m // T

@@ -56,11 +56,15 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
                  out_p: torch.Tensor,  # [G, S, (H/G) * T, D] prefix partials (or [H, T, D]: S = 1)
                  lse_p: torch.Tensor,  # [G, S, (H/G) * T] (or [H, T])
                  scale: float, need_lse: bool = False,
-                 d_chunk: int = 0, sb: int = 0, warps: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 d_chunk: int = 0, sb: int = 0, warps: int = 0,
+                 key_ranges: Optional[torch.Tensor] = None,  # [T, 4] int32 (full_graphs.batch_key_ranges)
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """-> attention over prefix + tree keys as [T, H * D] (q's dtype) and the merged lse [H, T]
     (float32) if need_lse. d_chunk (a power of two >= 16; 0 = combine_config's) splits the head dim
     over programs; sb, warps (0 = combine_config's): benchmarks/decode_attention.py's sweep.
-    Twin: tree_merge.tree_attention_merged (its out, transposed)."""
+    `key_ranges`: each token's two key ranges outside which the mask is false (a batched forward's
+    block-diagonal mask): each row block reads only its tokens' ranges. Twin:
+    tree_merge.tree_attention_merged (its out, transposed), which reads every key."""
     from specextend.attention._triton_kernels import INTERPRETED
     from specextend.models._triton_layer import tree_combine as kernel
 
@@ -77,10 +81,14 @@ def tree_combine(q: torch.Tensor,  # [H, T, D] contiguous
     dc, sb, warps = d_chunk or c["dc"], sb or c["sb"], warps or c["warps"]
     grid = (-(-r * t // c["bm"]), g, -(-d // dc))
     on = pdl.enabled(q.device)
-    kernel[grid](q, k, v, bias, out_p, lse_p, out, lse, scale * math.log2(math.e),
+    if key_ranges is not None:
+        assert key_ranges.shape == (t, 4) and key_ranges.dtype == torch.int32 and key_ranges.is_contiguous()
+    kernel[grid](q, k, v, bias, out_p, lse_p, out, lse, bias if key_ranges is None else key_ranges,
+                 scale * math.log2(math.e),
                  k.stride(0), k.stride(1), v.stride(0), v.stride(1), T=t, N=n, S=s, R=r, SP=c["sp"], D=d,
                  DP=_pow2(d), DC=dc, BLOCK_M=c["bm"], BLOCK_N=c["bn"], SB=sb, NEED_LSE=need_lse, IEEE=ieee,
-                 INTERPRET=INTERPRETED, PDL=on, num_warps=warps, num_stages=1, **launch_args(on))
+                 INTERPRET=INTERPRETED, PDL=on, HAS_RNG=key_ranges is not None, num_warps=warps, num_stages=1,
+                 **launch_args(on))
     return out, (lse if need_lse else None)
 
 

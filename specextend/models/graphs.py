@@ -90,6 +90,7 @@ class _Plan:
         self.x: Optional[torch.Tensor] = None  # residual stream [T, E] between segments
         self.cos = self.sin = None  # [T, D]
         self.bias = None  # [(H/G) * T, staged + T] additive tree mask
+        self.key_ranges: Optional[torch.Tensor] = None  # [T, 4] int32: a batched plan's (full_graphs.py)
         self.logits: Optional[torch.Tensor] = None  # [R or T, V]
         self.cap_q = self.cap_lse = None  # [H, T, D], [H, T]
         self.graphs: list[torch.cuda.CUDAGraph] = []
@@ -214,10 +215,10 @@ class StepGraphs:
         tree = (p.scratch[i - 1, 0], p.scratch[i - 1, 1], p.bias, p.out_p, p.lse_p)  # layer i-1's
         if i < n:
             p.x, p.q[i] = self.seg.mid(a, m.scale, layers[i - 1], layers[i], p.x, p.q[i - 1], *tree,
-                                       p.cos, p.sin, *dst)
+                                       p.cos, p.sin, *dst, key_ranges=p.key_ranges)
             return
         p.logits, lse = self.seg.last(a, m.scale, layers[i - 1], w.norm, w.lm_head, p.x, p.q[i - 1],
-                                      *tree, p.rows, p.key.capture)
+                                      *tree, p.rows, p.key.capture, key_ranges=p.key_ranges)
         if p.key.capture:
             p.cap_q, p.cap_lse = p.q[i - 1], lse
 

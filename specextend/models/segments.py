@@ -46,10 +46,12 @@ def _layer_pre(a: ModelArgs, lw: LayerWeights, x, cos, sin, k_dst, v_dst, kpre_d
 
 
 def _attend_post(a: ModelArgs, scale: float, lw: LayerWeights, x, q, kt, vt, bias, out_p, lse_p,
-                 need_lse: bool, fused: bool, skinny: bool = False):
-    """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None."""
+                 need_lse: bool, fused: bool, skinny: bool = False, key_ranges: Optional[torch.Tensor] = None):
+    """HTA's tree part merged with the prefix part, then o-proj and MLP -> x [T, E], lse or None.
+    `key_ranges` [T, 4]: a batched forward's per-token key ranges (the fused kernel reads only those)."""
     if fused:  # one Triton kernel for the attention, written in the o-proj's layout
-        attn, lse = fused_layer.tree_combine(q, kt, vt, bias, out_p, lse_p, scale, need_lse)  # [T, H*D]
+        attn, lse = fused_layer.tree_combine(q, kt, vt, bias, out_p, lse_p, scale, need_lse,
+                                             key_ranges=key_ranges)  # [T, H*D]
         return fused_layer.layer_post(a, lw, x, attn, skinny), lse
     attn, lse = tree_attention_merged(q, kt, vt, bias, out_p, lse_p, scale, need_lse=need_lse)  # [H, T, D]
     return layer_post(a, lw, x, attn), lse
@@ -85,18 +87,19 @@ def mid(a: ModelArgs, scale: float, lw_prev: LayerWeights, lw: LayerWeights,
         out_p: torch.Tensor, lse_p: torch.Tensor,  # [H, T, D], [H, T] layer i-1's prefix part
         cos: torch.Tensor, sin: torch.Tensor,
         k_dst: torch.Tensor, v_dst: torch.Tensor, kpre_dst: Optional[torch.Tensor], fused: bool = False,
-        skinny: bool = False):
+        skinny: bool = False, key_ranges: Optional[torch.Tensor] = None):
     """-> x [T, E] after layer i-1, q [H, T, D] of layer i."""
-    x, _ = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, False, fused, skinny)
+    x, _ = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, False, fused, skinny, key_ranges)
     return x, _layer_pre(a, lw, x, cos, sin, k_dst, v_dst, kpre_dst, fused, skinny)
 
 
 def last(a: ModelArgs, scale: float, lw_prev: LayerWeights, norm: torch.Tensor, lm_head: torch.Tensor,
          x, q_prev, kt, vt, bias, out_p, lse_p,
          rows: Optional[torch.Tensor],  # [R] logits rows (None = all)
-         need_lse: bool, fused: bool = False, skinny: bool = False):
+         need_lse: bool, fused: bool = False, skinny: bool = False, key_ranges: Optional[torch.Tensor] = None):
     """-> logits [R or T, V] (float32/64), merged lse [H, T] of the last layer (or None)."""
-    x, lse = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, need_lse, fused, skinny)
+    x, lse = _attend_post(a, scale, lw_prev, x, q_prev, kt, vt, bias, out_p, lse_p, need_lse, fused, skinny,
+                          key_ranges)
     return head(a, norm, lm_head, x, rows), lse
 
 
