@@ -38,6 +38,7 @@ from typing import Optional
 
 FREE, PLAIN, TREES = "free", "plain", "trees"
 ORDER = (FREE, PLAIN, TREES)  # the regimes a measurement runs through
+HISTORY = 16  # measurements a governor keeps for its summary
 
 
 def bucket(sessions: int) -> int:
@@ -62,6 +63,7 @@ class Governor:
     margin: float = 0.03  # a held regime must decode this much more than the free one
     budget: float = 0.02  # the share of the time that measuring (its losing windows) may cost
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # by batch size (bucket)
+    history: list = field(default_factory=list)  # the latest HISTORY measurements: size, rates, verdict
     measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
     phase: Optional[str] = None  # the regime being measured (None: none)
     _size: int = 0
@@ -120,6 +122,8 @@ class Governor:
         hold = min(2 * v.hold, self.max_hold) if v is not None and v.regime == regime else self.hold
         hold = max(hold, min(self.paid_hold(regime), self.max_hold))
         self.verdicts[size] = Verdict(regime, hold, hold)
+        self.history = self.history[-(HISTORY - 1):] + [dict(size=size, rates={r: round(x, 1) for r, x in self.measured.items()},
+                                                            regime=regime, hold=hold)]
         self.phase = None
 
     def paid_hold(self, regime: str) -> int:
@@ -134,5 +138,9 @@ class Governor:
         self._rates, self._skip = [], True
 
     def summary(self) -> dict:
-        """The verdicts by batch size (benchmarks): regime, hold and rounds left."""
-        return {n: dict(regime=v.regime, hold=v.hold, left=v.left) for n, v in sorted(self.verdicts.items())}
+        """The verdicts by batch size (benchmarks): regime, hold and rounds left; and under "history"
+        the latest measurements (each regime's tokens per second and the verdict)."""
+        out: dict = {n: dict(regime=v.regime, hold=v.hold, left=v.left) for n, v in sorted(self.verdicts.items())}
+        if self.history:
+            out["history"] = list(self.history)
+        return out

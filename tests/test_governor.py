@@ -40,6 +40,8 @@ def test_plain_steps_that_decode_more_hold_the_batch_then_confirmed_longer():
     assert rounds(g, 8, 16, rate, t) == [PLAIN] * 8  # held for 8 rounds
     rounds(g, 1 + 16, 16, rate, t)  # measured again (after the hold, a round left out): confirmed
     assert g.verdicts[16].hold == 16 and g.summary()[16]["regime"] == PLAIN
+    assert g.summary()["history"][-1] == dict(size=16, rates={FREE: 1200.0, PLAIN: 1600.0, TREES: 1000.0},
+                                              regime=PLAIN, hold=16)
 
 
 def test_trees_that_decode_more_hold_the_batch():
