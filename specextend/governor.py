@@ -21,13 +21,14 @@ to trees (the best tree its policy prices; `regime`: the driver tells each sessi
 regime whose rounds' median tokens per second is highest holds for `hold` rounds (the free one
 must beat the better held one by `margin`: rounds held to one regime are uniform, while free
 sessions mix trees and plain steps in one round, each probe a tree that the whole round waits for;
-measured on an H200, mixed rounds decoded 15-30% less than either uniform regime), doubling each
-time a measurement confirms it, and the measurement starts again when the batch's size changes to
-another power of two. A measurement costs what its windows of the losing regimes decode less than
-the verdict's would have; the hold is long enough that the next measurement costs at most `budget`
-of the time (as a session's probes are spaced by what they lose, costs.probe_interval): sixteen
-sessions whose trees decode half as much as plain steps hold 154 rounds, not 32. Lossless by construction: it only decides which steps carry trees, as each
-session's policy does.
+on an H200, 2026-12-02, the first free windows, mixed, decoded 4-32% less than either uniform
+regime), doubling each time a measurement confirms it, and the measurement starts again when the
+batch's size changes to another power of two. A measurement costs what its windows of the losing
+regimes decode less than the verdict's would have; the hold is long enough that the next
+measurement costs at most `budget` of the time (as a session's probes are spaced by what they lose,
+costs.probe_interval): sixteen sessions whose trees decode half as much as plain steps hold 154
+rounds, not 32. `history` keeps the latest measurements for the summary. Lossless by construction:
+it only decides which steps carry trees, as each session's policy does.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ class Governor:
         hold = min(2 * v.hold, self.max_hold) if v is not None and v.regime == regime else self.hold
         hold = max(hold, min(self.paid_hold(regime), self.max_hold))
         self.verdicts[size] = Verdict(regime, hold, hold)
-        self.history = self.history[-(HISTORY - 1):] + [dict(size=size, rates={r: round(x, 1) for r, x in self.measured.items()},
-                                                            regime=regime, hold=hold)]
+        rates = {r: round(x, 1) for r, x in self.measured.items()}  # tokens/s by regime
+        self.history = self.history[-(HISTORY - 1):] + [dict(size=size, rates=rates, regime=regime, hold=hold)]
         self.phase = None
 
     def paid_hold(self, regime: str) -> int:
