@@ -93,8 +93,15 @@ def test_no_open_for_a_probe_past_the_requests_end(rig, injected):
 
 
 def test_a_probe_due_within_the_request_finds_the_draft_opened(rig, injected):
+    from specextend.ladder import PLAIN
+
     engine, worker, params, ref = rig
     engine._costs = slow_draft_costs(engine._costs, probe_every=25)
+    ctl = engine.new_controller(TREE)
+    ctl.start_from(engine._costs)
+    # an open's lead of ~7 steps, whatever the cold open took (beside a busy CI host's other tests it
+    # took long enough that the lead passed the request's end, and the draft was never opened)
+    engine._open_per_token = 5 * ctl.step_seconds(PLAIN) / len(PROMPT)
     tokens, _, stats = engine.generate(PROMPT, params)
     assert tokens == ref
     assert len(worker.opened) == 2 and stats.draft_open_s > 0.0
