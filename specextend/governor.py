@@ -33,11 +33,14 @@ it only decides which steps carry trees, as each session's policy does.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Optional
+
+log = logging.getLogger(__name__)
 
 FREE, PLAIN, TREES = "free", "plain", "trees"
 ORDER = (FREE, PLAIN, TREES)  # the regimes a measurement runs through
@@ -127,6 +130,8 @@ class Governor:
         self.verdicts[size] = Verdict(regime, hold, hold)
         rates = {r: round(x, 1) for r, x in self.measured.items()}  # tokens/s by regime
         self.history = self.history[-(HISTORY - 1):] + [dict(size=size, rates=rates, regime=regime, hold=hold)]
+        log.info("batch governor: %d sessions decoded %s tokens/s -> %s for %d rounds", size,
+                 " / ".join(f"{r} {rates[r]:.0f}" for r in ORDER), regime, hold)
         self.phase = None
 
     def paid_hold(self, regime: str) -> int:

@@ -44,6 +44,13 @@ def test_plain_steps_that_decode_more_hold_the_batch_then_confirmed_longer():
                                               regime=PLAIN, hold=16)
 
 
+def test_each_verdict_is_logged_with_the_rates_it_came_from(caplog):
+    g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
+    with caplog.at_level("INFO", logger="specextend.governor"):
+        rounds(g, 15, 16, {FREE: 12, PLAIN: 16, TREES: 10}, t)
+    assert "16 sessions decoded free 1200 / plain 1600 / trees 1000 tokens/s -> plain for 8 rounds" in caplog.text
+
+
 def test_trees_that_decode_more_hold_the_batch():
     g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
     rate = {FREE: 12, PLAIN: 11, TREES: 15}  # (sessions that stay plain where trees pay)
