@@ -11,15 +11,17 @@ from specextend.ladder import Rung
 class Probing:
     """TreeController's interval() / probe_seconds() / probe_cap() / _probe_rung() / best_case_rate()."""
 
-    def interval(self, best: Rung, probe: Rung) -> int:
-        """Steps between probes of `probe` while `best` is chosen (costs.probe_interval), at most
-        max_probe: what the probe could win bounds how often it is worth trying, once the draft is
+    def interval(self, best: Rung, probe: Rung, at_least: int = 0) -> int:
+        """Steps between probes of `probe` while `best` is chosen (costs.probe_interval), or
+        `at_least` (a doubled schedule) where that is more, within max_probe and the cap in seconds
+        (probe_cap): what the probe could win bounds how often it is worth trying, once the draft is
         measured (a prior's price is a guess that the probe is there to correct); a probe that waits
         for a deferred draft open costs that open too (open_s)."""
         gain = None if self.priced_by_prior else self.best_case_rate(probe) / max(self.value(best), 1e-12) - 1.0
         t_probe, t_best = self.probe_seconds(probe), self.step_seconds(best)
-        return min(probe_interval(t_probe, t_best, self.value(probe), self.value(best), self.min_probe,
-                                  self.probe_ratio, gain), self.max_probe, self.probe_cap(t_probe, t_best))
+        steps = probe_interval(t_probe, t_best, self.value(probe), self.value(best), self.min_probe,
+                               self.probe_ratio, gain)
+        return min(max(at_least, steps), self.max_probe, self.probe_cap(t_probe, t_best))
 
     def probe_seconds(self, probe: Rung) -> float:
         """What a probe of `probe` costs: its step, a switch, a deferred draft open (open_s)."""

@@ -216,6 +216,4 @@ class Recording:
             # kept doubling from 8 steps after no tree could beat them (the real pair at 16K: five
             # probes of ~11 ms in 256 tokens against 2 ms steps; H200, 2026-12-01); within the cap
             # in seconds (costs.probe_cap), so that doubling never outlasts costs that changed since
-            probe = self._probe_rung(best)
-            cap = self.probe_cap(self.probe_seconds(probe), self.step_seconds(best))
-            self.probe_every = min(max(2 * self.probe_every, self.interval(best, probe)), self.max_probe, cap)
+            self.probe_every = self.interval(best, self._probe_rung(best), at_least=2 * self.probe_every)
