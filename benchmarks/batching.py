@@ -128,19 +128,22 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     return row
 
 
+def plan_label(mb: int, db: int, gs: float, gb: bool, gv: bool = False) -> str:
+    """A plan's cell label: target batch / draft batch, w(ait to gather), g(raphs), G(overnor)."""
+    return f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}{'G' if gv else ''}"
+
+
 def print_kernels(title: str, prof, row: dict, top: int) -> list:
     """The `top` kernels by device time in a profiled run's decode, per round (decode forward), beside
-    the round's wall time (on the CPU: torch's operators by their own CPU time); returns them as rows
-    for the JSON."""
+    the round's wall time; returns them as rows for the JSON."""
     rounds = max(row["decode_forwards"], 1)
-    attr = "self_cpu_time_total" if prof.activities == {torch.profiler.ProfilerActivity.CPU} else "self_device_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
-    events.sort(key=lambda e: -getattr(e, attr))
-    busy = sum(getattr(e, attr) for e in events) / rounds  # us of kernels a round
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    busy = sum(e.self_device_time_total for e in events) / rounds  # us of kernels a round
     print(f"{title}: {rounds} rounds of {row['round_ms']:.1f} ms, kernels {busy / 1e3:.2f} ms a round")
     out = []
     for e in events[:top]:
-        us, calls = getattr(e, attr) / rounds, e.count / rounds
+        us, calls = e.self_device_time_total / rounds, e.count / rounds
         out.append(dict(kernel=e.key, us_per_round=us, calls_per_round=calls))
         print(f"  {us:9.1f} us {calls:7.1f} x  {e.key[:110]}")
     return out
@@ -190,6 +193,8 @@ def main(argv=None) -> int:
                         "Ray starts with OMP_NUM_THREADS=1; with more, a thread's team of threads that another "
                         "thread's torch work left behind (the warm-up's) slowed the batcher's forwards 3.5x")
     a = p.parse_args(argv)
+    if a.kernels and a.device == "cpu":  # (the batcher thread's CPU operators are not recorded: --profile)
+        p.error("--kernels profiles CUDA kernels; on the CPU use --profile")
     if a.device == "cpu" and a.threads:
         torch.set_num_threads(a.threads)
     rows = []
@@ -236,16 +241,15 @@ def main(argv=None) -> int:
                     run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb, gv,
                         on_decode=lambda: profile_control(("start", a.profile)))
                     got[-1]["profile"] = profile_control(("stop", 40))
-                    print_profiles(f"{label} L {length} plan {mb}/{db}{'w' if gs else ''}{'g' if gb else ''}",
+                    print_profiles(f"{label} L {length} plan {plan_label(mb, db, gs, gb)}",
                                    {n: got[-1]["profile"]})
                 if a.kernels:  # the same run's decode again under torch.profiler: the device's kernels
-                    act = torch.profiler.ProfilerActivity
-                    prof = torch.profiler.profile(activities=[act.CPU if a.device == "cpu" else act.CUDA])
+                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     again = run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb, gv, profiler=prof)
                     prof.stop()
                     got[-1]["kernels"] = print_kernels(
-                        f"{label} L {length} sessions {n} plan {mb}/{db}{'w' if gs else ''}{'g' if gb else ''}"
-                        f"{'G' if gv else ''}", prof, again, a.kernels)
+                        f"{label} L {length} sessions {n} plan {plan_label(mb, db, gs, gb, gv)}", prof, again,
+                        a.kernels)
             top = ceiling(engine, n, length, a.new_tokens, bw) if mode == "ar" else 0.0
             for r in got:
                 rows.append(dict(mode=label, plain_ahead=ahead, prompt_len=length, replayed=replay is not None, tree_policy=a.tree_policy,
@@ -256,7 +260,7 @@ def main(argv=None) -> int:
                      + f", fwd {r['forward_ms']:.1f}/{r['round_ms']:.1f} ms)" for r in got]
             best = max(r["decode_tokens_per_s"] for r in got)
             print(f"{label:10s} L {length:6d} sessions {n:2d}: "
-                  + "  ".join(f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}{'G' if gv else ''}: {c}"
+                  + "  ".join(f"{plan_label(mb, db, gs, gb, gv)}: {c}"
                               for (mb, db, gs, gb, gv), c in zip(plans, cells))
                   + f"  -> {best / max(got[0]['decode_tokens_per_s'], 1e-9):.2f}x"
                   + (f", {best / top:.0%} of the {top:.0f} tok/s ceiling" if top else ""), flush=True)
