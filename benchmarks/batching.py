@@ -37,7 +37,8 @@ from specextend.bench.kernels import copy_bandwidth
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
 from specextend.draft.worker import GATHER_S
-from specextend.governor import Governor
+from specextend import round_log
+from specextend.governor import FREE, ORDER, PLAIN, TREES, Governor
 from specextend.models.full_graphs import FullStepGraphs
 from specextend.warmup import warm_up
 from specextend.scheduler import Batcher
@@ -48,12 +49,13 @@ from draft_rounds import print_profiles, profile_control  # noqa: E402
 
 
 def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
-        gather_s: float = 0.0, graph_batch: bool = False, governor: bool = False, on_decode=None,
+        gather_s: float = 0.0, graph_batch: bool = False, governor=False, on_decode=None,
         profiler=None) -> dict:
     """One run of n sessions; `on_decode()` is called when every session has its first token;
-    `governor`: the batcher checks the sessions' choices as a served replica's does (governor.py);
+    `governor`: the batcher checks the sessions' choices as a served replica's does (governor.py;
+    True, or the order of its measurement's regimes);
     `profiler` (torch.profiler's): started on this thread, which stops it, once decoding starts."""
-    gov = Governor() if governor else None
+    gov = (Governor(order=governor) if isinstance(governor, tuple) else Governor()) if governor else None
     b = Batcher(engine.target.decoder, max_batch, governor=gov)
     graphs = engine.target.decoder.graphs
     if isinstance(graphs, FullStepGraphs):
@@ -89,7 +91,7 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     g = torch.Generator().manual_seed(n)
     vocab = engine.target.args.vocab_size
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     marks: list = []  # (time, forwards) when decoding starts (every session has its first token)
     for i in range(n):
         ids = torch.randint(vocab, (prompt_len,), generator=g).tolist()
@@ -116,6 +118,10 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
                forwards=b.forwards, mean_calls_per_forward=b.calls / max(b.forwards, 1),
                decode_forwards=len(spans), forward_ms=1e3 * busy / max(len(spans), 1),
                round_ms=1e3 * dt / max(len(spans), 1))
+    if b.round_log.on:  # SPECEXTEND_ROUND_LOG: this run's rounds, from the first decode round, summed up
+        b.round_log.close()
+        since = wall0 + (decode["t0"] or t0) - t0
+        row["rounds"] = round_log.summary(round_log.read(str(b.round_log.path.parent), since, time.time()))
     if engine.draft is not None:
         st = engine.draft.stats()
         fwd, calls = st.step_forwards - before.step_forwards, st.step_calls - before.step_calls
@@ -128,9 +134,11 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     return row
 
 
-def plan_label(mb: int, db: int, gs: float, gb: bool, gv: bool = False) -> str:
-    """A plan's cell label: target batch / draft batch, w(ait to gather), g(raphs), G(overnor)."""
-    return f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}{'G' if gv else ''}"
+def plan_label(mb: int, db: int, gs: float, gb: bool, gv=False) -> str:
+    """A plan's cell label: target batch / draft batch, w(ait to gather), g(raphs), G(overnor; Gf:
+    its measurement's free window first, as before 2026-12-02's order)."""
+    order = "f" if isinstance(gv, tuple) and gv[0] == FREE else ""
+    return f"{mb}/{db}{'w' if gs else ''}{'g' if gb else ''}{'G' + order if gv else ''}"
 
 
 def print_kernels(title: str, prof, row: dict, top: int) -> list:
@@ -182,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--governor", default="off", choices=["off", "on", "both"],
                    help="speculative modes: the batcher's governor (governor.py; a served replica's default: on), "
                         "or each plan without and with it (cells marked G)")
+    p.add_argument("--governor-order", default="now", choices=["now", "both"],
+                   help=f"the governor's measurement: its regimes in today's order ({', '.join(ORDER)}), or "
+                        "each governed plan also with the free window first (cells marked Gf)")
     p.add_argument("--profile", choices=["cpu", "wall"], default=None,
                    help="each plan's timed run again, its decode under yappi (this clock): each thread's busiest "
                         "functions")
@@ -232,6 +243,8 @@ def main(argv=None) -> int:
             if a.graph_batch_only:
                 plans = [pl for pl in plans if pl[3]] or plans[-1:]
             govs = {"off": [False], "on": [True], "both": [False, True]}[a.governor] if mode != "ar" else [False]
+            if a.governor_order == "both":  # (each governed plan with the measurement's order as now, then free first)
+                govs = [g for v in govs for g in ([v, (FREE, PLAIN, TREES)] if v else [v])]
             plans = [(*pl, g) for pl in plans for g in govs]  # (+ the batch's governor)
             got = []
             for mb, db, gs, gb, gv in plans:  # each plan's shapes captured first (a short run), then timed

@@ -16,8 +16,9 @@ where trees decode more (8 sessions there: 1,316 tokens/s plain against 1,409 wi
 
 `Governor` measures them: while a batch of at least `min_sessions` runs steady rounds (no prompt
 chunk, no session joining or leaving), `window` rounds in each regime, the first round after each
-switch left out: the sessions' policies free, every session held to plain steps, every session held
-to trees (the best tree its policy prices; `regime`: the driver tells each session's Load). The
+switch left out: every session held to plain steps, every session held to trees (the best tree its
+policy prices), then the sessions' policies free (`regime`: the driver tells each session's Load;
+plain first, so that the rounds of a batch still forming decode as `ar`'s do). The
 regime whose rounds' median tokens per second is highest holds for `hold` rounds (the free one
 must beat the better held one by `margin`: rounds held to one regime are uniform, while free
 sessions mix trees and plain steps in one round, each probe a tree that the whole round waits for;
@@ -43,7 +44,10 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 FREE, PLAIN, TREES = "free", "plain", "trees"
-ORDER = (FREE, PLAIN, TREES)  # the regimes a measurement runs through
+# the regimes a measurement runs through, in order: plain steps first, so that a batch's first rounds (the
+# sessions joining, their policies' warm-up) decode as `ar` does; the free window last, its sessions'
+# policies having priced both kinds of step in the held windows before it
+ORDER = (PLAIN, TREES, FREE)
 HISTORY = 16  # measurements a governor keeps for its summary
 
 
@@ -68,6 +72,7 @@ class Governor:
     max_hold: int = 2048
     margin: float = 0.03  # the free regime must decode this much more than the better held one
     budget: float = 0.02  # the share of the time that measuring (its losing windows) may cost
+    order: tuple = ORDER  # the regimes a measurement runs through (benchmarks compare orders)
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # by batch size (bucket)
     history: list = field(default_factory=list)  # the latest HISTORY measurements: size, rates, verdict
     measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
@@ -101,12 +106,15 @@ class Governor:
             return
         v = self.verdicts.get(size)
         if self.phase is None:
+            before = FREE  # the regime of the rounds before the measurement
             if v is not None and v.left > 0:
                 v.left -= 1
-                return
-            self.phase, self.measured = FREE, {}
+                if v.left:
+                    return
+                before = v.regime
+            self.phase, self.measured = self.order[0], {}
             self._restart()
-            self._skip = v is not None and v.regime != FREE  # (after a hold, a run ahead may end in the next round)
+            self._skip = before != self.phase  # (a run ahead, or a tree, may end in the next round)
             return
         if not steady or seconds is None:
             self._restart()
@@ -119,8 +127,8 @@ class Governor:
             return
         self.measured[self.phase] = statistics.median(self._rates)
         self._restart()
-        if self.phase != ORDER[-1]:
-            self.phase = ORDER[ORDER.index(self.phase) + 1]
+        if self.phase != self.order[-1]:
+            self.phase = self.order[self.order.index(self.phase) + 1]
             return
         regime = max((PLAIN, TREES), key=lambda r: self.measured[r])
         if self.measured[FREE] > (1 + self.margin) * self.measured[regime]:
@@ -131,7 +139,7 @@ class Governor:
         rates = {r: round(x, 1) for r, x in self.measured.items()}  # tokens/s by regime
         self.history = self.history[-(HISTORY - 1):] + [dict(size=size, rates=rates, regime=regime, hold=hold)]
         log.info("batch governor: %d sessions decoded %s tokens/s -> %s for %d rounds", size,
-                 " / ".join(f"{r} {rates[r]:.0f}" for r in ORDER), regime, hold)
+                 " / ".join(f"{r} {rates[r]:.0f}" for r in self.order), regime, hold)
         self.phase = None
 
     def paid_hold(self, regime: str) -> int:
@@ -140,7 +148,7 @@ class Governor:
         that share of its rounds."""
         best = max(self.measured[regime], 1e-12)
         lost = sum((self.window + 1) * max(0.0, 1.0 - rate / best) for rate in self.measured.values())
-        return math.ceil(lost / self.budget - 1e-9) - len(ORDER) * (self.window + 1)
+        return math.ceil(lost / self.budget - 1e-9) - len(self.order) * (self.window + 1)
 
     def _restart(self) -> None:
         self._rates, self._skip = [], True

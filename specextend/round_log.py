@@ -12,7 +12,8 @@ benchmarks/concurrency.py --round-log). Each round of `scheduler.Batcher.run_rou
      round's results, and any wait there for the device to finish that round's forward),
      "sync_s": where `SPECEXTEND_ROUND_LOG_SYNC=1` (a GPU), seconds the round's start waited for the
      device to finish what the process queued before it (then advance_s is host work alone),
-     "regime": with the batch's governor (governor.py), the round's: free, plain or trees}
+     "regime": with the batch's governor (governor.py), the round's: free, plain or trees,
+     "tokens": the tokens the round's sessions emitted}
 
 A forward's wall seconds are the host's (on a GPU a replayed graph returns before the device is
 done: the round's own wall time is what the sessions waited). Pure bookkeeping: nothing here
@@ -78,10 +79,10 @@ class RoundLog:
         if self.on:
             self.rec["forwards"].append([calls, rows, chunks, seconds])
 
-    def write(self, held: int) -> None:
+    def write(self, held: int, tokens: int = 0) -> None:
         if not self.on or not self.rec:
             return
-        self.rec["s"], self.rec["held"] = time.perf_counter() - self._t0, held
+        self.rec["s"], self.rec["held"], self.rec["tokens"] = time.perf_counter() - self._t0, held, tokens
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)  # (a line at a time: a killed replica keeps its rounds)
@@ -111,15 +112,19 @@ def read(folder: str, since: float = 0.0, until: float = float("inf")) -> list[d
 def summary(rounds: list[dict]) -> dict:
     """What a window of rounds did: how many, their wall seconds in all, the draft waits in them, the
     rounds that carried prompt chunks and their seconds, mean sessions and forward rows a round, the
-    rounds in each of the governor's regimes."""
+    tokens emitted, the rounds in each of the governor's regimes and (`by_regime`) their seconds and
+    tokens."""
     if not rounds:
         return dict(rounds=0)
     chunked = [r for r in rounds if any(f[2] for f in r["forwards"])]
     n = len(rounds)
     regimes = dict(Counter(r["regime"] for r in rounds if "regime" in r))  # (none without a governor)
+    by_regime = {g: dict(s=sum(r["s"] for r in rounds if r.get("regime") == g),
+                         tokens=sum(r.get("tokens", 0) for r in rounds if r.get("regime") == g)) for g in regimes}
     return dict(rounds=n, round_s=sum(r["s"] for r in rounds), wait_s=sum(r["wait_s"] for r in rounds),
                 chunk_rounds=len(chunked), chunk_round_s=sum(r["s"] for r in chunked),
                 advance_s=sum(r.get("advance_s", 0.0) for r in rounds), sync_s=sum(r.get("sync_s", 0.0) for r in rounds),
                 sessions=sum(r["sessions"] for r in rounds) / n, drafts=sum(r["drafts"] for r in rounds) / n,
                 rows=sum(f[1] for r in rounds for f in r["forwards"]) / n,
-                span_s=rounds[-1]["t"] + rounds[-1]["s"] - rounds[0]["t"], regimes=regimes)
+                span_s=rounds[-1]["t"] + rounds[-1]["s"] - rounds[0]["t"], regimes=regimes,
+                tokens=sum(r.get("tokens", 0) for r in rounds), by_regime=by_regime)

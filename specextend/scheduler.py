@@ -248,7 +248,7 @@ class Batcher:
                 self._advance(e)
         # (after a chunk-first forward, the prompt chunks it held wait for the next round)
         self._run_forwards([e for e in self._sessions if e.call is not None and not (chunk_first and e.call.prompt)])
-        self.round_log.write(self.held_chunks - held)
+        self.round_log.write(self.held_chunks - held, self._round_tokens)
         if self.governor is not None:
             self.governor.round_end(len(members), self._round_tokens, steady and not self._round_chunks)
 

@@ -67,7 +67,8 @@ def test_each_round_accounts_for_the_batchers_forwards(tiny_models, monkeypatch,
     s = round_log.summary(rounds)
     assert s["rounds"] == len(rounds) and s["chunk_rounds"] == sum(any(f[2] for f in r["forwards"]) for r in rounds)
     assert round_log.read(str(tmp_path), since=rounds[-1]["t"] + 1) == []
-    assert s["regimes"] == {}  # (no governor)
+    assert s["regimes"] == {} == s["by_regime"]  # (no governor)
+    assert s["tokens"] == sum(r["tokens"] for r in rounds) == (6 + 7 + 8)  # (every token a round emitted)
 
 
 def test_rounds_name_the_governors_regime(tiny_models, monkeypatch, tmp_path):
@@ -82,4 +83,6 @@ def test_rounds_name_the_governors_regime(tiny_models, monkeypatch, tmp_path):
     assert rounds and all(r["regime"] in (FREE, PLAIN, TREES) for r in rounds)
     s = round_log.summary(rounds)
     assert sum(s["regimes"].values()) == len(rounds) and s["regimes"][FREE] > 0
-    assert s["regimes"].get(PLAIN, 0) == b.held_rounds.get(PLAIN, 0) > 0  # (the free window measured, then plain)
+    assert s["regimes"].get(PLAIN, 0) == b.held_rounds.get(PLAIN, 0) > 0  # (measured plain first)
+    assert sum(v["tokens"] for v in s["by_regime"].values()) == s["tokens"] == sum(6 + i for i in range(4))
+    assert s["by_regime"][PLAIN]["s"] == sum(r["s"] for r in rounds if r["regime"] == PLAIN)
