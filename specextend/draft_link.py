@@ -293,14 +293,16 @@ class DraftLink:
         ctl.no_open()  # (it opens now)
         return False
 
-    def open_due(self, ctl: TreeController, prompt_tokens: int, tokens_left: int) -> bool:
+    def open_due(self, ctl: TreeController, prompt_tokens: int, tokens_left: int, now: bool = False) -> bool:
         """A deferred open starts now: the session's first possible tree is within the open's lead,
         and the probe would come before the request's end (`tokens_left` to generate: at least one
         a step): at its due step or, where the open takes longer, once the open has joined. An open
         for a probe that a later request will take would only be closed again, unused (the tiny
         pair on a CPU opened its draft ~1-2 steps before most requests' ends, ~24 ms of draft
-        prefill each, where the probe was due but the open's lead was longer than the steps left)."""
-        first, lead = ctl.first_tree_in(), self._open_lead(ctl, prompt_tokens)
+        prefill each, where the probe was due but the open's lead was longer than the steps left).
+        `now`: a tree is wanted at once (the batch's governor holds the session to trees, governor.py):
+        due unless the request would end within the open's lead."""
+        first, lead = (0 if now else ctl.first_tree_in()), self._open_lead(ctl, prompt_tokens)
         return first <= lead and max(first, lead) < tokens_left
 
     def _open_lead(self, ctl: TreeController, prompt_tokens: int) -> int:

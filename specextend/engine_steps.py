@@ -16,7 +16,7 @@ from specextend.controller import TreeController
 from specextend.draft.base import DraftError, DraftTree
 from specextend.draft_link import Lane, RunTells, ask_ahead, prepared_tree, send_prepare, settled, start_ask
 from specextend.emit import Emitter
-from specextend.governor import PLAIN
+from specextend.governor import PLAIN, TREES
 from specextend.ladder import Rung, prefix_accepts
 from specextend.lookup import RequestLookup, drafted_prefix
 from specextend.lookup_ahead import run_ahead
@@ -82,14 +82,16 @@ class EngineSteps:
     def _decode_step_co(self, s: SessionState):
         """One step of `s`: its forwards, draft calls and event (none where the step fell back or ran
         ahead: the loop goes on)."""
+        trees_held = s.ctl.governed and s.load.held == TREES  # (the batch's governor asks for trees: open now)
         if s.use_draft and s.opening is None and self.open_due(  # (a deferred open)
-                s.ctl, s.prompt_tokens, s.params.max_new_tokens - s.stats.num_generated):
+                s.ctl, s.prompt_tokens, s.params.max_new_tokens - s.stats.num_generated, now=trees_held):
             s.opening, s.opening_pending = s.open_now(), True
         if s.opening_pending and s.use_draft and (s.opening.done() or not self.join_early):  # (joins at once)
             s.use_draft = yield from self._join(s.opening, s.ctl, s.target_prefill_s, s.stats, s.sid)
             s.opening_pending = False
             if s.feed is not None and s.use_draft:  # the draft catches up at once
                 s.feed.send()
+        s.load.opening = s.use_draft and s.opening_pending  # (a round it steps in is not one the governor measures)
         if s.feed is not None and s.feed.error is not None:  # a call failed: plain decoding from here
             s.use_draft, s.feed = self._fall_back(s.stats, s.sid, s.feed.error), None
         if s.feed is not None and self.snapshots.gives_up(s.stats):  # early asks from here ("Pool snapshots")
@@ -265,10 +267,11 @@ class EngineSteps:
         # an overlapping draft hears the tokens so far: a plain step's once its forward is queued (the
         # call's host work while the device runs: start_ask), a run's as read; after the lane's calls, unwaited
         tells = RunTells(self.draft, s.lane, s.sid, s.step, s.pending, s.retrieval, s.held, s.stats) if s.tell else None
+        governed = s.use_draft and s.ctl.governed  # (its run ends when the batch's governor changes its hold)
         run = (self.config.plain_ahead and not s.opening_pending
                and run_ahead(s.target, s.committed[-1], s.out, s.stats, s.t1, s.gen, s.ctl, s.lookup,
-                             s.use_draft and not (s.load.held == PLAIN and s.ctl.governed), s.load,
-                             self.lookup_ahead, s.feed.push if s.feed is not None else tells, s.ref))  # ("Plain
+                             s.use_draft and not (governed and s.load.held == PLAIN), s.load,
+                             self.lookup_ahead, s.feed.push if s.feed is not None else tells, s.ref, governed))  # ("Plain
         send, scoring = None, s.retrieval  # steps ahead", "Lookup runs ahead"; scoring: once the forward is queued)
         if run:
             if s.feed is not None:  # (a selection held goes with the run's first tokens)

@@ -136,7 +136,8 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
                  gen: torch.Generator, k: int, ctl: TreeController,
                  lookup: Optional[RequestLookup], speculative: bool = True,
                  load: Optional[Load] = None,
-                 heard: Optional[Callable[[list[int]], None]] = None) -> Generator[object, object, list[int]]:
+                 heard: Optional[Callable[[list[int]], None]] = None,
+                 governed: bool = False) -> Generator[object, object, list[int]]:
     """A run of `k` plain steps ahead (run_length) from the last committed token `last`: the tokens
     emitted, each counted as a plain step by the policy (its probe schedule), the request's stats
     and the context lookup (RequestLookup.commit_run). The draft hears of them with the next tree
@@ -146,8 +147,13 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     runs the device does not wait for the host (in a batched round, for the host of any one
     session at a run's end). A speculative request's policy is asked too whether a
     plain step is still its best (`plain_still_best`, with the sessions that share the forwards now,
-    `load`): a run prices the plain step anew (`teach`), and a batch that grew may make trees pay."""
+    `load`): a run prices the plain step anew (`teach`), and a batch that grew may make trees pay.
+    `governed`: a speculative request that the batch's governor may hold (governor.py): no further run
+    once the hold changes (`load.held`; without that, a run begun under a plain hold, or with the
+    sessions free, went on to the request's end or the policy's probe, and the governor's trees
+    window found the batch decoding plainly)."""
     taught, behind = 0, ctl.behind  # (the draft's tokens to catch up on before a tree: the run's too)
+    hold = load.held if load is not None else None  # (the governor's, at the run's start)
     intervals: list[float] = []  # seconds between reads, of the tokens read since the last teach
 
     def teach(emitted: list[int]) -> None:
@@ -172,6 +178,8 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
 
     def more(emitted: list[int]) -> int:
         teach(emitted)
+        if governed and load is not None and load.held != hold:
+            return 0
         k = run_length(ctl, out, stats, lookup, speculative)  # (0 at the probe or the end: nothing to ask)
         if k and speculative:
             ctl.see_chain(lookup, behind + len(emitted))

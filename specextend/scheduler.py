@@ -250,7 +250,9 @@ class Batcher:
         self._run_forwards([e for e in self._sessions if e.call is not None and not (chunk_first and e.call.prompt)])
         self.round_log.write(self.held_chunks - held, self._round_tokens)
         if self.governor is not None:
-            self.governor.round_end(len(members), self._round_tokens, steady and not self._round_chunks)
+            # (a session whose draft still opens steps plainly whatever the regime: not a steady round)
+            opening = any(e.load is not None and e.load.opening for e in self._sessions)
+            self.governor.round_end(len(members), self._round_tokens, steady and not self._round_chunks and not opening)
 
     def _run_forwards(self, ready: list[_Entry]) -> None:
         """The calls of `ready` within the round's budget, as batched forwards of up to `max_batch`

@@ -163,3 +163,30 @@ def test_a_deferred_open_spaces_the_probes_by_its_cost(rig):
     cold = engine.new_controller(TREE)  # not primed: nothing carried to raise; choose() counts the open
     cold.price_open(0.06)
     assert cold.probe_every == 0 and cold.open_s == 0.06
+
+
+def test_sessions_held_to_trees_open_their_deferred_drafts_and_take_trees(rig):
+    """A batch whose sessions deferred their opens (no tree before a probe 1,000 steps away) and that
+    the batch's governor holds to trees (governor.py: its trees window, or a trees verdict) opens
+    their drafts at once and verifies trees: before, each session waited for its own probe, so the
+    governor's trees window measured plain steps. Every output equals plain decoding (float64)."""
+    from test_batch import run_batched
+    from test_governor import TreesWin
+
+    from specextend.ladder import PLAIN
+
+    engine, worker, params, ref = rig
+    engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
+    ctl = engine.new_controller(TREE)
+    ctl.start_from(engine._costs)
+    engine._open_per_token = 3 * ctl.step_seconds(PLAIN) / len(PROMPT)  # an open's lead of ~5 steps
+    reqs = [(PROMPT, params, {}) for _ in range(4)]
+    free, _ = run_batched(engine, reqs, max_batch=4)  # (no governor: every session defers, none opens)
+    assert [tokens for tokens, _, _ in free] == [ref] * 4 and len(worker.opened) == 1
+    engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
+    gov = TreesWin(window=2, hold=1000)
+    held, b = run_batched(engine, reqs, max_batch=4, governor=gov)
+    assert [tokens for tokens, _, _ in held] == [ref] * 4
+    assert gov.verdicts[4].regime == "trees" and b.held_rounds["trees"] > 4
+    assert len(worker.opened) == 1 + 4  # each session opened its draft when held to trees
+    assert all(stats.step_kinds.get("tree", [0])[0] >= 1 for _, _, stats in held)
