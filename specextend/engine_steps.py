@@ -16,7 +16,7 @@ from specextend.controller import TreeController
 from specextend.draft.base import DraftError, DraftTree
 from specextend.draft_link import Lane, RunTells, ask_ahead, prepared_tree, send_prepare, settled, start_ask
 from specextend.emit import Emitter
-from specextend.governor import PLAIN, TREES
+from specextend.governor import OPENING, PLAIN, TREES
 from specextend.ladder import Rung, prefix_accepts
 from specextend.lookup import RequestLookup, drafted_prefix
 from specextend.lookup_ahead import run_ahead
@@ -82,7 +82,7 @@ class EngineSteps:
     def _decode_step_co(self, s: SessionState):
         """One step of `s`: its forwards, draft calls and event (none where the step fell back or ran
         ahead: the loop goes on)."""
-        trees_held = s.ctl.governed and s.load.held == TREES  # (the batch's governor asks for trees: open now)
+        trees_held = s.ctl.governed and s.load.held in (TREES, OPENING)  # (the batch's governor asks for trees: open now)
         if s.use_draft and s.opening is None and self.open_due(  # (a deferred open)
                 s.ctl, s.prompt_tokens, s.params.max_new_tokens - s.stats.num_generated, now=trees_held):
             s.opening, s.opening_pending = s.open_now(), True
@@ -91,7 +91,7 @@ class EngineSteps:
             s.opening_pending = False
             if s.feed is not None and s.use_draft:  # the draft catches up at once
                 s.feed.send()
-        s.load.opening = s.use_draft and s.opening_pending  # (a round it steps in is not one the governor measures)
+        s.load.opening = s.opening if s.use_draft and s.opening_pending else None  # (the driver's: Batcher.opening)
         if s.feed is not None and s.feed.error is not None:  # a call failed: plain decoding from here
             s.use_draft, s.feed = self._fall_back(s.stats, s.sid, s.feed.error), None
         if s.feed is not None and self.snapshots.gives_up(s.stats):  # early asks from here ("Pool snapshots")
@@ -104,7 +104,7 @@ class EngineSteps:
             held = s.load.held if s.ctl.governed else None  # (the batch's governor: governor.py)
             if held is None:
                 rung = s.ctl.choose_noted(s.load.sessions)
-            elif held == PLAIN:
+            elif held in (PLAIN, OPENING):
                 rung = s.ctl.plain_unchosen()
             else:  # (TREES)
                 rung = s.ctl.tree_unchosen(s.load.sessions)
@@ -270,7 +270,7 @@ class EngineSteps:
         governed = s.use_draft and s.ctl.governed  # (its run ends when the batch's governor changes its hold)
         run = (self.config.plain_ahead and not s.opening_pending
                and run_ahead(s.target, s.committed[-1], s.out, s.stats, s.t1, s.gen, s.ctl, s.lookup,
-                             s.use_draft and not (governed and s.load.held == PLAIN), s.load,
+                             s.use_draft and not (governed and s.load.held in (PLAIN, OPENING)), s.load,
                              self.lookup_ahead, s.feed.push if s.feed is not None else tells, s.ref, governed))  # ("Plain
         send, scoring = None, s.retrieval  # steps ahead", "Lookup runs ahead"; scoring: once the forward is queued)
         if run:

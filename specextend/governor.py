@@ -48,6 +48,10 @@ FREE, PLAIN, TREES = "free", "plain", "trees"
 # sessions joining, their policies' warm-up) decode as `ar` does; the free window last, its sessions'
 # policies having priced both kinds of step in the held windows before it
 ORDER = (PLAIN, TREES, FREE)
+# not a regime of the governor's: the driver's hold for a round held to trees while some session's draft
+# still opens (scheduler.Batcher): every session steps plainly, and those without a draft open it, so
+# that the opens make no round that mixes trees and plain steps
+OPENING = "opening"
 HISTORY = 16  # measurements a governor keeps for its summary
 
 

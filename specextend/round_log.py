@@ -12,7 +12,8 @@ benchmarks/concurrency.py --round-log). Each round of `scheduler.Batcher.run_rou
      round's results, and any wait there for the device to finish that round's forward),
      "sync_s": where `SPECEXTEND_ROUND_LOG_SYNC=1` (a GPU), seconds the round's start waited for the
      device to finish what the process queued before it (then advance_s is host work alone),
-     "regime": with the batch's governor (governor.py), the round's: free, plain or trees,
+     "regime": with the batch's governor (governor.py), the round's: free, plain or trees, or
+     opening (held to trees while some session's draft still opened: every session stepped plainly),
      "tokens": the tokens the round's sessions emitted}
 
 A forward's wall seconds are the host's (on a GPU a replayed graph returns before the device is

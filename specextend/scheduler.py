@@ -30,7 +30,7 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 
-from specextend.governor import FREE, Governor
+from specextend.governor import FREE, OPENING, TREES, Governor
 from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall, forward_batch
 from specextend.models.decoder import Decoder
@@ -192,15 +192,17 @@ class Batcher:
         self._round_tokens = self._round_chunks = 0
         if self.governor is not None:
             regime = self.governor.regime()
-            self.round_log.regime(regime)
             hold = None if regime == FREE else regime
+            if hold == TREES and self.opening():  # (every session plain until every draft is open: no mixed round)
+                hold = OPENING
+            self.round_log.regime(hold or FREE)
             for e in self._sessions:
                 if e.load is not None:
                     e.load.held = hold
             if hold is not None:
-                self.held_rounds[hold] += 1
+                self.held_rounds[regime] += 1
                 if self._on_held is not None:
-                    self._on_held(hold)
+                    self._on_held(regime)
         for e in [e for e in self._sessions if e.stopped]:
             self._finish(e, close=True)
         t_advance = time.perf_counter()
@@ -251,8 +253,13 @@ class Batcher:
         self.round_log.write(self.held_chunks - held, self._round_tokens)
         if self.governor is not None:
             # (a session whose draft still opens steps plainly whatever the regime: not a steady round)
-            opening = any(e.load is not None and e.load.opening for e in self._sessions)
-            self.governor.round_end(len(members), self._round_tokens, steady and not self._round_chunks and not opening)
+            self.governor.round_end(len(members), self._round_tokens,
+                                    steady and not self._round_chunks and not self.opening())
+
+    def opening(self) -> bool:
+        """Whether some session's draft open is under way (begun, not done): it steps plainly till then."""
+        return any(e.load is not None and e.load.opening is not None and not e.load.opening.done()
+                   for e in self._sessions)
 
     def _run_forwards(self, ready: list[_Entry]) -> None:
         """The calls of `ready` within the round's budget, as batched forwards of up to `max_batch`

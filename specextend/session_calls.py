@@ -45,7 +45,7 @@ class Load:
     shared_s: float = 0.0  # of its last draft wait, the part that the round's other askers' steps shared
     kv_pool: Optional[KVPool] = None  # the driver's pool of target caches (kv_pool.py; None: its own)
     held: Optional[str] = None  # the driver's governor holds the batch to "plain" steps or to "trees" now (governor.py)
-    opening: bool = False  # its draft's open is under way (it steps plainly): the governor measures no round with it
+    opening: Optional[Future] = None  # its draft's open, begun and not joined (the session steps plainly till then)
 
     def take_shared(self) -> float:
         """Takes `shared_s` (Batcher._charge; `wall` drops it): a draft step's price to the policy is

@@ -3,6 +3,7 @@
 a request that ends first never opens it; one whose probe comes opens it in time and verifies the
 probe's tree; both decode exactly what plain decoding does (float64)."""
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -21,8 +22,15 @@ class CountingWorker(DraftWorker):
         super().__init__(*a, **kw)
         self.opened: list[str] = []
 
+    gate = None  # an open waits for it (a long prompt's prefill on a GPU, spanning several rounds)
+    waiting = 0  # opens waiting for the gate
+
     def open(self, session_id, *a, **kw):
         self.opened.append(session_id)
+        if self.gate is not None:
+            self.waiting += 1
+            self.gate.wait(10)
+            self.waiting -= 1
         return super().open(session_id, *a, **kw)
 
 
@@ -165,11 +173,13 @@ def test_a_deferred_open_spaces_the_probes_by_its_cost(rig):
     assert cold.probe_every == 0 and cold.open_s == 0.06
 
 
-def test_sessions_held_to_trees_open_their_deferred_drafts_and_take_trees(rig):
+def test_sessions_held_to_trees_open_their_deferred_drafts_and_take_trees(rig, monkeypatch, tmp_path):
     """A batch whose sessions deferred their opens (no tree before a probe 1,000 steps away) and that
     the batch's governor holds to trees (governor.py: its trees window, or a trees verdict) opens
     their drafts at once and verifies trees: before, each session waited for its own probe, so the
     governor's trees window measured plain steps. Every output equals plain decoding (float64)."""
+    from specextend import round_log
+    from specextend.governor import OPENING, TREES
     from test_batch import run_batched
     from test_governor import TreesWin
 
@@ -185,8 +195,21 @@ def test_sessions_held_to_trees_open_their_deferred_drafts_and_take_trees(rig):
     assert [tokens for tokens, _, _ in free] == [ref] * 4 and len(worker.opened) == 1
     engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
     gov = TreesWin(window=2, hold=1000)
-    held, b = run_batched(engine, reqs, max_batch=4, governor=gov)
+    monkeypatch.setenv(round_log.ENV, str(tmp_path))
+    engine.join_early = True  # (as served: plain steps while the open runs)
+    worker.gate, rounds = threading.Event(), [0]
+
+    def on_held(regime):  # the opens end after three rounds held while one waited
+        rounds[0] += worker.waiting > 0
+        if rounds[0] >= 3:
+            worker.gate.set()
+
+    held, b = run_batched(engine, reqs, max_batch=4, governor=gov, on_held=on_held)
     assert [tokens for tokens, _, _ in held] == [ref] * 4
     assert gov.verdicts[4].regime == "trees" and b.held_rounds["trees"] > 4
     assert len(worker.opened) == 1 + 4  # each session opened its draft when held to trees
     assert all(stats.step_kinds.get("tree", [0])[0] >= 1 for _, _, stats in held)
+    # while a draft opened, the rounds held to trees stepped every session plainly ("opening"): the
+    # rounds with trees began once every draft was open
+    regimes = [r["regime"] for r in round_log.read(str(tmp_path))]
+    assert OPENING in regimes and TREES in regimes[regimes.index(OPENING):]
