@@ -114,6 +114,7 @@ class Governor:
             if v is not None and v.left > 0:
                 v.left -= 1
                 if v.left:
+                    self._watch(v, tokens, seconds, steady)
                     return
                 before = v.regime
             self.phase, self.measured = self.order[0], {}
@@ -145,6 +146,33 @@ class Governor:
         log.info("batch governor: %d sessions decoded %s tokens/s -> %s for %d rounds", size,
                  " / ".join(f"{r} {rates[r]:.0f}" for r in self.order), regime, hold)
         self.phase = None
+
+    def _watch(self, v: Verdict, tokens: int, seconds: Optional[float], steady: bool) -> None:
+        """A held round: where the hold's own latest `2 * window` steady rounds decode less than the best
+        other regime measured by the margin, that regime holds instead (for `hold` rounds). A window of
+        six rounds can misjudge a regime whose later rounds differ from its first (the sessions' trees
+        grow as their policies learn their prices): sixteen sessions held to trees measured at 2,155
+        tokens/s then decoded 1,714 for the rest of the hold (H200, 2026-12-02)."""
+        if not steady or seconds is None:
+            return
+        if self._skip:  # (the hold's first round: steps of the measurement's last regime still in it)
+            self._skip = False
+            return
+        self._rates = (self._rates + [tokens / max(seconds, 1e-9)])[-2 * self.window:]
+        others = {r: x for r, x in self.measured.items() if r != v.regime}
+        if len(self._rates) < 2 * self.window or not others:
+            return
+        rate, (best, other) = statistics.median(self._rates), max(others.items(), key=lambda kv: kv[1])
+        if rate >= (1 - self.margin) * other:
+            return
+        self.measured[v.regime] = rate
+        self.verdicts[self._size] = Verdict(best, self.hold, self.hold)
+        rates = {r: round(x, 1) for r, x in self.measured.items()}
+        self.history = self.history[-(HISTORY - 1):] + [dict(size=self._size, rates=rates, regime=best, hold=self.hold,
+                                                             revised=v.regime)]
+        log.info("batch governor: %d sessions held to %s decoded %.0f tokens/s, less than %s's %.0f -> %s for %d rounds",
+                 self._size, v.regime, rate, best, other, best, self.hold)
+        self._restart()
 
     def paid_hold(self, regime: str) -> int:
         """Rounds to hold `regime` so that a measurement like the last one costs at most `budget` of

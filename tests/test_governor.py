@@ -121,13 +121,33 @@ def test_a_measurement_that_costs_much_is_paid_for_by_a_longer_hold():
     assert g.verdicts[16].regime in (PLAIN, TREES) and g.verdicts[16].hold == 8  # (held: uniform rounds)
 
 
+def test_a_hold_whose_rounds_decode_less_than_the_other_regime_measured_gives_way_to_it():
+    """Trees measured best (15 against 12 plain), then held: once the hold's own latest 2 x window
+    rounds decode less than plain steps' measured rate by the margin, plain steps hold instead (the
+    first hold's length), and the history says which hold was revised; a hold that keeps its rate
+    is not revised."""
+    g, t = Governor(window=4, hold=64, budget=1.0), [0.0]
+    rounds(g, 16, 8, {FREE: 11, PLAIN: 12, TREES: 15}, t)
+    assert g.verdicts[8].regime == TREES
+    later = {FREE: 11, PLAIN: 12, TREES: 10}  # (the sessions' trees grew: their rounds now decode less)
+    assert rounds(g, 1 + 8, 8, later, t) == [TREES] * 9  # (the hold's first round left out, then eight)
+    assert g.verdicts[8].regime == PLAIN and g.verdicts[8].hold == 64
+    assert g.history[-1]["revised"] == TREES and g.history[-1]["rates"][TREES] == pytest.approx(1000.0)
+    assert rounds(g, 64, 8, later, t) == [PLAIN] * 64
+    g, t = Governor(window=4, hold=64, budget=1.0), [0.0]
+    rate = {FREE: 11, PLAIN: 12, TREES: 12.5}  # (within the margin of plain's rate: the hold stands)
+    rounds(g, 16, 8, rate, t)
+    assert g.verdicts[8].regime == TREES and rounds(g, 64, 8, rate, t) == [TREES] * 64
+
+
 class Verdict(Governor):
-    """A governor whose measurements always find `wins` best: each round reports tokens only in it."""
+    """A governor whose measurements always find `wins` best: each round reports tokens only in it
+    (measured or held)."""
 
     wins = PLAIN
 
     def round_end(self, sessions, tokens, steady, now=None):
-        super().round_end(sessions, 100 if self.phase == self.wins else 1, steady, now)
+        super().round_end(sessions, 100 if self.regime() == self.wins else 1, steady, now)
 
 
 class TreesWin(Verdict):
