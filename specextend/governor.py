@@ -28,7 +28,9 @@ batch's size changes to another power of two. A measurement costs what its windo
 regimes decode less than the verdict's would have; the hold is long enough that the next
 measurement costs at most `budget` of the time (as a session's probes are spaced by what they lose,
 costs.probe_interval): sixteen sessions whose trees decode half as much as plain steps hold 154
-rounds, not 32. `history` keeps the latest measurements for the summary. Lossless by construction:
+rounds, not 32. A hold whose own latest rounds decode less than another regime measured gives way to
+it (`_watch`: a window's six rounds can misjudge a regime whose later rounds differ). `history` keeps
+the latest measurements (and revisions) for the summary. Lossless by construction:
 it only decides which steps carry trees, as each session's policy does.
 """
 
