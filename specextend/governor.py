@@ -165,6 +165,11 @@ class Governor:
         if len(self._rates) < 2 * self.window or not others:
             return
         rate, (best, other) = statistics.median(self._rates), max(others.items(), key=lambda kv: kv[1])
+        held = [r for r in (PLAIN, TREES) if r in others]
+        if best == FREE and held:  # (free only where it beats the better held regime by the margin, as in a verdict)
+            alt = max(held, key=others.get)
+            if other <= (1 + self.margin) * others[alt]:
+                best, other = alt, others[alt]
         if rate >= (1 - self.margin) * other:
             return
         self.measured[v.regime] = rate

@@ -138,6 +138,10 @@ def test_a_hold_whose_rounds_decode_less_than_the_other_regime_measured_gives_wa
     rate = {FREE: 11, PLAIN: 12, TREES: 12.5}  # (within the margin of plain's rate: the hold stands)
     rounds(g, 16, 8, rate, t)
     assert g.verdicts[8].regime == TREES and rounds(g, 64, 8, rate, t) == [TREES] * 64
+    g, t = Governor(window=4, hold=64, budget=1.0), [0.0]
+    rounds(g, 16, 8, {FREE: 12.1, PLAIN: 12, TREES: 15}, t)  # (free within the margin of plain steps)
+    rounds(g, 1 + 8, 8, {FREE: 12.1, PLAIN: 12, TREES: 10}, t)
+    assert g.verdicts[8].regime == PLAIN  # (a held regime, as a measurement's verdict would be)
 
 
 class Verdict(Governor):
