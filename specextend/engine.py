@@ -101,6 +101,7 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
         after, whatever happened."""
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
+        load.max_tokens = params.max_new_tokens  # (a batching driver's governor: how long its batch lasts)
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
         stats.keep_reference(ref)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),

@@ -28,7 +28,10 @@ batch's size changes to another power of two. A measurement costs what its windo
 regimes decode less than the verdict's would have; the hold is long enough that the next
 measurement costs at most `budget` of the time (as a session's probes are spaced by what they lose,
 costs.probe_interval): sixteen sessions whose trees decode half as much as plain steps hold 154
-rounds, not 32. A hold whose own latest rounds decode less than another regime measured gives way to
+rounds, not 32. For the same reason no measurement starts in a batch that will not last: where its
+sessions' tokens left (their requests' `max_tokens`) end it within `life_factor` measurements' rounds,
+its rounds stay free, or held to the verdict it has (eight requests of 64 tokens on the CPU spent half
+their time measuring, their windows held to trees opening every session's draft for nothing). A hold whose own latest rounds decode less than another regime measured gives way to
 it (`_watch`: a window's six rounds can misjudge a regime whose later rounds differ). `history` keeps
 the latest measurements (and revisions) for the summary. Lossless by construction:
 it only decides which steps carry trees, as each session's policy does.
@@ -79,6 +82,9 @@ class Governor:
     margin: float = 0.03  # the free regime must decode this much more than the better held one
     budget: float = 0.02  # the share of the time that measuring (its losing windows) may cost
     order: tuple = ORDER  # the regimes a measurement runs through (benchmarks compare orders)
+    # a measurement starts only where the batch will keep its size for this many measurements' rounds
+    # (round_end's `life`): one that ends sooner would pay for the windows without using the verdict
+    life_factor: float = 4.0
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # by batch size (bucket)
     history: list = field(default_factory=list)  # the latest HISTORY measurements: size, rates, verdict
     measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
@@ -99,9 +105,16 @@ class Governor:
         """Whether the next round holds the sessions (to plain steps or to trees)."""
         return self.regime() != FREE
 
-    def round_end(self, sessions: int, tokens: int, steady: bool, now: Optional[float] = None) -> None:
+    @property
+    def min_life(self) -> int:
+        """Rounds a batch must have ahead of it for a measurement to start (`life_factor` measurements)."""
+        return math.ceil(self.life_factor * len(self.order) * (self.window + 1))
+
+    def round_end(self, sessions: int, tokens: int, steady: bool, now: Optional[float] = None,
+                  life: Optional[float] = None) -> None:
         """A round ended: `sessions` in it, `tokens` they emitted, `steady` (no prompt chunk, no
-        session joined or left)."""
+        session joined or left); `life`: the rounds the batch keeps its size if no session joins (at
+        most its sessions' tokens left: Batcher.life; None: unknown, as long as need be)."""
         now = time.perf_counter() if now is None else now
         seconds, self._t = (now - self._t if self._t is not None else None), now
         size = bucket(sessions) if sessions >= self.min_sessions else 0
@@ -119,6 +132,10 @@ class Governor:
                     self._watch(v, tokens, seconds, steady)
                     return
                 before = v.regime
+            if life is not None and life < self.min_life:  # (it would end before a verdict paid its windows)
+                if v is not None:
+                    v.left = 1  # (the verdict holds on, round by round, while the batch lasts)
+                return
             self.phase, self.measured = self.order[0], {}
             self._restart()
             self._skip = before != self.phase  # (a run ahead, or a tree, may end in the next round)

@@ -22,6 +22,7 @@ or to trees.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -30,7 +31,7 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 
-from specextend.governor import FREE, OPENING, TREES, Governor
+from specextend.governor import FREE, OPENING, TREES, Governor, bucket
 from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall, forward_batch
 from specextend.models.decoder import Decoder
@@ -59,7 +60,7 @@ class _Entry:
     """A session in the batcher: what goes into it next, and what it waits on."""
 
     __slots__ = ("co", "sink", "load", "send", "exc", "call", "draft_fn", "future", "opening_call", "paused",
-                 "resumed", "stopped")
+                 "resumed", "stopped", "emitted")
 
     def __init__(self, co: Generator, sink: Sink, load: Optional[Load]) -> None:
         self.co, self.sink, self.load = co, sink, load
@@ -72,6 +73,7 @@ class _Entry:
         self.paused = False  # its client lags (the sink said so): not advanced until resumed
         self.resumed = False  # a resume that arrived before the pause it answers
         self.stopped = False
+        self.emitted = 0  # tokens delivered to its sink
 
 
 SPANS_KEPT = 1024  # forwards whose durations a Batcher keeps (benchmarks: the device's busy time)
@@ -254,7 +256,17 @@ class Batcher:
         if self.governor is not None:
             # (a session whose draft still opens steps plainly whatever the regime: not a steady round)
             self.governor.round_end(len(members), self._round_tokens,
-                                    steady and not self._round_chunks and not self.opening())
+                                    steady and not self._round_chunks and not self.opening(), life=self.life())
+
+    def life(self) -> float:
+        """The rounds this batch keeps its size bucket (governor.bucket) if no session joins, at most:
+        a round emits at least one token a session, so each session has at most its tokens left; the
+        bucket ends when all but half of it have left (inf where a session's bound is unknown)."""
+        left = sorted(e.load.max_tokens - e.emitted if e.load is not None and e.load.max_tokens is not None
+                      else math.inf for e in self._sessions)
+        if not left:
+            return 0.0
+        return left[len(left) - bucket(len(left)) // 2 - 1]
 
     def opening(self) -> bool:
         """Whether some session's draft open is under way (begun, not done): it steps plainly till then."""
@@ -359,7 +371,9 @@ class Batcher:
 
     def _deliver(self, e: _Entry, item: Any) -> bool:
         """The sink's answer (False: pause); a sink that fails (its consumer is gone) stops the session."""
-        self._round_tokens += len(getattr(item, "token_ids", None) or ())
+        n = len(getattr(item, "token_ids", None) or ())
+        self._round_tokens += n
+        e.emitted += n
         try:
             return e.sink(item)
         except Exception:  # noqa: BLE001 - never let one consumer take the engine thread down

@@ -46,6 +46,8 @@ class Load:
     kv_pool: Optional[KVPool] = None  # the driver's pool of target caches (kv_pool.py; None: its own)
     held: Optional[str] = None  # the driver's governor holds the batch to "plain" steps or to "trees" now (governor.py)
     opening: Optional[Future] = None  # its draft's open, begun and not joined (the session steps plainly till then)
+    max_tokens: Optional[int] = None  # set by the session: the most tokens it emits (its request's); the
+    # driver's governor reads how long a batch will last from it (scheduler.Batcher.life)
 
     def take_shared(self) -> float:
         """Takes `shared_s` (Batcher._charge; `wall` drops it): a draft step's price to the policy is

@@ -22,15 +22,15 @@ MEASURE = [FREE] + [PLAIN] * 5 + [TREES] * 5 + [FREE] * 5
 AGAIN = [PLAIN] * 4 + [TREES] * 5 + [FREE] * 5  # measured again after a plain hold (no round to skip)
 
 
-def rounds(g: Governor, n: int, sessions: int, rate: dict, t: list, steady: bool = True) -> list[str]:
+def rounds(g: Governor, n: int, sessions: int, rate: dict, t: list, steady: bool = True, life=None) -> list[str]:
     """n rounds of `sessions`, each 10 ms emitting what `rate` (tokens a round by regime) says for
-    the regime of the round; returns each round's regime."""
+    the regime of the round (`life`: the rounds the batch has ahead); returns each round's regime."""
     out = []
     for _ in range(n):
         r = g.regime()
         out.append(r)
         t[0] += 0.010
-        g.round_end(sessions, rate[r], steady, now=t[0])
+        g.round_end(sessions, rate[r], steady, now=t[0], life=life)
     return out
 
 
@@ -45,6 +45,19 @@ def test_plain_steps_that_decode_more_hold_the_batch_then_confirmed_longer():
     assert g.verdicts[16].hold == 16 and g.summary()[16]["regime"] == PLAIN
     assert g.summary()["history"][-1] == dict(size=16, rates={FREE: 1200.0, PLAIN: 1600.0, TREES: 1000.0},
                                               regime=PLAIN, hold=16)
+
+
+def test_a_batch_that_will_not_last_is_not_measured_and_a_verdict_holds_on_while_it_lasts():
+    g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
+    rate = {FREE: 12, PLAIN: 16, TREES: 10}
+    assert g.min_life == 4 * 3 * 5  # (four measurements of three windows, each a skipped round and four)
+    assert rounds(g, 10, 16, rate, t, life=59) == [FREE] * 10 and not g.measured and not g.verdicts
+    assert rounds(g, 16, 16, rate, t, life=60) == MEASURE and g.verdicts[16].regime == PLAIN
+    assert rounds(g, 7, 16, rate, t, life=1000) == [PLAIN] * 7  # (one round of the hold left)
+    assert rounds(g, 5, 16, rate, t, life=20) == [PLAIN] * 5  # its end: held on, not measured
+    assert g.phase is None and len(g.history) == 1
+    assert rounds(g, 15, 16, rate, t, life=1000) == [PLAIN] + AGAIN  # (the held round, then measured again)
+    assert len(g.history) == 2
 
 
 def test_each_verdict_is_logged_with_the_rates_it_came_from(caplog):
@@ -150,8 +163,8 @@ class Verdict(Governor):
 
     wins = PLAIN
 
-    def round_end(self, sessions, tokens, steady, now=None):
-        super().round_end(sessions, 100 if self.regime() == self.wins else 1, steady, now)
+    def round_end(self, sessions, tokens, steady, now=None, life=None):
+        super().round_end(sessions, 100 if self.regime() == self.wins else 1, steady, now, life)
 
 
 class TreesWin(Verdict):
@@ -185,6 +198,20 @@ def test_rounds_held_plain_take_no_tree_and_every_output_equals_its_solo_run(pai
     assert f'specextend_rounds_held_total{{regime="plain"}} {float(b.held_rounds[PLAIN])}' in text
     trees = lambda got: sum(s.num_steps for _, _, s in got)  # noqa: E731
     assert trees(free) >= 4 * 16 and trees(held) <= trees(free) // 2
+
+
+def test_sessions_that_end_too_soon_for_a_verdict_to_pay_are_not_measured(pair):
+    """Requests of 24 tokens (fewer than the governor's `min_life` of 36 rounds): no round is held,
+    none measured; each output equals its solo run (float64). Requests of 48 are measured."""
+    spec = lambda: make_engine(pair, "sd", tree=TreeConfig(6, 3, 2), prefill_chunk=64,  # noqa: E731
+                               tree_policy="adaptive")
+    for tokens, measured in ((24, False), (48, True)):
+        reqs = _requests(tokens=tokens)
+        alone = [make_engine(pair, "ar").generate(p, params)[0] for p, params, _ in reqs]
+        gov = TreesWin(window=2, hold=1000)
+        got, b = run_batched(spec(), reqs, max_batch=4, governor=gov)
+        assert [tokens for tokens, _, _ in got] == alone
+        assert (sum(b.held_rounds.values()) > 0) == measured and bool(gov.verdicts) == measured
 
 
 def test_rounds_held_to_trees_take_them_and_every_output_equals_its_solo_run(pair):

@@ -78,7 +78,8 @@ def test_rounds_name_the_governors_regime(tiny_models, monkeypatch, tmp_path):
     monkeypatch.setenv(round_log.ENV, str(tmp_path))
     engine = make_engine(tiny_models("float64"), "sd", tree=TreeConfig(6, 3, 2), prefill_chunk=64,
                          tree_policy="adaptive")
-    b = _run(engine, [_prompt(12, i) for i in range(4)], governor=Governor(window=2, hold=1000))
+    b = _run(engine, [_prompt(12, i) for i in range(4)],  # (life_factor 0: short requests measured too)
+             governor=Governor(window=2, hold=1000, life_factor=0))
     rounds = round_log.read(str(tmp_path))
     assert rounds and all(r["regime"] in (FREE, PLAIN, TREES) for r in rounds)
     s = round_log.summary(rounds)
