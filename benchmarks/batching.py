@@ -33,6 +33,7 @@ import torch
 
 from specextend.bench import record
 from specextend.bench.kernels import copy_bandwidth
+from specextend.bench.texts import documents, window_prompts
 
 from specextend.builder import build_engine
 from specextend.config import EngineConfig, SamplingParams
@@ -50,10 +51,11 @@ from draft_rounds import print_profiles, profile_control  # noqa: E402
 
 def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
         gather_s: float = 0.0, graph_batch: bool = False, governor=False, on_decode=None,
-        profiler=None) -> dict:
+        profiler=None, doc: str = "") -> dict:
     """One run of n sessions; `on_decode()` is called when every session has its first token;
     `governor`: the batcher checks the sessions' choices as a served replica's does (governor.py;
-    True, or the order of its measurement's regimes);
+    True, or the order of its measurement's regimes); `doc`: the sessions' prompts are windows of
+    that document (bench/texts.py) instead of random tokens;
     `profiler` (torch.profiler's): started on this thread, which stops it, once decoding starts."""
     gov = (Governor(order=governor) if isinstance(governor, tuple) else Governor()) if governor else None
     b = Batcher(engine.target.decoder, max_batch, governor=gov)
@@ -93,8 +95,9 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     t0, wall0 = time.perf_counter(), time.time()
     marks: list = []  # (time, forwards) when decoding starts (every session has its first token)
+    docs = window_prompts(engine.target.tokenizer, documents([doc])[0], prompt_len, n) if doc else None
     for i in range(n):
-        ids = torch.randint(vocab, (prompt_len,), generator=g).tolist()
+        ids = docs[i] if docs else torch.randint(vocab, (prompt_len,), generator=g).tolist()
         load = b.new_load()  # (as the replica's sessions: told of the shared forwards, lent a cache slot)
         b.add(engine.session(ids, params, replay=replay, load=load), sink, load)
     th = threading.Thread(target=b.run, daemon=True, name="batcher")
@@ -176,7 +179,14 @@ def main(argv=None) -> int:
     p.add_argument("--sessions", default="1,4,8")
     p.add_argument("--prompt-len", default="256", help="comma-separated prompt lengths")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--replay", type=int, default=3, help="accepted draft tokens per step in speculative modes")
+    p.add_argument("--replay", type=int, default=3, help="accepted draft tokens per step in speculative modes "
+                   "(0: none, the draft's own acceptance: a real pair, with --docs)")
+    p.add_argument("--docs", default="", help="each session's prompt a window of this document (nodejs, "
+                   "shakespeare, python: bench/texts.py), not random tokens")
+    p.add_argument("--tag", default="", help="the JSON file's suffix: batching-<device>[-adaptive][-TAG].json")
+    p.add_argument("--production-only", action="store_true",
+                   help="only the plan a served replica runs (graphed target batch; the draft's batch of 8 "
+                        "with its gather wait)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tree-policy", default="fixed", choices=["fixed", "adaptive"])
@@ -217,12 +227,12 @@ def main(argv=None) -> int:
                 command="python benchmarks/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 threads=torch.get_num_threads(), copy_bandwidth=bw)
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"batching-{a.device}{'-adaptive' if a.tree_policy == 'adaptive' else ''}.json"
+    path = OUT / f"batching-{a.device}{'-adaptive' if a.tree_policy == 'adaptive' else ''}{'-' + a.tag if a.tag else ''}.json"
     for mode in a.modes.split(","):
         cfg = EngineConfig(target=a.target, draft=a.draft, mode=mode, device=a.device, dtype=a.dtype,
                            tree_policy=a.tree_policy)
         engine = build_engine(cfg)
-        replay = None if mode == "ar" else [a.replay]
+        replay = None if mode == "ar" or not a.replay else [a.replay]
         if engine.draft is not None and a.batch_trees != "default":
             engine.draft.batch_trees = a.batch_trees == "on"
         graphed = isinstance(engine.target.decoder.graphs, FullStepGraphs)
@@ -242,6 +252,8 @@ def main(argv=None) -> int:
                     plans.append((n, 1, 0.0, True))
             if a.graph_batch_only:
                 plans = [pl for pl in plans if pl[3]] or plans[-1:]
+            if a.production_only:  # (the replica's: batched through graphs where captured, the draft's gather)
+                plans = [pl for pl in plans if pl[0] == n and pl[3] == graphed and (mode == "ar" or pl[2] == GATHER_S)]
             govs = {"off": [False], "on": [True], "both": [False, True]}[a.governor] if mode != "ar" else [False]
             if a.governor_order == "both":  # (each governed plan with the measurement's order as now, then free first)
                 govs = [g for v in govs for g in ([v, (FREE, PLAIN, TREES)] if v else [v])]
@@ -249,7 +261,7 @@ def main(argv=None) -> int:
             got = []
             for mb, db, gs, gb, gv in plans:  # each plan's shapes captured first (a short run), then timed
                 run(engine, n, mb, 16, 4, replay, db, gs, gb)
-                got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb, gv))
+                got.append(run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb, gv, doc=a.docs))
                 if a.profile:  # the same run's decode again under yappi: each thread's busiest functions
                     run(engine, n, mb, length, a.new_tokens, replay, db, gs, gb, gv,
                         on_decode=lambda: profile_control(("start", a.profile)))
@@ -265,7 +277,8 @@ def main(argv=None) -> int:
                         a.kernels)
             top = ceiling(engine, n, length, a.new_tokens, bw) if mode == "ar" else 0.0
             for r in got:
-                rows.append(dict(mode=label, plain_ahead=ahead, prompt_len=length, replayed=replay is not None, tree_policy=a.tree_policy,
+                rows.append(dict(mode=label, plain_ahead=ahead, prompt_len=length, replayed=replay is not None, docs=a.docs,
+                                 tree_policy=a.tree_policy,
                                  ceiling_tokens_per_s=top, **r))
             cells = [f"{r['decode_tokens_per_s']:7.1f} tok/s ({r['mean_calls_per_forward']:.1f}"
                      + (f"/{r['draft_calls_per_forward']:.1f}" if "draft_calls_per_forward" in r else "")

@@ -87,7 +87,8 @@ BY_NAME = {d.name: d for d in DOCUMENTS}
 
 
 @lru_cache(maxsize=8)
-def _document_ids(tokenizer, name: str, length: int) -> tuple[int, ...]:
+def _ids_upto(tokenizer, name: str, length: int) -> tuple[int, ...]:
+    """The document's first `length` tokens, or all of them where it has fewer."""
     text = BY_NAME[name].text()
     ids: list[int] = []
     cut = 6 * length + 1024  # tokenize a prefix only: long texts take seconds to encode whole
@@ -96,19 +97,39 @@ def _document_ids(tokenizer, name: str, length: int) -> tuple[int, ...]:
         if cut >= len(text):
             break
         cut *= 2
+    return tuple(ids[:length])
+
+
+def _document_ids(tokenizer, name: str, length: int) -> tuple[int, ...]:
+    ids = _ids_upto(tokenizer, name, length)
     if len(ids) < length:
         raise TextUnavailable(f"the {name} text has {len(ids)} tokens, fewer than {length}")
-    return tuple(ids[:length])
+    return ids
+
+
+def _chat(tokenizer, doc: Document, ids) -> list[int]:
+    body = tokenizer.decode(list(ids)) + "\n\n" + doc.question
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return list(tokenizer.encode(body, add_special_tokens=False))
 
 
 def prompt_ids(tokenizer, doc: Document, length: int) -> list[int]:
     """The first `length` tokens of `doc`, then its question, in the tokenizer's chat template
     when it has one (the byte tokenizer of random presets has none: plain concatenation)."""
-    body = tokenizer.decode(list(_document_ids(tokenizer, doc.name, length))) + "\n\n" + doc.question
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-    return list(tokenizer.encode(body, add_special_tokens=False))
+    return _chat(tokenizer, doc, _document_ids(tokenizer, doc.name, length))
+
+
+def window_prompts(tokenizer, doc: Document, length: int, n: int) -> list[list[int]]:
+    """`n` prompts of one document for concurrent sessions: windows of `length` tokens starting
+    evenly further into it (apart where it is long enough, overlapping where not), each then its
+    question, as prompt_ids."""
+    ids = _ids_upto(tokenizer, doc.name, n * length)
+    if len(ids) < length:
+        raise TextUnavailable(f"the {doc.name} text has {len(ids)} tokens, fewer than {length}")
+    step = (len(ids) - length) // max(n - 1, 1)
+    return [_chat(tokenizer, doc, ids[i * step:i * step + length]) for i in range(n)]
 
 
 def documents(names: list[str]) -> list[Document]:
