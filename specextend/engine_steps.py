@@ -267,11 +267,16 @@ class EngineSteps:
         # an overlapping draft hears the tokens so far: a plain step's once its forward is queued (the
         # call's host work while the device runs: start_ask), a run's as read; after the lane's calls, unwaited
         tells = RunTells(self.draft, s.lane, s.sid, s.step, s.pending, s.retrieval, s.held, s.stats) if s.tell else None
-        governed = s.use_draft and s.ctl.governed  # (its run ends when the batch's governor changes its hold)
+        # (its run ends when the batch's governor changes its hold; a draft's session or a context lookup's)
+        governed = (s.use_draft or s.lookup is not None) and s.ctl.governed
+        # held to plain steps by the batch's governor: no lookup chain either, the steps run ahead as `ar`'s
+        # (one session's host step reads its token before the next forward, and the whole round waits)
+        plain_held = governed and s.load.held in (PLAIN, OPENING)
         run = (self.config.plain_ahead and not s.opening_pending
                and run_ahead(s.target, s.committed[-1], s.out, s.stats, s.t1, s.gen, s.ctl, s.lookup,
-                             s.use_draft and not (governed and s.load.held in (PLAIN, OPENING)), s.load,
-                             self.lookup_ahead, s.feed.push if s.feed is not None else tells, s.ref, governed))  # ("Plain
+                             s.use_draft and not plain_held, s.load,
+                             self.lookup_ahead, s.feed.push if s.feed is not None else tells, s.ref, governed,
+                             chains=not plain_held))  # ("Plain
         send, scoring = None, s.retrieval  # steps ahead", "Lookup runs ahead"; scoring: once the forward is queued)
         if run:
             if s.feed is not None:  # (a selection held goes with the run's first tokens)
@@ -293,7 +298,8 @@ class EngineSteps:
             return None  # (waits shared during the run are not the next step's: Load.wall)
         chains = s.stats.lookup_steps
         s.committed = yield from plain_step_co(s.target, s.committed[-1], s.params, s.gen, s.timed, s.lookup, s.stats,
-                                             send, s.ref, scoring, teach_host=not s.opening_pending)
+                                             send, s.ref, scoring, teach_host=not s.opening_pending,
+                                             chains=not plain_held)
         t_plain = time.perf_counter()
         if s.feed is not None:  # (with a selection held, scored in this forward's shadow)
             s.feed.push(s.committed, s.retrieval, send=not s.opening_pending)

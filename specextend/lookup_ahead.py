@@ -277,15 +277,17 @@ def in_step(target: TargetSession, lookup: RequestLookup) -> bool:
 def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStats, t1: float, gen: torch.Generator,
               ctl: TreeController, lookup: Optional[RequestLookup], speculative: bool, load: Optional["Load"],
               forced: Optional[bool] = None, heard: Optional[Callable[[list[int]], None]] = None,
-              ref: Optional[Reference] = None, governed: bool = False) -> Optional[Generator[object, object, list[int]]]:
+              ref: Optional[Reference] = None, governed: bool = False,
+              chains: bool = True) -> Optional[Generator[object, object, list[int]]]:
     """The run a step without a tree begins now from the last emitted token `last`, if any: a lookup
     run where `runs_ahead`, else a run of plain steps ahead where plain_ahead.run_length allows one
     (none: the step goes the host's way, plain_step.plain_step_co). `heard`: told the run's tokens
     as the host reads them (an overlapping draft's tells, draft_link.RunTells). `ref` (benchmarks): a
     greedy request's reference tokens, which lookup runs take (runs of plain steps do not: None).
-    `governed`: a speculative request that the batch's governor may hold (governor.py): its run of
-    plain steps ends when the hold changes."""
-    if runs_ahead(target.model, out.params, lookup, load, forced) and in_step(target, lookup) and (
+    `governed`: a request that the batch's governor may hold (governor.py): its run of plain steps ends
+    when the hold changes. `chains` False (held to plain steps): a run of plain steps whatever the
+    lookup would find, as mode `ar`'s (the lookup still hears the run's tokens)."""
+    if chains and runs_ahead(target.model, out.params, lookup, load, forced) and in_step(target, lookup) and (
             ref is None or out.params.greedy):
         k = run_room(ctl, out, stats, speculative, LOOKUP_RUN_STEPS)
         if not k:
@@ -295,8 +297,9 @@ def run_ahead(target: TargetSession, last: int, out: Emitter, stats: RequestStat
         return lookup_run_co(target, target.history, out, stats, t1, gen, k, ctl, lookup, speculative, heard, ref)
     if ref is not None:
         return None
-    k = run_length(ctl, out, stats, lookup, speculative)
-    return plain_run_co(target, last, out, stats, t1, gen, k, ctl, lookup, speculative, load, heard, governed) if k else None
+    k = run_length(ctl, out, stats, lookup if chains else None, speculative)
+    return (plain_run_co(target, last, out, stats, t1, gen, k, ctl, lookup, speculative, load, heard, governed, chains)
+            if k else None)
 
 
 def runs_ahead(model, params, lookup: Optional[RequestLookup], load: Optional["Load"], forced: Optional[bool]) -> bool:

@@ -137,7 +137,7 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
                  lookup: Optional[RequestLookup], speculative: bool = True,
                  load: Optional[Load] = None,
                  heard: Optional[Callable[[list[int]], None]] = None,
-                 governed: bool = False) -> Generator[object, object, list[int]]:
+                 governed: bool = False, chains: bool = True) -> Generator[object, object, list[int]]:
     """A run of `k` plain steps ahead (run_length) from the last committed token `last`: the tokens
     emitted, each counted as a plain step by the policy (its probe schedule), the request's stats
     and the context lookup (RequestLookup.commit_run). The draft hears of them with the next tree
@@ -151,7 +151,8 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
     `governed`: a speculative request that the batch's governor may hold (governor.py): no further run
     once the hold changes (`load.held`; without that, a run begun under a plain hold, or with the
     sessions free, went on to the request's end or the policy's probe, and the governor's trees
-    window found the batch decoding plainly)."""
+    window found the batch decoding plainly). `chains` False (held to plain steps): the runs go on
+    whatever the lookup would find (it hears their tokens still)."""
     taught, behind = 0, ctl.behind  # (the draft's tokens to catch up on before a tree: the run's too)
     hold = load.held if load is not None else None  # (the governor's, at the run's start)
     intervals: list[float] = []  # seconds between reads, of the tokens read since the last teach
@@ -180,7 +181,7 @@ def plain_run_co(target: TargetSession, last: int, out: Emitter, stats: RequestS
         teach(emitted)
         if governed and load is not None and load.held != hold:
             return 0
-        k = run_length(ctl, out, stats, lookup, speculative)  # (0 at the probe or the end: nothing to ask)
+        k = run_length(ctl, out, stats, lookup if chains else None, speculative)  # (0 at the probe or the end)
         if k and speculative:
             ctl.see_chain(lookup, behind + len(emitted))
             if not ctl.plain_still_best(load.sessions if load is not None else 1):

@@ -28,7 +28,7 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
                   lookup: Optional[RequestLookup] = None, stats: Optional[RequestStats] = None,
                   queued: Optional[Callable[[], object]] = None,
                   reference: Optional[Reference] = None,
-                  scoring=None, teach_host: bool = True) -> Generator[ForwardCall, object, list[int]]:
+                  scoring=None, teach_host: bool = True, chains: bool = True) -> Generator[ForwardCall, object, list[int]]:
     """A step with no draft tree from `root`: [the next token]; with a context `lookup` that has a
     chain worth its rows, that chain verified instead (its accepted tokens, then the target's
     next one); the emitted tokens committed to the lookup. `timed` wraps each forward coroutine
@@ -38,9 +38,10 @@ def plain_step_co(target: TargetSession, root: int, params: SamplingParams, gen,
     (`scoring`: retrieval.launch_scoring) is launched just before it. `reference` (benchmarks):
     verify.Reference, with `stats` (its count of emitted tokens is the position). `teach_host`
     False: the step's wall time is not a plain step's (the draft's open runs beside it and holds
-    the host), so the lookup's gate learns its chain but not its host work."""
+    the host), so the lookup's gate learns its chain but not its host work. `chains` False: no chain
+    (the batch's governor holds the step plain), the emitted token still committed to the lookup."""
     t0 = time.perf_counter()
-    chain = lookup.chain() if lookup is not None else []
+    chain = lookup.chain() if lookup is not None and chains else []
     if not chain:
         logits = yield from timed(target.decode_co(root))
         _queued(scoring, queued)

@@ -229,3 +229,26 @@ def test_rounds_held_to_trees_take_them_and_every_output_equals_its_solo_run(pai
     assert gov.verdicts[4].regime == TREES and b.held_rounds[TREES] > 4
     trees = lambda got: sum(s.num_steps for _, _, s in got)  # noqa: E731
     assert trees(held) >= trees(free) + 4 * 4
+
+
+def test_lookup_sessions_held_plain_verify_no_chain_and_run_ahead_as_ar(tiny_models, monkeypatch):
+    """Mode lookup, prompts that repeat themselves and every chain found verified: free, the batched
+    sessions verify chains at most steps; held to plain steps by a governor that finds them best,
+    they verify none once it has measured, and their steps run ahead as `ar`'s (one session's host
+    step would make every round wait for its read); every output equals its solo run (float64)."""
+    from specextend.lookup_gate import LookupGate
+
+    monkeypatch.setattr(LookupGate, "use", lambda self, *a, **k: True)
+    engine = make_engine(tiny_models("float64"), "lookup", tree_policy="adaptive")
+    gen = torch.Generator().manual_seed(5)
+    reqs = [((torch.randint(0, 256, (30,), generator=gen).tolist() * 4)[:110],
+             SamplingParams(max_new_tokens=72, ignore_eos=True), {}) for _ in range(4)]
+    alone = [engine.generate(p, params)[0] for p, params, _ in reqs]
+    free, _ = run_batched(engine, reqs, max_batch=4)
+    gov = Verdict(window=2, hold=1000)
+    held, b = run_batched(engine, reqs, max_batch=4, governor=gov)
+    assert [tokens for tokens, _, _ in free] == alone and [tokens for tokens, _, _ in held] == alone
+    assert gov.verdicts[4].regime == PLAIN and b.held_rounds[PLAIN] > 8
+    chains = lambda got: sum(st.lookup_steps for _, _, st in got)  # noqa: E731
+    assert chains(free) >= 4 * 8 and chains(held) <= chains(free) // 2
+    assert sum(st.ahead_steps for _, _, st in held) > sum(st.ahead_steps for _, _, st in free)
