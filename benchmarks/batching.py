@@ -54,10 +54,11 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
         profiler=None, doc: str = "") -> dict:
     """One run of n sessions; `on_decode()` is called when every session has its first token;
     `governor`: the batcher checks the sessions' choices as a served replica's does (governor.py;
-    True, or the order of its measurement's regimes); `doc`: the sessions' prompts are windows of
-    that document (bench/texts.py) instead of random tokens;
+    True, the order of its measurement's regimes, or a Governor kept from run to run); `doc`: the
+    sessions' prompts are windows of that document (bench/texts.py) instead of random tokens;
     `profiler` (torch.profiler's): started on this thread, which stops it, once decoding starts."""
-    gov = (Governor(order=governor) if isinstance(governor, tuple) else Governor()) if governor else None
+    gov = (governor if isinstance(governor, Governor) else Governor(order=governor) if isinstance(governor, tuple)
+           else Governor()) if governor else None
     b = Batcher(engine.target.decoder, max_batch, governor=gov)
     graphs = engine.target.decoder.graphs
     if isinstance(graphs, FullStepGraphs):
@@ -184,6 +185,9 @@ def main(argv=None) -> int:
     p.add_argument("--docs", default="", help="each session's prompt a window of this document (nodejs, "
                    "shakespeare, python: bench/texts.py), not random tokens")
     p.add_argument("--tag", default="", help="the JSON file's suffix: batching-<device>[-adaptive][-TAG].json")
+    p.add_argument("--governor-persist", action="store_true",
+                   help="one governor for a mode's timed runs, as a served replica keeps its own from burst to "
+                        "burst (its verdicts by batch size carry; --sessions 4,8,16 grows the load)")
     p.add_argument("--production-only", action="store_true",
                    help="only the plan a served replica runs (graphed target batch; the draft's batch of 8 "
                         "with its gather wait)")
@@ -239,6 +243,7 @@ def main(argv=None) -> int:
         sessions = [int(x) for x in a.sessions.split(",")]
         warm_up(engine, list(range(1, 65)), max(sessions))  # as a served replica starts: every shape captured
         aheads = {"on": [True], "off": [False], "both": [True, False]}[a.plain_ahead] if mode == "ar" else [True]
+        kept = None  # (--governor-persist: the mode's governor)
         for length, n, ahead in ((x, y, z) for x in lengths for y in sessions for z in aheads):
             engine.config = replace(engine.config, plain_ahead=ahead)  # (interleaved: the same engine)
             label = mode if ahead else f"{mode}-twin"
@@ -257,6 +262,9 @@ def main(argv=None) -> int:
             govs = {"off": [False], "on": [True], "both": [False, True]}[a.governor] if mode != "ar" else [False]
             if a.governor_order == "both":  # (each governed plan with the measurement's order as now, then free first)
                 govs = [g for v in govs for g in ([v, (FREE, PLAIN, TREES)] if v else [v])]
+            if a.governor_persist:  # (the mode's own governor, carried from one timed run to the next)
+                kept = kept or Governor()
+                govs = [kept if g is True else g for g in govs]
             plans = [(*pl, g) for pl in plans for g in govs]  # (+ the batch's governor)
             got = []
             for mb, db, gs, gb, gv in plans:  # each plan's shapes captured first (a short run), then timed

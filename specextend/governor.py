@@ -32,7 +32,14 @@ rounds, not 32. For the same reason no measurement starts in a batch that will n
 sessions' tokens left (their requests' `max_tokens`) end it within `life_factor` measurements' rounds,
 its rounds stay free, or held to the verdict it has (eight requests of 64 tokens on the CPU spent half
 their time measuring, their windows held to trees opening every session's draft for nothing). A hold whose own latest rounds decode less than another regime measured gives way to
-it (`_watch`: a window's six rounds can misjudge a regime whose later rounds differ). `history` keeps
+it (`_watch`: a window's six rounds can misjudge a regime whose later rounds differ). Where a smaller
+batch's latest measurement found trees decoding less than plain steps, a larger batch's leaves its
+trees window out (`trees_lost`): batching shares a plain step's weight reads among more sessions,
+while each tree still costs its draft's steps and its verification rows, so trees that lose at four
+sessions lose at sixteen (the real pair on an H200, 2026-12-03: trees at 18-56% of plain steps'
+rate from 4 to 16 sessions), and their window's draft opens and slow rounds were most of what a
+burst of requests lost. The rounds held while drafts opened for a trees window count in the
+measurement's cost (`paid_hold`). `history` keeps
 the latest measurements (and revisions) for the summary. Lossless by construction:
 it only decides which steps carry trees, as each session's policy does.
 """
@@ -89,6 +96,11 @@ class Governor:
     history: list = field(default_factory=list)  # the latest HISTORY measurements: size, rates, verdict
     measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
     phase: Optional[str] = None  # the regime being measured (None: none)
+    # by batch size: whether its latest measurement found trees decoding less than plain steps by the
+    # margin; a larger batch's measurement then leaves its trees window out (`_regimes`)
+    trees_lost: dict[int, bool] = field(default_factory=dict)
+    _regimes: tuple = ()  # the current measurement's regimes, in order (self.order, or without TREES)
+    _opening: list = field(default_factory=list)  # the current measurement's opening rounds' tokens/s
     _size: int = 0
     _rates: list = field(default_factory=list)  # the measured rounds' tokens per second
     _skip: bool = True  # the next round is a switch's first: not measured
@@ -111,10 +123,12 @@ class Governor:
         return math.ceil(self.life_factor * len(self.order) * (self.window + 1))
 
     def round_end(self, sessions: int, tokens: int, steady: bool, now: Optional[float] = None,
-                  life: Optional[float] = None) -> None:
+                  life: Optional[float] = None, opening: bool = False) -> None:
         """A round ended: `sessions` in it, `tokens` they emitted, `steady` (no prompt chunk, no
         session joined or left); `life`: the rounds the batch keeps its size if no session joins (at
-        most its sessions' tokens left: Batcher.life; None: unknown, as long as need be)."""
+        most its sessions' tokens left: Batcher.life; None: unknown, as long as need be); `opening`:
+        a round held to trees stepped plainly while drafts opened (OPENING: part of the measurement's
+        cost, paid_hold)."""
         now = time.perf_counter() if now is None else now
         seconds, self._t = (now - self._t if self._t is not None else None), now
         size = bucket(sessions) if sessions >= self.min_sessions else 0
@@ -136,10 +150,16 @@ class Governor:
                 if v is not None:
                     v.left = 1  # (the verdict holds on, round by round, while the batch lasts)
                 return
-            self.phase, self.measured = self.order[0], {}
+            # trees that lost in a smaller batch lose here too: batching shares a plain step's weights
+            # among more sessions, while each tree still costs its draft steps and its rows
+            lost = any(x for n, x in self.trees_lost.items() if n < size)
+            self._regimes = tuple(r for r in self.order if not (lost and r == TREES))
+            self.phase, self.measured, self._opening = self._regimes[0], {}, []
             self._restart()
             self._skip = before != self.phase  # (a run ahead, or a tree, may end in the next round)
             return
+        if opening and seconds is not None:
+            self._opening.append(tokens / max(seconds, 1e-9))
         if not steady or seconds is None:
             self._restart()
             return
@@ -151,19 +171,24 @@ class Governor:
             return
         self.measured[self.phase] = statistics.median(self._rates)
         self._restart()
-        if self.phase != self.order[-1]:
-            self.phase = self.order[self.order.index(self.phase) + 1]
+        if self.phase != self._regimes[-1]:
+            self.phase = self._regimes[self._regimes.index(self.phase) + 1]
             return
-        regime = max((PLAIN, TREES), key=lambda r: self.measured[r])
+        regime = max((r for r in (PLAIN, TREES) if r in self.measured), key=self.measured.get)
         if self.measured[FREE] > (1 + self.margin) * self.measured[regime]:
             regime = FREE
+        if TREES in self.measured:
+            self.trees_lost[size] = self.measured[TREES] < (1 - self.margin) * self.measured[PLAIN]
         hold = min(2 * v.hold, self.max_hold) if v is not None and v.regime == regime else self.hold
         hold = max(hold, min(self.paid_hold(regime), self.max_hold))
         self.verdicts[size] = Verdict(regime, hold, hold)
         rates = {r: round(x, 1) for r, x in self.measured.items()}  # tokens/s by regime
-        self.history = self.history[-(HISTORY - 1):] + [dict(size=size, rates=rates, regime=regime, hold=hold)]
+        entry = dict(size=size, rates=rates, regime=regime, hold=hold)
+        if self._opening:
+            entry["opening"] = len(self._opening)  # (rounds held while drafts opened)
+        self.history = self.history[-(HISTORY - 1):] + [entry]
         log.info("batch governor: %d sessions decoded %s tokens/s -> %s for %d rounds", size,
-                 " / ".join(f"{r} {rates[r]:.0f}" for r in self.order), regime, hold)
+                 " / ".join(f"{r} {rates[r]:.0f}" for r in self._regimes), regime, hold)
         self.phase = None
 
     def _watch(self, v: Verdict, tokens: int, seconds: Optional[float], steady: bool) -> None:
@@ -201,10 +226,12 @@ class Governor:
     def paid_hold(self, regime: str) -> int:
         """Rounds to hold `regime` so that a measurement like the last one costs at most `budget` of
         the time: each window (its skipped round too) of a regime that decodes less than `regime` loses
-        that share of its rounds."""
+        that share of its rounds, and so does each round held while drafts opened for the trees window
+        (a one-GPU pair's draft prefills its prompts beside the target's rounds)."""
         best = max(self.measured[regime], 1e-12)
         lost = sum((self.window + 1) * max(0.0, 1.0 - rate / best) for rate in self.measured.values())
-        return math.ceil(lost / self.budget - 1e-9) - len(self.order) * (self.window + 1)
+        lost += sum(max(0.0, 1.0 - rate / best) for rate in self._opening)
+        return math.ceil(lost / self.budget - 1e-9) - len(self.measured) * (self.window + 1) - len(self._opening)
 
     def _restart(self) -> None:
         self._rates, self._skip = [], True

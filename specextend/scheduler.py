@@ -192,6 +192,7 @@ class Batcher:
         members = frozenset(map(id, self._sessions))
         steady, self._last_set = members == self._last_set, members
         self._round_tokens = self._round_chunks = 0
+        hold = None
         if self.governor is not None:
             regime = self.governor.regime()
             hold = None if regime == FREE else regime
@@ -256,7 +257,8 @@ class Batcher:
         if self.governor is not None:
             # (a session whose draft still opens steps plainly whatever the regime: not a steady round)
             self.governor.round_end(len(members), self._round_tokens,
-                                    steady and not self._round_chunks and not self.opening(), life=self.life())
+                                    steady and not self._round_chunks and not self.opening(), life=self.life(),
+                                    opening=hold == OPENING)
 
     def life(self) -> float:
         """The rounds this batch keeps its size bucket (governor.bucket) if no session joins, at most:

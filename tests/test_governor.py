@@ -60,6 +60,39 @@ def test_a_batch_that_will_not_last_is_not_measured_and_a_verdict_holds_on_while
     assert len(g.history) == 2
 
 
+def test_trees_that_lost_in_a_smaller_batch_are_not_measured_in_a_larger_one():
+    g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
+    rate = {FREE: 12, PLAIN: 16, TREES: 10}
+    assert rounds(g, 16, 4, rate, t) == MEASURE and g.trees_lost == {4: True}
+    # (the first round: the 4-session batch's hold; then plain steps and free choices, no trees window)
+    assert rounds(g, 11, 8, rate, t) == [PLAIN] + [PLAIN] * 5 + [FREE] * 5
+    assert g.verdicts[8].regime == PLAIN and g.history[-1]["rates"] == {PLAIN: 1600.0, FREE: 1200.0}
+    won, t = Governor(window=4, hold=8, budget=1.0), [0.0]  # (trees that won at 4 are measured at 8)
+    rate = {FREE: 12, PLAIN: 11, TREES: 15}
+    assert rounds(won, 16, 4, rate, t) == MEASURE and won.trees_lost == {4: False}
+    assert rounds(won, 16, 8, rate, t) == [TREES] + MEASURE[1:] and won.verdicts[8].regime == TREES
+
+
+def test_rounds_held_while_drafts_open_count_in_the_measurements_cost():
+    def measure(opening_rounds: int) -> Governor:
+        g, t = Governor(window=4, hold=8, budget=0.1), [0.0]
+        rate = {FREE: 12, PLAIN: 16, TREES: 10}
+        opened = 0
+        while not g.verdicts:
+            r = g.regime()
+            t[0] += 0.010
+            if r == TREES and opened < opening_rounds:  # (sessions step plainly while drafts open: slow)
+                opened += 1
+                g.round_end(16, 2, False, now=t[0], opening=True)
+            else:
+                g.round_end(16, rate[r], True, now=t[0])
+        return g
+    # lost: 5 x (1 - 10/16) + 5 x (1 - 12/16) = 3.125 rounds, and 3 x (1 - 2/16) more while opening
+    assert measure(0).verdicts[16].hold == 32 - 15
+    g = measure(3)
+    assert g.verdicts[16].hold == 58 - 15 - 3 and g.history[-1]["opening"] == 3
+
+
 def test_each_verdict_is_logged_with_the_rates_it_came_from(caplog):
     g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
     with caplog.at_level("INFO", logger="specextend.governor"):
@@ -163,8 +196,8 @@ class Verdict(Governor):
 
     wins = PLAIN
 
-    def round_end(self, sessions, tokens, steady, now=None, life=None):
-        super().round_end(sessions, 100 if self.regime() == self.wins else 1, steady, now, life)
+    def round_end(self, sessions, tokens, steady, now=None, **kw):
+        super().round_end(sessions, 100 if self.regime() == self.wins else 1, steady, now, **kw)
 
 
 class TreesWin(Verdict):
