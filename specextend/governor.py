@@ -31,8 +31,9 @@ costs.probe_interval): sixteen sessions whose trees decode half as much as plain
 rounds, not 32. For the same reason no measurement starts in a batch that will not last: where its
 sessions' tokens left (their requests' `max_tokens`) end it within `life_factor` measurements' rounds,
 its rounds stay free, or held to the verdict it has (eight requests of 64 tokens on the CPU spent half
-their time measuring, their windows held to trees opening every session's draft for nothing). A hold whose own latest rounds decode less than another regime measured gives way to
-it (`_watch`: a window's six rounds can misjudge a regime whose later rounds differ). Where a smaller
+their time measuring, their windows held to trees opening every session's draft for nothing). A
+hold whose own latest rounds decode less than another held regime measured gives way to it
+(`_watch`: a window's six rounds can misjudge a regime whose later rounds differ). Where a smaller
 batch's latest measurement found trees decoding less than plain steps, a larger batch's leaves its
 trees window out (`trees_lost`): batching shares a plain step's weight reads among more sessions,
 while each tree still costs its draft's steps and its verification rows, so trees that lose at four
@@ -196,22 +197,21 @@ class Governor:
         other regime measured by the margin, that regime holds instead (for `hold` rounds). A window of
         six rounds can misjudge a regime whose later rounds differ from its first (the sessions' trees
         grow as their policies learn their prices): sixteen sessions held to trees measured at 2,155
-        tokens/s then decoded 1,714 for the rest of the hold (H200, 2026-12-02)."""
+        tokens/s then decoded 1,714 for the rest of the hold (H200, 2026-12-02). It gives way to a held
+        regime only, never to the sessions' free choices: their window's rate holds for as long as what
+        they learnt in the held windows before it (four sessions of the 1.5B geometry held plain at
+        1,742 tokens/s gave way to a free window's 1,797, and the batch then decoded at 0.44x `ar`:
+        H200, 2026-12-03)."""
         if not steady or seconds is None:
             return
         if self._skip:  # (the hold's first round: steps of the measurement's last regime still in it)
             self._skip = False
             return
         self._rates = (self._rates + [tokens / max(seconds, 1e-9)])[-2 * self.window:]
-        others = {r: x for r, x in self.measured.items() if r != v.regime}
+        others = {r: x for r, x in self.measured.items() if r not in (v.regime, FREE)}  # (held regimes only)
         if len(self._rates) < 2 * self.window or not others:
             return
         rate, (best, other) = statistics.median(self._rates), max(others.items(), key=lambda kv: kv[1])
-        held = [r for r in (PLAIN, TREES) if r in others]
-        if best == FREE and held:  # (free only where it beats the better held regime by the margin, as in a verdict)
-            alt = max(held, key=others.get)
-            if other <= (1 + self.margin) * others[alt]:
-                best, other = alt, others[alt]
         if rate >= (1 - self.margin) * other:
             return
         self.measured[v.regime] = rate

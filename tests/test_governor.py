@@ -188,6 +188,10 @@ def test_a_hold_whose_rounds_decode_less_than_the_other_regime_measured_gives_wa
     rounds(g, 16, 8, {FREE: 12.1, PLAIN: 12, TREES: 15}, t)  # (free within the margin of plain steps)
     rounds(g, 1 + 8, 8, {FREE: 12.1, PLAIN: 12, TREES: 10}, t)
     assert g.verdicts[8].regime == PLAIN  # (a held regime, as a measurement's verdict would be)
+    g, t = Governor(window=4, hold=64, budget=1.0), [0.0]
+    rounds(g, 16, 8, {FREE: 12, PLAIN: 12.3, TREES: 7}, t)  # (plain held; free within the margin)
+    assert g.verdicts[8].regime == PLAIN
+    assert rounds(g, 40, 8, {FREE: 12, PLAIN: 11.5, TREES: 7}, t) == [PLAIN] * 40  # (never to the free choices)
 
 
 class Verdict(Governor):
