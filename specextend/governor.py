@@ -34,12 +34,14 @@ its rounds stay free, or held to the verdict it has (eight requests of 64 tokens
 their time measuring, their windows held to trees opening every session's draft for nothing). A
 hold whose own latest rounds decode less than another held regime measured gives way to it
 (`_watch`: a window's six rounds can misjudge a regime whose later rounds differ). Where a smaller
-batch's latest measurement found trees decoding less than plain steps, a larger batch's leaves its
-trees window out (`trees_lost`): batching shares a plain step's weight reads among more sessions,
+batch's latest measurement found trees decoding less than plain steps, a larger batch's measures
+its plain steps alone (`trees_lost`): batching shares a plain step's weight reads among more sessions,
 while each tree still costs its draft's steps and its verification rows, so trees that lose at four
 sessions lose at sixteen (the real pair on an H200, 2026-12-03: trees at 18-56% of plain steps'
-rate from 4 to 16 sessions), and their window's draft opens and slow rounds were most of what a
-burst of requests lost. The rounds held while drafts opened for a trees window count in the
+rate from 4 to 16 sessions), and so do the sessions' free choices, which mix trees into plain rounds
+(free windows at 20-31% of plain's at 8 and 16 sessions of the 1.5B geometry): those windows, their
+drafts' opens and slow rounds, were most of what a burst of requests lost. The rounds held while
+drafts opened for a trees window count in the
 measurement's cost (`paid_hold`). `history` keeps
 the latest measurements (and revisions) for the summary. Lossless by construction:
 it only decides which steps carry trees, as each session's policy does.
@@ -98,9 +100,9 @@ class Governor:
     measured: dict[str, float] = field(default_factory=dict)  # the current measurement's rates (tokens/s)
     phase: Optional[str] = None  # the regime being measured (None: none)
     # by batch size: whether its latest measurement found trees decoding less than plain steps by the
-    # margin; a larger batch's measurement then leaves its trees window out (`_regimes`)
+    # margin; a larger batch's measurement then takes its plain window alone (`_regimes`)
     trees_lost: dict[int, bool] = field(default_factory=dict)
-    _regimes: tuple = ()  # the current measurement's regimes, in order (self.order, or without TREES)
+    _regimes: tuple = ()  # the current measurement's regimes, in order (self.order, or PLAIN alone)
     _opening: list = field(default_factory=list)  # the current measurement's opening rounds' tokens/s
     _size: int = 0
     _rates: list = field(default_factory=list)  # the measured rounds' tokens per second
@@ -153,8 +155,9 @@ class Governor:
                 return
             # trees that lost in a smaller batch lose here too: batching shares a plain step's weights
             # among more sessions, while each tree still costs its draft steps and its rows
+            # (and so do the sessions' free choices, which mix trees and chains into plain rounds)
             lost = any(x for n, x in self.trees_lost.items() if n < size)
-            self._regimes = tuple(r for r in self.order if not (lost and r == TREES))
+            self._regimes = (PLAIN,) if lost else self.order
             self.phase, self.measured, self._opening = self._regimes[0], {}, []
             self._restart()
             self._skip = before != self.phase  # (a run ahead, or a tree, may end in the next round)
@@ -176,7 +179,7 @@ class Governor:
             self.phase = self._regimes[self._regimes.index(self.phase) + 1]
             return
         regime = max((r for r in (PLAIN, TREES) if r in self.measured), key=self.measured.get)
-        if self.measured[FREE] > (1 + self.margin) * self.measured[regime]:
+        if FREE in self.measured and self.measured[FREE] > (1 + self.margin) * self.measured[regime]:
             regime = FREE
         if TREES in self.measured:
             self.trees_lost[size] = self.measured[TREES] < (1 - self.margin) * self.measured[PLAIN]

@@ -60,13 +60,14 @@ def test_a_batch_that_will_not_last_is_not_measured_and_a_verdict_holds_on_while
     assert len(g.history) == 2
 
 
-def test_trees_that_lost_in_a_smaller_batch_are_not_measured_in_a_larger_one():
+def test_trees_that_lost_in_a_smaller_batch_are_not_measured_in_a_larger_one_nor_free_choices():
     g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
     rate = {FREE: 12, PLAIN: 16, TREES: 10}
     assert rounds(g, 16, 4, rate, t) == MEASURE and g.trees_lost == {4: True}
-    # (the first round: the 4-session batch's hold; then plain steps and free choices, no trees window)
-    assert rounds(g, 11, 8, rate, t) == [PLAIN] + [PLAIN] * 5 + [FREE] * 5
-    assert g.verdicts[8].regime == PLAIN and g.history[-1]["rates"] == {PLAIN: 1600.0, FREE: 1200.0}
+    # (the first round: the 4-session batch's hold; then plain steps alone, no trees nor free window)
+    assert rounds(g, 6, 8, rate, t) == [PLAIN] + [PLAIN] * 5
+    assert g.verdicts[8].regime == PLAIN and g.history[-1]["rates"] == {PLAIN: 1600.0}
+    assert rounds(g, 8, 8, rate, t) == [PLAIN] * 8
     won, t = Governor(window=4, hold=8, budget=1.0), [0.0]  # (trees that won at 4 are measured at 8)
     rate = {FREE: 12, PLAIN: 11, TREES: 15}
     assert rounds(won, 16, 4, rate, t) == MEASURE and won.trees_lost == {4: False}
