@@ -149,14 +149,15 @@ class Governor:
                     self._watch(v, tokens, seconds, steady)
                     return
                 before = v.regime
-            if life is not None and life < self.min_life:  # (it would end before a verdict paid its windows)
-                if v is not None:
-                    v.left = 1  # (the verdict holds on, round by round, while the batch lasts)
-                return
             # trees that lost in a smaller batch lose here too: batching shares a plain step's weights
             # among more sessions, while each tree still costs its draft steps and its rows
             # (and so do the sessions' free choices, which mix trees and chains into plain rounds)
             lost = any(x for n, x in self.trees_lost.items() if n < size)
+            # (a plain window alone costs nothing against its verdict: measured however short the batch's life)
+            if life is not None and life < self.min_life and not lost:  # (it would end before a verdict paid
+                if v is not None:  # its windows)
+                    v.left = 1  # (the verdict holds on, round by round, while the batch lasts)
+                return
             self._regimes = (PLAIN,) if lost else self.order
             self.phase, self.measured, self._opening = self._regimes[0], {}, []
             self._restart()

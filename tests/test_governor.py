@@ -68,6 +68,8 @@ def test_trees_that_lost_in_a_smaller_batch_are_not_measured_in_a_larger_one_nor
     assert rounds(g, 6, 8, rate, t) == [PLAIN] + [PLAIN] * 5
     assert g.verdicts[8].regime == PLAIN and g.history[-1]["rates"] == {PLAIN: 1600.0}
     assert rounds(g, 8, 8, rate, t) == [PLAIN] * 8
+    assert rounds(g, 6, 16, rate, t, life=10) == [PLAIN] * 6  # (plain alone: measured however short its life)
+    assert g.verdicts[16].regime == PLAIN
     won, t = Governor(window=4, hold=8, budget=1.0), [0.0]  # (trees that won at 4 are measured at 8)
     rate = {FREE: 12, PLAIN: 11, TREES: 15}
     assert rounds(won, 16, 4, rate, t) == MEASURE and won.trees_lost == {4: False}
