@@ -87,6 +87,21 @@ def test_each_document_gives_a_prompt_of_the_asked_length(doc):
     assert tok.decode(list(texts._document_ids(tok, doc.name, 300))) in body
 
 
+def test_window_prompts_are_distinct_windows_of_one_document():
+    """Concurrent sessions' prompts (benchmarks/batching.py --docs): windows of the asked length,
+    apart where the text is long enough, each then the question; one window is prompt_ids."""
+    tok = build_byte_tokenizer()
+    doc = texts.BY_NAME["python"]
+    prompts = texts.window_prompts(tok, doc, 300, 4)
+    whole = texts._ids_upto(tok, doc.name, 4 * 300)
+    assert len({tuple(p) for p in prompts}) == 4
+    for i, p in enumerate(prompts):
+        body = tok.decode(p)
+        assert doc.question in body and tok.decode(list(whole[i * 300:(i + 1) * 300])) in body
+    one = texts.window_prompts(tok, doc, 300, 1)
+    assert one == [texts.prompt_ids(tok, doc, 300)]
+
+
 def test_nodejs_docs_read_plain_or_gzipped_pages(tmp_path, monkeypatch):
     """Debian's nodejs-doc ships the larger pages as .md.gz; a missing page is a clear error."""
     import gzip
