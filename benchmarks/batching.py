@@ -258,7 +258,8 @@ def main(argv=None) -> int:
             if a.graph_batch_only:
                 plans = [pl for pl in plans if pl[3]] or plans[-1:]
             if a.production_only:  # (the replica's: batched through graphs where captured, the draft's gather)
-                plans = [pl for pl in plans if pl[0] == n and pl[3] == graphed and (mode == "ar" or pl[2] == GATHER_S)]
+                plans = list(dict.fromkeys(  # (one session's plans coincide: each once)
+                    pl for pl in plans if pl[0] == n and pl[3] == graphed and (mode == "ar" or pl[2] == GATHER_S)))
             govs = {"off": [False], "on": [True], "both": [False, True]}[a.governor] if mode != "ar" else [False]
             if a.governor_order == "both":  # (each governed plan with the measurement's order as now, then free first)
                 govs = [g for v in govs for g in ([v, (FREE, PLAIN, TREES)] if v else [v])]

@@ -41,10 +41,9 @@ sessions lose at sixteen (the real pair on an H200, 2026-12-03: trees at 18-56% 
 rate from 4 to 16 sessions), and so do the sessions' free choices, which mix trees into plain rounds
 (free windows at 20-31% of plain's at 8 and 16 sessions of the 1.5B geometry): those windows, their
 drafts' opens and slow rounds, were most of what a burst of requests lost. The rounds held while
-drafts opened for a trees window count in the
-measurement's cost (`paid_hold`). `history` keeps
-the latest measurements (and revisions) for the summary. Lossless by construction:
-it only decides which steps carry trees, as each session's policy does.
+drafts opened for a trees window count in the measurement's cost (`paid_hold`). `history` keeps the
+latest measurements (and revisions) for the summary. Lossless by construction: it only decides
+which steps carry trees, as each session's policy does.
 """
 
 from __future__ import annotations
@@ -198,7 +197,7 @@ class Governor:
 
     def _watch(self, v: Verdict, tokens: int, seconds: Optional[float], steady: bool) -> None:
         """A held round: where the hold's own latest `2 * window` steady rounds decode less than the best
-        other regime measured by the margin, that regime holds instead (for `hold` rounds). A window of
+        other held regime measured by the margin, that regime holds instead (for `hold` rounds). A window of
         six rounds can misjudge a regime whose later rounds differ from its first (the sessions' trees
         grow as their policies learn their prices): sixteen sessions held to trees measured at 2,155
         tokens/s then decoded 1,714 for the rest of the hold (H200, 2026-12-02). It gives way to a held
