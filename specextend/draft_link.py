@@ -15,6 +15,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Callable, Generator, Optional
 
+from specextend import governor
 from specextend.config import EngineConfig
 from specextend.controller import SLOW_DRAFT, TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftTree, TreeBound
@@ -276,22 +277,33 @@ class DraftLink:
         opening.prompt_tokens = len(prompt_ids)  # (the open's seconds per token: _join)
         return opening
 
-    def defers_open(self, ctl: TreeController, prompt_tokens: int) -> bool:
+    def defers_open(self, ctl: TreeController, prompt_tokens: int, held: bool = False) -> bool:
         """Whether this session's draft open waits (`open_due`): its draft shares the target's device
-        (no overlap: with its own device an open costs the target nothing), an earlier open timed what
-        one costs, and the policy can take no tree for more steps than the open is expected to take
+        (no overlap: with its own device an open costs the target nothing), and either the batch it
+        joins is held to plain steps (`held`: held_plain), or an earlier open timed what one costs and
+        the policy can take no tree for more steps than the open is expected to take
         (TreeController.first_tree_in: a primed session that skips the warm-up tree, before its next
         probe). Deferred, a session that ends before its probe never opens the draft: no prefill of its
         prompt beside the target's (which it slows), no draft cache held. Its choices are the same: the
         open is done, or nearly, when the probe is due, which then waits for the join."""
-        if not (self.defer_opens and self.config.tree_policy == "adaptive"
-                and not self.config.overlap and self._open_per_token is not None):
+        if not (self.defer_opens and self.config.tree_policy == "adaptive" and not self.config.overlap):
             return False
-        ctl.price_open(self._open_per_token * prompt_tokens)  # (the probe that opens it costs the open too)
+        if self._open_per_token is not None:
+            ctl.price_open(self._open_per_token * prompt_tokens)  # (the probe that opens it costs the open too)
+        if held:
+            return True
+        if self._open_per_token is None:
+            return False
         if ctl.first_tree_in() > self._open_lead(ctl, prompt_tokens):
             return True
         ctl.no_open()  # (it opens now)
         return False
+
+    @staticmethod
+    def held_plain(ctl: TreeController, load) -> bool:
+        """Whether the batch's governor holds the session to plain steps now (governor.py): it takes no
+        tree before the hold ends (a hold to trees opens the drafts at once: `open_due`'s `now`)."""
+        return ctl.governed and load is not None and load.held == governor.PLAIN
 
     def open_due(self, ctl: TreeController, prompt_tokens: int, tokens_left: int, now: bool = False) -> bool:
         """A deferred open starts now: the session's first possible tree is within the open's lead,

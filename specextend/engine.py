@@ -123,7 +123,8 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
                 draft_tree = replace(tree_cfg, nodes=max(tree_cfg.nodes, SNAPSHOT_NODES)) if snap else tree_cfg
                 s.open_now = partial(self._open_draft, sid, prompt_ids, DraftSessionParams(
                     draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
-                s.opening = None if self.defers_open(ctl, len(prompt_ids)) else s.open_now()  # (a deferred open)
+                deferred = self.defers_open(ctl, len(prompt_ids), held=self.held_plain(ctl, load))
+                s.opening = None if deferred else s.open_now()  # (a deferred open: open_due)
             capture = s.use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # (1st selection)
             logits = yield from metered(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache), load,
                                         ctl.record_prefill)  # (the prefill's own cost line)

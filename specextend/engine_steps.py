@@ -83,7 +83,9 @@ class EngineSteps:
         """One step of `s`: its forwards, draft calls and event (none where the step fell back or ran
         ahead: the loop goes on)."""
         trees_held = s.ctl.governed and s.load.held in (TREES, OPENING)  # (the batch's governor asks for trees: open now)
-        if s.use_draft and s.opening is None and self.open_due(  # (a deferred open)
+        # held to plain steps, no tree comes before the hold ends: a deferred open waits for it (on one GPU an
+        # open is a draft prefill of the prompt beside the batch's forwards, which it slows)
+        if s.use_draft and s.opening is None and not self.held_plain(s.ctl, s.load) and self.open_due(  # (deferred)
                 s.ctl, s.prompt_tokens, s.params.max_new_tokens - s.stats.num_generated, now=trees_held):
             s.opening, s.opening_pending = s.open_now(), True
         if s.opening_pending and s.use_draft and (s.opening.done() or not self.join_early):  # (joins at once)

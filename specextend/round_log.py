@@ -14,7 +14,8 @@ benchmarks/concurrency.py --round-log). Each round of `scheduler.Batcher.run_rou
      device to finish what the process queued before it (then advance_s is host work alone),
      "regime": with the batch's governor (governor.py), the round's: free, plain or trees, or
      opening (held to trees while some session's draft still opened: every session stepped plainly),
-     "tokens": the tokens the round's sessions emitted}
+     "tokens": the tokens the round's sessions emitted, "opening": sessions whose draft open (its
+     prefill beside the target's, on one GPU) was under way at the round's end}
 
 A forward's wall seconds are the host's (on a GPU a replayed graph returns before the device is
 done: the round's own wall time is what the sessions waited). Pure bookkeeping: nothing here
@@ -80,10 +81,11 @@ class RoundLog:
         if self.on:
             self.rec["forwards"].append([calls, rows, chunks, seconds])
 
-    def write(self, held: int, tokens: int = 0) -> None:
+    def write(self, held: int, tokens: int = 0, opening: int = 0) -> None:
         if not self.on or not self.rec:
             return
         self.rec["s"], self.rec["held"], self.rec["tokens"] = time.perf_counter() - self._t0, held, tokens
+        self.rec["opening"] = opening
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)  # (a line at a time: a killed replica keeps its rounds)
@@ -114,11 +116,12 @@ def summary(rounds: list[dict]) -> dict:
     """What a window of rounds did: how many, their wall seconds in all, the draft waits in them, the
     rounds that carried prompt chunks and their seconds, mean sessions and forward rows a round, the
     tokens emitted, the rounds in each of the governor's regimes and (`by_regime`) their seconds and
-    tokens."""
+    tokens, and the rounds with a draft open under way (`opening_rounds`) and their seconds."""
     if not rounds:
         return dict(rounds=0)
     chunked = [r for r in rounds if any(f[2] for f in r["forwards"])]
     n = len(rounds)
+    opening = [r for r in rounds if r.get("opening")]
     regimes = dict(Counter(r["regime"] for r in rounds if "regime" in r))  # (none without a governor)
     by_regime = {g: dict(s=sum(r["s"] for r in rounds if r.get("regime") == g),
                          tokens=sum(r.get("tokens", 0) for r in rounds if r.get("regime") == g)) for g in regimes}
@@ -128,4 +131,5 @@ def summary(rounds: list[dict]) -> dict:
                 sessions=sum(r["sessions"] for r in rounds) / n, drafts=sum(r["drafts"] for r in rounds) / n,
                 rows=sum(f[1] for r in rounds for f in r["forwards"]) / n,
                 span_s=rounds[-1]["t"] + rounds[-1]["s"] - rounds[0]["t"], regimes=regimes,
-                tokens=sum(r.get("tokens", 0) for r in rounds), by_regime=by_regime)
+                tokens=sum(r.get("tokens", 0) for r in rounds), by_regime=by_regime,
+                opening_rounds=len(opening), opening_s=sum(r["s"] for r in opening))

@@ -253,7 +253,8 @@ class Batcher:
                 self._advance(e)
         # (after a chunk-first forward, the prompt chunks it held wait for the next round)
         self._run_forwards([e for e in self._sessions if e.call is not None and not (chunk_first and e.call.prompt)])
-        self.round_log.write(self.held_chunks - held, self._round_tokens)
+        self.round_log.write(self.held_chunks - held, self._round_tokens,
+                             self.openings() if self.round_log.on else 0)
         if self.governor is not None:
             # (a session whose draft still opens steps plainly whatever the regime: not a steady round)
             self.governor.round_end(len(members), self._round_tokens,
@@ -272,7 +273,11 @@ class Batcher:
 
     def opening(self) -> bool:
         """Whether some session's draft open is under way (begun, not done): it steps plainly till then."""
-        return any(e.load is not None and e.load.opening is not None and not e.load.opening.done()
+        return self.openings() > 0
+
+    def openings(self) -> int:
+        """The sessions whose draft open is under way."""
+        return sum(e.load is not None and e.load.opening is not None and not e.load.opening.done()
                    for e in self._sessions)
 
     def _run_forwards(self, ready: list[_Entry]) -> None:

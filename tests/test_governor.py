@@ -292,3 +292,54 @@ def test_lookup_sessions_held_plain_verify_no_chain_and_run_ahead_as_ar(tiny_mod
     chains = lambda got: sum(st.lookup_steps for _, _, st in got)  # noqa: E731
     assert chains(free) >= 4 * 8 and chains(held) <= chains(free) // 2
     assert sum(st.ahead_steps for _, _, st in held) > sum(st.ahead_steps for _, _, st in free)
+
+
+def test_sessions_that_join_a_batch_held_plain_open_no_draft(tiny_models):
+    """Four sessions batched (their drafts opened at once: cold policies take warm-up trees), held to
+    plain steps once a governor finds them best; two sessions that join meanwhile never open their
+    draft (on one GPU an open is a prefill of the prompt beside the batch's forwards) while the batch
+    stays held: not when they start, nor at their first steps, where a cold policy's open is due (both
+    happened before). Every output equals its solo run (float64)."""
+    from test_deferred_open import CountingWorker
+
+    from specextend.config import EngineConfig
+    from specextend.engine import Engine
+    from specextend.scheduler import Batcher
+
+    target, draft = tiny_models("float64")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (20,), generator=gen).tolist() for _ in range(6)]
+    lengths = [96] * 4 + [24] * 2  # (the joiners end while the batch is still held)
+    plain = Engine(EngineConfig(mode="ar"), target)
+    alone = [plain.generate(p, SamplingParams(n, ignore_eos=True))[0] for p, n in zip(prompts, lengths)]
+    worker = CountingWorker(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TreeConfig(6, 3, 2), tree_policy="adaptive"), target, worker)
+    gov = Verdict(window=2, hold=1000)
+    b = Batcher(engine.target.decoder, 8, governor=gov)
+    outs, ends, stats = [[] for _ in prompts], [], {}
+
+    def add(i):
+        def sink(item):
+            if item is None or isinstance(item, BaseException):
+                ends.append(item)
+            else:
+                outs[i].extend(item.token_ids)
+                stats[i] = item.stats
+            return True
+        load = b.new_load()
+        b.add(engine.session(prompts[i], SamplingParams(lengths[i], ignore_eos=True), session_id=f"s{i}",
+                             load=load), sink, load)
+
+    for i in range(4):
+        add(i)
+    while 4 not in gov.verdicts:
+        b.run_round()
+    assert gov.verdicts[4].regime == PLAIN and sorted(worker.opened) == ["s0", "s1", "s2", "s3"]
+    add(4), add(5)
+    while len(ends) < len(prompts):
+        b.run_round()
+    b.shutdown()
+    worker.shutdown()
+    assert ends == [None] * len(prompts) and outs == alone
+    assert sorted(worker.opened) == ["s0", "s1", "s2", "s3"] and gov.verdicts[8].regime == PLAIN
+    assert all(stats[i].draft_open_s == 0.0 and stats[i].num_steps == 0 for i in (4, 5))

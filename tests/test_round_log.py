@@ -87,3 +87,6 @@ def test_rounds_name_the_governors_regime(tiny_models, monkeypatch, tmp_path):
     assert s["regimes"].get(PLAIN, 0) == b.held_rounds.get(PLAIN, 0) > 0  # (measured plain first)
     assert sum(v["tokens"] for v in s["by_regime"].values()) == s["tokens"] == sum(6 + i for i in range(4))
     assert s["by_regime"][PLAIN]["s"] == sum(r["s"] for r in rounds if r["regime"] == PLAIN)
+    assert all(0 <= r["opening"] <= r["sessions"] for r in rounds)  # (drafts whose open was under way)
+    assert s["opening_rounds"] == sum(r["opening"] > 0 for r in rounds)
+    assert s["opening_s"] == sum(r["s"] for r in rounds if r["opening"])
