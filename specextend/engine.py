@@ -89,7 +89,10 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
         about the forwards it shares (session_calls.Load). `reference` (benchmarks, greedy): the tokens to
         emit where the target's choice differs (verify.Reference; its gaps in stats.reference_gaps)."""
         self.check_request(prompt_ids, params, reference)
-        return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load or Load(),
+        load = load or Load()
+        load.max_tokens = params.max_new_tokens  # (a batching driver's governor: how long its batch lasts, from
+        # the round the session joins: scheduler.Batcher.life)
+        return self._session(prompt_ids, params, session_id, replay, speculate, max_tree_nodes, load,
                              replay_bonus == "draft",
                              None if reference is None else Reference(list(reference), dtype=self.target.decoder.dtype))
 
@@ -101,7 +104,6 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
         after, whatever happened."""
         cfg = self.config
         sid = session_id or uuid.uuid4().hex
-        load.max_tokens = params.max_new_tokens  # (a batching driver's governor: how long its batch lasts)
         stats = RequestStats(prompt_tokens=len(prompt_ids), replayed=replay is not None)
         stats.keep_reference(ref)
         target = TargetSession(self.target.decoder, self.capacity(len(prompt_ids), params.max_new_tokens),

@@ -108,8 +108,22 @@ class Governor:
     _skip: bool = True  # the next round is a switch's first: not measured
     _t: Optional[float] = None  # perf_counter at the last round's end
 
-    def regime(self) -> str:
-        """The next round's regime: FREE (the sessions' own choices), PLAIN or TREES (held)."""
+    def regime(self, sessions: Optional[int] = None, life: Optional[float] = None) -> str:
+        """The next round's regime: FREE (the sessions' own choices), PLAIN or TREES (held).
+        `sessions`: the round's (and `life`: Batcher.life); where they make a batch of another size
+        than the last round's, the regime its rounds take from the next one on (round_end: FREE below
+        `min_sessions`, its verdict while it holds, else a measurement's first regime), so that a round that brings a batch to a
+        governed size is held already (its joining sessions start held: a session held plain opens no
+        draft, engine_steps). The rounds that follow a change are not measured anyway (unsteady)."""
+        if sessions is not None:
+            size = bucket(sessions) if sessions >= self.min_sessions else 0
+            if size != self._size:
+                v = self.verdicts.get(size)
+                if not size or v is not None and v.left > 0:
+                    return v.regime if size else FREE
+                if not self._measures(size, life):
+                    return v.regime if v is not None else FREE
+                return self.order[0] if not self._lost(size) else PLAIN
         if self.phase is not None:
             return self.phase
         v = self.verdicts.get(self._size)
@@ -148,16 +162,11 @@ class Governor:
                     self._watch(v, tokens, seconds, steady)
                     return
                 before = v.regime
-            # trees that lost in a smaller batch lose here too: batching shares a plain step's weights
-            # among more sessions, while each tree still costs its draft steps and its rows
-            # (and so do the sessions' free choices, which mix trees and chains into plain rounds)
-            lost = any(x for n, x in self.trees_lost.items() if n < size)
-            # (a plain window alone costs nothing against its verdict: measured however short the batch's life)
-            if life is not None and life < self.min_life and not lost:  # (it would end before a verdict paid
-                if v is not None:  # its windows)
+            if not self._measures(size, life):  # (it would end before a verdict paid its windows)
+                if v is not None:
                     v.left = 1  # (the verdict holds on, round by round, while the batch lasts)
                 return
-            self._regimes = (PLAIN,) if lost else self.order
+            self._regimes = (PLAIN,) if self._lost(size) else self.order
             self.phase, self.measured, self._opening = self._regimes[0], {}, []
             self._restart()
             self._skip = before != self.phase  # (a run ahead, or a tree, may end in the next round)
@@ -194,6 +203,17 @@ class Governor:
         log.info("batch governor: %d sessions decoded %s tokens/s -> %s for %d rounds", size,
                  " / ".join(f"{r} {rates[r]:.0f}" for r in self._regimes), regime, hold)
         self.phase = None
+
+    def _lost(self, size: int) -> bool:
+        """Trees lost in a smaller batch: they lose here too (batching shares a plain step's weights
+        among more sessions, while each tree still costs its draft steps and its rows), and so do the
+        sessions' free choices, which mix trees and chains into plain rounds."""
+        return any(x for n, x in self.trees_lost.items() if n < size)
+
+    def _measures(self, size: int, life: Optional[float]) -> bool:
+        """Whether a measurement starts in a batch of `size` with `life` rounds ahead (None: unknown);
+        a plain window alone (`_lost`) costs nothing against its verdict: measured however short."""
+        return life is None or life >= self.min_life or self._lost(size)
 
     def _watch(self, v: Verdict, tokens: int, seconds: Optional[float], steady: bool) -> None:
         """A held round: where the hold's own latest `2 * window` steady rounds decode less than the best

@@ -194,7 +194,8 @@ class Batcher:
         self._round_tokens = self._round_chunks = 0
         hold = None
         if self.governor is not None:
-            regime = self.governor.regime()
+            # (a batch's first round at a new size: held as its next ones will be)
+            regime = self.governor.regime(len(self._sessions), self.life())
             hold = None if regime == FREE else regime
             if hold == TREES and self.opening():  # (every session plain until every draft is open: no mixed round)
                 hold = OPENING

@@ -343,3 +343,44 @@ def test_sessions_that_join_a_batch_held_plain_open_no_draft(tiny_models):
     assert ends == [None] * len(prompts) and outs == alone
     assert sorted(worker.opened) == ["s0", "s1", "s2", "s3"] and gov.verdicts[8].regime == PLAIN
     assert all(stats[i].draft_open_s == 0.0 and stats[i].num_steps == 0 for i in (4, 5))
+
+
+def test_a_round_that_brings_the_batch_to_a_new_size_is_held_as_its_next_rounds():
+    """regime(sessions, life): the regime of a round whose sessions make another batch size than the
+    last round's is what round_end then gives that size's rounds: FREE below min_sessions, its verdict
+    while it holds, a measurement's first regime (plain), plain alone where a smaller batch's trees
+    lost, and the verdict or FREE where the batch will not last a measurement."""
+    g, t = Governor(window=2, hold=100), [0.0]
+    assert g.regime(2) == FREE and g.regime(4) == PLAIN and g.regime(4, life=10) == FREE
+    rounds(g, 12, 4, {FREE: 8, PLAIN: 6, TREES: 4}, t)  # (4: trees lost; the free choices hold)
+    assert g.verdicts[4].regime == FREE and g.trees_lost[4]
+    assert g.regime(4) == FREE == g.regime() and g.regime(3) == FREE
+    assert g.regime(8) == PLAIN == g.regime(8, life=10)  # (trees lost at 4: plain alone, however short)
+    rounds(g, 6, 8, {FREE: 8, PLAIN: 12, TREES: 4}, t)
+    assert g.verdicts[8].regime == PLAIN and g.regime(5) == PLAIN and g.regime(4) == FREE  # (5: bucket 8)
+    g.trees_lost.clear()
+    g.verdicts[4].left = 0
+    assert g.regime(4) == PLAIN and g.regime(4, life=10) == FREE  # (the verdict spent: measured, unless short)
+
+
+def test_sessions_that_start_a_batch_whose_trees_lost_open_no_draft(tiny_models):
+    """Four cold sessions added at once to a batcher whose governor found trees losing in a smaller
+    batch: the batch's first round is held plain already (before, it was free, and each cold policy
+    opened its draft at its start), its measurement is a plain window alone, and no session ever opens
+    its draft; every output equals its solo run (float64)."""
+    from test_deferred_open import CountingWorker
+
+    from specextend.config import EngineConfig
+    from specextend.engine import Engine
+
+    target, draft = tiny_models("float64")
+    reqs = _requests(tokens=40)
+    alone = [make_engine((target, draft), "ar").generate(p, params)[0] for p, params, _ in reqs]
+    worker = CountingWorker(draft.decoder)
+    engine = Engine(EngineConfig(mode="sd", tree=TreeConfig(6, 3, 2), tree_policy="adaptive"), target, worker)
+    gov = Verdict(window=2, hold=1000, trees_lost={2: True})
+    got, b = run_batched(engine, reqs, max_batch=4, governor=gov)
+    worker.shutdown()
+    assert [tokens for tokens, _, _ in got] == alone
+    assert gov.verdicts[4].regime == PLAIN and gov.history[-1]["rates"].keys() == {PLAIN}
+    assert worker.opened == [] and b.held_rounds[PLAIN] > 0 and FREE not in b.held_rounds
