@@ -68,8 +68,7 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
         before = engine.draft.stats()
     done, decoding = threading.Event(), threading.Event()
     ends, tokens = [], [0]
-    started: set = set()
-    last_stats: dict = {}  # each session's RequestStats (its steps by kind)
+    started: dict = {}  # each session that emitted: its RequestStats (its steps by kind)
     decode = dict(t0=None, tokens=0, t1=None)  # after every session's first token
 
     def sink(item):
@@ -83,8 +82,7 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
             if decode["t0"] is not None:
                 decode["tokens"] += len(item.token_ids)
                 decode["t1"] = now
-            started.add(id(item.stats))
-            last_stats[id(item.stats)] = item.stats
+            started[id(item.stats)] = item.stats
             if decode["t0"] is None and len(started) == n:
                 decode["t0"] = now
                 marks.append(len(b.spans))
@@ -124,7 +122,7 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
                forwards=b.forwards, mean_calls_per_forward=b.calls / max(b.forwards, 1),
                decode_forwards=len(spans), forward_ms=1e3 * busy / max(len(spans), 1),
                round_ms=1e3 * dt / max(len(spans), 1))
-    row["steps"] = {k: sum(getattr(st, k) for st in last_stats.values())  # (every session's, prefill to end)
+    row["steps"] = {k: sum(getattr(st, k) for st in started.values())  # (every session's, prefill to end)
                     for k in ("num_steps", "plain_steps", "open_steps", "lookup_steps", "ahead_steps")}
     if b.round_log.on:  # SPECEXTEND_ROUND_LOG: this run's rounds, from the first decode round, summed up
         b.round_log.close()

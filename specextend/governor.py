@@ -112,18 +112,20 @@ class Governor:
         """The next round's regime: FREE (the sessions' own choices), PLAIN or TREES (held).
         `sessions`: the round's (and `life`: Batcher.life); where they make a batch of another size
         than the last round's, the regime its rounds take from the next one on (round_end: FREE below
-        `min_sessions`, its verdict while it holds, else a measurement's first regime), so that a round that brings a batch to a
-        governed size is held already (its joining sessions start held: a session held plain opens no
-        draft, engine_steps). The rounds that follow a change are not measured anyway (unsteady)."""
-        if sessions is not None:
-            size = bucket(sessions) if sessions >= self.min_sessions else 0
-            if size != self._size:
-                v = self.verdicts.get(size)
-                if not size or v is not None and v.left > 0:
-                    return v.regime if size else FREE
-                if not self._measures(size, life):
-                    return v.regime if v is not None else FREE
-                return self.order[0] if not self._lost(size) else PLAIN
+        `min_sessions`, its verdict while it holds, else a measurement's first regime), so that a
+        round that brings a batch to a governed size is held already (its joining sessions start
+        held: a session held plain opens no draft, engine_steps). The rounds that follow a change
+        are not measured anyway (unsteady)."""
+        size = self._size if sessions is None else bucket(sessions) if sessions >= self.min_sessions else 0
+        if size != self._size:
+            v = self.verdicts.get(size)
+            if not size:
+                return FREE
+            if v is not None and v.left > 0:
+                return v.regime
+            if not self._measures(size, life):
+                return v.regime if v is not None else FREE
+            return self._regimes_for(size)[0]
         if self.phase is not None:
             return self.phase
         v = self.verdicts.get(self._size)
@@ -166,7 +168,7 @@ class Governor:
                 if v is not None:
                     v.left = 1  # (the verdict holds on, round by round, while the batch lasts)
                 return
-            self._regimes = (PLAIN,) if self._lost(size) else self.order
+            self._regimes = self._regimes_for(size)
             self.phase, self.measured, self._opening = self._regimes[0], {}, []
             self._restart()
             self._skip = before != self.phase  # (a run ahead, or a tree, may end in the next round)
@@ -209,6 +211,11 @@ class Governor:
         among more sessions, while each tree still costs its draft steps and its rows), and so do the
         sessions' free choices, which mix trees and chains into plain rounds."""
         return any(x for n, x in self.trees_lost.items() if n < size)
+
+    def _regimes_for(self, size: int) -> tuple:
+        """A measurement's regimes in a batch of `size`, in order: its plain window alone where trees lost
+        in a smaller batch (`_lost`), else `order`."""
+        return (PLAIN,) if self._lost(size) else self.order
 
     def _measures(self, size: int, life: Optional[float]) -> bool:
         """Whether a measurement starts in a batch of `size` with `life` rounds ahead (None: unknown);
