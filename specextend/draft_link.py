@@ -21,6 +21,7 @@ from specextend.controller import SLOW_DRAFT, TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftTree, TreeBound
 from specextend.ladder import PLAIN
 from specextend.models.args import ModelArgs
+from specextend.open_costs import OpenCosts
 from specextend.retrieval import launch_scoring
 from specextend.session_calls import DraftCall
 from specextend.stats import RequestStats
@@ -250,9 +251,9 @@ class DraftLink:
     # turn it off, conftest.py: on a loaded host the two prefills' ratio is the host's, not the pair's)
     prior_from_prefill = True
     # a session that can take no tree before its next probe opens the draft only some steps before it
-    # (docs/architecture.md, "Adaptive speculation", *Deferred open*), from the last open's seconds per prompt token
+    # (docs/architecture.md, "Adaptive speculation", *Deferred open*), from the opens timed at lengths near its prompt's
     defer_opens = True
-    _open_per_token: Optional[float] = None
+    open_costs: OpenCosts  # (_start_link)
 
     def _start_link(self, draft_args: Optional[ModelArgs]) -> None:
         """Whether the draft is opened at all: a draft that can never pay is not (docs/architecture.md,
@@ -260,6 +261,7 @@ class DraftLink:
         draft), and the calls of every session's lane and its close; the sessions whose draft close
         has not run yet."""
         self.draft_weight_ratio = draft_weight_ratio(self.target.args, draft_args)
+        self.open_costs = OpenCosts()
         self.draft_never_pays = never_pays(self.config, self.draft_weight_ratio)
         if self.draft_never_pays:
             log.warning("the draft multiplies by %.1fx the target's weights a forward: no draft tree can pay, "
@@ -274,7 +276,7 @@ class DraftLink:
         counts as unclosed until its close has run (`wait_closed`). -> the open's Future (seconds)."""
         self._unclosed[sid] = threading.Event()
         opening = self._openers.submit(seconds_of, self.draft.open, sid, list(prompt_ids), params)
-        opening.prompt_tokens = len(prompt_ids)  # (the open's seconds per token: _join)
+        opening.prompt_tokens = len(prompt_ids)  # (the open timed by its length: _join)
         return opening
 
     def defers_open(self, ctl: TreeController, prompt_tokens: int, held: bool = False) -> bool:
@@ -288,11 +290,12 @@ class DraftLink:
         open is done, or nearly, when the probe is due, which then waits for the join."""
         if not (self.defer_opens and self.config.tree_policy == "adaptive" and not self.config.overlap):
             return False
-        if self._open_per_token is not None:
-            ctl.price_open(self._open_per_token * prompt_tokens)  # (the probe that opens it costs the open too)
+        open_s = self.open_costs.seconds(prompt_tokens)  # (None: no open timed near this prompt's length)
+        if open_s is not None:
+            ctl.price_open(open_s)  # (the probe that opens it costs the open too)
         if held:
             return True
-        if self._open_per_token is None:
+        if open_s is None:
             return False
         if ctl.first_tree_in() > self._open_lead(ctl, prompt_tokens):
             return True
@@ -318,9 +321,10 @@ class DraftLink:
         return first <= lead and max(first, lead) < tokens_left
 
     def _open_lead(self, ctl: TreeController, prompt_tokens: int) -> int:
-        """Steps an open is expected to take: the last open's seconds per prompt token times this
-        prompt's, over a plain step's predicted seconds, and OPEN_SLACK more."""
-        expected = (self._open_per_token or 0.0) * prompt_tokens
+        """Steps an open is expected to take: its expected seconds (open_costs.OpenCosts: 0 where no
+        open was timed near this prompt's length) over a plain step's predicted seconds, and
+        OPEN_SLACK more."""
+        expected = self.open_costs.seconds(prompt_tokens) or 0.0
         return math.ceil(expected / max(ctl.step_seconds(PLAIN), 1e-6)) + OPEN_SLACK
 
     def wait_closed(self, sid: str, timeout_s: float = CLOSE_WAIT_S) -> bool:
@@ -339,7 +343,7 @@ class DraftLink:
             return self._fall_back(stats, sid, e)
         stats.draft_open_s, stats.target_prefill_s = open_s, target_prefill_s
         ctl.no_open()
-        self._open_per_token = open_s / max(getattr(opening, "prompt_tokens", 1), 1)  # (a deferred open's lead)
+        self.open_costs.record(getattr(opening, "prompt_tokens", 1), open_s)  # (a deferred open's lead)
         if self.prior_from_prefill:
             ctl.seed_draft(open_s / max(target_prefill_s, 1e-9))
         return True

@@ -60,7 +60,7 @@ def rig(tiny_models):
     worker = CountingWorker(draft.decoder)
     engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
     assert engine.generate(PROMPT, params)[0] == ref  # cold: opens at once, times the open
-    assert len(worker.opened) == 1 and engine._open_per_token is not None and engine._costs is not None
+    assert len(worker.opened) == 1 and engine.open_costs.known and engine._costs is not None
     yield engine, worker, params, ref
     worker.shutdown()
 
@@ -89,7 +89,7 @@ def test_no_open_for_a_probe_past_the_requests_end(rig, injected):
     engine._costs = slow_draft_costs(engine._costs, probe_every=60)
     ctl = engine.new_controller(TREE)
     ctl.start_from(engine._costs)
-    engine._open_per_token = 43 * ctl.step_seconds(PLAIN) / len(PROMPT)  # a lead of ~45 steps
+    engine.open_costs.record(len(PROMPT), 43 * ctl.step_seconds(PLAIN))  # a lead of ~45 steps
     assert engine.defers_open(ctl, len(PROMPT)) and not engine.open_due(ctl, len(PROMPT), 1000)
     ctl.since_probe = 30  # 30 steps in: the probe within the lead, due in a request with 31+ tokens left
     assert engine.open_due(ctl, len(PROMPT), 1000) and not engine.open_due(ctl, len(PROMPT), 30)
@@ -109,7 +109,7 @@ def test_a_probe_due_within_the_request_finds_the_draft_opened(rig, injected):
     ctl.start_from(engine._costs)
     # an open's lead of ~7 steps, whatever the cold open took (beside a busy CI host's other tests it
     # took long enough that the lead passed the request's end, and the draft was never opened)
-    engine._open_per_token = 5 * ctl.step_seconds(PLAIN) / len(PROMPT)
+    engine.open_costs.record(len(PROMPT), 5 * ctl.step_seconds(PLAIN))
     tokens, _, stats = engine.generate(PROMPT, params)
     assert tokens == ref
     assert len(worker.opened) == 2 and stats.draft_open_s > 0.0
@@ -118,6 +118,9 @@ def test_a_probe_due_within_the_request_finds_the_draft_opened(rig, injected):
 
 
 def test_no_deferral_without_carried_costs_or_with_an_overlapping_draft(tiny_models):
+    from specextend.ladder import PLAIN
+    from specextend.open_costs import OpenCosts
+
     target, draft = tiny_models("float64")
     params = SamplingParams(24, ignore_eos=True)
     worker = CountingWorker(draft.decoder)
@@ -129,9 +132,15 @@ def test_no_deferral_without_carried_costs_or_with_an_overlapping_draft(tiny_mod
     assert not engine.defers_open(ctl, len(PROMPT))  # a cold controller: its warm-up trees come at once
     ctl.start_from(slow_draft_costs(engine._costs, probe_every=1000))
     assert ctl.first_tree_in() == 1000 and engine.defers_open(ctl, len(PROMPT))
-    assert not engine.defers_open(ctl, 10**9)  # a prompt whose open would take longer than that: at once
+    # a prompt no open near its length has timed: at once (the open times its own length)
+    assert not engine.defers_open(ctl, 100 * len(PROMPT))
+    timed = engine.open_costs
+    engine.open_costs = OpenCosts()
+    engine.open_costs.record(len(PROMPT), 2000 * ctl.step_seconds(PLAIN))
+    assert not engine.defers_open(ctl, len(PROMPT))  # an open longer than the steps before the probe: at once
+    engine.open_costs = timed
     overlap = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive", draft_overlap=True), target, worker)
-    overlap._open_per_token = engine._open_per_token
+    overlap.open_costs = engine.open_costs
     assert not overlap.defers_open(ctl, len(PROMPT))  # its own device: an open costs the target nothing
     worker.shutdown()
 
@@ -189,7 +198,7 @@ def test_sessions_held_to_trees_open_their_deferred_drafts_and_take_trees(rig, m
     engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
     ctl = engine.new_controller(TREE)
     ctl.start_from(engine._costs)
-    engine._open_per_token = 3 * ctl.step_seconds(PLAIN) / len(PROMPT)  # an open's lead of ~5 steps
+    engine.open_costs.record(len(PROMPT), 3 * ctl.step_seconds(PLAIN))  # an open's lead of ~5 steps
     reqs = [(PROMPT, params, {}) for _ in range(4)]
     free, _ = run_batched(engine, reqs, max_batch=4)  # (no governor: every session defers, none opens)
     assert [tokens for tokens, _, _ in free] == [ref] * 4 and len(worker.opened) == 1
@@ -213,3 +222,24 @@ def test_sessions_held_to_trees_open_their_deferred_drafts_and_take_trees(rig, m
     # rounds with trees began once every draft was open
     regimes = [r["regime"] for r in round_log.read(str(tmp_path))]
     assert OPENING in regimes and TREES in regimes[regimes.index(OPENING):]
+
+
+def test_an_open_is_priced_from_the_opens_timed_near_its_length():
+    """open_costs.OpenCosts: a short prompt's open is mostly fixed costs, so its seconds per token do
+    not price a long prompt's open (scaled, a 16-token open of ~20 ms priced a 16K one at 20 s where
+    it takes ~45 ms: the deferred open never came due); opens price prompts within SPAN times their
+    length, scaled by the ratio of lengths, the nearest first."""
+    from specextend.open_costs import SPAN, OpenCosts
+
+    costs = OpenCosts()
+    assert not costs.known and costs.seconds(16) is None
+    costs.record(16, 0.020)
+    assert costs.known and costs.seconds(16) == pytest.approx(0.020)
+    assert costs.seconds(64) == pytest.approx(0.080) and costs.seconds(int(16 * SPAN) + 1) is None
+    assert costs.seconds(16384) is None and costs.seconds(4) == pytest.approx(0.005)
+    costs.record(16384, 0.045)
+    assert costs.seconds(16384) == pytest.approx(0.045) and costs.seconds(32768) == pytest.approx(0.090)
+    assert costs.seconds(20) == pytest.approx(0.025)  # the nearest timed open prices it, not the latest
+    assert costs.seconds(512) is None  # 32x from both
+    costs.record(17000, 0.051)  # the latest in a power-of-two bucket replaces the one before
+    assert costs.seconds(16384) == pytest.approx(0.051 * 16384 / 17000)

@@ -1,0 +1,44 @@
+"""What a draft's open (its prefill of a session's prompt) is expected to cost, from the opens timed
+so far (docs/architecture.md, "Adaptive speculation", *Deferred open*).
+
+An open's seconds are not proportional to its prompt's length: a short prompt's are mostly fixed
+costs (launches, the session's set-up), a long one's the prefill's arithmetic. Scaling a 16-token
+open's seconds per token to a 16K prompt priced that open at seconds where it takes ~45 ms (the
+0.5B draft on an H200, 2026-12-03): a deferred open never came due, and the batch's governor held
+sessions to trees that could not open. So each open is kept by its prompt's length (the latest per
+power-of-two bucket), and a prompt is priced only from an open within SPAN times its length,
+scaled by the ratio of lengths; with none that near, the cost is unknown (None) and the caller
+behaves as before any open was timed (it opens at once, and the open times its own length).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+SPAN = 4.0  # an open prices prompts up to this many times longer or shorter than its own
+
+
+class OpenCosts:
+    """The opens timed so far, by prompt length: `record` one, `seconds` for a prompt's expected."""
+
+    def __init__(self) -> None:
+        self._by_bucket: dict[int, tuple[int, float]] = {}  # log2 bucket -> (prompt tokens, seconds)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        tokens = max(int(tokens), 1)
+        self._by_bucket[tokens.bit_length()] = (tokens, max(float(seconds), 0.0))
+
+    def seconds(self, tokens: int) -> Optional[float]:
+        """Expected seconds of an open of a `tokens`-token prompt: the timed open nearest in length
+        (by ratio), scaled by the ratio, if within SPAN; else None (unknown)."""
+        tokens = max(int(tokens), 1)
+        best = min(self._by_bucket.values(), key=lambda ts: abs(math.log(ts[0] / tokens)), default=None)
+        if best is None or max(best[0] / tokens, tokens / best[0]) > SPAN:
+            return None
+        return best[1] * tokens / best[0]
+
+    @property
+    def known(self) -> bool:
+        """Whether any open has been timed."""
+        return bool(self._by_bucket)
