@@ -70,6 +70,18 @@ def select_chunks_device(scores: torch.Tensor, cfg: RetrievalConfig) -> torch.Te
     return torch.sort(torch.cat([forced, best])).values  # [K]
 
 
+def score_chunks(
+    q: torch.Tensor,  # [H, D] post-RoPE query of the last accepted token, final layer
+    lse: torch.Tensor,  # [H] its merged log-sum-exp
+    keys: torch.Tensor,  # [G, S, D] the keys it saw
+    scale: float,
+    cfg: RetrievalConfig,
+) -> torch.Tensor:
+    """The chunk ids the draft keeps, scored from the target's final-layer attention, on the
+    device with no wait -> [K] int64 (last_token_probs, chunk_scores, select_chunks_device)."""
+    return select_chunks_device(chunk_scores(last_token_probs(q, lse, keys, scale), cfg.chunk_size), cfg)
+
+
 class DeferredRetrieval:
     """A retrieval selection (draft.base.Retrieval's fields) whose chunk ids are still on their way
     from the device: copied into pinned memory without a wait when scored, read (waiting for that

@@ -20,8 +20,8 @@ from specextend.kv_pool import KVPool
 from specextend.prefix_cache import PrefixCache
 from specextend.session_calls import DraftCall
 from specextend.draft.base import Retrieval
-from specextend.retrieval import (DeferredRetrieval, chunk_scores, initial_chunks, last_token_probs, select_chunks,
-                                  select_chunks_device)
+from specextend.retrieval import (DeferredRetrieval, chunk_scores, initial_chunks, last_token_probs, score_chunks,
+                                  select_chunks)
 from specextend.tree import ancestor_mask_cached, node_depths
 
 T = TypeVar("T")
@@ -165,7 +165,7 @@ class TargetSession:
         scale = self.model.scale
 
         def score() -> torch.Tensor:  # [K] chunk ids on the device
-            return select_chunks_device(chunk_scores(last_token_probs(q, lse, keys, scale), cfg.chunk_size), cfg)
+            return score_chunks(q, lse, keys, scale, cfg)
         return DeferredRetrieval.later(score, self.model.device, cfg.chunk_size)
 
     def retrieval_chunks(self, row: int, cfg: RetrievalConfig) -> Optional[list[int]]:

@@ -21,9 +21,12 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
+import torch
+
 from specextend.ladder import Rung, ladder
 from specextend.lookup import ContextIndex, RequestLookup
 from specextend.lookup_ahead import DeviceHistory, runs_ahead
+from specextend.retrieval import score_chunks
 from specextend.draft.base import DraftSessionParams
 from specextend.engine import Engine
 from specextend.target import TargetSession
@@ -51,6 +54,7 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
     draft_warm_up = getattr(engine.draft, "warm_up", None)  # an in-process worker (a remote one warms itself)
     if draft_warm_up is not None:
         draft_warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, max_new_tokens=64))
+    warm_scoring(engine)
     every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
     for rung in _covering(ladder(cfg.tree)[1:]):
         fixed = _fixed(engine, tree=replace(cfg.tree, depth=rung.depth))
@@ -64,6 +68,33 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
             break
     warm_verify_sizes(engine, prompt_ids)
     return stats
+
+
+SCORING_LENGTHS = (1024, 4096, 16384, 65536)  # contexts whose scoring runs once at warm-up (within the model's)
+
+
+def warm_scoring(engine: Engine) -> list[int]:
+    """The retrieval scoring (retrieval.score_chunks) once at each of SCORING_LENGTHS that the
+    target's context holds and that has more chunks than the draft keeps: the warm-up's own
+    requests are too short to score (their chunks fit the budget), and the first call of each
+    kernel loads it on the request's path, stalling the whole batch: on an H200 the first scoring
+    of a 16K context took 214 ms of host time (140 in the fp32 einsum), a later one at 4K 13 ms (a
+    new GEMM kernel), every later one below 1 ms (2026-12-03). -> the contexts scored."""
+    cfg, args = engine.config, engine.target.args
+    r = cfg.retrieval
+    if not (cfg.uses_draft and r.enabled and r.select == "attention"):
+        return []
+    dev, dtype = engine.target.decoder.device, engine.target.decoder.dtype
+    done = []
+    for ctx in SCORING_LENGTHS:
+        if ctx > engine.target.max_context or -(-ctx // r.chunk_size) <= r.top_k:
+            continue
+        q = torch.randn(args.num_heads, args.head_dim, device=dev, dtype=dtype)  # [H, D]
+        lse = torch.zeros(args.num_heads, device=dev)  # [H]
+        keys = torch.randn(args.num_kv_heads, ctx, args.head_dim, device=dev, dtype=dtype)  # [G, S, D]
+        score_chunks(q, lse, keys, engine.target.decoder.scale, r).cpu()  # (waits: the kernels ran)
+        done.append(ctx)
+    return done
 
 
 def _fixed(engine: Engine, **changes) -> Engine:

@@ -182,3 +182,33 @@ def test_the_warm_up_runs_under_a_small_max_tokens_limit_and_the_limit_still_bin
     with pytest.raises(RequestError, match="max_tokens 9 exceeds the limit 8"):
         engine.generate(list(range(3, 40)), SamplingParams(max_new_tokens=9))
     assert len(engine.generate(list(range(3, 40)), SamplingParams(max_new_tokens=8, ignore_eos=True))[0]) == 8
+
+
+def test_the_retrieval_scoring_is_warmed_at_each_length_the_context_holds(tiny_models, monkeypatch):
+    """warm_scoring: the target's attention scoring (retrieval.score_chunks) runs once at each of
+    SCORING_LENGTHS within the model's context that has more chunks than the budget (its kernels load
+    at start-up, not in a request's first refresh); none where nothing is scored."""
+    from specextend import retrieval, warmup
+
+    target, draft = tiny_models("float32")
+    r = RetrievalConfig(enabled=True, chunk_size=32, top_k=40, draft_prefill_window=64)
+    engine = make_engine((target, draft), "specextend", retrieval=r)
+    scored = []
+    inner = retrieval.score_chunks
+
+    def spy(q, lse, keys, scale, cfg):
+        ids = inner(q, lse, keys, scale, cfg)
+        scored.append((tuple(q.shape), tuple(keys.shape), ids.numel()))
+        return ids
+
+    monkeypatch.setattr(warmup, "score_chunks", spy)
+    monkeypatch.setattr(warmup, "SCORING_LENGTHS", (512, 1024, 2048, 10**9))
+    a = target.args
+    assert 2048 <= target.max_context < 10**9
+    assert warmup.warm_scoring(engine) == [2048]  # 512 and 1024: 16 and 32 chunks, within the 40 kept
+    assert scored == [((a.num_heads, a.head_dim), (a.num_kv_heads, 2048, a.head_dim), 40)]
+    for off in (make_engine((target, draft), "ar"),
+                make_engine((target, draft), "specextend", retrieval=RetrievalConfig(enabled=False)),
+                make_engine((target, draft), "specextend", retrieval=RetrievalConfig(enabled=True, select="recency"))):
+        assert warmup.warm_scoring(off) == []
+    assert len(scored) == 1
