@@ -215,6 +215,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="CUDA: each plan's timed run again, its decode under torch.profiler: the N kernels "
                         "(target's and draft's) that took the most device time, per round")
+    p.add_argument("--switch-interval-ms", type=float, default=0.0,
+                   help="sys.setswitchinterval, as the app's switch_interval_ms (0: the interpreter's, 5 ms): the "
+                        "longest the batcher's thread waits for the interpreter lock while a draft thread holds it")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads on the CPU (0: torch's): 1 as in a served replica, whose actor "
                         "Ray starts with OMP_NUM_THREADS=1; with more, a thread's team of threads that another "
@@ -224,6 +227,8 @@ def main(argv=None) -> int:
         p.error("--kernels profiles CUDA kernels; on the CPU use --profile")
     if a.device == "cpu" and a.threads:
         torch.set_num_threads(a.threads)
+    if a.switch_interval_ms:  # (as a replica's switch_interval_ms)
+        sys.setswitchinterval(a.switch_interval_ms / 1e3)
     rows = []
     bw = copy_bandwidth(torch.device(a.device)) if a.device != "cpu" else 0.0  # no ceiling on the CPU
     lengths = [int(x) for x in a.prompt_len.split(",")]
@@ -231,7 +236,7 @@ def main(argv=None) -> int:
     device = a.device if a.device == "cpu" else torch.cuda.get_device_name()
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(),
                 command="python benchmarks/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                threads=torch.get_num_threads(), copy_bandwidth=bw)
+                threads=torch.get_num_threads(), copy_bandwidth=bw, switch_interval_s=sys.getswitchinterval())
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"batching-{a.device}{'-adaptive' if a.tree_policy == 'adaptive' else ''}{'-' + a.tag if a.tag else ''}.json"
     for mode in a.modes.split(","):
