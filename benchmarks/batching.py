@@ -49,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from draft_rounds import print_profiles, profile_control  # noqa: E402
 
 
+WAIT_OPENS = [True]  # (--opens)
+
+
 def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay, draft_batch: int = 1,
         gather_s: float = 0.0, graph_batch: bool = False, governor=False, on_decode=None,
         profiler=None, doc: str = "") -> dict:
@@ -59,7 +62,9 @@ def run(engine, n: int, max_batch: int, prompt_len: int, new_tokens: int, replay
     `profiler` (torch.profiler's): started on this thread, which stops it, once decoding starts."""
     gov = (governor if isinstance(governor, Governor) else Governor(order=governor) if isinstance(governor, tuple)
            else Governor()) if governor else None
-    b = Batcher(engine.target.decoder, max_batch, governor=gov)
+    # (an in-process draft shares the device: a round held to trees waits for its opens, as a replica's
+    # with draft_in_replica does; --opens beside: they run beside the rounds)
+    b = Batcher(engine.target.decoder, max_batch, governor=gov, wait_opens=engine.draft is not None and WAIT_OPENS[0])
     graphs = engine.target.decoder.graphs
     if isinstance(graphs, FullStepGraphs):
         graphs.batching = graph_batch
@@ -215,6 +220,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="CUDA: each plan's timed run again, its decode under torch.profiler: the N kernels "
                         "(target's and draft's) that took the most device time, per round")
+    p.add_argument("--opens", choices=["wait", "beside"], default="wait",
+                   help="with the governor, a round held to trees while drafts open waits for the opens (a "
+                        "replica's with the draft in its process) or runs beside them (before 2026-12-03)")
     p.add_argument("--switch-interval-ms", type=float, default=0.0,
                    help="sys.setswitchinterval, as the app's switch_interval_ms (0: the interpreter's, 5 ms): the "
                         "longest the batcher's thread waits for the interpreter lock while a draft thread holds it")
@@ -227,6 +235,7 @@ def main(argv=None) -> int:
         p.error("--kernels profiles CUDA kernels; on the CPU use --profile")
     if a.device == "cpu" and a.threads:
         torch.set_num_threads(a.threads)
+    WAIT_OPENS[0] = a.opens == "wait"
     if a.switch_interval_ms:  # (as a replica's switch_interval_ms)
         sys.setswitchinterval(a.switch_interval_ms / 1e3)
     rows = []
@@ -236,7 +245,8 @@ def main(argv=None) -> int:
     device = a.device if a.device == "cpu" else torch.cuda.get_device_name()
     meta = dict(commit=commit, device=device, date=datetime.date.today().isoformat(),
                 command="python benchmarks/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                threads=torch.get_num_threads(), copy_bandwidth=bw, switch_interval_s=sys.getswitchinterval())
+                threads=torch.get_num_threads(), copy_bandwidth=bw, switch_interval_s=sys.getswitchinterval(),
+                opens=a.opens)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"batching-{a.device}{'-adaptive' if a.tree_policy == 'adaptive' else ''}{'-' + a.tag if a.tag else ''}.json"
     for mode in a.modes.split(","):

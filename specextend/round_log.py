@@ -15,7 +15,8 @@ benchmarks/concurrency.py --round-log). Each round of `scheduler.Batcher.run_rou
      "regime": with the batch's governor (governor.py), the round's: free, plain or trees, or
      opening (held to trees while some session's draft still opened: every session stepped plainly),
      "tokens": the tokens the round's sessions emitted, "opening": sessions whose draft open (its
-     prefill beside the target's, on one GPU) was under way at the round's end}
+     prefill beside the target's, on one GPU) was under way at the round's end, "open_wait_s": where
+     the round (held to trees) first waited for those opens (Batcher.wait_opens), its seconds}
 
 A forward's wall seconds are the host's (on a GPU a replayed graph returns before the device is
 done: the round's own wall time is what the sessions waited). Pure bookkeeping: nothing here
@@ -76,6 +77,11 @@ class RoundLog:
     def drafts(self, issued: int, wait_s: float) -> None:
         if self.on:
             self.rec["drafts"], self.rec["wait_s"] = issued, self.rec["wait_s"] + wait_s
+
+    def opens_waited(self, seconds: float) -> None:
+        """The round waited `seconds` for draft opens before its steps (Batcher.wait_opens)."""
+        if self.on:
+            self.rec["open_wait_s"] = seconds
 
     def forward(self, calls: int, rows: int, chunks: int, seconds: float) -> None:
         if self.on:

@@ -77,6 +77,7 @@ class _Entry:
 
 
 SPANS_KEPT = 1024  # forwards whose durations a Batcher keeps (benchmarks: the device's busy time)
+OPEN_WAIT_S = 10.0  # (wait_opens) the longest a round waits for draft opens; the rest then run beside
 
 
 class Batcher:
@@ -85,8 +86,12 @@ class Batcher:
 
     def __init__(self, model: Decoder, max_batch: int = 8, draft_threads: int = 8, forward=forward_batch,
                  on_forward: Optional[Callable[[int], None]] = None, max_tokens: Optional[int] = None,
-                 governor: Optional[Governor] = None, on_held: Optional[Callable[[str], None]] = None) -> None:
+                 governor: Optional[Governor] = None, on_held: Optional[Callable[[str], None]] = None,
+                 wait_opens: bool = False) -> None:
         self.model = model
+        # a round held to trees while drafts open first waits for the opens: a draft in this process, on
+        # this device, whose opens beside the rounds starve (docs/architecture.md, "Batched steps")
+        self.wait_opens = wait_opens
         # the batch's check on its sessions' choices (governor.py): rounds held to plain steps where
         # those decode more than the sessions' own choices (None: the sessions decide alone)
         self.governor = governor
@@ -199,6 +204,10 @@ class Batcher:
             hold = None if regime == FREE else regime
             if hold == TREES and self.opening():  # (every session plain until every draft is open: no mixed round)
                 hold = OPENING
+                if self.wait_opens:
+                    t0 = time.perf_counter()
+                    wait(self._opens(), timeout=OPEN_WAIT_S)  # (the lock released: the opens run alone)
+                    self.round_log.opens_waited(time.perf_counter() - t0)
             self.round_log.regime(hold or FREE)
             for e in self._sessions:
                 if e.load is not None:
@@ -278,8 +287,12 @@ class Batcher:
 
     def openings(self) -> int:
         """The sessions whose draft open is under way."""
-        return sum(e.load is not None and e.load.opening is not None and not e.load.opening.done()
-                   for e in self._sessions)
+        return len(self._opens())
+
+    def _opens(self) -> list[Future]:
+        """The draft opens under way (their futures)."""
+        return [e.load.opening for e in self._sessions
+                if e.load is not None and e.load.opening is not None and not e.load.opening.done()]
 
     def _run_forwards(self, ready: list[_Entry]) -> None:
         """The calls of `ready` within the round's budget, as batched forwards of up to `max_batch`

@@ -243,3 +243,40 @@ def test_an_open_is_priced_from_the_opens_timed_near_its_length():
     assert costs.seconds(512) is None  # 32x from both
     costs.record(17000, 0.051)  # the latest in a power-of-two bucket replaces the one before
     assert costs.seconds(16384) == pytest.approx(0.051 * 16384 / 17000)
+
+
+def test_a_batch_held_to_trees_waits_for_its_drafts_opens(rig, monkeypatch, tmp_path):
+    """Batcher(wait_opens=True), as a replica whose draft shares its process and device: the round
+    held to trees while drafts open (OPENING) first waits for the opens, so they run alone instead of
+    beside plain rounds (on an H200 four 16K opens of the 0.5B draft beside the batch's rounds were
+    still under way after 247 rounds, 1.1 s, where alone each takes ~45 ms). The sessions then take
+    trees at once; every output equals plain decoding (float64)."""
+    from specextend import round_log
+    from specextend.governor import OPENING
+    from specextend.ladder import PLAIN
+    from test_batch import run_batched
+    from test_governor import TreesWin
+
+    engine, worker, params, ref = rig
+    engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
+    ctl = engine.new_controller(TREE)
+    ctl.start_from(engine._costs)
+    engine.open_costs.record(len(PROMPT), 3 * ctl.step_seconds(PLAIN))
+    monkeypatch.setenv(round_log.ENV, str(tmp_path))
+    engine.join_early = True
+    worker.gate = threading.Event()
+    opened = threading.Timer(0.3, worker.gate.set)  # the opens take 0.3 s (the gate: their prefill)
+    reqs = [(PROMPT, params, {}) for _ in range(4)]
+    gov = TreesWin(window=2, hold=1000)
+    opened.start()
+    held, b = run_batched(engine, reqs, max_batch=4, governor=gov, wait_opens=True)
+    opened.cancel()
+    assert [tokens for tokens, _, _ in held] == [ref] * 4
+    assert len(worker.opened) == 1 + 4 and gov.verdicts[4].regime == "trees"
+    rounds = round_log.read(str(tmp_path))
+    waits = [r for r in rounds if r.get("open_wait_s")]
+    assert waits and sum(r["open_wait_s"] for r in waits) >= 0.2  # the batch waited for the opens...
+    assert all(r["regime"] == OPENING for r in waits)
+    assert sum(r["regime"] == OPENING for r in rounds) <= 2  # ...instead of stepping beside them
+    for _, _, stats in held:  # each session stepped plainly at most while its open started, then took trees
+        assert stats.open_steps <= 1 and stats.step_kinds.get("tree", [0])[0] >= 1

@@ -116,7 +116,8 @@ class SpecExtendReplica(DraftRecovery):
         self.engine_thread = EngineThread(Batcher(self.target.decoder, s.max_batch_sessions, max_tokens=s.max_batch_tokens,
                                                   on_forward=self.metrics.record_forward,
                                                   governor=Governor() if s.batch_governor else None,
-                                                  on_held=self.metrics.record_held_round))
+                                                  on_held=self.metrics.record_held_round,
+                                                  wait_opens=self.draft_here))
         t_ready = time.perf_counter()
         # where a (re)start's time goes: the target's weights, then waiting for the draft actor, then warm-up
         self.metrics.record_start(t_target - t0, t_draft - t_target, t_ready - t_draft)  # published within 2 s
