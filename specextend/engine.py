@@ -127,6 +127,7 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
                     draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
                 deferred = self.defers_open(ctl, len(prompt_ids), held=self.held_plain(ctl, load))
                 s.opening = None if deferred else s.open_now()  # (a deferred open: open_due)
+                load.open_s = (self.open_costs.seconds(len(prompt_ids)) or 0.0) if deferred else 0.0
             capture = s.use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # (1st selection)
             logits = yield from metered(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache), load,
                                         ctl.record_prefill)  # (the prefill's own cost line)

@@ -87,7 +87,7 @@ class EngineSteps:
         # open is a draft prefill of the prompt beside the batch's forwards, which it slows)
         if s.use_draft and s.opening is None and not self.held_plain(s.ctl, s.load) and self.open_due(  # (deferred)
                 s.ctl, s.prompt_tokens, s.params.max_new_tokens - s.stats.num_generated, now=trees_held):
-            s.opening, s.opening_pending = s.open_now(), True
+            s.opening, s.opening_pending, s.load.open_s = s.open_now(), True, 0.0
         if s.opening_pending and s.use_draft and (s.opening.done() or not self.join_early):  # (joins at once)
             s.use_draft = yield from self._join(s.opening, s.ctl, s.target_prefill_s, s.stats, s.sid)
             s.opening_pending = False

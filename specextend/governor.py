@@ -141,12 +141,14 @@ class Governor:
         return math.ceil(self.life_factor * len(self.order) * (self.window + 1))
 
     def round_end(self, sessions: int, tokens: int, steady: bool, now: Optional[float] = None,
-                  life: Optional[float] = None, opening: bool = False) -> None:
+                  life: Optional[float] = None, opening: bool = False, opens_s: float = 0.0) -> None:
         """A round ended: `sessions` in it, `tokens` they emitted, `steady` (no prompt chunk, no
         session joined or left); `life`: the rounds the batch keeps its size if no session joins (at
         most its sessions' tokens left: Batcher.life; None: unknown, as long as need be); `opening`:
         a round held to trees stepped plainly while drafts opened (OPENING: part of the measurement's
-        cost, paid_hold)."""
+        cost, paid_hold); `opens_s`: the expected seconds of the draft opens that a trees window would
+        start (Batcher.opens_s: the sessions' deferred opens), which the batch's life must pay for
+        (`_opens_pay`) or its measurement ends with its plain window."""
         now = time.perf_counter() if now is None else now
         seconds, self._t = (now - self._t if self._t is not None else None), now
         size = bucket(sessions) if sessions >= self.min_sessions else 0
@@ -186,6 +188,9 @@ class Governor:
             return
         self.measured[self.phase] = statistics.median(self._rates)
         self._restart()
+        skipped = self.phase == PLAIN and len(self._regimes) > 1 and not self._opens_pay(sessions, life, opens_s)
+        if skipped:  # (the trees window's opens would cost more than the batch can win back: plain, measured)
+            self._regimes = (PLAIN,)
         if self.phase != self._regimes[-1]:
             self.phase = self._regimes[self._regimes.index(self.phase) + 1]
             return
@@ -201,6 +206,8 @@ class Governor:
         entry = dict(size=size, rates=rates, regime=regime, hold=hold)
         if self._opening:
             entry["opening"] = len(self._opening)  # (rounds held while drafts opened)
+        if skipped:
+            entry["skipped_opens_s"] = round(opens_s, 3)  # (no trees window: its opens would not pay)
         self.history = self.history[-(HISTORY - 1):] + [entry]
         log.info("batch governor: %d sessions decoded %s tokens/s -> %s for %d rounds", size,
                  " / ".join(f"{r} {rates[r]:.0f}" for r in self._regimes), regime, hold)
@@ -221,6 +228,19 @@ class Governor:
         """Whether a measurement starts in a batch of `size` with `life` rounds ahead (None: unknown);
         a plain window alone (`_lost`) costs nothing against its verdict: measured however short."""
         return life is None or life >= self.min_life or self._lost(size)
+
+    def _opens_pay(self, sessions: int, life: Optional[float], opens_s: float) -> bool:
+        """Whether the windows after the plain one may open the sessions' drafts: their expected seconds
+        (`opens_s`), in rounds of the plain window's rate (a plain round: a token a session), with the
+        windows left, are at most the batch's `life` over `life_factor`, as a measurement's own rounds
+        are (`_measures`). On one GPU an open is a draft prefill of the session's prompt that the rounds
+        wait for (Batcher.wait_opens): four sessions of 16K prompts with the 0.5B draft on an H200 opened
+        for 0.8 s in a burst whose 256 tokens took 0.6 s plainly (2026-12-03)."""
+        if opens_s <= 0.0 or life is None:
+            return True
+        round_s = sessions / max(self.measured[PLAIN], 1e-9)
+        left = (len(self._regimes) - 1) * (self.window + 1)
+        return life >= self.life_factor * (left + opens_s / round_s)
 
     def _watch(self, v: Verdict, tokens: int, seconds: Optional[float], steady: bool) -> None:
         """A held round: where the hold's own latest `2 * window` steady rounds decode less than the best

@@ -269,7 +269,7 @@ class Batcher:
             # (a session whose draft still opens steps plainly whatever the regime: not a steady round)
             self.governor.round_end(len(members), self._round_tokens,
                                     steady and not self._round_chunks and not self.opening(), life=self.life(),
-                                    opening=hold == OPENING)
+                                    opening=hold == OPENING, opens_s=self.opens_s())
 
     def life(self) -> float:
         """The rounds this batch keeps its size bucket (governor.bucket) if no session joins, at most:
@@ -288,6 +288,10 @@ class Batcher:
     def openings(self) -> int:
         """The sessions whose draft open is under way."""
         return len(self._opens())
+
+    def opens_s(self) -> float:
+        """The expected seconds of the sessions' deferred draft opens (Load.open_s)."""
+        return sum(e.load.open_s for e in self._sessions if e.load is not None)
 
     def _opens(self) -> list[Future]:
         """The draft opens under way (their futures)."""

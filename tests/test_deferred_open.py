@@ -280,3 +280,27 @@ def test_a_batch_held_to_trees_waits_for_its_drafts_opens(rig, monkeypatch, tmp_
     assert sum(r["regime"] == OPENING for r in rounds) <= 2  # ...instead of stepping beside them
     for _, _, stats in held:  # each session stepped plainly at most while its open started, then took trees
         assert stats.open_steps <= 1 and stats.step_kinds.get("tree", [0])[0] >= 1
+
+
+def test_a_deferred_session_tells_its_driver_what_its_open_would_cost(rig):
+    """Load.open_s: a session whose open is deferred tells the driver its expected seconds (what a
+    trees window would cost it: Batcher.opens_s, the governor's _opens_pay), and 0 once it opens."""
+    from specextend.governor import TREES
+    from specextend.session_calls import Load
+    from test_batch import run_batched
+    from test_governor import TreesWin
+
+    engine, worker, params, ref = rig
+    engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
+    engine.open_costs.record(len(PROMPT), 0.123)  # (a lead of more steps than the request has: never due)
+    loads = [Load() for _ in range(4)]
+    out, _ = run_batched(engine, [(PROMPT, params, {"load": ld}) for ld in loads], max_batch=4)
+    assert [tokens for tokens, _, _ in out] == [ref] * 4 and len(worker.opened) == 1
+    assert [ld.open_s for ld in loads] == [pytest.approx(0.123)] * 4
+    engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
+    engine.open_costs.record(len(PROMPT), 1e-4)  # (opens that pay: the trees window opens them)
+    loads = [Load() for _ in range(4)]
+    out, b = run_batched(engine, [(PROMPT, params, {"load": ld}) for ld in loads], max_batch=4,
+                         governor=TreesWin(window=2, hold=1000))
+    assert [tokens for tokens, _, _ in out] == [ref] * 4 and b.held_rounds[TREES] > 0
+    assert len(worker.opened) == 1 + 4 and [ld.open_s for ld in loads] == [0.0] * 4

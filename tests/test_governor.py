@@ -60,6 +60,32 @@ def test_a_batch_that_will_not_last_is_not_measured_and_a_verdict_holds_on_while
     assert len(g.history) == 2
 
 
+def test_a_trees_window_whose_draft_opens_the_batch_cannot_pay_for_is_skipped():
+    """After the plain window, the trees window (and the free one) would open every session's
+    deferred draft (Batcher.opens_s: on one GPU the rounds wait for them): where those seconds, in
+    plain rounds, with the windows left, exceed the batch's life over life_factor, the measurement
+    ends with its plain window (the verdict plain, its hold as any); with opens it can pay for, or
+    none deferred, the windows follow as before."""
+    def run(life, opens_s):
+        g, t, out = Governor(window=4, hold=8, budget=1.0), [0.0], []
+        for _ in range(16):
+            r = g.regime()
+            out.append(r)
+            t[0] += 0.010  # a plain round of 16 sessions in 10 ms: 1,600 tokens/s
+            g.round_end(16, {FREE: 12, PLAIN: 16, TREES: 10}[r], True, now=t[0], life=life, opens_s=opens_s)
+        return g, out
+
+    # 0.2 s of opens = 20 plain rounds; with the two windows left (10 rounds), 4 x 30 = 120 rounds needed
+    g, out = run(life=119, opens_s=0.2)
+    assert out[:6] == [FREE] + [PLAIN] * 5 and TREES not in out
+    assert g.verdicts[16].regime == PLAIN and g.verdicts[16].hold == 8 and g.history[-1]["rates"] == {PLAIN: 1600.0}
+    assert g.history[-1]["skipped_opens_s"] == 0.2 and 16 not in g.trees_lost
+    for life, opens_s in ((120, 0.2), (119, 0.0), (None, 0.2)):
+        g, out = run(life, opens_s)
+        assert out == MEASURE and set(g.measured) == {PLAIN, TREES, FREE}
+        assert "skipped_opens_s" not in g.history[-1]
+
+
 def test_trees_that_lost_in_a_smaller_batch_are_not_measured_in_a_larger_one_nor_free_choices():
     g, t = Governor(window=4, hold=8, budget=1.0), [0.0]
     rate = {FREE: 12, PLAIN: 16, TREES: 10}
