@@ -133,6 +133,8 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
                                         ctl.record_prefill)  # (the prefill's own cost line)
             stats.cached_prompt_tokens = target.cached_tokens
             s.target_prefill_s = time.perf_counter() - t0
+            if s.use_draft and s.opening is None and not load.open_s:  # deferred, no open timed near this length:
+                load.open_s = self.draft_weight_ratio * s.target_prefill_s  # (the draft weights' share of the prefill)
             # chains alone (mode lookup): plain or lookup steps. The prompt's index (~7 ms at 16K on the host)
             # is built while the device still runs the prefill, not in the decode's first gap
             alone = speculate and (cfg.mode == "lookup" or self.draft_never_pays)

@@ -304,3 +304,14 @@ def test_a_deferred_session_tells_its_driver_what_its_open_would_cost(rig):
                          governor=TreesWin(window=2, hold=1000))
     assert [tokens for tokens, _, _ in out] == [ref] * 4 and b.held_rounds[TREES] > 0
     assert len(worker.opened) == 1 + 4 and [ld.open_s for ld in loads] == [0.0] * 4
+    # no open timed near the prompt's length, the session held plain at its start (deferred): its prior,
+    # the draft weights' share of its own target prefill
+    from specextend.open_costs import OpenCosts
+    from test_governor import Verdict
+
+    engine.open_costs, engine.draft_weight_ratio = OpenCosts(), 0.25  # (the draft's shape known)
+    loads, seen = [Load() for _ in range(4)], []
+    out, _ = run_batched(engine, [(PROMPT, params, {"load": ld}) for ld in loads], max_batch=4,
+                         governor=Verdict(window=2, hold=1000), on_held=lambda r: seen.append([ld.open_s for ld in loads]))
+    assert [tokens for tokens, _, _ in out] == [ref] * 4
+    assert any(all(0 < x < 10 for x in row) for row in seen)  # (before the trees window opened them)
