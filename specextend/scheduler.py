@@ -22,7 +22,6 @@ or to trees.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import Counter, deque
@@ -31,7 +30,8 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 
-from specextend.governor import FREE, OPENING, TREES, Governor, bucket
+from specextend.batch_loads import BatchLoads
+from specextend.governor import FREE, OPENING, TREES, Governor
 from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall, forward_batch
 from specextend.models.decoder import Decoder
@@ -80,7 +80,7 @@ SPANS_KEPT = 1024  # forwards whose durations a Batcher keeps (benchmarks: the d
 OPEN_WAIT_S = 10.0  # (wait_opens) the longest a round waits for draft opens; the rest then run beside
 
 
-class Batcher:
+class Batcher(BatchLoads):
     """Runs sessions in rounds on one thread (`run`, or `run_round` from a test), every round one
     batched target forward. `add`, `resume` and `stop` may be called from any thread."""
 
@@ -270,33 +270,6 @@ class Batcher:
             self.governor.round_end(len(members), self._round_tokens,
                                     steady and not self._round_chunks and not self.opening(), life=self.life(),
                                     opening=hold == OPENING, opens_s=self.opens_s())
-
-    def life(self) -> float:
-        """The rounds this batch keeps its size bucket (governor.bucket) if no session joins, at most:
-        a round emits at least one token a session, so each session has at most its tokens left; the
-        bucket ends when all but half of it have left (inf where a session's bound is unknown)."""
-        left = sorted(e.load.max_tokens - e.emitted if e.load is not None and e.load.max_tokens is not None
-                      else math.inf for e in self._sessions)
-        if not left:
-            return 0.0
-        return left[len(left) - bucket(len(left)) // 2 - 1]
-
-    def opening(self) -> bool:
-        """Whether some session's draft open is under way (begun, not done): it steps plainly till then."""
-        return self.openings() > 0
-
-    def openings(self) -> int:
-        """The sessions whose draft open is under way."""
-        return len(self._opens())
-
-    def opens_s(self) -> float:
-        """The expected seconds of the sessions' deferred draft opens (Load.open_s)."""
-        return sum(e.load.open_s for e in self._sessions if e.load is not None)
-
-    def _opens(self) -> list[Future]:
-        """The draft opens under way (their futures)."""
-        return [e.load.opening for e in self._sessions
-                if e.load is not None and e.load.opening is not None and not e.load.opening.done()]
 
     def _run_forwards(self, ready: list[_Entry]) -> None:
         """The calls of `ready` within the round's budget, as batched forwards of up to `max_batch`

@@ -203,7 +203,8 @@ def test_sessions_held_to_trees_open_their_deferred_drafts_and_take_trees(rig, m
     free, _ = run_batched(engine, reqs, max_batch=4)  # (no governor: every session defers, none opens)
     assert [tokens for tokens, _, _ in free] == [ref] * 4 and len(worker.opened) == 1
     engine._costs = slow_draft_costs(engine._costs, probe_every=1000)
-    gov = TreesWin(window=2, hold=1000)
+    # (life_factor 0: measured whatever its opens cost, Governor._opens_pay)
+    gov = TreesWin(window=2, hold=1000, life_factor=0.0)
     monkeypatch.setenv(round_log.ENV, str(tmp_path))
     engine.join_early = True  # (as served: plain steps while the open runs)
     worker.gate, rounds = threading.Event(), [0]
@@ -267,7 +268,7 @@ def test_a_batch_held_to_trees_waits_for_its_drafts_opens(rig, monkeypatch, tmp_
     worker.gate = threading.Event()
     opened = threading.Timer(0.3, worker.gate.set)  # the opens take 0.3 s (the gate: their prefill)
     reqs = [(PROMPT, params, {}) for _ in range(4)]
-    gov = TreesWin(window=2, hold=1000)
+    gov = TreesWin(window=2, hold=1000, life_factor=0.0)
     opened.start()
     held, b = run_batched(engine, reqs, max_batch=4, governor=gov, wait_opens=True)
     opened.cancel()
@@ -301,7 +302,7 @@ def test_a_deferred_session_tells_its_driver_what_its_open_would_cost(rig):
     engine.open_costs.record(len(PROMPT), 1e-4)  # (opens that pay: the trees window opens them)
     loads = [Load() for _ in range(4)]
     out, b = run_batched(engine, [(PROMPT, params, {"load": ld}) for ld in loads], max_batch=4,
-                         governor=TreesWin(window=2, hold=1000))
+                         governor=TreesWin(window=2, hold=1000, life_factor=0.0))
     assert [tokens for tokens, _, _ in out] == [ref] * 4 and b.held_rounds[TREES] > 0
     assert len(worker.opened) == 1 + 4 and [ld.open_s for ld in loads] == [0.0] * 4
     # no open timed near the prompt's length, the session held plain at its start (deferred): its prior,
