@@ -4,6 +4,7 @@ a request that ends first never opens it; one whose probe comes opens it in time
 probe's tree; both decode exactly what plain decoding does (float64)."""
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -266,12 +267,18 @@ def test_a_batch_held_to_trees_waits_for_its_drafts_opens(rig, monkeypatch, tmp_
     monkeypatch.setenv(round_log.ENV, str(tmp_path))
     engine.join_early = True
     worker.gate = threading.Event()
-    opened = threading.Timer(0.3, worker.gate.set)  # the opens take 0.3 s (the gate: their prefill)
+
+    def release():  # the opens take 0.3 s once all four have begun (the gate: their prefill)
+        deadline = time.monotonic() + 60
+        while worker.waiting < 4 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(0.3)
+        worker.gate.set()
+
     reqs = [(PROMPT, params, {}) for _ in range(4)]
     gov = TreesWin(window=2, hold=1000, life_factor=0.0)
-    opened.start()
+    threading.Thread(target=release, daemon=True).start()
     held, b = run_batched(engine, reqs, max_batch=4, governor=gov, wait_opens=True)
-    opened.cancel()
     assert [tokens for tokens, _, _ in held] == [ref] * 4
     assert len(worker.opened) == 1 + 4 and gov.verdicts[4].regime == "trees"
     rounds = round_log.read(str(tmp_path))
