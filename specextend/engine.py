@@ -127,14 +127,13 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
                     draft_tree, cfg.retrieval, params.max_new_tokens, cfg.lookup_tokens if replay is None else 0))
                 deferred = self.defers_open(ctl, len(prompt_ids), held=self.held_plain(ctl, load))
                 s.opening = None if deferred else s.open_now()  # (a deferred open: open_due)
-                load.open_s = (self.open_costs.seconds(len(prompt_ids)) or 0.0) if deferred else 0.0
             capture = s.use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # (1st selection)
             logits = yield from metered(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache), load,
                                         ctl.record_prefill)  # (the prefill's own cost line)
             stats.cached_prompt_tokens = target.cached_tokens
             s.target_prefill_s = time.perf_counter() - t0
-            if s.use_draft and s.opening is None and not load.open_s:  # deferred, no open timed near this length:
-                load.open_s = self.draft_weight_ratio * s.target_prefill_s  # (the draft weights' share of the prefill)
+            deferred = s.use_draft and s.opening is None  # (what a trees window's open would cost: the governor's)
+            load.open_s = self.open_prior(len(prompt_ids), s.target_prefill_s) if deferred else 0.0
             # chains alone (mode lookup): plain or lookup steps. The prompt's index (~7 ms at 16K on the host)
             # is built while the device still runs the prefill, not in the decode's first gap
             alone = speculate and (cfg.mode == "lookup" or self.draft_never_pays)

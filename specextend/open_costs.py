@@ -3,8 +3,8 @@ so far (docs/architecture.md, "Adaptive speculation", *Deferred open*).
 
 An open's seconds are not proportional to its prompt's length: a short prompt's are mostly fixed
 costs (launches, the session's set-up), a long one's the prefill's arithmetic. Scaling a 16-token
-open's seconds per token to a 16K prompt priced that open at seconds where it takes ~45 ms (the
-0.5B draft on an H200, 2026-12-03): a deferred open never came due, and the batch's governor held
+open's seconds per token to a 16K prompt priced that open at seconds where it takes 158-180 ms
+(the 0.5B draft on an H200, 2026-12-03): a deferred open never came due, and the batch's governor held
 sessions to trees that could not open. So each open is kept by its prompt's length (the latest per
 power-of-two bucket), and a prompt is priced only from an open within SPAN times its length,
 scaled by the ratio of lengths; with none that near, the cost is unknown (None) and the caller

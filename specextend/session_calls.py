@@ -48,8 +48,8 @@ class Load:
     opening: Optional[Future] = None  # its draft's open, begun and not joined (the session steps plainly till then)
     max_tokens: Optional[int] = None  # set by the session: the most tokens it emits (its request's); the
     # driver's governor reads how long a batch will last from it (scheduler.Batcher.life)
-    open_s: float = 0.0  # set by the session: the expected seconds of its draft's open while deferred (0: open,
-    # none, or no open timed near its prompt's length); what a trees window would cost it (Batcher.opens_s)
+    open_s: float = 0.0  # set by the session after its prefill: the expected seconds of its draft's open while
+    # deferred (0: open, or none), what a trees window would cost it (Batcher.opens_s; DraftLink.open_prior)
 
     def take_shared(self) -> float:
         """Takes `shared_s` (Batcher._charge; `wall` drops it): a draft step's price to the policy is
