@@ -320,11 +320,12 @@ class DraftLink:
         first, lead = (0 if now else ctl.first_tree_in()), self._open_lead(ctl, prompt_tokens)
         return first <= lead and max(first, lead) < tokens_left
 
-    def open_prior(self, prompt_tokens: int, target_prefill_s: float) -> float:
+    def open_prior(self, prompt_tokens: int, own_prefill_s: float) -> float:
         """What a deferred open of this prompt is expected to cost (Load.open_s, the batch's governor):
         open_costs.OpenCosts where an open near its length was timed, else the draft weights' share of
-        the session's own target prefill (`target_prefill_s`; 0 where the draft's shape is unknown)."""
-        return self.open_costs.seconds(prompt_tokens) or self.draft_weight_ratio * target_prefill_s
+        the session's own target prefill, `own_prefill_s` (session_calls.OwnShare: not the wall time,
+        which a batch's other chunks and steps stretch; docs/architecture.md, "Batched steps")."""
+        return self.open_costs.seconds(prompt_tokens) or self.draft_weight_ratio * own_prefill_s
 
     def _open_lead(self, ctl: TreeController, prompt_tokens: int) -> int:
         """Steps an open is expected to take: its expected seconds (open_costs.OpenCosts: 0 where no

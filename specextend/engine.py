@@ -27,7 +27,7 @@ from specextend.models.batch import ForwardCall
 from specextend.sampling import make_generator, next_token
 from specextend.snapshot import SNAPSHOT_BOUND, SNAPSHOT_NODES, DraftFeed
 from specextend.stats import RequestStats
-from specextend.session_calls import DraftCall, Load, drive_alone, metered
+from specextend.session_calls import DraftCall, Load, OwnShare, drive_alone, metered
 from specextend.plain_ahead import plain_ahead_co
 from specextend.prefix_cache import PrefixCache
 from specextend.request_limits import RequestLimits
@@ -128,12 +128,11 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
                 deferred = self.defers_open(ctl, len(prompt_ids), held=self.held_plain(ctl, load))
                 s.opening = None if deferred else s.open_now()  # (a deferred open: open_due)
             capture = s.use_draft and cfg.retrieval.enabled and cfg.retrieval.select == "attention"  # (1st selection)
+            share = OwnShare()  # (its own forwards' share of the device: a deferred open's prior below)
             logits = yield from metered(target.prefill_co(prompt_ids, cfg.prefill_chunk, capture, self.prefix_cache), load,
-                                        ctl.record_prefill)  # (the prefill's own cost line)
+                                        ctl.record_prefill, share)  # (the prefill's own cost line)
             stats.cached_prompt_tokens = target.cached_tokens
             s.target_prefill_s = time.perf_counter() - t0
-            deferred = s.use_draft and s.opening is None  # (what a trees window's open would cost: the governor's)
-            load.open_s = self.open_prior(len(prompt_ids), s.target_prefill_s) if deferred else 0.0
             # chains alone (mode lookup): plain or lookup steps. The prompt's index (~7 ms at 16K on the host)
             # is built while the device still runs the prefill, not in the decode's first gap
             alone = speculate and (cfg.mode == "lookup" or self.draft_never_pays)
@@ -143,6 +142,8 @@ class Engine(RequestLimits, DraftLink, EngineCarry, EngineSteps):
             token = next_token(logits, params, s.gen)
             token = token if ref is None else ref.pick(logits.view(1, -1), 0, token, 0)
             stats.prefill_s = time.perf_counter() - t0
+            deferred = s.use_draft and s.opening is None  # (what a trees window's open would cost: the governor's;
+            load.open_s = self.open_prior(len(prompt_ids), share.seconds()) if deferred else 0.0  # token read: done)
             s.t1 = time.perf_counter()
             yield s.out.emit([token])  # the first token needs nothing from the draft: not its open either
             # the draft joins once its open (its prefill) is done: with the adaptive policy the target decodes

@@ -16,7 +16,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 from specextend.kv_pool import KVPool
 from specextend.models.batch import ForwardCall
 from specextend.models.decoder import Decoder
-from specextend.timing import Span, Stopwatch
+from specextend.timing import Span, Stopwatch, seconds_of
 
 
 @dataclass
@@ -73,11 +73,31 @@ class Load:
         return out
 
 
-def metered(co: Generator, load: Load, record: Callable[[int, Span], None]) -> Generator:
+class OwnShare:
+    """A session's share of the forwards that carried its calls (`add` each): a shared forward's
+    time split by rows, so that a prompt's prefill beside other sessions' chunks and steps is priced
+    by its own rows, not by the wall time that the others' work stretched (DraftLink.open_prior)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[int, int, Span]] = []  # (own rows, the forward's rows, its span)
+
+    def add(self, own: int, rows: int, span: Span) -> None:
+        self._parts.append((own, max(rows, own, 1), span))
+
+    def seconds(self) -> float:
+        """The share's seconds (on CUDA: read once the forwards are done, e.g. after the logits)."""
+        return sum(seconds_of(span) * own / rows for own, rows, span in self._parts)
+
+
+def metered(co: Generator, load: Load, record: Callable[[int, Span], None],
+            share: Optional[OwnShare] = None) -> Generator:
     """Runs a forward coroutine (target.py's `*_co`), timing each of its forwards:
-    record(rows, span), those of the whole forward when the driver shared and timed it. On CUDA
-    the span is the device's time between events around the forward (timing.py). Its other calls
-    (a prefill waiting for another session's: DraftCall) pass through untimed."""
+    record(rows, span), those of the whole forward when the driver shared and timed it; `share`
+    adds the session's part of each. On CUDA the span is the device's time between events around
+    the forward (timing.py). Its other calls (a prefill waiting for another session's: DraftCall)
+    pass through untimed."""
     try:
         call = next(co)
         while True:
@@ -86,7 +106,11 @@ def metered(co: Generator, load: Load, record: Callable[[int, Span], None]) -> G
                 continue
             watch = Stopwatch(call.ids)
             result = yield call
-            record(*load.forward(call.ids.shape[0], watch.stop()))
+            own = call.ids.shape[0]
+            rows, span = load.forward(own, watch.stop())
+            record(rows, span)
+            if share is not None:
+                share.add(own, rows, span)
             call = co.send(result)
     except StopIteration as stop:
         return stop.value

@@ -322,4 +322,37 @@ def test_a_deferred_session_tells_its_driver_what_its_open_would_cost(rig):
     out, _ = run_batched(engine, [(PROMPT, params, {"load": ld}) for ld in loads], max_batch=4,
                          governor=Verdict(window=2, hold=1000), on_held=lambda r: seen.append([ld.open_s for ld in loads]))
     assert [tokens for tokens, _, _ in out] == [ref] * 4
-    assert any(all(0 < x < 10 for x in row) for row in seen)  # (before the trees window opened them)
+    priced = next(row for row in seen if all(x > 0 for x in row))  # (before the trees window opened them)
+    # each its rows' share of the forwards that carried its prompt (session_calls.OwnShare), below the
+    # draft's share of its prefill's wall time, which the batch's other prompts stretched (the four
+    # prompts shared one forward: a quarter of it each, where the wall time held all of it)
+    assert all(0 < x < 0.25 * st.prefill_s / 2 for x, (_, _, st) in zip(priced, out))
+
+
+def test_a_sessions_share_of_the_forwards_that_carried_its_calls():
+    """session_calls.OwnShare through `metered`: a forward that the driver shared and timed counts by
+    the session's rows; one it ran alone, by its own span."""
+    import torch
+
+    from specextend.session_calls import Load, OwnShare, metered
+    from specextend.timing import Span
+
+    class Call:
+        def __init__(self, rows):
+            self.ids = torch.zeros(rows, dtype=torch.long)
+
+    def prefill():
+        yield Call(3)
+        yield Call(5)
+        return "logits"
+
+    load, share, seen = Load(), OwnShare(), []
+    co = metered(prefill(), load, lambda rows, span: seen.append((rows, span)), share)
+    next(co)
+    load.sessions, load.rows, load.span = 4, 12, Span(0.010)  # (the driver: a shared forward of 12 rows)
+    co.send(None)
+    time.sleep(0.02)  # (alone: the session's own span, its host time here)
+    with pytest.raises(StopIteration) as stop:
+        co.send(None)
+    assert stop.value.value == "logits" and [rows for rows, _ in seen] == [12, 5]
+    assert 0.0025 + 0.02 <= share.seconds() < 0.0025 + 0.5
