@@ -138,3 +138,43 @@ def test_a_cuda_backend_turns_cudnn_attention_off():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("geom", GEOMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,t,w", [(0, 40, 8), (5, 33, 8), (20, 17, 8), (100, 64, 16), (3, 9, 4)])
+def test_window_blocks_equal_the_masked_call(geom, dtype, L, t, w):
+    """attention.window.window_blocks (the windowed chunk in blocks of the window's length, the
+    `torch` backend's path where blocks_pay) against its twin, the one masked call over the chunk and
+    its window, and the eager reference; a prefix shorter than the window (keys before position 0),
+    a last block padded, several blocks."""
+    from specextend.attention.backends import TorchBackend
+    from specextend.attention.window import blocks_pay, window_blocks
+
+    h, g, d = geom
+    q, k, v = rand_kv(h, g, d, L, t, dtype, seed=L + t + w)
+    got = window_blocks(q, k, v, L, w, d ** -0.5)
+    lo = max(0, L - w + 1)
+    pos_q = torch.arange(L, L + t)[:, None]
+    pos_k = torch.arange(lo, L + t)[None, :]
+    mask = ((pos_k <= pos_q) & (pos_k > pos_q - w)).to(DEVICE)
+    twin, _ = TorchBackend().attend(q, k[:, lo:L + t], v[:, lo:L + t], mask, d ** -0.5, False)
+    exp, _ = attention_eager(q, k[:, lo:L + t], v[:, lo:L + t], mask, d ** -0.5)
+    assert got.shape == (h, t, d)
+    torch.testing.assert_close(got, twin, **tol(dtype))
+    torch.testing.assert_close(got, exp, **tol(dtype))
+    # through layer_attention: the torch backend takes the blocks where they score fewer pairs
+    out, _ = layer_attention(get_backend("torch", DEVICE), q, k, v, L, CAUSAL, d ** -0.5, window=w)
+    torch.testing.assert_close(out, exp, **tol(dtype))
+    assert TorchBackend().takes_window_blocks(t, w) == blocks_pay(t, w)
+
+
+def test_window_blocks_pay_only_where_they_score_fewer_pairs():
+    """blocks_pay: the draft's 2,048-row chunks under a 512 window score 1,024 keys a query in blocks
+    against 2,559 in one masked call; a chunk no longer than the window, or one just past it (two
+    blocks, the second nearly empty), stays one call."""
+    from specextend.attention.window import blocks_pay
+
+    assert blocks_pay(2048, 512) and blocks_pay(1024, 512)
+    assert not blocks_pay(512, 512) and not blocks_pay(100, 512) and not blocks_pay(513, 512)
+    assert not blocks_pay(2048, 0)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from specextend.attention.eager import attention_eager, compute_dtype
 from specextend.attention.flash import FlashKernel, find_kernel
+from specextend.attention.window import blocks_pay
 
 log = logging.getLogger(__name__)
 CAUSAL = "causal"
@@ -73,6 +74,11 @@ class AttentionBackend:
         composes the same attention from the other calls everywhere else (the twin)."""
         raise NotImplementedError
 
+    def takes_window_blocks(self, rows: int, window: int) -> bool:
+        """Whether a windowed chunk of `rows` queries (no LSE) goes to window.window_blocks, in blocks
+        of the window's length, instead of one call with an explicit mask (its twin)."""
+        return False
+
 
 class EagerBackend(AttentionBackend):
     name = "eager"
@@ -85,6 +91,9 @@ class EagerBackend(AttentionBackend):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+
+    def takes_window_blocks(self, rows, window):
+        return blocks_pay(rows, window)
 
     def attend(self, q, k, v, mask, scale, need_lse):
         h, t, d = q.shape
@@ -136,6 +145,9 @@ class FlashBackend(AttentionBackend):
 
     def takes_end_causal(self, q, k):
         return self._fast(q, k)
+
+    def takes_window_blocks(self, rows, window):  # (where the kernel does not take the call)
+        return self._fallback.takes_window_blocks(rows, window)
 
     def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                 windowed: bool = False) -> int:

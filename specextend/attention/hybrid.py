@@ -19,6 +19,7 @@ import torch
 from specextend.attention.backends import CAUSAL, AttentionBackend, EagerBackend, Mask, causal_mask
 from specextend.attention.eager import attention_eager, compute_dtype, merge_attention
 from specextend.attention.tree_merge import mask_bias, tree_attention_merged
+from specextend.attention.window import window_blocks
 
 
 def layer_attention(
@@ -40,6 +41,8 @@ def layer_attention(
         lo = max(0, L - window + 1) if window > 0 else 0
         return backend.attend_end_causal(q, k[:, lo:L + t], v[:, lo:L + t], scale, need_lse, window)
     if window > 0 and new_mask == CAUSAL:
+        if not need_lse and backend.takes_window_blocks(t, window):  # the masked call below is its twin
+            return window_blocks(q, k, v, L, window, scale), None
         lo = max(0, L - window + 1)
         pos_q = torch.arange(L, L + t, device=q.device)[:, None]  # [T, 1]
         pos_k = torch.arange(lo, L + t, device=q.device)[None, :]  # [1, S]
