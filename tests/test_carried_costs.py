@@ -11,7 +11,7 @@ from specextend.ladder import PLAIN, ladder
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
 
-from helpers import slow_target
+from helpers import slow_target, warm_until_costs
 from test_controller import PROFILES, RUNGS, simulate
 
 TREE = TreeConfig(16, 6, 4)
@@ -158,7 +158,7 @@ def test_an_engines_first_tree_does_not_price_the_draft(tiny_models):
 
     worker = SlowFirstStep(draft.decoder)
     engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), slow_target(target), worker)
-    assert engine.generate(prompt, params)[0] == ref
+    warm_until_costs(engine, prompt, params, ref)  # (a later session's costs hold no first wait either)
     assert SlowFirstStep.calls >= 2 and engine._costs is not None
     assert engine._costs.draft(TREE.depth) < 0.25  # (with the first wait: at least 0.5 s x 0.1 weight ... x depth)
     worker.shutdown()
@@ -265,7 +265,7 @@ def test_the_e2e_suites_measured_request_starts_unprimed(tiny_models):
     target, draft = tiny_models("float64")
     worker = DraftWorker(draft.decoder)
     engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
-    engine.generate(list(range(3, 83)), SamplingParams(24, ignore_eos=True))
+    warm_until_costs(engine, list(range(3, 83)), SamplingParams(24, ignore_eos=True))
     assert engine._costs is not None  # (what the warm-up request would leave)
     e2e.warm_up(engine, list(range(3, 83)), set())
     assert engine._costs is None

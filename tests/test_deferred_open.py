@@ -13,6 +13,7 @@ from specextend.config import EngineConfig, SamplingParams, TreeConfig
 from specextend.costs import Costs, LinearCost
 from specextend.draft.worker import DraftWorker
 from specextend.engine import Engine
+from helpers import warm_until_costs
 
 TREE = TreeConfig(16, 6, 4)
 PROMPT = [(7 * i + 3) % 200 for i in range(40)]
@@ -53,18 +54,6 @@ def injected(monkeypatch):
     monkeypatch.setattr(TreeController, "price_open", lambda self, open_s: None)
 
 
-def warm(engine: Engine, params: SamplingParams, ref=None) -> None:
-    """Cold sessions until one carries its costs: it opens at once, times the open, and carries the
-    costs where it measured them. A draft level needs a tree step that is neither the first nor a
-    catch-up, and on a loaded 2-core host the policy now and then stops taking trees before that
-    (1 cold session in 12 under two CPU hogs): then another."""
-    for _ in range(5):
-        tokens = engine.generate(PROMPT, params)[0]
-        assert ref is None or tokens == ref
-        if engine._costs is not None:
-            return
-
-
 @pytest.fixture
 def rig(tiny_models):
     target, draft = tiny_models("float64")
@@ -72,7 +61,7 @@ def rig(tiny_models):
     ref, _, _ = Engine(EngineConfig(mode="ar"), target).generate(PROMPT, params)
     worker = CountingWorker(draft.decoder)
     engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
-    warm(engine, params, ref)
+    warm_until_costs(engine, PROMPT, params, ref)
     del worker.opened[:-1]  # (the tests count opens from here: the rig's own, once)
     assert len(worker.opened) == 1 and engine.open_costs.known and engine._costs is not None
     yield engine, worker, params, ref
@@ -141,7 +130,7 @@ def test_no_deferral_without_carried_costs_or_with_an_overlapping_draft(tiny_mod
     engine = Engine(EngineConfig(mode="sd", tree=TREE, tree_policy="adaptive"), target, worker)
     ctl = engine.new_controller(TREE)
     assert not engine.defers_open(ctl, len(PROMPT))  # no open timed yet
-    warm(engine, params)
+    warm_until_costs(engine, PROMPT, params)
     ctl = engine.new_controller(TREE)
     assert not engine.defers_open(ctl, len(PROMPT))  # a cold controller: its warm-up trees come at once
     ctl.start_from(slow_draft_costs(engine._costs, probe_every=1000))
