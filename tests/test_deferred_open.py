@@ -103,7 +103,7 @@ def test_no_open_for_a_probe_past_the_requests_end(rig, injected):
     assert tokens == ref and len(worker.opened) == 1 and stats.open_steps == 0
 
 
-def test_a_probe_due_within_the_request_finds_the_draft_opened(rig, injected):
+def test_a_probe_due_within_the_request_finds_the_draft_opened(rig, injected, monkeypatch):
     from specextend.ladder import PLAIN
 
     engine, worker, params, ref = rig
@@ -111,8 +111,12 @@ def test_a_probe_due_within_the_request_finds_the_draft_opened(rig, injected):
     ctl = engine.new_controller(TREE)
     ctl.start_from(engine._costs)
     # an open's lead of ~7 steps, whatever the cold open took (beside a busy CI host's other tests it
-    # took long enough that the lead passed the request's end, and the draft was never opened)
+    # took long enough that the lead passed the request's end, and the draft was never opened) ...
     engine.open_costs.record(len(PROMPT), 5 * ctl.step_seconds(PLAIN))
+    # ... and whatever the session's plain steps take (the lead is the open's seconds over the session's
+    # own plain step: under two CPU hogs a plain step priced several times below the carried one
+    # stretched it past the request's end once; the lead's arithmetic is tested above)
+    monkeypatch.setattr(engine, "_open_lead", lambda ctl, prompt_tokens: 7)
     tokens, _, stats = engine.generate(PROMPT, params)
     assert tokens == ref
     assert len(worker.opened) == 2 and stats.draft_open_s > 0.0
