@@ -253,12 +253,7 @@ def lookup_run_co(target: TargetSession, hist: DeviceHistory, out: Emitter, stat
         if timed:  # (the device's step: its forward, no host work beyond it)
             ctl.record_forward(hist.q + 1, t_read - t_prev)
         ctl.record_plain(step_s=t_read - t_prev if timed else None, lookup=n)
-        kind = "lookup" if count else "plain"
-        clock = stats.clock(kind, t_step)  # (as plain_ahead's: the run's phases add up to its steps' wall time)
-        clock.add("step", t_read - t_step)  # to the token read
-        now = clock("books")
-        stats.step_done(kind, len(ev.token_ids), now - t_step)
-        stats.decode_s = now - t1
+        stats.step_read("lookup" if count else "plain", len(ev.token_ids), t_step, t_read, t1)
         yield ev
         t_step = time.perf_counter()
     target.cache.length = lookup.index.length - 1  # the host's copy, in step again

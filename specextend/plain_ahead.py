@@ -96,11 +96,7 @@ def plain_ahead_co(target: TargetSession, first: int, out: Emitter, stats: Reque
         t_read = now
         ev: StepEvent = out.emit([token])
         emitted += ev.token_ids
-        clock = stats.clock("plain", t_step)
-        clock.add("step", now - t_step)  # from the last token read to this one
-        end = clock("books")  # (the emit; one read ends the step's phases and its wall time)
-        stats.decode_s = end - t1
-        stats.step_done("plain", len(ev.token_ids), end - t_step)
+        stats.step_read("plain", len(ev.token_ids), t_step, now, t1)  # (from the last token read to this one)
         stats.ahead_steps += 1
         yield ev
         t_step = time.perf_counter()

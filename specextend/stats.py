@@ -188,6 +188,17 @@ class RequestStats:
         self.refresh_per_step.append(refreshed)
         self.ahead_depth_sum += tree.ahead_depth
 
+    def step_read(self, kind: str, tokens: int, t_step: float, t_read: float, t1: float) -> float:
+        """A step run ahead of the host (plain_ahead.py, lookup_ahead.py) that began at `t_step` and
+        read its token at `t_read`: its phases ("step" to the read, "books" after: the emit) and its
+        wall time end at one clock reading, so that they add up; `t1`: the decode's start. -> that reading."""
+        clock = self.clock(kind, t_step)
+        clock.add("step", t_read - t_step)
+        end = clock("books")
+        self.decode_s = end - t1
+        self.step_done(kind, tokens, end - t_step)
+        return end
+
     def step_done(self, kind: str, tokens: int, seconds: float, wait_s: float = 0.0, forward_s: float = 0.0) -> None:
         """One decode step of `kind` ended: it emitted `tokens` in `seconds` of wall time, of which
         `wait_s` waiting for the draft's answer; its target forwards took `forward_s` (the device's
