@@ -41,7 +41,7 @@ def window_blocks(
     lo, hi = L - w, L + nb * w  # block j's keys: positions [L + (j - 1) W, L + (j + 1) W)
     a, b = max(lo, 0), L + t  # the keys that exist; zeros stand in for the others (masked or unread)
     pad = (0, 0, a - lo, hi - b)
-    kb = F.pad(k[:, a:b], pad).unfold(1, 2 * w, w).permute(1, 0, 3, 2)  # [nb, G, 2W, D] (a view)
+    kb = F.pad(k[:, a:b], pad).unfold(1, 2 * w, w).permute(1, 0, 3, 2)  # [nb, G, 2W, D] (windows: a view of the pad's copy)
     vb = F.pad(v[:, a:b], pad).unfold(1, 2 * w, w).permute(1, 0, 3, 2)  # [nb, G, 2W, D]
     if g != h:  # (SDPA's fused kernels take a mask with as many K/V heads as query heads: backends.py)
         kb, vb = kb.repeat_interleave(h // g, dim=1), vb.repeat_interleave(h // g, dim=1)  # [nb, H, 2W, D]
