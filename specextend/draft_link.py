@@ -322,9 +322,9 @@ class DraftLink:
 
     def open_prior(self, prompt_tokens: int, own_prefill_s: float) -> float:
         """What a deferred open of this prompt is expected to cost (Load.open_s, the batch's governor):
-        open_costs.OpenCosts where an open near its length was timed, else the draft weights' share of
-        the session's own target prefill, `own_prefill_s` (session_calls.OwnShare: not the wall time,
-        which a batch's other chunks and steps stretch; docs/architecture.md, "The batch's check")."""
+        open_costs.OpenCosts where an open near its length was timed, else the draft weights' share of the
+        session's own target prefill, `own_prefill_s` (session_calls.OwnShare: not the wall time, which a
+        batch's other chunks and steps stretch; docs/architecture.md, "Adaptive speculation", *The batch's check*)."""
         return self.open_costs.seconds(prompt_tokens) or self.draft_weight_ratio * own_prefill_s
 
     def _open_lead(self, ctl: TreeController, prompt_tokens: int) -> int:

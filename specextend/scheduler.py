@@ -89,8 +89,9 @@ class Batcher(BatchLoads):
                  governor: Optional[Governor] = None, on_held: Optional[Callable[[str], None]] = None,
                  wait_opens: bool = False) -> None:
         self.model = model
-        # a round held to trees while drafts open first waits for the opens: a draft in this process, on
-        # this device, whose opens beside the rounds starve (docs/architecture.md, "The batch's check")
+        # a round held to trees while drafts open first waits for the opens: a draft in this process, on this
+        # device, whose opens beside the rounds starve (docs/architecture.md, "Adaptive speculation", *The
+        # batch's check*)
         self.wait_opens = wait_opens
         # the batch's check on its sessions' choices (governor.py): rounds held to plain steps where
         # those decode more than the sessions' own choices (None: the sessions decide alone)
