@@ -154,7 +154,9 @@ def main(argv=None) -> int:
                    help="sys.setswitchinterval for a third round (0: none)")
     p.add_argument("--cudnn", action="store_true", help="cuDNN attention back on after the build (the A/B's other arm)")
     p.add_argument("--masked-window", action="store_true",
-                   help="the draft's windowed prefill as one masked call (attention/window.py's twin: the A/B's other arm)")
+                   help="the draft's windowed prefill as one masked call on every device (attention/window.py's twin)")
+    p.add_argument("--blocks-window", action="store_true",
+                   help="the draft's windowed prefill in blocks on every device (production takes them on the CPU only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/open"))
     a = p.parse_args(argv)
@@ -162,6 +164,11 @@ def main(argv=None) -> int:
         from specextend.attention.backends import AttentionBackend, TorchBackend
 
         TorchBackend.takes_window_blocks = AttentionBackend.takes_window_blocks
+    elif a.blocks_window:
+        from specextend.attention.backends import TorchBackend
+        from specextend.attention.window import blocks_pay
+
+        TorchBackend.takes_window_blocks = lambda self, rows, window, device: blocks_pay(rows, window)
     cfg = EngineConfig(target=a.target, draft=a.draft, device=a.device, tree_policy="adaptive",
                        max_prompt_tokens=a.length + 256, prefix_cache_gb=0)
     t0 = time.perf_counter()
@@ -225,7 +232,7 @@ def main(argv=None) -> int:
               f"{', '.join(f'{k} {v:.1f}' for k, v in r['parts_host_ms'].items())}{slow} |")
     alone = [r["open_ms"] for r in rows if r["case"] == "open alone"]
     print(f"open alone: median {statistics.median(alone):.1f} ms")
-    arm = ("-cudnn" if a.cudnn else "") + ("-masked" if a.masked_window else "")
+    arm = ("-cudnn" if a.cudnn else "") + ("-masked" if a.masked_window else "") + ("-blocks" if a.blocks_window else "")
     path = write_rows(a.out, f"open-cost-{a.doc or 'random'}-{a.length}{arm}-", "open_cost", a, rows, sys.argv[1:])
     print("wrote", path)
     return 0

@@ -74,9 +74,10 @@ class AttentionBackend:
         composes the same attention from the other calls everywhere else (the twin)."""
         raise NotImplementedError
 
-    def takes_window_blocks(self, rows: int, window: int) -> bool:
-        """Whether a windowed chunk of `rows` queries (no LSE) goes to window.window_blocks, in blocks
-        of the window's length, instead of one call with an explicit mask (its twin)."""
+    def takes_window_blocks(self, rows: int, window: int, device) -> bool:
+        """Whether a windowed chunk of `rows` queries (no LSE) on `device` goes to
+        window.window_blocks, in blocks of the window's length, instead of one call with an explicit
+        mask (its twin)."""
         return False
 
 
@@ -92,8 +93,10 @@ class EagerBackend(AttentionBackend):
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def takes_window_blocks(self, rows, window):
-        return blocks_pay(rows, window)
+    def takes_window_blocks(self, rows, window, device):
+        # CPU only: on an H200 the blocks ran no faster than the masked call at 16K and slower at 4K
+        # (docs/architecture.md, "Attention backends", *Windowed prefill in blocks*)
+        return torch.device(device).type == "cpu" and blocks_pay(rows, window)
 
     def attend(self, q, k, v, mask, scale, need_lse):
         h, t, d = q.shape
@@ -146,8 +149,8 @@ class FlashBackend(AttentionBackend):
     def takes_end_causal(self, q, k):
         return self._fast(q, k)
 
-    def takes_window_blocks(self, rows, window):  # (where the kernel does not take the call)
-        return self._fallback.takes_window_blocks(rows, window)
+    def takes_window_blocks(self, rows, window, device):  # (where the kernel does not take the call)
+        return self._fallback.takes_window_blocks(rows, window, device)
 
     def warm_up(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                 windowed: bool = False) -> int:

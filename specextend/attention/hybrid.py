@@ -41,7 +41,7 @@ def layer_attention(
         lo = max(0, L - window + 1) if window > 0 else 0
         return backend.attend_end_causal(q, k[:, lo:L + t], v[:, lo:L + t], scale, need_lse, window)
     if window > 0 and new_mask == CAUSAL:
-        if not need_lse and backend.takes_window_blocks(t, window):  # the masked call below is its twin
+        if not need_lse and backend.takes_window_blocks(t, window, q.device):  # the masked call below is its twin
             return window_blocks(q, k, v, L, window, scale), None
         lo = max(0, L - window + 1)
         pos_q = torch.arange(L, L + t, device=q.device)[:, None]  # [T, 1]
