@@ -42,3 +42,20 @@ class OpenCosts:
     def known(self) -> bool:
         """Whether any open has been timed."""
         return bool(self._by_bucket)
+
+
+FIRST_TIMED = 1024  # the shortest prompt the start-up's opens time (warmup.warm_opens)
+
+
+def open_lengths(limit: int, first: int = FIRST_TIMED) -> list[int]:
+    """Prompt lengths whose opens, timed at start-up, price every prompt from `first` / SPAN up to
+    `limit` tokens: `first`, then SPAN times longer each, while within `limit` (each prices within
+    SPAN of its length, so the next one past the limit is not needed; nor would its capped twin
+    keep its own bucket in OpenCosts); `limit` alone where it is shorter than `first`."""
+    if limit < 1:
+        return []
+    out, n = [], min(first, limit)
+    while n <= limit:
+        out.append(n)
+        n = int(n * SPAN)
+    return out

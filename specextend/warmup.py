@@ -17,6 +17,7 @@ meet every size, so the target verifies synthetic trees of every size once (`war
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from typing import Sequence
@@ -28,10 +29,14 @@ from specextend.lookup import ContextIndex, RequestLookup
 from specextend.lookup_ahead import DeviceHistory, runs_ahead
 from specextend.retrieval import score_chunks
 from specextend.draft.base import DraftSessionParams
+from specextend.draft_link import seconds_of
+from specextend.open_costs import open_lengths
 from specextend.engine import Engine
 from specextend.target import TargetSession
 from specextend.stats import RequestStats
 from specextend.config import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) -> RequestStats:
@@ -55,6 +60,7 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
     if draft_warm_up is not None:
         draft_warm_up(DraftSessionParams(cfg.tree, cfg.retrieval, max_new_tokens=64))
     warm_scoring(engine)
+    warm_opens(engine, prompt_ids)
     every = max(cfg.retrieval.every, 1) if cfg.retrieval.enabled else 1
     for rung in _covering(ladder(cfg.tree)[1:]):
         fixed = _fixed(engine, tree=replace(cfg.tree, depth=rung.depth))
@@ -68,6 +74,42 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
             break
     warm_verify_sizes(engine, prompt_ids)
     return stats
+
+
+def warm_opens(engine: Engine, prompt_ids: Sequence[int]) -> dict[int, float]:
+    """Times the draft's open (its prefill, transport included) of prompts of open_costs.open_lengths
+    up to the prompt limit, closing each, into the engine's OpenCosts; -> seconds by length. Where
+    the policy defers opens, a batch's governor prices the trees window's opens from these
+    (Load.open_s): without them the first burst priced them from a prior, the draft weights' share
+    of each session's own target prefill, which a batched prefill makes cheap, and sixteen 4K
+    sessions of the real pair on an H200 priced their opens at under 0.18 s, ran the trees window,
+    and spent 0.83 s opening (2026-12-03: 0.42x `ar` for the burst; docs/architecture.md,
+    "Adaptive speculation", *Deferred open*). The shortest open runs twice: its first meets the
+    draft's first prefill of that size; each prompt starts with its own token, so that no open
+    loads another's prefix from the draft's prefix cache. A failing draft stops it (the requests
+    fall back to plain decoding on their own)."""
+    if not (engine.defer_opens and engine.config.tree_policy == "adaptive" and not engine.config.overlap
+            and not engine.draft_never_pays):
+        return {}
+    params = DraftSessionParams(engine.config.tree, engine.config.retrieval, max_new_tokens=64)
+    lengths = open_lengths(engine.max_prompt_tokens - 64)
+    timed: dict[int, float] = {}
+    for i, n in enumerate(lengths[:1] + lengths):
+        sid = f"warm-open-{i}"
+        prompt = [1 + i] + [prompt_ids[j % len(prompt_ids)] for j in range(n - 1)]  # (its own first token)
+        try:
+            timed[n] = seconds_of(engine.draft.open, sid, prompt, params)
+        except Exception as e:  # noqa: BLE001 - a draft that cannot open it (DraftError, out of memory)
+            log.warning("warm-up: the draft's open of %d tokens failed (%s); longer opens are priced from shorter ones", n, e)
+            break
+        finally:
+            try:
+                engine.draft.close(sid)
+            except Exception:  # noqa: BLE001 - closing is best-effort (draft_link._close_draft)
+                pass
+        if i:
+            engine.open_costs.record(n, timed[n])
+    return timed
 
 
 SCORING_LENGTHS = (1024, 4096, 16384, 65536)  # contexts whose scoring runs once at warm-up (within the model's)

@@ -7,6 +7,7 @@ from specextend.config import RetrievalConfig, SamplingParams, TreeConfig
 from specextend.models.graphs import MAX_GRAPH_TOKENS
 from specextend.warmup import warm_up
 
+from specextend.draft.worker import DraftWorker
 from helpers import make_engine
 
 
@@ -212,3 +213,58 @@ def test_the_retrieval_scoring_is_warmed_at_each_length_the_context_holds(tiny_m
                 make_engine((target, draft), "specextend", retrieval=RetrievalConfig(enabled=True, select="recency"))):
         assert warmup.warm_scoring(off) == []
     assert len(scored) == 1
+
+
+def test_open_lengths_price_every_prompt_up_to_the_limit():
+    """open_costs.open_lengths: 1K, then SPAN times longer within the limit; every prompt from 256
+    tokens to the limit is within SPAN of one of them, each in its own bucket (OpenCosts prices it)."""
+    from specextend.open_costs import SPAN, OpenCosts, open_lengths
+
+    assert open_lengths(100) == [100] and open_lengths(0) == []
+    assert open_lengths(4096) == [1024, 4096]
+    assert open_lengths(32704) == [1024, 4096, 16384]
+    for limit in (1500, 16320, 131008, 300):
+        costs = OpenCosts()
+        for n in open_lengths(limit):
+            costs.record(n, n * 1e-5)
+        assert all(costs.seconds(n) is not None for n in range(min(int(1024 / SPAN), limit), limit + 1, 97))
+
+
+def test_the_warm_up_times_the_draft_s_opens_and_prices_them_without_the_prior(tiny_models):
+    """warm_opens: the draft's open of each open_lengths prompt is timed into the engine's OpenCosts
+    (the shortest twice), each session closed after; a deferred open of any length is then priced
+    from them, not from the prior (its own target prefill of 0 s would price it at 0). Engines that
+    never defer opens (fixed trees, overlap) time none; a draft that cannot open stops it quietly."""
+    from specextend import warmup
+    from specextend.open_costs import open_lengths
+
+    target, draft = tiny_models("float32")
+    opened = []
+
+    class Spy(DraftWorker):
+        def open(self, session_id, prompt_ids, params):
+            opened.append((session_id, len(prompt_ids), prompt_ids[0]))
+            return super().open(session_id, prompt_ids, params)
+
+    worker = Spy(draft.decoder)
+    engine = make_engine((target, draft), "specextend", draft_backend=worker, tree_policy="adaptive",
+                         max_prompt_tokens=5000)
+    lengths = open_lengths(engine.max_prompt_tokens - 64)
+    assert lengths == [1024, 4096]
+    timed = warmup.warm_opens(engine, [5, 6, 7])
+    assert [n for _, n, _ in opened] == lengths[:1] + lengths and sorted(timed) == lengths
+    assert len({first for _, _, first in opened}) == len(opened)  # (no open loads another's prefix)
+    assert not worker._sessions  # every one closed
+    for n in (300, 1024, 2000, 4936, 16000):
+        assert engine.open_costs.seconds(n) is not None and engine.open_prior(n, 0.0) > 0.0
+    assert engine.open_prior(4096, 0.0) == pytest.approx(timed[4096])
+    for never in (make_engine((target, draft), "specextend", tree_policy="fixed"),
+                  make_engine((target, draft), "specextend", tree_policy="adaptive", draft_overlap=True)):
+        assert warmup.warm_opens(never, [5, 6, 7]) == {} and not never.open_costs.known
+
+    class Broken(DraftWorker):
+        def open(self, session_id, prompt_ids, params):
+            raise RuntimeError("out of memory")
+
+    broken = make_engine((target, draft), "specextend", draft_backend=Broken(draft.decoder), tree_policy="adaptive")
+    assert warmup.warm_opens(broken, [5, 6, 7]) == {} and not broken.open_costs.known
