@@ -259,6 +259,8 @@ def main(argv=None) -> int:
         graphed = isinstance(engine.target.decoder.graphs, FullStepGraphs)
         sessions = [int(x) for x in a.sessions.split(",")]
         warm_up(engine, list(range(1, 65)), max(sessions))  # as a served replica starts: every shape captured
+        if engine.draft is not None:  # (the draft's opens timed at start-up: warmup.warm_opens)
+            meta.setdefault("opens_timed_s", {})[mode] = {n: round(x, 4) for n, x in engine.open_costs.timed().items()}
         aheads = {"on": [True], "off": [False], "both": [True, False]}[a.plain_ahead] if mode == "ar" else [True]
         kept = None  # (--governor-persist: the mode's governor)
         for length, n, ahead in ((x, y, z) for x in lengths for y in sessions for z in aheads):

@@ -38,6 +38,10 @@ class OpenCosts:
             return None
         return best[1] * tokens / best[0]
 
+    def timed(self) -> dict[int, float]:
+        """The opens kept, seconds by prompt tokens (benchmarks' records)."""
+        return dict(sorted(self._by_bucket.values()))
+
     @property
     def known(self) -> bool:
         """Whether any open has been timed."""

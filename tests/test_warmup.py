@@ -257,7 +257,7 @@ def test_the_warm_up_times_the_draft_s_opens_and_prices_them_without_the_prior(t
     assert not worker._sessions  # every one closed
     for n in (300, 1024, 2000, 4936, 16000):
         assert engine.open_costs.seconds(n) is not None and engine.open_prior(n, 0.0) > 0.0
-    assert engine.open_prior(4096, 0.0) == pytest.approx(timed[4096])
+    assert engine.open_prior(4096, 0.0) == pytest.approx(timed[4096]) and engine.open_costs.timed() == timed
     for never in (make_engine((target, draft), "specextend", tree_policy="fixed"),
                   make_engine((target, draft), "specextend", tree_policy="adaptive", draft_overlap=True)):
         assert warmup.warm_opens(never, [5, 6, 7]) == {} and not never.open_costs.known
