@@ -224,11 +224,15 @@ def prepared_tree(prepared: Optional[Future], verdict, step: int, late: list[flo
     return outs.get(verdict) if outs.step == step else None
 
 
-def seconds_of(fn, *args) -> float:
-    """Calls fn(*args) and returns its wall time in seconds (the draft's open: its prefill)."""
+def open_seconds(open_fn, *args) -> float:
+    """Calls the draft's open, open_fn(*args); -> the seconds the open itself ran where the draft
+    reports them (DraftBackend.open: not its wait in the draft's queue behind other sessions' opens,
+    which a burst's opens, run one at a time, would add to each and so overprice the next ones),
+    else the call's wall time."""
     t = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t
+    ran = open_fn(*args)
+    wall = time.perf_counter() - t
+    return ran if isinstance(ran, float) and 0.0 < ran <= wall else wall
 
 
 def draft_weight_ratio(target: ModelArgs, draft: Optional[ModelArgs]) -> float:
@@ -275,7 +279,7 @@ class DraftLink:
         """Starts the draft's open (its prefill) of session `sid` on the opener threads; the session
         counts as unclosed until its close has run (`wait_closed`). -> the open's Future (seconds)."""
         self._unclosed[sid] = threading.Event()
-        opening = self._openers.submit(seconds_of, self.draft.open, sid, list(prompt_ids), params)
+        opening = self._openers.submit(open_seconds, self.draft.open, sid, list(prompt_ids), params)
         opening.prompt_tokens = len(prompt_ids)  # (the open timed by its length: _join)
         return opening
 

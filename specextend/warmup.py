@@ -29,7 +29,7 @@ from specextend.lookup import ContextIndex, RequestLookup
 from specextend.lookup_ahead import DeviceHistory, runs_ahead
 from specextend.retrieval import score_chunks
 from specextend.draft.base import DraftSessionParams
-from specextend.draft_link import seconds_of
+from specextend.draft_link import open_seconds
 from specextend.open_costs import open_lengths
 from specextend.engine import Engine
 from specextend.target import TargetSession
@@ -98,7 +98,7 @@ def warm_opens(engine: Engine, prompt_ids: Sequence[int]) -> dict[int, float]:
         sid = f"warm-open-{i}"
         prompt = [1 + i] + [prompt_ids[j % len(prompt_ids)] for j in range(n - 1)]  # (its own first token)
         try:
-            timed[n] = seconds_of(engine.draft.open, sid, prompt, params)
+            timed[n] = open_seconds(engine.draft.open, sid, prompt, params)
         except Exception as e:  # noqa: BLE001 - a draft that cannot open it (DraftError, out of memory)
             log.warning("warm-up: the draft's open of %d tokens failed (%s); longer opens are priced from shorter ones", n, e)
             break

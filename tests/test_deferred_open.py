@@ -366,3 +366,35 @@ def test_a_sessions_share_of_the_forwards_that_carried_its_calls():
         co.send(None)
     assert stop.value.value == "logits" and [rows for rows, _ in seen] == [12, 5]
     assert 0.0025 + 0.02 <= share.seconds() < 0.0025 + 0.5
+
+
+def test_an_in_process_open_reports_its_own_seconds_not_its_wait_behind_another(tiny_models):
+    """DraftWorker.open returns the seconds its open ran on the worker's thread (jobs.JobWorker._answer),
+    not the call's wall time: an open queued behind a slow one reports its own prefill, and the engine
+    records that (draft_link.open_seconds), so a burst's opens, run one at a time, do not price the
+    next burst's at their queueing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specextend.draft.base import DraftSessionParams
+    from specextend.draft_link import open_seconds
+
+    class SlowFirst(DraftWorker):
+        def _open(self, job):
+            if job.session_id == "slow":
+                time.sleep(0.4)
+            return super()._open(job)
+
+    _, draft = tiny_models("float64")
+    worker = SlowFirst(draft.decoder)
+    params = DraftSessionParams(TREE, EngineConfig().retrieval, max_new_tokens=8)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(open_seconds, worker.open, "slow", PROMPT, params)
+            time.sleep(0.05)  # (queued behind it)
+            t0 = time.perf_counter()
+            quick = pool.submit(open_seconds, worker.open, "quick", PROMPT, params).result()
+            waited = time.perf_counter() - t0
+            assert slow.result() >= 0.4
+        assert waited >= 0.3 and quick < waited - 0.25, (quick, waited)
+    finally:
+        worker.shutdown()

@@ -330,3 +330,41 @@ def test_step_bound_crosses_the_wire(fake, server, client):
     client.step("s", 3, [6], None, TreeBound(ready_only=True))
     client.step("s", 4, [7], None, TreeBound(nodes=5, ready_only=True))
     assert fake.bounds == [TreeBound(4, 3), TreeBound(6, 0), None, TreeBound(0, 0, True), TreeBound(5, 0, True)]
+
+
+def test_an_open_reports_its_own_seconds_not_its_wait_in_the_draft_s_queue(fake, server):
+    """OpenSessionReply.open_s: the draft runs opens one at a time, so of two opens sent together
+    the second waits for the first; each reports the seconds it ran itself, which the engine records
+    as what an open of that length costs (draft_link.open_seconds; a burst's queueing would overprice
+    the next burst's opens, docs/architecture.md "Adaptive speculation", *Deferred open*)."""
+    from specextend.draft_link import open_seconds
+
+    fake.open_delay_s = 0.3
+    client = GrpcDraftBackend(server.address, timeout_s=2.0, open_timeout_s=5.0)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            t0 = time.perf_counter()
+            futs = [pool.submit(client.open, sid, [1, 2, 3], PARAMS) for sid in ("a", "b")]
+            ran = [f.result() for f in futs]
+            wall = time.perf_counter() - t0
+        assert wall >= 0.6  # (one after the other)
+        assert all(isinstance(r, float) and 0.3 <= r < 0.5 for r in ran), ran
+        assert 0.3 <= open_seconds(client.open, "c", [4], PARAMS) < 0.5
+    finally:
+        client.shutdown()
+
+
+def test_open_seconds_takes_the_draft_s_own_report_where_it_is_sound():
+    """draft_link.open_seconds: the open's reported seconds where positive and within the call's
+    wall time; else (None, 0: not reported; more than the wall: not sound) the call's wall time."""
+    from specextend.draft_link import open_seconds
+
+    def opener(report, sleep_s=0.05):
+        def open_fn(*_):
+            time.sleep(sleep_s)
+            return report
+        return open_fn
+
+    assert open_seconds(opener(0.01), "s") == 0.01
+    for report in (None, 0.0, 5.0):
+        assert 0.05 <= open_seconds(opener(report), "s") < 1.0

@@ -125,8 +125,8 @@ class WireMeter(DraftBackend):
         self.inner = inner
         self.counters = dict(steps=0, bytes=0, signal_bytes=0)
 
-    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
-        self.inner.open(session_id, prompt_ids, params)
+    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> Optional[float]:
+        return self.inner.open(session_id, prompt_ids, params)
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
              retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:

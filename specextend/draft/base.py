@@ -138,7 +138,10 @@ class DraftBackend(abc.ABC):
     supports_prepare: bool = False  # `prepare` (overlapped drafting's prepared outcomes) is served
 
     @abc.abstractmethod
-    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None: ...
+    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> Optional[float]:
+        """Opens the session (prefills its prompt); -> the seconds the open itself ran on the draft,
+        its wait in the draft's queue behind other jobs left out, or None where not known (the
+        caller times the call: draft_link.open_seconds)."""
 
     @abc.abstractmethod
     def step(

@@ -48,10 +48,10 @@ class ChaosDraft(DraftBackend):
         self._last: dict[str, Optional[tuple[int, Retrieval]]] = {}
         self.counters = ChaosCounters()
 
-    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
+    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> Optional[float]:
         self._pending[session_id] = deque()
         self._last[session_id] = None
-        self.inner.open(session_id, prompt_ids, params)
+        return self.inner.open(session_id, prompt_ids, params)
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
              retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:

@@ -93,8 +93,10 @@ class JobWorker(DraftBackend):
         fut.set_exception(DraftError(f"the draft worker {self.name!r} is stopped"))
         return fut
 
-    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
-        self.submit(Open(session_id, tuple(prompt_ids), params)).result()
+    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> Optional[float]:
+        fut = self.submit(Open(session_id, tuple(prompt_ids), params))
+        fut.result()
+        return getattr(fut, "ran_s", None)  # (_answer: from the job's start, not its queueing)
 
     def step(self, session_id: str, step: int, accepted_tokens: Sequence[int],
              retrieval: Optional[Retrieval] = None, bound: Optional[TreeBound] = None) -> DraftTree:
@@ -302,6 +304,8 @@ class JobWorker(DraftBackend):
             return
         if isinstance(job, Close):
             self._recent.pop(job.session_id, None)
+        if isinstance(job, Open):  # what the open itself took: its wait behind other jobs is not its cost
+            fut.ran_s = time.perf_counter() - getattr(fut, "started", time.perf_counter())
         with self._lock:
             if isinstance(job, Open):
                 self._open_ids.add(job.session_id)

@@ -265,7 +265,7 @@ class GrpcDraftBackend(DraftBackend):
             except ValueError as err:  # the channel was closed under us by reconnect()/shutdown()
                 raise DraftError(f"draft {method} at {address}: {err}") from err
 
-    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> None:
+    def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> Optional[float]:
         request = pb.OpenSessionRequest(
             session_id=session_id, prompt_ids=prompt_ids, config=params_to_proto(params)
         )
@@ -281,6 +281,7 @@ class GrpcDraftBackend(DraftBackend):
             steps.warm()
         elif self.streaming:  # opened now, off the first step's path
             self._session_stream(session_id)
+        return reply.open_s or None  # (the open's own seconds on the draft; 0: an older server's reply)
 
     def step(
         self,

@@ -76,7 +76,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.worker.stop()
 
     def _run(self, context: grpc.ServicerContext, job: Job):
-        fut = self.worker.submit(job)
+        return self._await(context, self.worker.submit(job))
+
+    def _await(self, context: grpc.ServicerContext, fut: concurrent.futures.Future):
         context.add_callback(fut.cancel)  # the RPC ended (deadline, client gone): drop it if queued
         return self._result(context, fut, context.time_remaining())
 
@@ -104,10 +106,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad draft config: {exc}")
         opened = False
         try:
-            self._run(context, Open(request.session_id, prompt_ids, params))
+            fut = self.worker.submit(Open(request.session_id, prompt_ids, params))
+            self._await(context, fut)
             opened = context.is_active()
             return pb.OpenSessionReply(prompt_tokens=len(prompt_ids), step_endpoint=self.step_endpoint,
-                                       prepares=bool(self.step_endpoint) and self.worker.supports_prepare)
+                                       prepares=bool(self.step_endpoint) and self.worker.supports_prepare,
+                                       open_s=getattr(fut, "ran_s", 0.0))  # (jobs.JobWorker._answer)
         finally:
             if not opened:  # the caller gave up: close after the open (queued or run), nothing leaks
                 self.worker.submit(Close(request.session_id))

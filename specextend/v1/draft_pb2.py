@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specextend/v1/draft.proto\x12\rspecextend.v1\"\xc0\x02\n\x0b\x44raftConfig\x12\x12\n\ntree_nodes\x18\x01 \x01(\r\x12\x12\n\ntree_depth\x18\x02 \x01(\r\x12\x11\n\ttree_topk\x18\x03 \x01(\r\x12\x19\n\x11retrieval_enabled\x18\x04 \x01(\x08\x12\x1c\n\x14retrieval_chunk_size\x18\x05 \x01(\r\x12\x17\n\x0fretrieval_top_k\x18\x06 \x01(\r\x12\x17\n\x0fretrieval_every\x18\x07 \x01(\r\x12\x1d\n\x15retrieval_sink_chunks\x18\x08 \x01(\r\x12\x1f\n\x17retrieval_recent_chunks\x18\t \x01(\r\x12\x1c\n\x14\x64raft_prefill_window\x18\n \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x0b \x01(\r\x12\x15\n\rlookup_tokens\x18\x0c \x01(\r\"h\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1a.specextend.v1.DraftConfig\"R\n\x10OpenSessionReply\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rstep_endpoint\x18\x02 \x01(\t\x12\x10\n\x08prepares\x18\x03 \x01(\x08\"2\n\tRetrieval\x12\x11\n\tchunk_ids\x18\x01 \x03(\x05\x12\x12\n\nchunk_size\x18\x02 \x01(\r\"\xec\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x03(\x05\x12+\n\tretrieval\x18\x04 \x01(\x0b\x32\x18.specextend.v1.Retrieval\x12\x11\n\tmax_nodes\x18\x05 \x01(\r\x12\x11\n\tmax_depth\x18\x06 \x01(\r\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x0f\n\x07prepare\x18\x08 \x01(\x08\x12\x16\n\x0eprepare_due_us\x18\t \x01(\r\x12\x12\n\nready_only\x18\n \x01(\x08\"\xc4\x01\n\tDraftTree\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x1a\n\x12\x64raft_cache_tokens\x18\x04 \x01(\r\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x13\n\x0b\x61head_depth\x18\x07 \x01(\r\x12\x11\n\tserver_us\x18\x08 \x01(\r\x12\x11\n\tqueued_us\x18\t \x01(\r\x12\x11\n\tflight_us\x18\n \x01(\rJ\x04\x08\x05\x10\x06R\tpipelined\"B\n\x07Outcome\x12\x0f\n\x07verdict\x18\x01 \x03(\x05\x12&\n\x04tree\x18\x02 \x01(\x0b\x32\x18.specextend.v1.DraftTree\"h\n\x08Outcomes\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12(\n\x08outcomes\x18\x02 \x03(\x0b\x32\x16.specextend.v1.Outcome\x12\x11\n\tserver_us\x18\x03 \x01(\r\x12\x11\n\tqueued_us\x18\x04 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"\x0f\n\rHealthRequest\"Q\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08sessions\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rstep_endpoint\x18\x04 \x01(\t2\x81\x03\n\x0c\x44raftService\x12Q\n\x0bOpenSession\x12!.specextend.v1.OpenSessionRequest\x1a\x1f.specextend.v1.OpenSessionReply\x12<\n\x04Step\x12\x1a.specextend.v1.StepRequest\x1a\x18.specextend.v1.DraftTree\x12\x46\n\nStepStream\x12\x1a.specextend.v1.StepRequest\x1a\x18.specextend.v1.DraftTree(\x01\x30\x01\x12T\n\x0c\x43loseSession\x12\".specextend.v1.CloseSessionRequest\x1a .specextend.v1.CloseSessionReply\x12\x42\n\x06Health\x12\x1c.specextend.v1.HealthRequest\x1a\x1a.specextend.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specextend/v1/draft.proto\x12\rspecextend.v1\"\xc0\x02\n\x0b\x44raftConfig\x12\x12\n\ntree_nodes\x18\x01 \x01(\r\x12\x12\n\ntree_depth\x18\x02 \x01(\r\x12\x11\n\ttree_topk\x18\x03 \x01(\r\x12\x19\n\x11retrieval_enabled\x18\x04 \x01(\x08\x12\x1c\n\x14retrieval_chunk_size\x18\x05 \x01(\r\x12\x17\n\x0fretrieval_top_k\x18\x06 \x01(\r\x12\x17\n\x0fretrieval_every\x18\x07 \x01(\r\x12\x1d\n\x15retrieval_sink_chunks\x18\x08 \x01(\r\x12\x1f\n\x17retrieval_recent_chunks\x18\t \x01(\r\x12\x1c\n\x14\x64raft_prefill_window\x18\n \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x0b \x01(\r\x12\x15\n\rlookup_tokens\x18\x0c \x01(\r\"h\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1a.specextend.v1.DraftConfig\"b\n\x10OpenSessionReply\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rstep_endpoint\x18\x02 \x01(\t\x12\x10\n\x08prepares\x18\x03 \x01(\x08\x12\x0e\n\x06open_s\x18\x04 \x01(\x01\"2\n\tRetrieval\x12\x11\n\tchunk_ids\x18\x01 \x03(\x05\x12\x12\n\nchunk_size\x18\x02 \x01(\r\"\xec\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x03(\x05\x12+\n\tretrieval\x18\x04 \x01(\x0b\x32\x18.specextend.v1.Retrieval\x12\x11\n\tmax_nodes\x18\x05 \x01(\r\x12\x11\n\tmax_depth\x18\x06 \x01(\r\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x0f\n\x07prepare\x18\x08 \x01(\x08\x12\x16\n\x0eprepare_due_us\x18\t \x01(\r\x12\x12\n\nready_only\x18\n \x01(\x08\"\xc4\x01\n\tDraftTree\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x1a\n\x12\x64raft_cache_tokens\x18\x04 \x01(\r\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x13\n\x0b\x61head_depth\x18\x07 \x01(\r\x12\x11\n\tserver_us\x18\x08 \x01(\r\x12\x11\n\tqueued_us\x18\t \x01(\r\x12\x11\n\tflight_us\x18\n \x01(\rJ\x04\x08\x05\x10\x06R\tpipelined\"B\n\x07Outcome\x12\x0f\n\x07verdict\x18\x01 \x03(\x05\x12&\n\x04tree\x18\x02 \x01(\x0b\x32\x18.specextend.v1.DraftTree\"h\n\x08Outcomes\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12(\n\x08outcomes\x18\x02 \x03(\x0b\x32\x16.specextend.v1.Outcome\x12\x11\n\tserver_us\x18\x03 \x01(\r\x12\x11\n\tqueued_us\x18\x04 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"\x0f\n\rHealthRequest\"Q\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08sessions\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rstep_endpoint\x18\x04 \x01(\t2\x81\x03\n\x0c\x44raftService\x12Q\n\x0bOpenSession\x12!.specextend.v1.OpenSessionRequest\x1a\x1f.specextend.v1.OpenSessionReply\x12<\n\x04Step\x12\x1a.specextend.v1.StepRequest\x1a\x18.specextend.v1.DraftTree\x12\x46\n\nStepStream\x12\x1a.specextend.v1.StepRequest\x1a\x18.specextend.v1.DraftTree(\x01\x30\x01\x12T\n\x0c\x43loseSession\x12\".specextend.v1.CloseSessionRequest\x1a .specextend.v1.CloseSessionReply\x12\x42\n\x06Health\x12\x1c.specextend.v1.HealthRequest\x1a\x1a.specextend.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENSESSIONREQUEST']._serialized_start=367
   _globals['_OPENSESSIONREQUEST']._serialized_end=471
   _globals['_OPENSESSIONREPLY']._serialized_start=473
-  _globals['_OPENSESSIONREPLY']._serialized_end=555
-  _globals['_RETRIEVAL']._serialized_start=557
-  _globals['_RETRIEVAL']._serialized_end=607
-  _globals['_STEPREQUEST']._serialized_start=610
-  _globals['_STEPREQUEST']._serialized_end=846
-  _globals['_DRAFTTREE']._serialized_start=849
-  _globals['_DRAFTTREE']._serialized_end=1045
-  _globals['_OUTCOME']._serialized_start=1047
-  _globals['_OUTCOME']._serialized_end=1113
-  _globals['_OUTCOMES']._serialized_start=1115
-  _globals['_OUTCOMES']._serialized_end=1219
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1221
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1262
-  _globals['_CLOSESESSIONREPLY']._serialized_start=1264
-  _globals['_CLOSESESSIONREPLY']._serialized_end=1283
-  _globals['_HEALTHREQUEST']._serialized_start=1285
-  _globals['_HEALTHREQUEST']._serialized_end=1300
-  _globals['_HEALTHREPLY']._serialized_start=1302
-  _globals['_HEALTHREPLY']._serialized_end=1383
-  _globals['_DRAFTSERVICE']._serialized_start=1386
-  _globals['_DRAFTSERVICE']._serialized_end=1771
+  _globals['_OPENSESSIONREPLY']._serialized_end=571
+  _globals['_RETRIEVAL']._serialized_start=573
+  _globals['_RETRIEVAL']._serialized_end=623
+  _globals['_STEPREQUEST']._serialized_start=626
+  _globals['_STEPREQUEST']._serialized_end=862
+  _globals['_DRAFTTREE']._serialized_start=865
+  _globals['_DRAFTTREE']._serialized_end=1061
+  _globals['_OUTCOME']._serialized_start=1063
+  _globals['_OUTCOME']._serialized_end=1129
+  _globals['_OUTCOMES']._serialized_start=1131
+  _globals['_OUTCOMES']._serialized_end=1235
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1237
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1278
+  _globals['_CLOSESESSIONREPLY']._serialized_start=1280
+  _globals['_CLOSESESSIONREPLY']._serialized_end=1299
+  _globals['_HEALTHREQUEST']._serialized_start=1301
+  _globals['_HEALTHREQUEST']._serialized_end=1316
+  _globals['_HEALTHREPLY']._serialized_start=1318
+  _globals['_HEALTHREPLY']._serialized_end=1399
+  _globals['_DRAFTSERVICE']._serialized_start=1402
+  _globals['_DRAFTSERVICE']._serialized_end=1787
 # @@protoc_insertion_point(module_scope)
