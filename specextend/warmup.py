@@ -109,6 +109,8 @@ def warm_opens(engine: Engine, prompt_ids: Sequence[int]) -> dict[int, float]:
                 pass
         if i:
             engine.open_costs.record(n, timed[n])
+    if timed:
+        log.info("warm-up: the draft's opens took %s", ", ".join(f"{n} tokens {1e3 * x:.1f} ms" for n, x in timed.items()))
     return timed
 
 
