@@ -21,7 +21,7 @@ from specextend.controller import SLOW_DRAFT, TreeController
 from specextend.draft.base import DraftBackend, DraftError, DraftTree, TreeBound
 from specextend.ladder import PLAIN
 from specextend.models.args import ModelArgs
-from specextend.open_costs import OpenCosts
+from specextend.open_costs import OpenCosts, open_seconds
 from specextend.retrieval import launch_scoring
 from specextend.session_calls import DraftCall
 from specextend.stats import RequestStats
@@ -222,17 +222,6 @@ def prepared_tree(prepared: Optional[Future], verdict, step: int, late: list[flo
     late.append(0.0)
     outs = prepared.result()
     return outs.get(verdict) if outs.step == step else None
-
-
-def open_seconds(open_fn, *args) -> float:
-    """Calls the draft's open, open_fn(*args); -> the seconds the open itself ran where the draft
-    reports them (DraftBackend.open: not its wait in the draft's queue behind other sessions' opens,
-    which a burst's opens, run one at a time, would add to each and so overprice the next ones),
-    else the call's wall time."""
-    t = time.perf_counter()
-    ran = open_fn(*args)
-    wall = time.perf_counter() - t
-    return ran if isinstance(ran, float) and 0.0 < ran <= wall else wall
 
 
 def draft_weight_ratio(target: ModelArgs, draft: Optional[ModelArgs]) -> float:

@@ -29,8 +29,7 @@ from specextend.lookup import ContextIndex, RequestLookup
 from specextend.lookup_ahead import DeviceHistory, runs_ahead
 from specextend.retrieval import score_chunks
 from specextend.draft.base import DraftSessionParams
-from specextend.draft_link import open_seconds
-from specextend.open_costs import open_lengths
+from specextend.open_costs import open_lengths, open_seconds
 from specextend.engine import Engine
 from specextend.target import TargetSession
 from specextend.stats import RequestStats
@@ -77,7 +76,7 @@ def warm_up(engine: Engine, prompt_ids: Sequence[int], batch_sessions: int = 1) 
 
 
 def warm_opens(engine: Engine, prompt_ids: Sequence[int]) -> dict[int, float]:
-    """Times the draft's open (its prefill, transport included) of prompts of open_costs.open_lengths
+    """Times the draft's open (its prefill: open_costs.open_seconds) of prompts of open_costs.open_lengths
     up to the prompt limit, closing each, into the engine's OpenCosts; -> seconds by length. Where
     the policy defers opens, a batch's governor prices the trees window's opens from these
     (Load.open_s): without them the first burst priced them from a prior, the draft weights' share

@@ -371,12 +371,12 @@ def test_a_sessions_share_of_the_forwards_that_carried_its_calls():
 def test_an_in_process_open_reports_its_own_seconds_not_its_wait_behind_another(tiny_models):
     """DraftWorker.open returns the seconds its open ran on the worker's thread (jobs.JobWorker._answer),
     not the call's wall time: an open queued behind a slow one reports its own prefill, and the engine
-    records that (draft_link.open_seconds), so a burst's opens, run one at a time, do not price the
+    records that (open_costs.open_seconds), so a burst's opens, run one at a time, do not price the
     next burst's at their queueing."""
     from concurrent.futures import ThreadPoolExecutor
 
     from specextend.draft.base import DraftSessionParams
-    from specextend.draft_link import open_seconds
+    from specextend.open_costs import open_seconds
 
     class SlowFirst(DraftWorker):
         def _open(self, job):

@@ -335,9 +335,9 @@ def test_step_bound_crosses_the_wire(fake, server, client):
 def test_an_open_reports_its_own_seconds_not_its_wait_in_the_draft_s_queue(fake, server):
     """OpenSessionReply.open_s: the draft runs opens one at a time, so of two opens sent together
     the second waits for the first; each reports the seconds it ran itself, which the engine records
-    as what an open of that length costs (draft_link.open_seconds; a burst's queueing would overprice
+    as what an open of that length costs (open_costs.open_seconds; a burst's queueing would overprice
     the next burst's opens, docs/architecture.md "Adaptive speculation", *Deferred open*)."""
-    from specextend.draft_link import open_seconds
+    from specextend.open_costs import open_seconds
 
     fake.open_delay_s = 0.3
     client = GrpcDraftBackend(server.address, timeout_s=2.0, open_timeout_s=5.0)
@@ -355,9 +355,9 @@ def test_an_open_reports_its_own_seconds_not_its_wait_in_the_draft_s_queue(fake,
 
 
 def test_open_seconds_takes_the_draft_s_own_report_where_it_is_sound():
-    """draft_link.open_seconds: the open's reported seconds where positive and within the call's
+    """open_costs.open_seconds: the open's reported seconds where positive and within the call's
     wall time; else (None, 0: not reported; more than the wall: not sound) the call's wall time."""
-    from specextend.draft_link import open_seconds
+    from specextend.open_costs import open_seconds
 
     def opener(report, sleep_s=0.05):
         def open_fn(*_):

@@ -141,7 +141,7 @@ class DraftBackend(abc.ABC):
     def open(self, session_id: str, prompt_ids: Sequence[int], params: DraftSessionParams) -> Optional[float]:
         """Opens the session (prefills its prompt); -> the seconds the open itself ran on the draft,
         its wait in the draft's queue behind other jobs left out, or None where not known (the
-        caller times the call: draft_link.open_seconds)."""
+        caller times the call: open_costs.open_seconds)."""
 
     @abc.abstractmethod
     def step(
